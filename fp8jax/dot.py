@@ -1,0 +1,180 @@
+"""A functional FP8 ``dot_general`` with a custom VJP.
+
+Forward  y  = x(E4M3) . w(E4M3)
+dgrad    dx = dy(E5M2) . w(E4M3)
+wgrad    dw = x(E4M3) . dy(E5M2)       (cuBLASLt has no E5M2 x E5M2 GEMM)
+
+FP8 arrays go straight into ``lax.dot_general`` with ``preferred_element_type``: that is the
+form XLA lowers to ``__cublas$lt$matmul$f8`` on Hopper regardless of flags. The residuals kept
+for the backward pass are the FP8 copies of x and w, not their bf16/f32 originals.
+
+Scale state travels as an ``Fp8Meta`` (x, w, dy ``ScaleState``s). The call returns an updated
+meta whose x and w pending amax include this call; the dy amax is only known in the backward
+pass, so it comes back as the cotangent of the meta *input*, max-merged with the cotangent of
+the meta *output*. When callers thread the returned meta into the next use of the same state
+(which the Flax modules do), repeated uses form a chain and the amax combines by max.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from fp8jax import formats, scaling
+from fp8jax.scaling import CurrentScaling, Recipe, ScaleState
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+
+
+@struct.dataclass
+class Fp8Meta:
+    """Scale state of one FP8 matmul: inputs x, weights w, output gradients dy."""
+
+    x: ScaleState
+    w: ScaleState
+    dy: ScaleState
+
+
+def init_meta(recipe: Recipe = scaling.DelayedScaling(), w_recipe: Recipe | None = None) -> Fp8Meta:
+    """Fresh state for one FP8 matmul (E4M3 for x and w, E5M2 for dy)."""
+    return Fp8Meta(
+        x=scaling.init_scale_state("e4m3", recipe),
+        w=scaling.init_scale_state("e4m3", w_recipe or recipe),
+        dy=scaling.init_scale_state("e5m2", recipe),
+    )
+
+
+def check_operand(name: str, x: jax.Array) -> None:
+    """Reject operands the FP8 path cannot take, naming the fix."""
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(
+            f"fp8jax.dot_general: {name} has dtype {dtype}; FP8 matmuls take float32, bfloat16 "
+            f"or float16 inputs (cast with x.astype(jnp.bfloat16))"
+        )
+
+
+class _Cfg(NamedTuple):
+    """Static facts the backward pass needs (hashable, passed as a non-diff argument)."""
+
+    x_dtype: jnp.dtype
+    w_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+    batched: bool
+
+
+def _use_scale(state: ScaleState, amax: jax.Array) -> jax.Array:
+    """Delayed scaling uses the stored scale; current scaling derives it from this amax."""
+    if isinstance(state.recipe, CurrentScaling):
+        return scaling.scale_from_amax(amax, state.scale, state.fmt, state.recipe)
+    return state.scale
+
+
+def _mm(a, b, contract_a: int, contract_b: int, batched: bool, out_dtype):
+    """GEMM of FP8 operands on one contracting and one free axis (plus an optional batch)."""
+    batch = ((0,), (0,)) if batched else ((), ())
+    return lax.dot_general(
+        a, b, (((contract_a,), (contract_b,)), batch), preferred_element_type=out_dtype
+    )
+
+
+def _acc_dtype(dtype):
+    # f32 outputs stay f32; bf16/f16 outputs come straight from the GEMM epilogue.
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
+
+
+def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
+    amax_x, amax_w = formats.amax(x), formats.amax(w)
+    sx, sw = _use_scale(meta.x, amax_x), _use_scale(meta.w, amax_w)
+    # E4M3 for both forward operands: activations and weights need precision more than range.
+    xq = formats.quantize(x, sx, formats.E4M3)
+    wq = formats.quantize(w, sw, formats.E4M3)
+    m_axis = 1 if cfg.batched else 0
+    y = _mm(xq, wq, m_axis + 1, m_axis, cfg.batched, _acc_dtype(cfg.out_dtype))
+    y = (y * (1.0 / (sx * sw)).astype(y.dtype)).astype(cfg.out_dtype)
+    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    return y, new_meta, (xq, wq, sx, sw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_matmul(cfg: _Cfg, x, w, meta: Fp8Meta):
+    y, new_meta, _ = _fwd_impl(cfg, x, w, meta)
+    return y, new_meta
+
+
+def _fp8_matmul_fwd(cfg: _Cfg, x, w, meta: Fp8Meta):
+    y, new_meta, (xq, wq, sx, sw) = _fwd_impl(cfg, x, w, meta)
+    return (y, new_meta), (xq, wq, sx, sw, meta)
+
+
+def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
+    xq, wq, sx, sw, meta = res
+    g, ct_meta = cts  # g: [(B,) M, N] in the output dtype
+    amax_g = formats.amax(g)
+    sg = _use_scale(meta.dy, amax_g)
+    # E5M2 for gradients: they span many decades and need range more than mantissa.
+    gq = formats.quantize(g, sg, formats.E5M2)
+    b = 1 if cfg.batched else 0
+    # dgrad: contract N (g axis b+1, w axis b+1) -> [(B,) M, K]
+    dx = _mm(gq, wq, b + 1, b + 1, cfg.batched, _acc_dtype(cfg.x_dtype))
+    dx = (dx * (1.0 / (sg * sw)).astype(dx.dtype)).astype(cfg.x_dtype)
+    # wgrad: contract M (x axis b, g axis b) -> [(B,) K, N]
+    dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(cfg.w_dtype))
+    dw = (dw * (1.0 / (sx * sg)).astype(dw.dtype)).astype(cfg.w_dtype)
+    # The state cotangent carries amaxes, not derivatives: x/w were recorded in the forward
+    # pass (zero here), dy's amax is max-merged into whatever later uses sent back.
+    zeros = jax.tree.map(jnp.zeros_like, meta)
+    dy_ct = scaling.record(ct_meta.dy, amax_g)
+    return dx, dw, zeros.replace(dy=dy_ct)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def _remaining(ndim: int, *used) -> list[int]:
+    taken = {d for group in used for d in group}
+    return [d for d in range(ndim) if d not in taken]
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: DimensionNumbers,
+    meta: Fp8Meta,
+    preferred_element_type=None,
+) -> tuple[jax.Array, Fp8Meta]:
+    """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
+
+    Any dimension numbers are reduced to one (optionally batched) GEMM by transposing and
+    reshaping the high-precision operands before quantization, so XLA sees the single
+    contracting / single free axis layout cuBLASLt's FP8 GEMM needs.
+    """
+    check_operand("lhs", lhs)
+    check_operand("rhs", rhs)
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = map(lambda t: tuple(int(d) for d in t), (lc, rc, lb, rb))
+    lf = _remaining(lhs.ndim, lc, lb)
+    rf = _remaining(rhs.ndim, rc, rb)
+    batch_shape = tuple(lhs.shape[d] for d in lb)
+    lf_shape = tuple(lhs.shape[d] for d in lf)
+    rf_shape = tuple(rhs.shape[d] for d in rf)
+    k = math.prod(lhs.shape[d] for d in lc)
+    m, n = math.prod(lf_shape), math.prod(rf_shape)
+    batched = bool(lb)
+    bsz = math.prod(batch_shape)
+
+    # Transposes are no-ops for Dense-style dims; otherwise they fuse into the quantize pass.
+    x = jnp.transpose(lhs, (*lb, *lf, *lc))
+    w = jnp.transpose(rhs, (*rb, *rc, *rf))
+    x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
+    w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched)
+    y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M, N]
+    return y.reshape(batch_shape + lf_shape + rf_shape), new_meta

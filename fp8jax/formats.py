@@ -1,0 +1,68 @@
+"""FP8 formats: saturating quantize, dequantize and amax.
+
+Convention (as in FP8-LM and Transformer Engine): ``q = saturate(x * scale)`` and
+``x ~= q / scale``. A larger scale uses more of the format's range.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # 4 exponent bits, max 448: forward tensors (activations, weights).
+E5M2 = jnp.float8_e5m2  # 5 exponent bits, max 57344: gradients, which need the range.
+
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def as_dtype(fmt) -> jnp.dtype:
+    """Return the FP8 dtype for 'e4m3'/'e5m2' or an FP8 dtype; raise a clear error otherwise."""
+    if isinstance(fmt, str):
+        if fmt.lower() not in FORMATS:
+            raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}")
+        return jnp.dtype(FORMATS[fmt.lower()])
+    dtype = jnp.dtype(fmt)
+    if dtype not in (jnp.dtype(E4M3), jnp.dtype(E5M2)):
+        raise ValueError(f"unsupported FP8 dtype {dtype}: use float8_e4m3fn or float8_e5m2")
+    return dtype
+
+
+def fmax(fmt) -> float:
+    """Largest finite value of an FP8 format."""
+    return float(jnp.finfo(as_dtype(fmt)).max)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """Absolute maximum of ``x`` as a float32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
+    """Scale ``x`` and cast it to FP8, saturating at the format max (never Inf).
+
+    The multiply and clip stay in ``x``'s dtype (bf16 or f32) so XLA can fuse them with
+    the producer of ``x`` and the cast into one pass.
+    """
+    dtype = as_dtype(fmt)
+    limit = fmax(dtype)
+    y = x * scale.astype(x.dtype)
+    # Clip before the cast: a plain convert maps out-of-range values to NaN (E4M3) or Inf (E5M2).
+    y = jnp.clip(y, -limit, limit)
+    return y.astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Map FP8 values back to ``dtype`` by dividing out ``scale``."""
+    return (q.astype(jnp.float32) / scale.astype(jnp.float32)).astype(dtype)
+
+
+def saturation_stats(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
+    """Return (share of values clipped at the format max, share of nonzeros flushed to zero)."""
+    dtype = as_dtype(fmt)
+    xs = jnp.abs(x.astype(jnp.float32) * scale.astype(jnp.float32))
+    n = x.size
+    saturated = jnp.sum(xs >= fmax(dtype)) / n
+    # Values below half the smallest subnormal round to zero in the cast.
+    tiny = float(jnp.finfo(dtype).smallest_subnormal) / 2
+    flushed = jnp.sum((xs > 0) & (xs < tiny)) / n
+    return saturated.astype(jnp.float32), flushed.astype(jnp.float32)

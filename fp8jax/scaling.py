@@ -1,0 +1,120 @@
+"""Scaling recipes and the per-tensor scale state they update.
+
+A ``ScaleState`` holds one tensor's scale and amax history. Slot 0 of the history is the
+*pending* amax of the current step: every use of the tensor in a step (shared weights,
+``nn.scan`` reuse, micro-batches) merges into it by ``max``. ``commit`` ends the step: it
+moves the pending amax into the history, recomputes the scale and clears slot 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from fp8jax import formats
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Scale at step t from the amax of steps < t (a window of ``history_len`` steps)."""
+
+    history_len: int = 16  # steps of amax kept; MS-AMP uses 16, Transformer Engine 1024
+    amax_compute_algo: str = "max"  # 'max' over the window or 'most_recent' step
+    margin: int = 0  # scale = fmax / (amax * 2**margin): headroom in powers of two
+    power_of_two: bool = False  # round the scale down to a power of two (exact rescaling)
+
+    def __post_init__(self):
+        if self.amax_compute_algo not in _AMAX_ALGOS:
+            raise ValueError(
+                f"unknown amax_compute_algo {self.amax_compute_algo!r}: use one of {_AMAX_ALGOS}"
+            )
+        if int(self.history_len) < 1:
+            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Scale from this call's own amax (one extra reduction per tensor, no lag)."""
+
+    margin: int = 0  # scale = fmax / (amax * 2**margin)
+    power_of_two: bool = False  # round the scale down to a power of two
+    history_len: int = 1  # kept for health reporting only
+    amax_compute_algo: str = "most_recent"
+
+
+Recipe = Union[DelayedScaling, CurrentScaling]
+RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
+
+
+def make_recipe(name: str, **kwargs) -> Recipe:
+    """Build a recipe by name ('delayed' or 'current'); unknown names raise a clear error."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown FP8 scaling recipe {name!r}: use one of {sorted(RECIPES)}")
+    fields = {f.name for f in dataclasses.fields(RECIPES[name])}
+    return RECIPES[name](**{k: v for k, v in kwargs.items() if k in fields})
+
+
+@struct.dataclass
+class ScaleState:
+    """Scale and amax history of one tensor; ``q = saturate(x * scale)``."""
+
+    scale: jax.Array  # [...] f32
+    amax_history: jax.Array  # [..., history_len + 1] f32; slot 0 is this step's pending amax
+    fmt: str = struct.field(pytree_node=False, default="e4m3")
+    recipe: Recipe = struct.field(pytree_node=False, default=DelayedScaling())
+
+    @property
+    def last_amax(self) -> jax.Array:
+        """Amax of the most recent completed step (the step before the pending one)."""
+        return self.amax_history[..., 1]
+
+
+def init_scale_state(fmt: str, recipe: Recipe) -> ScaleState:
+    """A fresh state: scale 1 and an empty history."""
+    formats.as_dtype(fmt)
+    return ScaleState(
+        scale=jnp.ones((), jnp.float32),
+        amax_history=jnp.zeros((recipe.history_len + 1,), jnp.float32),
+        fmt=fmt,
+        recipe=recipe,
+    )
+
+
+def sanitize_amax(amax: jax.Array) -> jax.Array:
+    """Non-finite amax becomes 0, which every consumer treats as 'no information'."""
+    return jnp.where(jnp.isfinite(amax), amax, 0.0).astype(jnp.float32)
+
+
+def scale_from_amax(amax, prev_scale, fmt: str, recipe: Recipe) -> jax.Array:
+    """``fmax / (amax * 2**margin)``, optionally a power of two; keep ``prev_scale`` if unusable."""
+    amax = amax.astype(jnp.float32)
+    scale = formats.fmax(fmt) / (amax * (2.0**recipe.margin))
+    if recipe.power_of_two:
+        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+    ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
+    return jnp.where(ok, scale, prev_scale).astype(jnp.float32)
+
+
+def record(state: ScaleState, amax: jax.Array) -> ScaleState:
+    """Merge one use's amax into the pending slot by max (never by sum)."""
+    pending = jnp.maximum(state.amax_history[..., 0], sanitize_amax(amax))
+    return state.replace(amax_history=state.amax_history.at[..., 0].set(pending))
+
+
+def commit(state: ScaleState) -> ScaleState:
+    """End a step: push the pending amax into the history and recompute the scale."""
+    hist = state.amax_history
+    completed = jnp.concatenate([hist[..., :1], hist[..., 1:-1]], axis=-1)
+    if state.recipe.amax_compute_algo == "max":
+        amax = jnp.max(completed, axis=-1)
+    else:
+        amax = completed[..., 0]
+    scale = scale_from_amax(amax, state.scale, state.fmt, state.recipe)
+    new_hist = jnp.concatenate([jnp.zeros_like(hist[..., :1]), completed], axis=-1)
+    return state.replace(scale=scale, amax_history=new_hist)

@@ -1,0 +1,74 @@
+"""Train-step helpers for the FP8 scale-state collection.
+
+The pattern (see README)::
+
+    def loss_fn(params, fp8):
+        out, mutated = model.apply({"params": params, FP8: fp8}, x, mutable=[FP8])
+        return loss(out), mutated[FP8]
+    (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, fp8)
+    fp8 = fp8jax.update_state(fp8_fwd, g_fp8)   # never pass g_fp8 to the optimizer
+
+``g_fp8`` holds amaxes, not derivatives; keeping it out of the params tree means neither the
+optimizer nor global-norm clipping ever sees it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import scaling
+from fp8jax.scaling import ScaleState
+
+FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
+FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
+
+
+def _is_state(x) -> bool:
+    return isinstance(x, ScaleState)
+
+
+def merge_grads(state, state_grads):
+    """Fold the backward pass's dy amaxes (the state's 'gradient') into the pending slots by max.
+
+    Call once per micro-batch when accumulating gradients; the amax stays the max over them.
+    """
+
+    def merge(s: ScaleState, g: ScaleState) -> ScaleState:
+        return scaling.record(s, g.amax_history[..., 0])
+
+    return jax.tree.map(merge, state, state_grads, is_leaf=_is_state)
+
+
+def commit(state):
+    """End a training step: roll every amax history and recompute every scale."""
+    return jax.tree.map(scaling.commit, state, is_leaf=_is_state)
+
+
+def update_state(state_after_fwd, state_grads):
+    """``commit(merge_grads(...))``: the one call a single-batch train step needs."""
+    return commit(merge_grads(state_after_fwd, state_grads))
+
+
+def keep_if_finite(new_state, old_state, ok: jax.Array):
+    """Select ``new_state`` where ``ok`` else ``old_state`` (skip a bad step, keep good scales)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
+
+
+def summarize(state) -> dict[str, jax.Array]:
+    """Per-tensor health numbers: ``{'<path>/x/amax': ..., '<path>/x/scale': ...}``.
+
+    Stacked (``nn.scan``) states give one entry per layer, suffixed ``_<layer>``.
+    """
+    out = {}
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_state)[0]
+    for path, s in leaves:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        amax, scale = s.last_amax, s.scale
+        if scale.ndim == 0:
+            out[f"{name}/amax"], out[f"{name}/scale"] = amax, scale
+        else:
+            for i in range(scale.shape[0]):
+                out[f"{name}_{i}/amax"], out[f"{name}_{i}/scale"] = amax[i], scale[i]
+    return out

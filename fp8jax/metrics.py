@@ -1,0 +1,88 @@
+"""Console and TensorBoard metrics, compiled-memory logging and FP8 health summaries."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from absl import logging
+
+from fp8jax import state as fp8_state
+
+
+class Writer:
+    """TensorBoard scalars (tensorboardX) under ``<workdir>/tensorboard``; no-op if disabled."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self._w = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._w = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def scalars(self, step: int, values: dict):
+        """Write a dict of scalars at ``step``."""
+        if self._w is None:
+            return
+        for k, v in values.items():
+            v = np.asarray(jax.device_get(v))
+            if v.size == 1 and np.issubdtype(v.dtype, np.number):
+                self._w.add_scalar(k, float(v), step)
+        self._w.flush()
+
+    def close(self):
+        """Flush and close the event file."""
+        if self._w is not None:
+            self._w.close()
+
+
+def fmt(values: dict) -> str:
+    """``k=v`` pairs with 4 significant digits for floats."""
+    parts = []
+    for k, v in values.items():
+        v = np.asarray(jax.device_get(v))
+        parts.append(f"{k}={float(v):.4g}" if v.size == 1 else f"{k}={v.tolist()}")
+    return " ".join(parts)
+
+
+def memory_summary(compiled) -> dict:
+    """Bytes of arguments, outputs and temporaries from ``compiled.memory_analysis()``."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        ma = None
+    if ma is None:
+        return {}
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
+    return {k: int(getattr(ma, k)) for k in keys if hasattr(ma, k)}
+
+
+def log_memory(compiled):
+    """Log the compiled train step's memory analysis before step 0."""
+    mem = memory_summary(compiled)
+    if mem:
+        logging.info(
+            "train step memory: %s", ", ".join(f"{k[:-9]}={v / 2**20:.1f}MiB" for k, v in mem.items())
+        )
+
+
+def _flatten(tree, prefix: str) -> dict:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        leaf = np.asarray(jax.device_get(leaf)).reshape(-1)
+        if leaf.size == 1:
+            out[f"{prefix}/{name}"] = float(leaf[0])
+        else:  # stacked over scanned layers
+            for i, v in enumerate(leaf):
+                out[f"{prefix}/{name}_{i}"] = float(v)
+    return out
+
+
+def fp8_health(state, stats) -> dict:
+    """Per-layer amax, scale and saturation / flush-to-zero shares as flat scalars."""
+    out = {f"fp8/{k}": float(v) for k, v in jax.device_get(fp8_state.summarize(state.fp8)).items()}
+    out.update(_flatten(stats, "fp8_stats"))
+    return out

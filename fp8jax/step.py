@@ -1,0 +1,187 @@
+"""Train state, optimizer and the pure train / eval steps.
+
+Levels (FP8-LM): O0 f32 master + f32 Adam; O1 adds FP8 GEMMs; O2 adds FP8/FP16 Adam moments
+and FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import struct
+
+from fp8jax import optim
+from fp8jax import state as fp8_state
+from fp8jax.state import FP8, FP8_STATS
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; checkpointed as one pytree."""
+
+    step: jax.Array  # [] int32, optimizer steps taken
+    params: Any  # model params (O2+: matmul kernels as FP16 master + scale)
+    opt_state: Any  # optax state
+    fp8: Any  # the fp8_state collection (empty at O0)
+    bad_steps: jax.Array  # [] int32, consecutive non-finite steps (update skipped)
+    skipped: jax.Array  # [] int32, total skipped steps
+
+
+def level_index(level: str) -> int:
+    """0..3 for 'O0'..'O3'; a clear error otherwise."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown FP8 level {level!r}: use one of {LEVELS} (config.fp8.level)")
+    return LEVELS.index(level)
+
+
+def is_matmul_kernel(path, leaf) -> bool:
+    """Matmul weights: 'kernel' leaves of rank >= 2 (embeddings, norms, biases are not)."""
+    name = str(getattr(path[-1], "key", path[-1])) if path else ""
+    return name == "kernel" and getattr(leaf, "ndim", 0) >= 2
+
+
+def _kernel_mask(params):
+    return jax.tree_util.tree_map_with_path(is_matmul_kernel, params)
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=max(1, config.warmup_steps),
+        decay_steps=max(config.num_train_steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.min_lr_ratio,
+    )
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW with clipping; O2+ keeps the matmul kernels' moments in FP8/FP16 with scales."""
+    lr = learning_rate_schedule(config)
+    clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
+    if level_index(config.fp8.level) >= 2:
+        adam = optim.fp8_adamw(
+            lr,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            m_format=config.fp8.m_format,
+            v_format=config.fp8.v_format,
+        )
+    else:
+        adam = optax.adamw(
+            lr, b1=config.b1, b2=config.b2, eps=config.eps,
+            weight_decay=config.weight_decay, mask=_kernel_mask,
+        )  # fmt: skip
+    return optax.chain(*clip, adam)
+
+
+def init_state(model, tx, config, rng: jax.Array) -> TrainState:
+    """Initialise params, FP8 state and optimizer state (run under jit with out_shardings)."""
+    tokens_BxL = jnp.zeros((1, config.seq_len), jnp.int32)
+    variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
+    params = variables["params"]
+    opt_state = tx.init(params)
+    if level_index(config.fp8.level) >= 2:
+        params = optim.to_master(params, master_format=config.fp8.master_format)
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(zero, params, opt_state, variables.get(FP8, {}), zero, zero)
+
+
+def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
+    """Mean token cross-entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxLxV.astype(jnp.float32), targets_BxL
+    )
+    return jnp.mean(losses)
+
+
+def _micro_grads(model, params, fp8, batch):
+    """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state."""
+
+    def loss_fn(p, s):
+        logits, mutated = model.apply({"params": p, FP8: s}, batch["inputs"], mutable=[FP8])
+        return cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
+
+    (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        params, fp8
+    )
+    return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
+
+
+def make_train_step(model, tx, config):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)``."""
+    accum = int(config.grad_accum_steps)
+
+    def train_step(state: TrainState, batch):
+        params = optim.materialize(state.params)  # f32 view (O2+: FP16 master dequantized)
+        if accum == 1:
+            loss, fp8, grads = _micro_grads(model, params, state.fp8, batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+            def body(carry, mb):
+                loss_sum, g_sum, fp8 = carry
+                loss, fp8, g = _micro_grads(model, params, fp8, mb)
+                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), fp8), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, state.fp8), micro)
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
+
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        new_params = optim.apply_updates(state.params, updates)
+        keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
+        new_state = state.replace(
+            step=state.step + jnp.where(ok, 1, 0),
+            params=keep(new_params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            fp8=keep(fp8, state.fp8),
+            bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
+            skipped=state.skipped + jnp.where(ok, 0, 1),
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate_schedule(config)(state.step),
+            "skipped_steps": new_state.skipped,
+            "bad_steps": new_state.bad_steps,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model):
+    """``eval_step(state, batch) -> summed loss`` (no FP8 state update)."""
+
+    def eval_step(state: TrainState, batch):
+        params = optim.materialize(state.params)
+        logits = model.apply({"params": params, FP8: state.fp8}, batch["inputs"])
+        return cross_entropy(logits, batch["targets"])
+
+    return eval_step
+
+
+def make_stats_step(model):
+    """Per-layer FP8 health on one batch: saturation / flush shares under the current scales."""
+
+    def stats_step(state: TrainState, batch):
+        params = optim.materialize(state.params)
+        _, mutated = model.apply(
+            {"params": params, FP8: state.fp8}, batch["inputs"], mutable=[FP8_STATS]
+        )
+        return mutated.get(FP8_STATS, {})
+
+    return stats_step

@@ -1,0 +1,31 @@
+"""Repository invariants: CI runs the README's test command; public API imports."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    cmds = [b.strip() for b in blocks if "pytest" in b]
+    assert cmds, "README.md must show the test command in a bash block"
+    return cmds[0]
+
+
+def test_ci_runs_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert _readme_test_command() in ci, "keep .ci/run's pytest line identical to README's"
+
+
+def test_readme_main_command_trains_tiny():
+    text = (ROOT / "README.md").read_text()
+    assert "python train.py --config configs/tiny.py" in text
+
+
+def test_public_api_reexported():
+    import fp8jax
+
+    for name in fp8jax.__all__:
+        assert hasattr(fp8jax, name), name

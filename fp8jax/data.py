@@ -1,0 +1,409 @@
+"""Data pipeline: text sources, local BPE, memory-mapped token cache, grain batch streams.
+
+``build(config, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
+once into ``<workdir>/tokens/{train,val}.bin`` and returns a :class:`Dataset` whose training
+iterator is infinite, seed-deterministic, sharded by process and resumable from a JSON state.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+from absl import logging
+
+from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.tokenizer import Tokenizer
+
+SHIPPED_DIR = Path(__file__).parent / "data"
+_CACHE_VERSION = 1
+_READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
+_ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
+_TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
+# Train/val split unit: the token stream is cut into blocks of this many tokens and each block
+# goes wholly to one split, so validation text is spread over the corpus yet never trained on.
+_SPLIT_BLOCK = 1024
+_FIX = (
+    "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
+    "'text' field per line ('' = the shipped corpus)"
+)
+
+Batch = dict[str, np.ndarray]
+
+
+def _source_files(path: str) -> tuple[list[Path], str]:
+    """Files of the source named by ``config.data.path`` and a description for logs."""
+    if not path:
+        files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
+        if not files:
+            raise ValueError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {_FIX}")
+        return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"data path {str(p)!r} does not exist; {_FIX}")
+    if p.is_file():
+        return [p], f"file {p}"
+    suffixes = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+    if not files:
+        raise ValueError(f"data folder {str(p)!r} has no .txt or .jsonl files; {_FIX}")
+    return files, f"folder {p} ({len(files)} files)"
+
+
+def _fingerprint(files: list[Path]) -> list[list[Any]]:
+    """Path, size and mtime of each file: cheap and changes whenever the text does."""
+    return [[str(f.resolve()), (s := f.stat()).st_size, s.st_mtime_ns] for f in files]
+
+
+def _open_text(f: Path):
+    opener = gzip.open if f.name.endswith(".gz") else open
+    return opener(f, "rt", encoding="utf-8", errors="replace")
+
+
+def _pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
+    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one."""
+    for f in files:
+        with _open_text(f) as fh:
+            if f.name.endswith((".jsonl", ".jsonl.gz")):
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line).get("text")
+                    except (json.JSONDecodeError, AttributeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
+                    yield text, True
+                continue
+            carry = ""
+            while chunk := fh.read(_READ_CHARS):
+                chunk = carry + chunk
+                # Cut at a line break so no word is split between two encode calls.
+                cut = chunk.rfind("\n") + 1 or len(chunk)
+                carry = chunk[cut:]
+                yield chunk[:cut], False
+            yield carry, True
+
+
+def _check_not_empty(files: list[Path], desc: str) -> None:
+    # Before any tokenizer is trained: one trained on nothing would be cached and reused.
+    if not any(text.strip() for text, _ in _pieces(files)):
+        raise ValueError(f"no text found in {desc}; {_FIX}")
+
+
+def _tokenizer_texts(files: list[Path]) -> Iterator[str]:
+    """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus, for BPE training."""
+    budget = _TOKENIZER_TRAIN_CHARS
+    for text, _ in _pieces(files):
+        yield text[:budget]
+        budget -= len(text)
+        if budget <= 0:
+            return
+
+
+class _Splitter:
+    """Streams token ids into train/val files, one ``_SPLIT_BLOCK``-token block at a time."""
+
+    def __init__(self, train_fh, val_fh, val_fraction: float, dtype: np.dtype):
+        self.fhs, self.val_fraction, self.dtype = (train_fh, val_fh), val_fraction, dtype
+        self.counts = [0, 0]  # tokens written to train, val
+        self.pending: list[np.ndarray] = []
+        self.pending_len = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.pending.append(np.asarray(ids, self.dtype))
+        self.pending_len += len(ids)
+        if self.pending_len < _SPLIT_BLOCK:
+            return
+        flat = np.concatenate(self.pending)
+        full = len(flat) - len(flat) % _SPLIT_BLOCK
+        for start in range(0, full, _SPLIT_BLOCK):
+            self._emit(flat[start : start + _SPLIT_BLOCK])
+        self.pending, self.pending_len = [flat[full:]], len(flat) - full
+
+    def _emit(self, block: np.ndarray) -> None:
+        total = sum(self.counts) + len(block)
+        # Deterministic and evenly spread: a block goes to val whenever val would still stay
+        # within its share of everything emitted so far (so the first block is always train).
+        to_val = self.counts[1] + len(block) <= self.val_fraction * total
+        self.fhs[to_val].write(block.tobytes())
+        self.counts[to_val] += len(block)
+
+    def close(self) -> None:
+        if self.pending_len:
+            self._emit(np.concatenate(self.pending))
+
+
+def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype):
+    """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val)."""
+    suffix = f".tmp{os.getpid()}"
+    tmp = [out_dir / f"train.bin{suffix}", out_dir / f"val.bin{suffix}"]
+    with open(tmp[0], "wb") as train_fh, open(tmp[1], "wb") as val_fh:
+        splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
+        batch: list[tuple[str, bool]] = []
+        doc_tokens = 0
+
+        def flush() -> None:
+            nonlocal doc_tokens
+            encoded = tok.encode_batch([text for text, _ in batch])
+            for ids, (_, ends_doc) in zip(encoded, batch, strict=True):
+                splitter.add(ids)
+                doc_tokens += len(ids)
+                if ends_doc and doc_tokens:  # empty documents get no separator either
+                    splitter.add([tok.eos_id])
+                    doc_tokens = 0
+            batch.clear()
+
+        batch_chars = 0
+        for piece in _pieces(files):
+            batch.append(piece)
+            batch_chars += len(piece[0])
+            if batch_chars >= _ENCODE_BATCH_CHARS:
+                flush()
+                batch_chars = 0
+        flush()
+        splitter.close()
+    for t, name in zip(tmp, ("train.bin", "val.bin"), strict=True):
+        os.replace(t, out_dir / name)  # atomic: processes sharing a workdir never see half files
+    return tuple(splitter.counts)
+
+
+def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
+    # np.memmap refuses empty files; an empty split is legal (val_fraction=0).
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+
+
+def _load_or_encode(files, source_desc, tok: Tokenizer, out_dir: Path, val_fraction: float):
+    """Token arrays (train, val) and cache key, reusing ``out_dir`` if it matches."""
+    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    key_src = dict(
+        version=_CACHE_VERSION,
+        files=_fingerprint(files),
+        tokenizer=hashlib.sha256(tok.to_str().encode()).hexdigest(),
+        val_fraction=float(val_fraction),
+        block=_SPLIT_BLOCK,
+    )
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
+    meta_path = out_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    itemsize = np.dtype(dtype).itemsize
+    sizes_ok = all(
+        (out_dir / f"{s}.bin").exists()
+        and (out_dir / f"{s}.bin").stat().st_size == meta.get(f"num_{s}", -1) * itemsize
+        for s in ("train", "val")
+    )
+    if meta.get("key") == key and sizes_ok:
+        logging.info("reusing token cache %s (%d train tokens)", out_dir, meta["num_train"])
+    else:
+        logging.info("encoding %s -> %s", source_desc, out_dir)
+        t0 = time.perf_counter()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        num_train, num_val = _encode_corpus(files, tok, out_dir, val_fraction, dtype)
+        if num_train + num_val == 0:
+            raise ValueError(f"no text found in {source_desc}; {_FIX}")
+        meta = dict(key=key, source=source_desc, dtype=dtype, num_train=num_train, num_val=num_val)
+        tmp = meta_path.with_name(f"meta.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, meta_path)
+        secs = time.perf_counter() - t0
+        logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
+    train = _memmap(out_dir / "train.bin", dtype, meta["num_train"])
+    val = _memmap(out_dir / "val.bin", dtype, meta["num_val"])
+    return train, val, key
+
+
+def _shard(batch_size: int, index: int | None, count: int | None) -> tuple[int, int, int]:
+    """(process index, process count, rows of each global batch that this process gets)."""
+    if index is None or count is None:
+        import jax  # only here: building the token cache needs no accelerator runtime
+
+        index = jax.process_index() if index is None else index
+        count = jax.process_count() if count is None else count
+    if batch_size % count:
+        raise ValueError(f"batch_size {batch_size} is not divisible by {count} processes")
+    return index, count, batch_size // count
+
+
+def _split(window_W: np.ndarray) -> Batch:
+    inputs, targets = window_W[..., :-1], window_W[..., 1:]
+    return {"inputs": np.ascontiguousarray(inputs), "targets": np.ascontiguousarray(targets)}
+
+
+def _seed32(*parts: Any) -> int:
+    """A 32-bit seed mixed from ``parts``, so that nearby seeds give unrelated streams."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def state_to_bytes(state: dict[str, Any]) -> bytes:
+    """Serialise a :meth:`TrainIterator.get_state` dict to JSON bytes."""
+    return json.dumps(state, sort_keys=True).encode()
+
+
+def state_from_bytes(data: bytes | str) -> dict[str, Any]:
+    """Inverse of :func:`state_to_bytes`."""
+    return json.loads(data)
+
+
+class TrainIterator:
+    """Infinite iterator of training batches; ``get_state``/``set_state`` resume it exactly."""
+
+    def __init__(self, batches: grain.MapDataset, identity: dict[str, Any]):
+        self._batches = batches  # indexed by global step: batch t is this process's rows
+        self._identity = identity  # what a saved state must match to mean the same samples
+        self.step = 0
+
+    def __iter__(self) -> TrainIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self._batches[self.step]
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-able position (store it next to the model checkpoint)."""
+        return dict(self._identity, step=self.step)
+
+    def set_state(self, state: dict[str, Any] | bytes | str) -> None:
+        """Resume from :meth:`get_state` output (a dict, or its JSON bytes/str)."""
+        if not isinstance(state, dict):
+            state = state_from_bytes(state)
+        step = int(state["step"])
+        old_batch, new_batch = state.get("batch_size"), self._identity["batch_size"]
+        if old_batch and old_batch != new_batch:
+            step = step * old_batch // new_batch  # keep the number of samples already seen
+        changed = [k for k, v in self._identity.items() if state.get(k, v) != v]
+        if changed:
+            logging.warning("data state was saved with other %s; now at step %d", changed, step)
+        self.step = step
+
+
+class Dataset:
+    """Tokenized corpus: a checkpointable training stream and fixed validation batches."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        train_tokens: np.ndarray,
+        val_tokens: np.ndarray,
+        *,
+        seed: int = 0,
+        batch_size: int = 8,
+        seq_len: int = 64,
+        key: str = "",
+    ):
+        self.tokenizer = tokenizer
+        self.train_tokens, self.val_tokens = train_tokens, val_tokens
+        self.seed, self.batch_size, self.seq_len, self.key = seed, batch_size, seq_len, key
+
+    @property
+    def num_train_tokens(self) -> int:
+        """Tokens in the training split."""
+        return len(self.train_tokens)
+
+    @property
+    def num_val_tokens(self) -> int:
+        """Tokens in the validation split."""
+        return len(self.val_tokens)
+
+    def train_iter(
+        self,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        *,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> TrainIterator:
+        """Batches ``{'inputs', 'targets'}`` int32 [batch_size / processes, seq_len]."""
+        batch_size = batch_size or self.batch_size
+        seq_len = seq_len or self.seq_len
+        p, num_p, rows = _shard(batch_size, process_index, process_count)
+        tokens, W = self.train_tokens, seq_len + 1
+        if len(tokens) < W:
+            raise ValueError(
+                f"training split has {len(tokens)} tokens, fewer than seq_len+1 = {W}; "
+                "use a larger corpus or a shorter seq_len"
+            )
+        # Each epoch: non-overlapping windows in shuffled order, all shifted by a fresh random
+        # offset (one window of slack) so window boundaries move between epochs.
+        num_windows = max(len(tokens) // W - 1, 1)
+        max_offset = min(W - 1, len(tokens) - num_windows * W)
+        shuffle_seed = _seed32("train", self.seed)
+
+        @functools.lru_cache(maxsize=4)
+        def epoch_offset(epoch: int) -> int:
+            return int(np.random.default_rng([shuffle_seed, epoch]).integers(max_offset + 1))
+
+        def window(k: int, j: int) -> Batch:
+            start = epoch_offset(k // num_windows) + j * W
+            return _split(np.asarray(tokens[start : start + W], dtype=np.int32))
+
+        # The grain shuffle re-permutes each epoch (its seed is folded with the epoch number).
+        ds = grain.MapDataset.range(num_windows).shuffle(seed=shuffle_seed).repeat(None)
+        ds = ds.map_with_index(window).batch(rows, drop_remainder=True)
+        # Global batch t is mini-batches t*P .. t*P+P-1; this process owns the p-th of them, so
+        # every process count sees the same global batches.
+        ds = ds[p::num_p]
+        identity = dict(batch_size=batch_size, seq_len=seq_len, seed=self.seed, data=self.key[:16])
+        return TrainIterator(ds, identity)
+
+    def eval_batches(
+        self,
+        num_batches: int,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        *,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> list[Batch]:
+        """The first ``num_batches`` batches of consecutive non-overlapping validation windows."""
+        batch_size = batch_size or self.batch_size
+        seq_len = seq_len or self.seq_len
+        p, _, rows = _shard(batch_size, process_index, process_count)
+        W = seq_len + 1
+        available = len(self.val_tokens) // W // batch_size
+        if available == 0:
+            raise ValueError(
+                f"validation split has {len(self.val_tokens)} tokens, less than one batch of "
+                f"{batch_size} x {W}; raise config.data.val_fraction or use a larger corpus"
+            )
+        if available < num_batches:
+            logging.warning("validation split holds only %d of %d batches", available, num_batches)
+        out = []
+        for b in range(min(num_batches, available)):
+            start = (b * batch_size + p * rows) * W
+            window_RxW = np.asarray(self.val_tokens[start : start + rows * W], dtype=np.int32)
+            out.append(_split(window_RxW.reshape(rows, W)))
+        return out
+
+
+def build(config, workdir: str | os.PathLike) -> Dataset:
+    """Tokenizer + token cache in ``workdir`` for ``config.data``; returns the :class:`Dataset`."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = config.data
+    val_fraction = float(data.get("val_fraction", 0.05))
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
+    files, desc = _source_files(data.get("path", "") or "")
+    logging.info("data source: %s", desc)
+    _check_not_empty(files, desc)
+    tok = tokenizer_lib.load_or_train(
+        workdir / "tokenizer.json",
+        config.model.vocab_size,
+        _tokenizer_texts(files),
+        min_frequency=data.get("tokenizer_min_frequency", 2),
+    )
+    train, val, key = _load_or_encode(files, desc, tok, workdir / "tokens", val_fraction)
+    sizes = dict(seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len)
+    return Dataset(tok, train, val, key=key, **sizes)

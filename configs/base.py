@@ -1,0 +1,83 @@
+"""Shared structure of every config: each field, its meaning and unit (not a run config itself).
+
+The defaults are the tiny CPU run (configs/tiny.py); named configs override what differs.
+Config files are loaded by path (``--config configs/x.py``), not as a package, so each one
+loads this file by its path next to ``__file__``.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """All config fields with CPU-sized defaults."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # PRNG seed for parameters and data order
+
+    # --- model ---
+    c.model = m = ml_collections.ConfigDict()
+    m.style = "gpt"  # 'gpt': learned positions, LayerNorm, GELU; 'llama': RoPE, RMSNorm, SwiGLU
+    m.vocab_size = 512  # tokenizer vocabulary (BPE trained locally to this size)
+    m.d_model = 128  # residual width
+    m.num_layers = 2  # transformer blocks
+    m.num_heads = 4  # attention heads (must divide d_model)
+    m.num_kv_heads = 4  # key/value heads (grouped-query if < num_heads)
+    m.d_ff = 512  # MLP hidden width
+    m.max_len = 64  # longest sequence (learned position table size), tokens
+    m.dtype = "float32"  # activation/compute dtype ('bfloat16' on GPU)
+    m.param_dtype = "float32"  # parameter storage dtype
+    m.scan_layers = True  # stack blocks with nn.scan (one compiled block)
+    m.remat_policy = "none"  # block recompute: 'none', 'full', or a jax.checkpoint_policies name
+    m.fp8_lm_head = False  # also run the LM head in FP8
+    m.tie_embeddings = False  # share the token embedding with the LM head
+    m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
+
+    # --- FP8 (FP8-LM levels) ---
+    c.fp8 = f = ml_collections.ConfigDict()
+    f.level = "O1"  # 'O0' bf16/f32, 'O1' FP8 GEMMs + FP8 grad comms, 'O2' + FP8 Adam, 'O3' + FSDP
+    f.recipe = "delayed"  # 'delayed' (amax history) or 'current' (this step's amax)
+    f.history_len = 16  # delayed scaling: steps of amax history
+    f.amax_compute_algo = "max"  # delayed scaling: 'max' over the window or 'most_recent'
+    f.margin = 0  # scale = fmax / (amax * 2**margin)
+    f.power_of_two = False  # round scales down to powers of two
+    # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
+    f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
+    f.v_format = "float16"  # Adam second moment (with a per-tensor scale)
+    f.master_format = "float16"  # master copy of the matmul weights (with a per-tensor scale)
+
+    # --- data ---
+    c.data = d = ml_collections.ConfigDict()
+    d.path = ""  # text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus
+    d.val_fraction = 0.05  # share of tokens held out for validation
+    d.tokenizer_min_frequency = 2  # BPE merges need at least this many occurrences
+
+    # --- optimisation ---
+    c.batch_size = 16  # sequences per optimizer step (global)
+    c.seq_len = 64  # tokens per sequence
+    c.grad_accum_steps = 1  # micro-batches per step (batch_size must divide evenly)
+    c.num_train_steps = 300  # optimizer steps
+    c.learning_rate = 3e-3  # peak learning rate
+    c.warmup_steps = 30  # linear warm-up steps
+    c.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
+    c.weight_decay = 0.1  # decoupled (AdamW) weight decay on matmul weights
+    c.b1 = 0.9  # Adam beta1
+    c.b2 = 0.95  # Adam beta2
+    c.eps = 1e-8  # Adam epsilon
+    c.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
+
+    # --- loop ---
+    c.eval_every_steps = 100  # validate every N steps
+    c.eval_batches = 8  # validation batches per evaluation
+    c.log_every_steps = 20  # console/TensorBoard scalars every N steps
+    c.fp8_stats_every_steps = 100  # per-layer FP8 health (amax, scale, saturation) every N steps
+    c.checkpoint_every_steps = 100  # save every N steps (and at the end)
+    c.keep_checkpoints = 2  # checkpoints kept in the work dir
+    c.max_bad_steps = 5  # stop after this many consecutive non-finite steps
+    c.sample_tokens = 48  # tokens of text sampled at the end (0 = off)
+
+    # --- parallelism (see README: sharded training) ---
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
+    c.mesh.fsdp = 1  # fully-sharded axis size
+    c.mesh.tensor = 1  # tensor-parallel axis size
+    c.distributed = False  # call jax.distributed.initialize() (multi-host)
+    return c

@@ -1,0 +1,53 @@
+"""python train.py --config configs/gpt_1b3.py --workdir /tmp/gpt_1b3
+
+GPT 1.3B: d_model 2048, 24 layers, 16 heads, GELU MLP 4x, seq 2048, batch 8 (16384 tokens per
+step), vocabulary 32768, untied LM head: 1.35B parameters. The shape of the whole-model reference
+in docs h200-measured.md (one H200, fwd+bwd only: PyTorch bf16 68.0k tokens/s, torchao float8
+76.5k, Flax bf16 50.7k). FP8 level O1, bf16 compute, one GPU. Run time and loss of a full
+training run with this config: not measured yet. Set ``--config.data.path`` to a large corpus.
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+
+def _base():
+    """configs/base.py, loaded by path because train.py loads configs as files."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """GPT 1.3B on one GPU, the shape of the measured H200 reference."""
+    c = _base().get_config()  # every field; the lines below override the tiny defaults
+    m = c.model
+    m.style = "gpt"  # learned positions, LayerNorm, GELU, biases
+    m.vocab_size = 32768  # BPE vocabulary
+    m.d_model = 2048  # residual width
+    m.num_layers = 24  # transformer blocks
+    m.num_heads = 16  # 128-wide heads (cuDNN flash attention's best case)
+    m.num_kv_heads = 16  # plain multi-head attention
+    m.d_ff = 8192  # 4 x d_model
+    m.max_len = 2048  # learned position table, tokens
+    m.dtype = "bfloat16"  # compute dtype
+    m.remat_policy = "none"  # 16k tokens x 24 layers of activations fit in 141 GB
+    m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
+
+    c.batch_size = 8  # sequences per step: 16384 tokens
+    c.seq_len = 2048  # tokens per sequence
+    c.num_train_steps = 50_000  # optimizer steps (~820M tokens)
+    c.learning_rate = 2e-4  # GPT-3 1.3B peak
+    c.warmup_steps = 2000  # linear warm-up steps
+    c.eval_every_steps = 1000  # validate every N steps
+    c.eval_batches = 20  # validation batches per evaluation
+    c.log_every_steps = 50  # scalars every N steps
+    c.fp8_stats_every_steps = 1000  # FP8 health every N steps
+    c.checkpoint_every_steps = 2000  # save every N steps
+    c.sample_tokens = 64  # tokens sampled at the end
+    return c

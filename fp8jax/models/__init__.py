@@ -1,0 +1,26 @@
+"""Decoder-only transformers (GPT-2 and LLaMA style) with FP8 linears, built from a config."""
+
+from fp8jax.models.config import (
+    ModelConfig,
+    check_config,
+    count_params,
+    flops_per_token,
+    matmul_params,
+    recipe_from_config,
+)
+from fp8jax.models.layers import Attention, Block, Mlp
+from fp8jax.models.transformer import Transformer, build_model
+
+__all__ = [
+    "Attention",
+    "Block",
+    "Mlp",
+    "ModelConfig",
+    "Transformer",
+    "build_model",
+    "check_config",
+    "count_params",
+    "flops_per_token",
+    "matmul_params",
+    "recipe_from_config",
+]

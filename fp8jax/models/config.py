@@ -1,0 +1,146 @@
+"""Model settings from a config: validation, the FP8 recipe, and size/FLOP accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from fp8jax import scaling
+
+STYLES = ("gpt", "llama")
+LEVELS = ("O0", "O1", "O2", "O3")
+# Storage formats the O2+ optimizer may use for Adam moments and master weights.
+STATE_FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
+ATTENTION_IMPLS = ("", "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+# Remat policy name -> jax.checkpoint policy ('full' = save nothing: recompute the whole block).
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _check_choice(value, choices, field: str) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {field} {value!r}: use one of {list(choices)}")
+
+
+def check_config(config) -> None:
+    """Raise a one-line ValueError naming the first inconsistent field and the fix."""
+    m, f = config.model, config.fp8
+    _check_choice(m.style, STYLES, "model.style")
+    _check_choice(m.dtype, DTYPES, "model.dtype")
+    _check_choice(m.param_dtype, DTYPES, "model.param_dtype")
+    _check_choice(m.remat_policy, tuple(REMAT_POLICIES), "model.remat_policy")
+    _check_choice(m.attention_impl or "", ATTENTION_IMPLS, "model.attention_impl")
+    _check_choice(f.level, LEVELS, "fp8.level")
+    _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
+    _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
+    for name in ("m_format", "v_format", "master_format"):
+        _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
+    if m.d_model % m.num_heads:
+        raise ValueError(
+            f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}: "
+            f"pick num_heads so that d_model % num_heads == 0"
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ValueError(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
+            f"{m.num_kv_heads}: use a divisor of num_heads (num_heads itself for plain MHA)"
+        )
+    if m.style == "llama" and (m.d_model // m.num_heads) % 2:
+        raise ValueError(
+            f"RoPE needs an even head dim, got d_model/num_heads={m.d_model // m.num_heads}: "
+            f"change model.d_model or model.num_heads"
+        )
+    if config.seq_len > m.max_len:
+        raise ValueError(
+            f"seq_len={config.seq_len} exceeds model.max_len={m.max_len}: "
+            f"raise model.max_len or lower seq_len"
+        )
+
+
+def recipe_from_config(fp8_cfg) -> scaling.Recipe:
+    """The scaling recipe named by ``config.fp8`` (whatever the level; O0 just doesn't use it)."""
+    return scaling.make_recipe(
+        fp8_cfg.recipe,
+        history_len=fp8_cfg.history_len,
+        amax_compute_algo=fp8_cfg.amax_compute_algo,
+        margin=fp8_cfg.margin,
+        power_of_two=fp8_cfg.power_of_two,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hashable copy of ``config.model`` plus the FP8 recipe (None: O0, no FP8 matmuls)."""
+
+    style: str
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    d_ff: int
+    max_len: int
+    dtype: Any
+    param_dtype: Any
+    scan_layers: bool
+    remat_policy: str
+    fp8_lm_head: bool
+    tie_embeddings: bool
+    attention_impl: str | None
+    recipe: scaling.Recipe | None
+
+    @classmethod
+    def from_config(cls, config) -> ModelConfig:
+        """Validate ``config`` and take the fields the model needs."""
+        check_config(config)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe"}
+        kw = {k: config.model[k] for k in fields}
+        kw["dtype"], kw["param_dtype"] = jnp.dtype(kw["dtype"]), jnp.dtype(kw["param_dtype"])
+        kw["attention_impl"] = kw["attention_impl"] or None  # '' -> JAX picks
+        use_fp8 = config.fp8.level != "O0"
+        return cls(**kw, recipe=recipe_from_config(config.fp8) if use_fp8 else None)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def use_bias(self) -> bool:
+        return self.style == "gpt"  # GPT-2 linears carry biases, LLaMA's don't
+
+
+def count_params(params) -> int:
+    """Number of parameters in a params tree (arrays, shape structs or partitioned boxes)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params)))
+
+
+def matmul_params(model_cfg) -> int:
+    """Weights that take part in matmuls: block linears and the LM head (not embedding lookups)."""
+    m = model_cfg
+    h = m.d_model // m.num_heads
+    attn = m.d_model * h * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, k, v, out
+    mlp = (2 if m.style == "gpt" else 3) * m.d_model * m.d_ff  # GELU: in/out; SwiGLU: gate/up/out
+    return m.num_layers * (attn + mlp) + m.d_model * m.vocab_size
+
+
+def flops_per_token(config) -> float:
+    """Training FLOPs per token: 6N (N = matmul params) + attention, PaLM convention.
+
+    Attention counts QK^T and AV over the full sequence (12 * layers * d_model * seq_len for
+    forward + backward), not halved for the causal mask, so MFU stays comparable with PaLM,
+    MaxText and torchtitan numbers.
+    """
+    m = config.model
+    attn = 12 * m.num_layers * m.d_model * config.seq_len
+    return 6.0 * matmul_params(m) + attn

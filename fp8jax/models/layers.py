@@ -1,0 +1,153 @@
+"""Transformer block pieces: attention (MHA/GQA, RoPE), MLP (GELU/SwiGLU), pre-norm block.
+
+Shape suffixes: B batch, L sequence length, D d_model, N query heads, K key/value heads,
+H head dim, F MLP hidden width, 2 a fused pair (key/value, or SwiGLU gate/up).
+
+FP8: every block linear is an ``nn.DenseGeneral`` whose ``dot_general_cls`` is the FP8 core
+when ``cfg.recipe`` is set (O1-O3): E4M3 x and W forward, E5M2 dy backward, per-tensor scales
+in the ``fp8_state`` collection. Norms, RoPE, softmax and residual adds stay in ``cfg.dtype``
+(reductions in f32), since FP8-LM converts only the matmul weights of linear layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from fp8jax.linen import fp8_dot_general_cls
+from fp8jax.models.config import ModelConfig
+
+INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
+NORM_EPS = 1e-5
+ROPE_THETA = 10_000.0  # LLaMA/LLaMA-2 RoPE base
+
+constrain = nn.with_logical_constraint  # no-op unless a mesh and logical axis rules are active
+
+
+def normal_init(names, std: float = INIT_STD):
+    """Normal(std) initialiser carrying logical axis names for sharding."""
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None):
+    """A linear layer; FP8 when ``cfg.recipe`` is set, else a plain matmul in ``cfg.dtype``.
+
+    ``names`` label the kernel's axes (input axes then ``features``); the bias takes the
+    trailing ``len(features)`` names.
+    """
+    features = tuple(features)
+    dot_general_cls = fp8_dot_general_cls(cfg.recipe) if cfg.recipe else None
+    return nn.DenseGeneral(
+        features,
+        axis=axis,
+        use_bias=cfg.use_bias,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=normal_init(names, std),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-len(features) :]),
+        dot_general_cls=dot_general_cls,
+        name=name,
+    )
+
+
+def norm(cfg: ModelConfig, name: str) -> nn.Module:
+    """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
+    common = dict(epsilon=NORM_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    if cfg.style == "gpt":
+        bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
+        return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init, **common)
+    return nn.RMSNorm(scale_init=scale_init, **common)
+
+
+def rope(x_BxLxNxH: jax.Array, positions_L: jax.Array) -> jax.Array:
+    """Rotary position embedding, rotate-half layout (pairs dimension i with i + H/2)."""
+    half = x_BxLxNxH.shape[-1] // 2
+    inv_freq = ROPE_THETA ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_LxH2 = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    sin, cos = jnp.sin(angle_LxH2)[:, None, :], jnp.cos(angle_LxH2)[:, None, :]  # [L, 1, H/2]
+    # Rotate in f32: bf16 angles lose the position for long sequences.
+    x1, x2 = jnp.split(x_BxLxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxH.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; grouped-query when ``num_kv_heads < num_heads``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        c = self.cfg
+        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        q_BxLxNxH = dense(c, (n, h), ("embed", "heads", "head_dim"), name="q")(x_BxLxD)
+        # K and V share one GEMM: one quantization of x and a wider (faster) FP8 matmul.
+        kv_BxLx2xKxH = dense(c, (2, k, h), ("embed", None, "kv_heads", "head_dim"), name="kv")(
+            x_BxLxD
+        )
+        k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
+        if c.style == "llama":
+            positions_L = jnp.arange(x_BxLxD.shape[1])
+            q_BxLxNxH, k_BxLxKxH = rope(q_BxLxNxH, positions_L), rope(k_BxLxKxH, positions_L)
+        q_BxLxNxH = constrain(q_BxLxNxH, ("batch", "length", "heads", None))
+        k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", None))
+        v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
+        # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on H200.
+        o_BxLxNxH = jax.nn.dot_product_attention(
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=c.attention_impl
+        )
+        o_BxLxNxH = constrain(o_BxLxNxH, ("batch", "length", "heads", None))
+        out = dense(
+            c,
+            (c.d_model,),
+            ("heads", "head_dim", "embed"),
+            axis=(-2, -1),
+            std=_residual_std(c),
+            name="o",
+        )
+        return out(o_BxLxNxH)
+
+
+class Mlp(nn.Module):
+    """GELU MLP (GPT) or SwiGLU (LLaMA)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        c = self.cfg
+        if c.style == "gpt":
+            h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
+            h_BxLxF = nn.gelu(h_BxLxF, approximate=True)  # GPT-2's tanh approximation
+        else:
+            # Gate and up projections fused: one FP8 quantization of x, one GEMM.
+            gu_BxLx2xF = dense(c, (2, c.d_ff), ("embed", None, "mlp"), name="wi")(x_BxLxD)
+            h_BxLxF = nn.silu(gu_BxLx2xF[:, :, 0]) * gu_BxLx2xF[:, :, 1]
+        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
+        out = dense(c, (c.d_model,), ("mlp", "embed"), std=_residual_std(c), name="wo")
+        return out(h_BxLxF)
+
+
+class Block(nn.Module):
+    """Pre-norm block; returns ``(x, None)`` so ``nn.scan`` can stack it."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, None]:
+        c = self.cfg
+        x_BxLxD = x_BxLxD + Attention(c, name="attn")(norm(c, "attn_norm")(x_BxLxD))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        return x_BxLxD, None
+
+
+def _residual_std(cfg: ModelConfig) -> float:
+    # GPT-2: projections into the residual stream are scaled by 1/sqrt(2 * layers) so the
+    # stream's variance does not grow with depth.
+    return INIT_STD / math.sqrt(2 * cfg.num_layers)

@@ -1,0 +1,98 @@
+"""Decoder-only transformer: GPT-2 style or LLaMA style, FP8 block linears at O1-O3.
+
+Shape suffixes: B batch, L sequence length, D d_model, V vocabulary.
+
+The embedding and the LM head stay in ``cfg.dtype`` unless ``fp8_lm_head``: the head's output
+feeds the softmax directly, and DeepSeek-V3 and FP8-LM both keep it out of FP8 by default.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from fp8jax.linen import fp8_dot_general_cls
+from fp8jax.models.config import REMAT_POLICIES, ModelConfig
+from fp8jax.models.layers import Block, constrain, norm, normal_init
+from fp8jax.state import FP8, FP8_STATS
+
+
+class Transformer(nn.Module):
+    """``tokens [B, L] int32 -> logits [B, L, V] float32``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        c = self.cfg
+        embed = nn.Embed(
+            c.vocab_size,
+            c.d_model,
+            embedding_init=normal_init(("vocab", "embed")),
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="embed",
+        )
+        x_BxLxD = embed(tokens_BxL)
+        if c.style == "gpt":
+            pos_table = self.param(
+                "pos_embed", normal_init((None, "embed")), (c.max_len, c.d_model), c.param_dtype
+            )
+            x_BxLxD = x_BxLxD + pos_table[: tokens_BxL.shape[1]].astype(c.dtype)
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        x_BxLxD = self._blocks(x_BxLxD)
+        x_BxLxD = norm(c, "final_norm")(x_BxLxD)
+        logits_BxLxV = self._head(x_BxLxD, embed)
+        # Logits come out of the GEMM in cfg.dtype (bf16 backward GEMMs, half the memory of an
+        # f32 product) and are upcast here, so the loss and its softmax run in f32.
+        return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def _blocks(self, x_BxLxD: jax.Array) -> jax.Array:
+        c = self.cfg
+        block = Block
+        if c.remat_policy != "none":
+            # In a Python loop identical blocks would be CSE'd back into one saved residual set.
+            block = nn.remat(
+                Block, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers
+            )
+        if c.scan_layers:
+            # One compiled block; params and FP8 scale state get a leading layer axis.
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0},
+                split_rngs={"params": True},
+                length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD)
+            return x_BxLxD
+        for i in range(c.num_layers):
+            x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD)
+        return x_BxLxD
+
+    def _head(self, x_BxLxD: jax.Array, embed: nn.Embed) -> jax.Array:
+        c = self.cfg
+        fp8_cls = fp8_dot_general_cls(c.recipe) if c.fp8_lm_head and c.recipe else None
+        if not c.tie_embeddings:
+            head = nn.Dense(
+                c.vocab_size,
+                use_bias=False,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                kernel_init=normal_init(("embed", "vocab")),
+                dot_general_cls=fp8_cls,
+                name="head",
+            )
+            return head(x_BxLxD)
+        # Tied: contract D with the embedding table [V, D] in place (no transposed copy).
+        table_VxD = embed.embedding.astype(c.dtype)
+        dims = (((x_BxLxD.ndim - 1,), (1,)), ((), ()))
+        if fp8_cls:
+            return fp8_cls(name="head")(x_BxLxD.astype(c.dtype), table_VxD, dims)
+        return jax.lax.dot_general(x_BxLxD.astype(c.dtype), table_VxD, dims)
+
+
+def build_model(config) -> Transformer:
+    """The model described by ``config.model`` and ``config.fp8`` (validated first)."""
+    return Transformer(ModelConfig.from_config(config))

@@ -1,0 +1,84 @@
+"""Every file in configs/ loads as train.py loads it, validates, and builds its model."""
+
+import importlib.util
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fp8jax import models
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
+# Named size of each config, for a +-10% check of the parameter count.
+NAMED_SIZES = {
+    "gpt2_125m.py": 125e6,
+    "gpt_1b3.py": 1.3e9,
+    "llama_1b.py": 1.1e9,
+    "llama_7b.py": 6.7e9,
+}
+
+
+def load(name: str, variant: str | None = None):
+    """Load ``configs/<name>`` by file path, as ml_collections' config_flags does."""
+    spec = importlib.util.spec_from_file_location(f"config_{name[:-3]}", CONFIG_DIR / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant) if variant else module.get_config()
+
+
+def flat_keys(config, prefix=""):
+    out = set()
+    for k, v in config.items():
+        out |= flat_keys(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
+    return out
+
+
+def test_named_configs_exist():
+    assert set(NAMED_SIZES) <= set(CONFIG_FILES)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_builds_and_initialises(name):
+    config = load(name)
+    assert flat_keys(config) == flat_keys(load("tiny.py")), "configs must share tiny.py's fields"
+    models.check_config(config)
+    if jax.default_backend() != "gpu":
+        config.model.attention_impl = "xla"  # cuDNN attention does not even trace without a GPU
+    model = models.build_model(config)
+    tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    n = models.count_params(variables["params"])
+    if name in NAMED_SIZES:
+        assert abs(n / NAMED_SIZES[name] - 1) < 0.1, f"{name}: {n / 1e6:.1f}M params"
+    logits = jax.eval_shape(model.apply, variables, tokens)
+    assert logits.shape == (1, config.seq_len, config.model.vocab_size)
+    assert logits.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", sorted(set(CONFIG_FILES) - {"base.py"}))
+def test_docstring_starts_with_command(name):
+    doc = (CONFIG_DIR / name).read_text().split('"""')[1]
+    first = doc.splitlines()[0]
+    assert re.fullmatch(rf"python train\.py --config configs/{name} --workdir /tmp/\w+", first)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_field_commented(name):
+    for line in (CONFIG_DIR / name).read_text().splitlines():
+        if re.match(r"\s+(c|m|f|d|c\.\w+)\.\w+ = ", line) and "ConfigDict()" not in line:
+            assert "  # " in line, f"{name}: field without an inline comment: {line.strip()}"
+
+
+def test_tiny_llama_variant():
+    config = load("tiny.py", "llama")
+    assert config.model.style == "llama" and config.model.num_kv_heads == 2
+    models.check_config(config)
+
+
+def test_gpu_defaults():
+    for name in NAMED_SIZES:
+        m = load(name).model
+        assert (m.dtype, m.attention_impl) == ("bfloat16", "cudnn"), name

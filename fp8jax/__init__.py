@@ -1,11 +1,27 @@
 """fp8jax: FP8 mixed-precision training (FP8-LM levels O1/O2/O3) for JAX and Flax."""
 
-from fp8jax import formats, scaling
+from fp8jax import formats, nnx, scaling
+from fp8jax.coverage import CoverageReport, coverage_report
 from fp8jax.dot import Fp8Meta, dot_general, init_meta
 from fp8jax.formats import E4M3, E5M2, amax, dequantize, quantize
-from fp8jax.linen import Einsum, Fp8DotGeneral, Fp8Einsum, fp8_dot_general_cls, fp8_einsum
+from fp8jax.linen import (
+    Einsum,
+    Fp8DotGeneral,
+    Fp8Einsum,
+    fp8_dot_general_cls,
+    fp8_einsum,
+    fp8_scan,
+)
 from fp8jax.scaling import CurrentScaling, DelayedScaling, ScaleState, make_recipe
-from fp8jax.state import FP8, FP8_STATS, commit, keep_if_finite, merge_grads, summarize, update_state
+from fp8jax.state import (
+    FP8,
+    FP8_STATS,
+    commit,
+    keep_if_finite,
+    merge_grads,
+    summarize,
+    update_state,
+)
 
 __version__ = "0.1.0"
 
@@ -14,6 +30,7 @@ __all__ = [
     "E5M2",
     "FP8",
     "FP8_STATS",
+    "CoverageReport",
     "CurrentScaling",
     "DelayedScaling",
     "Einsum",
@@ -23,15 +40,18 @@ __all__ = [
     "ScaleState",
     "amax",
     "commit",
+    "coverage_report",
     "dequantize",
     "dot_general",
     "formats",
     "fp8_dot_general_cls",
     "fp8_einsum",
+    "fp8_scan",
     "init_meta",
     "keep_if_finite",
     "make_recipe",
     "merge_grads",
+    "nnx",
     "quantize",
     "scaling",
     "summarize",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import string
 from typing import NamedTuple
 
 import jax
@@ -41,7 +42,7 @@ class Fp8Meta:
     dy: ScaleState
 
 
-def init_meta(recipe: Recipe = scaling.DelayedScaling(), w_recipe: Recipe | None = None) -> Fp8Meta:
+def init_meta(recipe: Recipe = scaling.DEFAULT_RECIPE, w_recipe: Recipe | None = None) -> Fp8Meta:
     """Fresh state for one FP8 matmul (E4M3 for x and w, E5M2 for dy)."""
     return Fp8Meta(
         x=scaling.init_scale_state("e4m3", recipe),
@@ -178,3 +179,42 @@ def dot_general(
     cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched)
     y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
+
+
+def einsum_dimension_numbers(eq: str, lhs_ndim: int, rhs_ndim: int):
+    """Translate a two-operand einsum into dot_general numbers plus the output permutation."""
+    eq = eq.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        raise ValueError(
+            f"FP8 einsum needs an explicit two-operand equation like 'bsd,dhk->bshk', got {eq!r}"
+        )
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+    if len(a) != lhs_ndim or len(b) != rhs_ndim:
+        raise ValueError(f"einsum {eq!r} does not match operand ranks {lhs_ndim} and {rhs_ndim}")
+    for c in a + b + out:
+        if c not in string.ascii_letters:
+            raise ValueError(f"einsum {eq!r}: only letters are supported, found {c!r}")
+    for term in (a, b, out):
+        if len(set(term)) != len(term):
+            raise ValueError(f"einsum {eq!r}: a letter repeats within {term!r} (no traces)")
+    if set(out) - set(a + b):
+        raise ValueError(f"einsum {eq!r}: output letters {sorted(set(out) - set(a + b))} unknown")
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    if any((c in a) + (c in b) == 1 and c not in out for c in a + b):
+        raise ValueError(f"einsum {eq!r} sums over an axis of one operand; reduce it first")
+    dims = (
+        (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+        (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
+    )
+    result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    perm = tuple(result.index(c) for c in out)
+    return dims, perm
+
+
+def fp8_einsum(eq: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None):
+    """Functional FP8 einsum (two operands): returns (result, updated meta)."""
+    dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)
+    out, new_meta = dot_general(lhs, rhs, dims, meta, preferred_element_type)
+    return jnp.transpose(out, perm), new_meta

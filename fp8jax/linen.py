@@ -8,14 +8,15 @@ amax merges by max); without it the module still runs (evaluation) and writes no
 from __future__ import annotations
 
 import dataclasses
-import string
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax import dot, formats, scaling
+from fp8jax.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.state import FP8, FP8_STATS
 
 
@@ -26,8 +27,16 @@ class Fp8DotGeneral(nn.Module):
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
 
     @nn.compact
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        del precision  # FP8 GEMMs have one precision
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
+        del precision, out_sharding  # FP8 GEMMs have one precision; sharding follows the inputs
         meta_var = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe)
         meta = meta_var.value
         if self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
@@ -45,40 +54,6 @@ class Fp8DotGeneral(nn.Module):
             sat, flush = formats.saturation_stats(x, scale, s.fmt)
             self.sow(FP8_STATS, f"{name}_saturated", sat)
             self.sow(FP8_STATS, f"{name}_flushed", flush)
-
-
-def einsum_dimension_numbers(eq: str, lhs_ndim: int, rhs_ndim: int):
-    """Translate a two-operand einsum into dot_general numbers plus the output permutation."""
-    eq = eq.replace(" ", "")
-    if "->" not in eq or "." in eq or eq.count(",") != 1:
-        raise ValueError(
-            f"FP8 einsum needs an explicit two-operand equation like 'bsd,dhk->bshk', got {eq!r}"
-        )
-    ins, out = eq.split("->")
-    a, b = ins.split(",")
-    if len(a) != lhs_ndim or len(b) != rhs_ndim:
-        raise ValueError(f"einsum {eq!r} does not match operand ranks {lhs_ndim} and {rhs_ndim}")
-    for c in a + b + out:
-        if c not in string.ascii_letters:
-            raise ValueError(f"einsum {eq!r}: only letters are supported, found {c!r}")
-    batch = [c for c in a if c in b and c in out]
-    contract = [c for c in a if c in b and c not in out]
-    if any((c in a) + (c in b) == 1 and c not in out for c in a + b):
-        raise ValueError(f"einsum {eq!r} sums over an axis of one operand; reduce it first")
-    dims = (
-        (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
-        (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
-    )
-    result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
-    perm = tuple(result.index(c) for c in out)
-    return dims, perm
-
-
-def fp8_einsum(eq: str, lhs, rhs, meta: dot.Fp8Meta, preferred_element_type=None):
-    """Functional FP8 einsum (two operands): returns (result, updated meta)."""
-    dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)
-    out, new_meta = dot.dot_general(lhs, rhs, dims, meta, preferred_element_type)
-    return jnp.transpose(out, perm), new_meta
 
 
 class Fp8Einsum(nn.Module):
@@ -125,6 +100,49 @@ class Einsum(nn.Module):
             bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
             y = y + bias.astype(dtype)
         return y
+
+
+def _add_collection(filt, name: str):
+    """Add one collection to an ``nn.scan`` collection filter (False, a name or a list)."""
+    if filt is True:
+        return True
+    if filt is False or filt is None:
+        return [name]
+    return [filt, name] if isinstance(filt, str) else [*filt, name]
+
+
+def fp8_scan(target, *, variable_broadcast=False, variable_carry=False, **scan_kwargs):
+    """``nn.scan`` of one block reused on every iteration, carrying its ``fp8_state``.
+
+    Flax cannot create a carried collection inside the loop (init) and refuses loop-dependent
+    writes to a broadcast one (apply). So a call that writes ``fp8_state`` carries it and any
+    other call (init, evaluation) broadcasts it: the writing iterations form one chain and the
+    amax merges by max. For a stack of distinct layers use plain ``nn.scan`` with
+    ``variable_axes={'params': 0, 'fp8_state': 0}`` instead.
+    """
+    axes = scan_kwargs.get("variable_axes", {})
+    if FP8 in axes or scan_kwargs.get("methods") is not None:
+        raise ValueError("fp8_scan carries fp8_state through __call__: use nn.scan instead")
+    read_cls = nn.scan(
+        target,
+        variable_broadcast=_add_collection(variable_broadcast, FP8),
+        variable_carry=variable_carry,
+        **scan_kwargs,
+    )
+    write_cls = nn.scan(
+        target,
+        variable_broadcast=variable_broadcast,
+        variable_carry=_add_collection(variable_carry, FP8),
+        **scan_kwargs,
+    )
+
+    def __call__(self, *args, **kwargs):
+        # Only a step that writes fp8_state carries it; init and evaluation read it broadcast.
+        writes = self.is_mutable_collection(FP8) and not self.is_initializing()
+        cls = write_cls if writes else read_cls
+        return cls.__call__(self, *args, **kwargs)
+
+    return type(f"Fp8Scan{target.__name__}", (target,), {"__call__": __call__})
 
 
 def fp8_dot_general_cls(recipe: scaling.Recipe | None = None, **kwargs):

@@ -9,7 +9,6 @@ moves the pending amax into the history, recomputes the scale and clears slot 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,8 @@ class CurrentScaling:
     amax_compute_algo: str = "most_recent"
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+Recipe = DelayedScaling | CurrentScaling
+DEFAULT_RECIPE = DelayedScaling()
 RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
 
 
@@ -67,7 +67,7 @@ class ScaleState:
     scale: jax.Array  # [...] f32
     amax_history: jax.Array  # [..., history_len + 1] f32; slot 0 is this step's pending amax
     fmt: str = struct.field(pytree_node=False, default="e4m3")
-    recipe: Recipe = struct.field(pytree_node=False, default=DelayedScaling())
+    recipe: Recipe = struct.field(pytree_node=False, default=DEFAULT_RECIPE)
 
     @property
     def last_amax(self) -> jax.Array:
@@ -95,9 +95,13 @@ def scale_from_amax(amax, prev_scale, fmt: str, recipe: Recipe) -> jax.Array:
     """``fmax / (amax * 2**margin)``, optionally a power of two; keep ``prev_scale`` if unusable."""
     amax = amax.astype(jnp.float32)
     scale = formats.fmax(fmt) / (amax * (2.0**recipe.margin))
-    if recipe.power_of_two:
-        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+    # Decide before rounding: frexp(inf) would round an overflowed scale to a finite 0.5.
     ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
+    if recipe.power_of_two:
+        # frexp is exact (scale = m * 2^e, m in [0.5, 1)); exp2(floor(log2(s))) is not on CPU
+        # (2^15 came out as 32767.984) and can round up across a power of two.
+        _, exponent = jnp.frexp(scale)
+        scale = jnp.ldexp(jnp.ones_like(scale), exponent - 1)
     return jnp.where(ok, scale, prev_scale).astype(jnp.float32)
 
 

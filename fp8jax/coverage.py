@@ -1,0 +1,267 @@
+"""FP8 coverage of a jitted function: which of its matmuls run in FP8.
+
+``coverage_report(train_step, state, batch)`` lowers the function and lists every
+``stablehlo.dot_general`` with its operand element types and shapes. On GPU it also compiles
+and counts the GEMM kernels XLA picked: ``__cublas$lt$matmul$f8`` is an FP8 GEMM, anything
+else (``__cublas$lt$matmul``, ``__cublas$gemm``, Triton GEMM fusions) is not. The StableHLO view
+says what the program asks for; the compiled view says what XLA delivered (it silently
+upcasts E5M2 x E5M2 and layouts cuBLASLt cannot take).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+import jax
+
+# Element types XLA treats as FP8 (the first two are the ones fp8jax emits).
+FP8_TYPES = (
+    "f8E4M3FN",
+    "f8E5M2",
+    "f8E4M3",
+    "f8E4M3FNUZ",
+    "f8E5M2FNUZ",
+    "f8E4M3B11FNUZ",
+    "f8E3M4",
+)
+CUBLAS_FP8 = "__cublas$lt$matmul$f8"
+
+_FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
+_CALL = re.compile(r"\bcall\s+@\"?([^\s(\"]+)")
+_DOT = re.compile(r"stablehlo\.dot(?:_general)?(?!\w)")
+_SIG = re.compile(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)")
+_DIMS = re.compile(r"(contracting_dims|batching_dims)\s*=\s*\[([\d,\s]*)\]\s*x\s*\[([\d,\s]*)\]")
+# Generic (quoted-op) syntax: #stablehlo.dot<lhs_contracting_dimensions = [1], ...>
+_GENERIC = re.compile(r"(lhs|rhs)_(batching|contracting)_dimensions\s*=\s*\[([\d,\s]*)\]")
+_LOC_USE = re.compile(r"loc\((#loc\d*)\)\s*$")
+_LOC_DEF = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r'"kind"\s*:\s*"(__triton_gemm|__cudnn\$fusion)"')
+
+
+def _tensor(t: str) -> tuple[str, tuple[int | None, ...]]:
+    """'tensor<4x8xf8E4M3FN>' -> ('f8E4M3FN', (4, 8)); dynamic dims become None."""
+    inner = t[len("tensor<") : -1].split(",")[0]  # drop an encoding attribute if present
+    *dims, dtype = inner.split("x")
+    return dtype, tuple(None if d == "?" else int(d) for d in dims)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in s.split(",") if d.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class DotEntry:
+    """One ``dot_general`` in the lowered program."""
+
+    lhs_dtype: str
+    rhs_dtype: str
+    out_dtype: str
+    lhs_shape: tuple[int | None, ...]
+    rhs_shape: tuple[int | None, ...]
+    out_shape: tuple[int | None, ...]
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    batching: tuple[tuple[int, ...], tuple[int, ...]]
+    function: str  # the StableHLO function holding it ('main' or a private helper)
+    count: int  # how many times the program reaches it (a loop body counts once)
+    name: str  # JAX name stack, e.g. 'jit(step)/transpose(jvp(Dense_0))/Fp8DotGeneral_0'
+
+    @property
+    def is_fp8(self) -> bool:
+        """Both operands FP8: the only case cuBLASLt runs as an FP8 GEMM."""
+        return self.lhs_dtype in FP8_TYPES and self.rhs_dtype in FP8_TYPES
+
+    @property
+    def flops(self) -> int:
+        """2 * output elements * contracted size, per execution (0 if a dim is dynamic)."""
+        k_dims = [self.lhs_shape[d] for d in self.contracting[0]]
+        sizes = [*self.out_shape, *k_dims]
+        return 0 if None in sizes else 2 * math.prod(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverageReport:
+    """Every dot_general of a lowered function and, on GPU, the GEMM kernels it compiled to."""
+
+    entries: tuple[DotEntry, ...]
+    gemm_counts: dict[str, int] | None  # compiled GEMM kernel -> count; None if not compiled
+
+    @property
+    def num_total(self) -> int:
+        """Dot_generals the program executes (loop bodies counted once)."""
+        return sum(e.count for e in self.entries)
+
+    @property
+    def num_fp8(self) -> int:
+        """Dot_generals with two FP8 operands."""
+        return sum(e.count for e in self.entries if e.is_fp8)
+
+    @property
+    def fp8_share(self) -> float:
+        """``num_fp8 / num_total`` (0.0 for a program without dots)."""
+        return self.num_fp8 / self.num_total if self.num_total else 0.0
+
+    @property
+    def fp8_flop_share(self) -> float:
+        """Share of dot FLOPs that run with FP8 operands."""
+        total = sum(e.flops * e.count for e in self.entries)
+        fp8 = sum(e.flops * e.count for e in self.entries if e.is_fp8)
+        return fp8 / total if total else 0.0
+
+    @property
+    def num_fp8_gemms(self) -> int | None:
+        """Compiled ``__cublas$lt$matmul$f8`` calls (None when not compiled for GPU)."""
+        return None if self.gemm_counts is None else self.gemm_counts.get(CUBLAS_FP8, 0)
+
+    @property
+    def num_other_gemms(self) -> int | None:
+        """Compiled GEMMs that are not FP8 (cuBLAS, cuBLASLt, Triton, cuDNN)."""
+        if self.gemm_counts is None:
+            return None
+        return sum(n for k, n in self.gemm_counts.items() if k != CUBLAS_FP8)
+
+    def __str__(self) -> str:
+        def fmt(dtype, shape):
+            return f"{dtype}[{','.join('?' if d is None else str(d) for d in shape)}]"
+
+        lines = [
+            f"FP8 coverage: {self.num_fp8}/{self.num_total} dot_generals in FP8 "
+            f"({100 * self.fp8_share:.1f}%), {100 * self.fp8_flop_share:.1f}% of dot FLOPs",
+            f"{'#':>3} {'n':>3} {'fp8':<4} {'lhs':<22} {'rhs':<22} {'out':<18} name",
+        ]
+        for i, e in enumerate(self.entries):
+            name = e.name if len(e.name) <= 70 else "..." + e.name[-67:]
+            lines.append(
+                f"{i:>3} {e.count:>3} {'yes' if e.is_fp8 else 'NO':<4} "
+                f"{fmt(e.lhs_dtype, e.lhs_shape):<22} {fmt(e.rhs_dtype, e.rhs_shape):<22} "
+                f"{fmt(e.out_dtype, e.out_shape):<18} {name}"
+            )
+        if self.gemm_counts is not None:
+            kernels = ", ".join(f"{k} x{n}" for k, n in sorted(self.gemm_counts.items()))
+            lines.append(
+                f"compiled GEMMs: {self.num_fp8_gemms} FP8, {self.num_other_gemms} other"
+                f" ({kernels or 'none'})"
+            )
+        return "\n".join(lines)
+
+
+def _locations(text: str) -> dict[str, str]:
+    """Map '#locN' to its name-stack string, following nested location references."""
+    raw = {}
+    for line in text.splitlines():
+        m = _LOC_DEF.match(line)
+        if m:
+            raw[m.group(1)] = m.group(2)
+
+    def resolve(ref: str, depth: int = 0) -> str:
+        body = raw.get(ref, "")
+        named = re.match(r'"([^"]*)"\s*\(', body)  # loc("name"(#child)): a name-stack entry
+        if named:
+            return named.group(1)
+        if depth < 8:  # callsite(...)/fused[...]: take the first child that resolves to a name
+            for child in re.findall(r"#loc\d*", body):
+                name = resolve(child, depth + 1)
+                if name:
+                    return name
+        return ""
+
+    return {ref: resolve(ref) for ref in raw}
+
+
+def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
+    """Every dot in a StableHLO module, with how many times the call graph reaches it."""
+    locs = _locations(text)
+    dots: list[tuple[str, str]] = []  # (function, line)
+    calls: Counter[tuple[str, str]] = Counter()  # (caller, callee) -> call sites
+    func = "main"
+    for line in text.splitlines():
+        m = _FUNC.search(line)
+        if m:
+            func = m.group(1)
+            continue
+        for callee in _CALL.findall(line):
+            calls[(func, callee)] += 1
+        if _DOT.search(line):
+            dots.append((func, line))
+
+    memo: dict[str, int] = {}
+
+    def reach(f: str, depth: int = 0) -> int:
+        # How often `f` runs per call of main: sum over its call sites of the caller's count.
+        if f == "main" or depth > 64:
+            return 1
+        if f not in memo:
+            memo[f] = sum(n * reach(c, depth + 1) for (c, g), n in calls.items() if g == f)
+        return memo[f]
+
+    entries = []
+    for f, line in dots:
+        sig = _SIG.search(line)
+        if not sig:
+            continue
+        (ld, ls), (rd, rs), (od, os_) = (_tensor(t) for t in sig.groups())
+        dims = {"contracting": [(), ()], "batching": [(), ()]}
+        for kind, a, b in _DIMS.findall(line):
+            dims[kind.removesuffix("_dims")] = [_ints(a), _ints(b)]
+        for side, kind, a in _GENERIC.findall(line):
+            dims[kind][side == "rhs"] = _ints(a)
+        if "dot_general" not in line and ls and rs:
+            # Plain stablehlo.dot: contract lhs's last axis with rhs's first.
+            dims["contracting"] = [(len(ls) - 1,), (0,)]
+        loc = _LOC_USE.search(line)
+        name = locs.get(loc.group(1), "") if loc else ""
+        entries.append(
+            DotEntry(
+                lhs_dtype=ld,
+                rhs_dtype=rd,
+                out_dtype=od,
+                lhs_shape=ls,
+                rhs_shape=rs,
+                out_shape=os_,
+                contracting=tuple(dims["contracting"]),
+                batching=tuple(dims["batching"]),
+                function=f,
+                count=reach(f),
+                name=name.removesuffix("/dot_general"),
+            )
+        )
+    return tuple(entries)
+
+
+def gemm_counts(compiled_text: str) -> dict[str, int]:
+    """Count GEMM kernels in optimized HLO text: cuBLAS custom-calls and GEMM fusions."""
+    counts: Counter[str] = Counter()
+    for target in _TARGET.findall(compiled_text):
+        if "cublas" in target or "gemm" in target.lower() or "matmul" in target:
+            counts[target] += 1
+    for kind in _FUSION_KIND.findall(compiled_text):
+        counts[kind] += 1
+    return dict(counts)
+
+
+def coverage_report(fn, *args, compile: bool | None = None, **kwargs) -> CoverageReport:
+    """Lower ``fn(*args, **kwargs)`` and report its FP8 dot_generals.
+
+    ``fn`` may be a plain function, a ``jax.jit``-wrapped one (its shardings and static
+    arguments are kept) or a ``jax.stages.Lowered``. ``compile`` (default: on GPU only) also
+    compiles and counts the GEMM kernels; it is the one keyword not passed on to ``fn``.
+    """
+    if isinstance(fn, jax.stages.Lowered):
+        if args or kwargs:
+            raise TypeError("coverage_report: a Lowered takes no further arguments")
+        lowered = fn
+    else:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        lowered = jitted.lower(*args, **kwargs)
+    try:
+        text = lowered.as_text(debug_info=True)  # keeps name stacks for the 'name' column
+    except TypeError:  # older Lowered.as_text without debug_info
+        text = lowered.as_text()
+    entries = parse_stablehlo(text)
+    if compile is None:
+        compile = jax.default_backend() == "gpu"
+    counts = gemm_counts(lowered.compile().as_text()) if compile else None
+    return CoverageReport(entries=entries, gemm_counts=counts)

@@ -1,0 +1,134 @@
+"""coverage_report: dot_general listing, FP8 share, call-graph counts, inputs, GPU GEMM parsing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax import coverage
+from fp8jax.coverage import coverage_report
+
+DENSE = (((1,), (0,)), ((), ()))
+
+
+def _mixed(x, w1, w2, meta):
+    """One FP8 matmul [4,8]x[8,16] and one f32 matmul [4,16]x[16,2]."""
+    h, _ = fp8jax.dot_general(x, w1, DENSE, meta)
+    return h @ w2
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 8), np.float32))
+    w1 = jnp.asarray(rng.standard_normal((8, 16), np.float32))
+    w2 = jnp.asarray(rng.standard_normal((16, 2), np.float32))
+    return x, w1, w2, fp8jax.init_meta()
+
+
+def test_lists_every_dot_with_types_shapes_and_share():
+    report = coverage_report(_mixed, *_args(), compile=False)
+    assert (report.num_total, report.num_fp8, report.fp8_share) == (2, 1, 0.5)
+    fp8, f32 = report.entries
+    assert (fp8.lhs_dtype, fp8.rhs_dtype, fp8.out_dtype) == ("f8E4M3FN", "f8E4M3FN", "f32")
+    assert (fp8.lhs_shape, fp8.rhs_shape, fp8.out_shape) == ((4, 8), (8, 16), (4, 16))
+    assert fp8.contracting == ((1,), (0,)) and fp8.batching == ((), ())
+    assert fp8.is_fp8 and not f32.is_fp8 and f32.lhs_dtype == "f32"
+    # FLOP share: 2*4*16*8 FP8 vs 2*4*2*16 f32.
+    assert report.fp8_flop_share == pytest.approx(1024 / (1024 + 256))
+    assert report.gemm_counts is None and report.num_fp8_gemms is None
+    text = str(report)
+    assert "1/2 dot_generals in FP8 (50.0%)" in text
+    assert "f8E4M3FN[4,8]" in text and "f32[16,2]" in text and " NO " in text
+
+
+def test_backward_dots_and_names():
+    def loss(x, w1, w2, meta):
+        return jnp.sum(_mixed(x, w1, w2, meta) ** 2)
+
+    report = coverage_report(jax.grad(loss, argnums=(0, 1, 2)), *_args(), compile=False)
+    # fwd + dgrad + wgrad for each matmul: 3 FP8 (E4M3xE4M3, E5M2xE4M3, E4M3xE5M2) + 3 f32.
+    assert (report.num_total, report.num_fp8) == (6, 3)
+    fp8_kinds = sorted((e.lhs_dtype, e.rhs_dtype) for e in report.entries if e.is_fp8)
+    assert fp8_kinds == [("f8E4M3FN", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2"), ("f8E5M2", "f8E4M3FN")]
+    assert any("transpose" in e.name for e in report.entries)  # backward dots are named so
+
+
+def test_accepts_jitted_function_and_lowered():
+    args = _args()
+    jitted = jax.jit(_mixed)
+    by_jit = coverage_report(jitted, *args, compile=False)
+    by_lowered = coverage_report(jitted.lower(*args), compile=False)
+    assert by_jit.entries == by_lowered.entries and by_jit.num_total == 2
+    with pytest.raises(TypeError, match="Lowered takes no further arguments"):
+        coverage_report(jitted.lower(*args), *args)
+
+
+def test_counts_a_helper_called_twice():
+    inner = jax.jit(lambda a, b: a @ b)  # lowered once as a private function, called twice
+
+    def outer(a, b):
+        return inner(a, b) + 2 * inner(a, b)
+
+    a = jnp.ones((4, 8))
+    report = coverage_report(outer, a, a.T, compile=False)
+    assert report.num_total == 2 and report.num_fp8 == 0 and report.fp8_share == 0.0
+    assert sum(e.count == 2 for e in report.entries) == 1
+
+
+def test_no_dots():
+    report = coverage_report(lambda x: x * 2, jnp.ones(3), compile=False)
+    assert report.num_total == 0 and report.fp8_share == 0.0 and report.fp8_flop_share == 0.0
+
+
+def test_compiles_on_request():
+    # On CPU no cuBLAS call exists: the count is an empty dict, not None.
+    report = coverage_report(_mixed, *_args(), compile=True)
+    assert report.gemm_counts == {} or jax.default_backend() == "gpu"
+    assert "compiled GEMMs" in str(report)
+
+
+def test_parses_gpu_gemm_custom_calls():
+    # Lines in the shape of XLA's optimized HLO on Hopper (abridged).
+    hlo = "\n".join(
+        [
+            "%a = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%p0, %p1, %s0, %s1), "
+            'custom_call_target="__cublas$lt$matmul$f8", backend_config={}',
+            "%b = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%p2, %p3, %s2, %s3), "
+            'custom_call_target="__cublas$lt$matmul$f8"',
+            "%c = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %y), "
+            'custom_call_target="__cublas$lt$matmul"',
+            '%d = f32[8,8]{1,0} custom-call(%x, %y), custom_call_target="__cublas$gemm"',
+            "%e = f32[8,8]{1,0} fusion(%x, %y), kind=kCustom, calls=%f, "
+            'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+            '%g = f32[8]{0} custom-call(%x), custom_call_target="SomethingElse"',
+        ]
+    )
+    counts = coverage.gemm_counts(hlo)
+    assert counts == {
+        "__cublas$lt$matmul$f8": 2,
+        "__cublas$lt$matmul": 1,
+        "__cublas$gemm": 1,
+        "__triton_gemm": 1,
+    }
+    report = coverage.CoverageReport(entries=(), gemm_counts=counts)
+    assert (report.num_fp8_gemms, report.num_other_gemms) == (2, 3)
+    assert "compiled GEMMs: 2 FP8, 3 other" in str(report)
+
+
+def test_parses_generic_syntax_and_plain_dot():
+    text = "\n".join(
+        [
+            "func.func public @main(%arg0: tensor<2x3xbf16>) -> tensor<2x2xf32> {",
+            '  %0 = "stablehlo.dot_general"(%a, %b) <{dot_dimension_numbers = #stablehlo.dot<'
+            "lhs_batching_dimensions = [0], rhs_batching_dimensions = [0], "
+            "lhs_contracting_dimensions = [2], rhs_contracting_dimensions = [1]>}> : "
+            "(tensor<5x2x3xf8E5M2>, tensor<5x3x7xf8E4M3FN>) -> tensor<5x2x7xbf16>",
+            "  %1 = stablehlo.dot %c, %d : (tensor<2x3xbf16>, tensor<3x2xbf16>) -> tensor<2x2xf32>",
+            "}",
+        ]
+    )
+    batched, plain = coverage.parse_stablehlo(text)
+    assert batched.batching == ((0,), (0,)) and batched.contracting == ((2,), (1,))
+    assert batched.is_fp8 and batched.flops == 2 * 5 * 2 * 7 * 3
+    assert plain.contracting == ((1,), (0,)) and not plain.is_fp8 and plain.lhs_dtype == "bf16"

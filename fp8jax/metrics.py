@@ -11,6 +11,23 @@ from absl import logging
 from fp8jax import state as fp8_state
 
 
+class _QuietLibraries:
+    """Drop INFO records from orbax/grain (they log every save and read at INFO)."""
+
+    def filter(self, record) -> bool:
+        noisy = any(n in record.pathname for n in ("/orbax/", "/grain/"))
+        return record.levelno >= 30 or not noisy
+
+
+def quiet_library_logs():
+    """Keep the console readable: our INFO lines, libraries' warnings only."""
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler()
+    if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
+        handler.addFilter(_QuietLibraries())
+
+
 class Writer:
     """TensorBoard scalars (tensorboardX) under ``<workdir>/tensorboard``; no-op if disabled."""
 

@@ -121,6 +121,7 @@ def sample(model, state, tokenizer, prompt: str, num_tokens: int, max_len: int, 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Train ``config`` in ``workdir`` (resuming if a checkpoint is there); return final metrics."""
     os.makedirs(workdir, exist_ok=True)
+    metrics_lib.quiet_library_logs()
     if config.get("distributed", False):
         jax.distributed.initialize()
     logging.info("fp8jax: level %s, devices %s", config.fp8.level, jax.devices())

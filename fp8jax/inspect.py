@@ -1,0 +1,76 @@
+"""``python -m fp8jax.inspect --config configs/tiny.py [--memory]``: FP8 coverage and memory.
+
+Lowers (and on GPU compiles) the real train step of a config with abstract inputs, so no
+parameters are allocated, and prints every matmul with its operand formats. ``--memory`` adds
+bytes per parameter at O0/O1/O2 and the compiled step's memory analysis.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from fp8jax import coverage, memory
+from fp8jax import train as train_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
+_MEMORY = flags.DEFINE_bool("memory", False, "Also report bytes/param at O0/O1/O2.")
+_COMPILE = flags.DEFINE_bool(
+    "compile", None, "Compile the step too (default: on GPU only; slow for big models on CPU)."
+)
+
+
+def lower_train_step(config):
+    """The lowered train step of ``config`` (abstract state and batch: nothing allocated)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = train_lib.setup(config, tmp)
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        env["abstract"],
+        env["state_shardings"],
+    )
+    return env, env["train_step"].lower(abstract_state, train_lib.abstract_batch(config))
+
+
+def coverage_of(config, compile_step: bool | None = None) -> coverage.CoverageReport:
+    """Coverage report of ``config``'s train step."""
+    _, lowered = lower_train_step(config)
+    if compile_step is None:
+        compile_step = jax.default_backend() == "gpu"
+    return coverage.coverage_report(lowered, compile=compile_step)
+
+
+def memory_rows(config) -> list[dict]:
+    """Bytes per parameter of params / grads / optimizer state at O0, O1 and O2."""
+    rows = []
+    for level in ("O0", "O1", "O2"):
+        c = copy.deepcopy(config)
+        c.fp8.level = level
+        with tempfile.TemporaryDirectory() as tmp:
+            env = train_lib.setup(c, tmp)
+        abstract = env["abstract"]
+        rows.append(memory.bytes_per_param(abstract.params, abstract.opt_state, level=level))
+    return rows
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    report = coverage_of(config, _COMPILE.value)
+    print(f"FP8 coverage of the train step ({config.fp8.level}, backend {jax.default_backend()}):")
+    print(report)
+    if _MEMORY.value:
+        print(memory.memory_table(memory_rows(config)))
+        _, lowered = lower_train_step(config)
+        print(memory.compiled_memory(lowered.compile()))
+    return 0
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    sys.exit(app.run(main))

@@ -3,8 +3,11 @@
 GPT-2 small shape (12 layers, d_model 768, 12 heads, GELU MLP 4x, learned positions, LayerNorm)
 with a 32768-token vocabulary and an untied LM head: 136M parameters (GPT-2 ties the head; tied,
 this vocabulary gives 111M). FP8 level O1, bf16 compute, one GPU, 32k tokens per step.
-Run time and final loss: not measured yet. Point ``--config.data.path`` at a corpus of a few
-GB of text; the shipped corpus is far too small for this model and vocabulary.
+Measured on one H200 (jax 0.11.2, 2026-11-29; forward + backward + FP8 state update, no
+optimizer; XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 80 ms/step (411k tokens/s), O1
+81 ms (404k): at this width FP8's quantize passes cost what its GEMMs save. Full-run time and
+loss: not measured yet. Point ``--config.data.path`` at a few GB of text; the shipped corpus
+is far too small for this model and vocabulary.
 """
 
 import importlib.util

@@ -1,10 +1,13 @@
 """python train.py --config configs/gpt_1b3.py --workdir /tmp/gpt_1b3
 
 GPT 1.3B: d_model 2048, 24 layers, 16 heads, GELU MLP 4x, seq 2048, batch 8 (16384 tokens per
-step), vocabulary 32768, untied LM head: 1.35B parameters. The shape of the whole-model reference
-in docs h200-measured.md (one H200, fwd+bwd only: PyTorch bf16 68.0k tokens/s, torchao float8
-76.5k, Flax bf16 50.7k). FP8 level O1, bf16 compute, one GPU. Run time and loss of a full
-training run with this config: not measured yet. Set ``--config.data.path`` to a large corpus.
+step), vocabulary 32768, untied LM head: 1.35B parameters. FP8 level O1, bf16 compute, one GPU.
+The shape of the whole-model reference in docs h200-measured.md (one H200, forward + backward
+only: PyTorch bf16 68.0k tokens/s, torchao float8 76.5k, Flax bf16 50.7k). This model, same
+measurement plus the FP8 state update (jax 0.11.2, 2026-11-29,
+XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 305 ms/step (53.6k tokens/s), O1 253 ms
+(64.7k). Run time and loss of a full training run: not measured yet. Set
+``--config.data.path`` to a large corpus.
 """
 
 import importlib.util

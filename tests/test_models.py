@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import FP8, models
+from fp8jax import FP8, FP8_STATS, models
 
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
@@ -82,8 +82,21 @@ def loss_and_grads(model, variables, tokens_BxL):
     return grad_fn(variables["params"], variables[FP8])
 
 
-def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+# Same math, different XLA fusions: on CPU results agree to rounding. On GPU a last-bit change
+# in an operand can flip an FP8 rounding step (E4M3 spacing is 1/8 relative), which moves some
+# gradient entries by ~1e-3 of the tensor's scale; a wrong layer order or a missing term moves
+# them by O(1).
+TOL = 1e-5 if jax.default_backend() == "cpu" else 5e-3
+
+
+def assert_trees_close(a, b):
+    """Every leaf equal within TOL, relative to the element and to the leaf's largest value."""
+
+    def close(x, y):
+        scale = float(np.max(np.abs(y))) if np.size(y) else 0.0
+        np.testing.assert_allclose(x, y, rtol=TOL, atol=TOL * scale + 1e-7)
+
+    jax.tree.map(close, a, b)
 
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
@@ -121,8 +134,12 @@ def pending_amax(fp8):
 def test_forward_bf16_tied_fp8_head():
     model, variables = init(tiny("llama", dtype="bfloat16", tie_embeddings=True, fp8_lm_head=True))
     assert "head" not in variables["params"] and "head" in variables[FP8]
-    logits = jax.jit(model.apply)(variables, tokens())
+    # The health pass (FP8_STATS) works through nn.scan: one value per layer.
+    apply = jax.jit(lambda v, t: model.apply(v, t, mutable=[FP8, FP8_STATS]))
+    logits, mutated = apply(variables, tokens())
     assert logits.dtype == jnp.float32 and np.isfinite(logits).all()
+    (saturated,) = mutated[FP8_STATS]["blocks"]["mlp"]["wo"]["Fp8DotGeneral_0"]["x_saturated"]
+    assert saturated.shape == (2,)
 
 
 def restack(tree, num_layers):
@@ -144,7 +161,7 @@ def test_scan_matches_loop():
 
     (loss_l, fp8_l), grads_l = loss_and_grads(loop_model, loop_vars, tokens())
     (loss_s, fp8_s), grads_s = loss_and_grads(scan_model, scan_vars, tokens())
-    np.testing.assert_allclose(loss_l, loss_s, rtol=1e-6)
+    np.testing.assert_allclose(loss_l, loss_s, rtol=TOL)
     assert_trees_close(restack(grads_l[0], 2), grads_s[0])
     assert_trees_close(restack(fp8_l, 2), fp8_s)  # amaxes recorded in the forward pass
     assert_trees_close(restack(grads_l[1], 2), grads_s[1])  # dy amaxes from the backward pass
@@ -157,7 +174,7 @@ def test_remat_matches_no_remat(policy):
     remat_model = models.build_model(tiny("llama", remat_policy=policy))
     (loss, fp8), grads = loss_and_grads(model, variables, tokens())
     (loss_r, fp8_r), grads_r = loss_and_grads(remat_model, variables, tokens())
-    np.testing.assert_allclose(loss, loss_r, rtol=1e-6)
+    np.testing.assert_allclose(loss, loss_r, rtol=TOL)
     assert_trees_close(grads, grads_r)
     assert_trees_close(fp8, fp8_r)
 

@@ -3,7 +3,8 @@
 Shape suffixes: B batch, L sequence length, D d_model, V vocabulary.
 
 The embedding and the LM head stay in ``cfg.dtype`` unless ``fp8_lm_head``: the head's output
-feeds the softmax directly, and DeepSeek-V3 and FP8-LM both keep it out of FP8 by default.
+feeds the softmax directly (DeepSeek-V3 keeps it in high precision, and so does the torchao
+float8 reference in docs/h200-measured.md).
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ class Transformer(nn.Module):
         c = self.cfg
         block = Block
         if c.remat_policy != "none":
-            # In a Python loop identical blocks would be CSE'd back into one saved residual set.
+            # prevent_cse stops XLA from merging the recomputation back into the forward pass;
+            # scan already prevents that, and the guard would only cost speed there.
             block = nn.remat(
                 Block, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers
             )
         if c.scan_layers:
-            # One compiled block; params and FP8 scale state get a leading layer axis.
+            # One compiled block; params, FP8 scale state and the FP8 health stats sown by each
+            # layer get a leading layer axis.
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0, FP8: 0, FP8_STATS: 0},

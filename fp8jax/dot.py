@@ -143,6 +143,29 @@ def _remaining(ndim: int, *used) -> list[int]:
     return [d for d in range(ndim) if d not in taken]
 
 
+PAD = 16  # cuBLASLt FP8 GEMMs need M, K, N in multiples of 16
+
+
+def _pad_to_tiles(x, w, batched: bool):
+    """Zero-pad M, K, N to multiples of ``PAD`` (a no-op for aligned shapes).
+
+    XLA:GPU pads unaligned FP8 GEMM operands itself, but in jax 0.11.2 it kept the unpadded
+    strides (and left a saved FP8 residual unpadded), so the GEMM read out of bounds: inf/NaN
+    on an H200 for shapes like [4, 6] x [6, 8]. Padding the high-precision operands here keeps
+    XLA off that path. Zeros change neither the product nor any amax, and autodiff slices
+    the padding back off the gradients.
+    """
+    m, k = x.shape[-2:]
+    n = w.shape[-1]
+    up = lambda d: -d % PAD  # noqa: E731
+    if up(m) == up(k) == up(n) == 0:
+        return x, w
+    lead = [(0, 0)] if batched else []
+    x = jnp.pad(x, [*lead, (0, up(m)), (0, up(k))])
+    w = jnp.pad(w, [*lead, (0, up(k)), (0, up(n))])
+    return x, w
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -177,7 +200,9 @@ def dot_general(
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched)
-    y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M, N]
+    x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
+    y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
+    y = y[..., :m, :n]  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
 
 

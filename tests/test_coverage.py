@@ -13,15 +13,15 @@ DENSE = (((1,), (0,)), ((), ()))
 
 
 def _mixed(x, w1, w2, meta):
-    """One FP8 matmul [4,8]x[8,16] and one f32 matmul [4,16]x[16,2]."""
+    """One FP8 matmul [16,32]x[32,16] and one f32 matmul [16,16]x[16,2]."""
     h, _ = fp8jax.dot_general(x, w1, DENSE, meta)
     return h @ w2
 
 
 def _args():
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((4, 8), np.float32))
-    w1 = jnp.asarray(rng.standard_normal((8, 16), np.float32))
+    x = jnp.asarray(rng.standard_normal((16, 32), np.float32))
+    w1 = jnp.asarray(rng.standard_normal((32, 16), np.float32))
     w2 = jnp.asarray(rng.standard_normal((16, 2), np.float32))
     return x, w1, w2, fp8jax.init_meta()
 
@@ -31,15 +31,15 @@ def test_lists_every_dot_with_types_shapes_and_share():
     assert (report.num_total, report.num_fp8, report.fp8_share) == (2, 1, 0.5)
     fp8, f32 = report.entries
     assert (fp8.lhs_dtype, fp8.rhs_dtype, fp8.out_dtype) == ("f8E4M3FN", "f8E4M3FN", "f32")
-    assert (fp8.lhs_shape, fp8.rhs_shape, fp8.out_shape) == ((4, 8), (8, 16), (4, 16))
+    assert (fp8.lhs_shape, fp8.rhs_shape, fp8.out_shape) == ((16, 32), (32, 16), (16, 16))
     assert fp8.contracting == ((1,), (0,)) and fp8.batching == ((), ())
     assert fp8.is_fp8 and not f32.is_fp8 and f32.lhs_dtype == "f32"
-    # FLOP share: 2*4*16*8 FP8 vs 2*4*2*16 f32.
-    assert report.fp8_flop_share == pytest.approx(1024 / (1024 + 256))
+    # FLOP share: 2*16*16*32 FP8 vs 2*16*2*16 f32.
+    assert report.fp8_flop_share == pytest.approx(16384 / (16384 + 1024))
     assert report.gemm_counts is None and report.num_fp8_gemms is None
     text = str(report)
     assert "1/2 dot_generals in FP8 (50.0%)" in text
-    assert "f8E4M3FN[4,8]" in text and "f32[16,2]" in text and " NO " in text
+    assert "f8E4M3FN[16,32]" in text and "f32[16,2]" in text and " NO " in text
 
 
 def test_backward_dots_and_names():

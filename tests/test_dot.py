@@ -10,6 +10,7 @@ import pytest
 
 import fp8jax
 from fp8jax import dot
+from fp8jax.coverage import coverage_report
 
 # Tolerances on the relative Frobenius error vs an f32 reference. Round-to-nearest leaves a
 # relative error uniform in +-2^-(m+1) (rms ~ 2^-(m+1)/sqrt(3) before mantissa averaging):
@@ -115,6 +116,22 @@ def test_dot_general_dims_unsorted_batch_and_contract():
     y_ref = jax.lax.dot_general(x, w, dims, precision=jax.lax.Precision.HIGHEST)
     assert y.shape == y_ref.shape == (2, 5, 3)
     assert MIN_ERR < rel_err(y, y_ref) < FWD_TOL
+
+
+def test_unaligned_shapes_are_padded_to_16_before_the_fp8_gemm():
+    # XLA:GPU's own padding of unaligned FP8 GEMMs read out of bounds (inf/NaN on an H200,
+    # jax 0.11.2); dot_general pads M, K, N itself. CPU cannot show the bug, so pin the layout.
+    x, w, r = _inputs(9, (2, 4, 6), (2, 6, 8), (2, 4, 8))
+    eq = "bmk,bkn->bmn"
+    report = coverage_report(_einsum_step(eq), x, w, r, fp8jax.init_meta(), compile=False)
+    assert report.num_fp8 == report.num_total == 3
+    for e in report.entries:
+        assert all(d % 16 == 0 for d in (*e.lhs_shape[1:], *e.rhs_shape[1:])), str(report)
+    y, dx, dw, _ = _einsum_step(eq)(x, w, r, fp8jax.init_meta(fp8jax.CurrentScaling()))
+    y_ref, dx_ref, dw_ref = _reference(eq, x, w, r)
+    assert y.shape == (2, 4, 8) and dx.shape == x.shape and dw.shape == w.shape
+    assert rel_err(y, y_ref) < FWD_TOL and rel_err(dx, dx_ref) < GRAD_TOL
+    assert rel_err(dw, dw_ref) < GRAD_TOL
 
 
 def test_state_records_exact_amax_and_chained_uses_take_the_max():

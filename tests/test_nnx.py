@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import fp8jax
@@ -21,6 +22,11 @@ def rel_err(a, b):
 
 def amax(a) -> float:
     return float(np.abs(np.asarray(a)).max())
+
+
+def f32_div(a, b):
+    """fmax / amax as the scale update computes it, to within the 2 ulp of XLA:GPU's division."""
+    return pytest.approx(float(np.float32(a) / np.float32(b)), rel=2.5e-7)
 
 
 def randn(seed, shape, scale=1.0):
@@ -91,7 +97,7 @@ def test_state_update_is_exact_and_kept_out_of_param_grads():
     new = model.dot_general.meta.get_value()
     for s, a, fmax in ((new.x, amax(x), E4M3_MAX), (new.dy, amax(r), E5M2_MAX)):
         assert float(s.amax_history[1]) == a and float(s.amax_history[0]) == 0.0
-        assert float(s.scale) == float(np.float32(fmax) / np.float32(a))
+        assert float(s.scale) == f32_div(fmax, a)
 
 
 class Shared(nnx.Module):
@@ -174,6 +180,4 @@ def test_jitted_train_step_traces_once_and_updates_everything():
         # 3 committed steps, each with a usable amax, and scales derived from them.
         assert np.all(np.asarray(meta.x.amax_history[1:4]) > 0)
         assert np.all(np.asarray(meta.dy.amax_history[1:4]) > 0)
-        assert float(meta.dy.scale) == float(
-            np.float32(E5M2_MAX) / np.max(np.asarray(meta.dy.amax_history[1:]))
-        )
+        assert float(meta.dy.scale) == f32_div(E5M2_MAX, np.max(meta.dy.amax_history[1:]))

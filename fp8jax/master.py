@@ -1,0 +1,270 @@
+"""Scaled low-precision tensors: FP16 master weights and the storage of FP8/FP16 Adam moments.
+
+A ``ScaledTensor(data, scale)`` stores ``x`` as ``data = saturate(x * scale)`` in a narrow dtype
+(``x ~= data / scale``), with one f32 scale per tensor. The same type holds the master weights
+(``to_master``) and the optimizer moments (``fp8jax.optim``), so orbax and ``jax.tree`` see plain
+arrays.
+
+Scale rule (``scale_for``), recomputed from the new amax every time a tensor is written:
+
+* E4M3 / E5M2: ``scale = fmax / amax`` (448 or 57344): the largest value lands on the format max.
+* float16: ``scale = 2**floor(log2(65504 / amax))``: amax lands in ``(32752, 65504]``. Adam's
+  second moment is tiny (grad**2, often 1e-12 or less) and would flush to zero in unscaled FP16,
+  whose smallest normal is 6.1e-5; mapping amax to the top keeps the widest range below it. The
+  power of two makes the scaling itself exact, so only FP16 rounding remains.
+* bfloat16 / float32: ``scale = 1``: their exponent range is float32's, so scaling buys nothing.
+
+In every case an amax that is 0, Inf or NaN (or a scale that would overflow) keeps the previous
+scale, so an all-zero or broken tensor never poisons the scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from fp8jax import formats
+
+# Accepted spellings of the storage formats (lower-cased before lookup).
+STORAGE_FORMATS = {
+    "e4m3": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "e5m2": jnp.float8_e5m2,
+    "float8_e5m2": jnp.float8_e5m2,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+}
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def storage_dtype(fmt) -> jnp.dtype:
+    """The dtype for a format name ('e4m3', 'e5m2', 'float16', 'bfloat16', 'float32') or dtype."""
+    if isinstance(fmt, str):
+        key = fmt.lower()
+        if key not in STORAGE_FORMATS:
+            raise ValueError(
+                f"unknown storage format {fmt!r}: use one of "
+                "'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32'"
+            )
+        return jnp.dtype(STORAGE_FORMATS[key])
+    dtype = jnp.dtype(fmt)
+    if dtype not in {jnp.dtype(d) for d in STORAGE_FORMATS.values()}:
+        raise ValueError(f"unsupported storage dtype {dtype}")
+    return dtype
+
+
+@struct.dataclass
+class ScaledTensor:
+    """``x`` stored as ``data = saturate(x * scale)`` in a narrow dtype; ``x ~= data / scale``."""
+
+    data: jax.Array  # [...] e4m3 / e5m2 / f16 / bf16 / f32 storage
+    scale: jax.Array  # [] f32 per-tensor scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the represented tensor."""
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Rank of the represented tensor."""
+        return len(self.data.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the represented tensor."""
+        n = 1
+        for d in self.data.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """Storage dtype of ``data``."""
+        return jnp.dtype(self.data.dtype)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``data / scale`` in ``dtype`` (computed in f32)."""
+        return (self.data.astype(jnp.float32) / self.scale).astype(dtype)
+
+
+def is_scaled(x) -> bool:
+    """True for a ``ScaledTensor`` (use as ``is_leaf`` when mapping over trees that hold them)."""
+    return isinstance(x, ScaledTensor)
+
+
+def pow2(n: jax.Array) -> jax.Array:
+    """Exact ``2.0**n`` in f32 for integer ``n`` (Inf above 127), built from the exponent bits.
+
+    ``jnp.exp2``/``jnp.ldexp`` go through a float ``pow`` that is not exact on every backend.
+    """
+    biased = jnp.clip(jnp.asarray(n, jnp.int32) + 127, 1, 255)  # 255: the Inf bit pattern
+    return jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+
+
+def floor_log2(x: jax.Array) -> jax.Array:
+    """Exact ``floor(log2(|x|))`` as int32 for finite nonzero ``x`` (read off ``frexp``)."""
+    _, e = jnp.frexp(x)  # |x| = f * 2**e with f in [0.5, 1)
+    return e - 1
+
+
+def scale_for(amax: jax.Array, prev_scale: jax.Array, dtype) -> jax.Array:
+    """Per-tensor scale for storing a tensor of this ``amax`` in ``dtype`` (module docstring)."""
+    dtype = storage_dtype(dtype)
+    amax = jnp.asarray(amax, jnp.float32)
+    if dtype in _FP8:
+        ratio = formats.fmax(dtype) / amax
+        scale = ratio
+    elif dtype == jnp.dtype(jnp.float16):
+        ratio = float(jnp.finfo(jnp.float16).max) / amax
+        scale = pow2(floor_log2(ratio))
+    else:
+        return jnp.ones_like(jnp.asarray(prev_scale, jnp.float32))
+    # A denormal amax may be flushed to 0 inside the division (GPUs do), giving ratio = Inf.
+    ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(ratio) & jnp.isfinite(scale) & (scale > 0)
+    return jnp.where(ok, scale, prev_scale).astype(jnp.float32)
+
+
+def hash_bits(shape, seed) -> jax.Array:
+    """Random-looking uint32 per element from a hash of (element index, ``seed``).
+
+    A counter-based hash (murmur3's finalizer) rather than ``jax.random``: it needs no key in the
+    optimizer state and costs a few integer ops per element inside the fused update.
+    """
+    shape = tuple(shape)
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride *= int(shape[axis])
+    h = idx * jnp.uint32(0x9E3779B1) + jnp.asarray(seed).astype(jnp.uint32)
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _round_stochastic(y: jax.Array, dtype, noise: jax.Array) -> jax.Array:
+    """Round f32 ``y`` to ``dtype``'s mantissa width, up with probability equal to the remainder.
+
+    Unbiased: a moment whose per-step change is below half a grid step still moves in expectation
+    (with round-to-nearest, E4M3's 6-12% spacing freezes m once ``(1-b1)|g-m|`` drops under it).
+    Adding random bits below the kept mantissa bits and truncating does this in integer ops; a
+    carry rolls into the exponent, as rounding up should. Values in ``dtype``'s subnormal range
+    keep f32-normal mantissa width here and are rounded to nearest by the cast that follows.
+    """
+    drop = 23 - int(jnp.finfo(dtype).nmant)  # f32 mantissa bits below the target's
+    bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+    bits = (bits + (noise >> (32 - drop))) & jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def encode(x: jax.Array, scale: jax.Array, dtype, noise: jax.Array | None = None) -> jax.Array:
+    """``saturate(x * scale)`` cast to ``dtype``; clipping first so nothing becomes Inf/NaN.
+
+    With ``noise`` (random uint32 shaped like ``x``, e.g. ``hash_bits``) the cast rounds
+    stochastically.
+    """
+    dtype = storage_dtype(dtype)
+    x = x.astype(jnp.float32)
+    if dtype == jnp.dtype(jnp.float32):
+        return x * scale.astype(jnp.float32)
+    limit = float(jnp.finfo(dtype).max)
+    y = jnp.clip(x * scale.astype(jnp.float32), -limit, limit)
+    if noise is not None:
+        y = jnp.clip(_round_stochastic(y, dtype, noise), -limit, limit)
+    # Narrow cast (E4M3/E5M2 for m, FP16 for v and master weights, BF16 if asked): clipped
+    # first, since out-of-range values would become NaN (E4M3) or Inf (E5M2, FP16).
+    return y.astype(dtype)
+
+
+def quantize_scaled(x, prev_scale, dtype, noise=None, amax=None) -> ScaledTensor:
+    """Store ``x`` in ``dtype`` with a fresh scale from its amax (``prev_scale`` if unusable).
+
+    ``amax`` may be passed when the caller already reduced it.
+    """
+    amax = formats.amax(x) if amax is None else amax
+    scale = scale_for(amax, prev_scale, dtype)
+    return ScaledTensor(encode(x, scale, dtype, noise), scale)
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_name(path) -> str:
+    """Last meaningful key of a tree path (skipping the ``.value`` of flax Partitioned boxes)."""
+    names = [_key_name(k) for k in path]
+    while names and names[-1] == "value":
+        names.pop()
+    return names[-1] if names else ""
+
+
+def is_matmul_weight(path, leaf) -> bool:
+    """Default selection: leaves named 'kernel' of rank >= 2 (not embeddings, norms, biases)."""
+    return leaf_name(path) == "kernel" and getattr(leaf, "ndim", 0) >= 2
+
+
+def resolve_mask(params, mask=None, cover_all: bool = False):
+    """A tree of bools like ``params``: ``mask`` may be None (matmul weights), a bool, a callable
+    ``params -> tree`` or a tree; ``cover_all`` selects every leaf."""
+    if cover_all or mask is True or mask is False:
+        value = bool(cover_all or mask)
+        return jax.tree.map(lambda _: value, params, is_leaf=is_scaled)
+    if mask is None:
+        return jax.tree_util.tree_map_with_path(is_matmul_weight, params, is_leaf=is_scaled)
+    return mask(params) if callable(mask) else mask
+
+
+def to_master(params, master_format="float16", mask=None, cover_all: bool = False):
+    """Params with the selected leaves (default: matmul weights) as ``ScaledTensor`` masters.
+
+    ``master_format`` None or 'float32' returns ``params`` unchanged (f32 is already the master).
+    """
+    if master_format is None or storage_dtype(master_format) == jnp.dtype(jnp.float32):
+        return params
+    dtype = storage_dtype(master_format)
+    mask_tree = resolve_mask(params, mask, cover_all)
+
+    def convert(p, selected):
+        if not selected or is_scaled(p):
+            return p
+        return quantize_scaled(p, jnp.ones((), jnp.float32), dtype)
+
+    return jax.tree.map(convert, params, mask_tree, is_leaf=is_scaled)
+
+
+def materialize(params, dtype=jnp.float32):
+    """Dequantize every ``ScaledTensor`` leaf to ``dtype``; plain arrays pass through unchanged."""
+    return jax.tree.map(
+        lambda p: p.dequantize(dtype) if is_scaled(p) else p, params, is_leaf=is_scaled
+    )
+
+
+def apply_updates(params, updates) -> Any:
+    """``params + updates``; ``ScaledTensor`` leaves add in f32 and re-quantize with a fresh scale.
+
+    An element whose new value is not finite keeps its old value, so one bad update cannot turn a
+    master weight into NaN. Plain leaves behave as in ``optax.apply_updates``.
+    """
+
+    def add(p, u):
+        if u is None:
+            return p
+        if is_scaled(p):
+            old = p.dequantize()
+            new = old + u.astype(jnp.float32)  # the update is applied in f32
+            new = jnp.where(jnp.isfinite(new), new, old)
+            return quantize_scaled(new, p.scale, p.data.dtype)
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree.map(add, params, updates, is_leaf=lambda x: is_scaled(x) or x is None)

@@ -1,0 +1,137 @@
+"""Full train step (fwd + bwd + optimizer + FP8 state update) throughput and memory per level.
+
+Each (config, level) runs in a fresh process so the peak device memory is its own. Per run:
+median step time over timed steps after warm-up, tokens/s, model FLOPs utilisation (against
+989 TFLOP/s dense bf16), peak device memory, compiled temp memory, and the number of
+``__cublas$lt$matmul$f8`` GEMMs in the compiled step.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/step.py --out "$OUT" \
+        --runs gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1
+
+``--quick`` shrinks every model to a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MARK = "@@STEP "
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, the usual MFU denominator
+
+
+def _load_config(name: str):
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def child(name: str, level: str, quick: bool, steps: int, batch: int = 0) -> dict:
+    """Compile and time one config at one level (runs inside the child process)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8jax import models, sharding
+    from fp8jax import step as step_lib
+
+    c = _load_config(name)
+    c.fp8.level = level
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1  # one device: no sharding
+    if batch:
+        c.batch_size = batch
+    if quick:
+        m = c.model
+        m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 2, 64, 2, 2, 128
+        m.vocab_size, m.max_len, c.seq_len, c.batch_size = 256, 32, 32, 4
+        m.dtype, m.attention_impl = "float32", "xla"
+    model = models.build_model(c)
+    tx = step_lib.make_optimizer(c)
+    mesh = sharding.make_mesh(c.mesh)
+    with mesh:
+        state = jax.jit(lambda r: step_lib.init_state(model, tx, c, r))(jax.random.PRNGKey(0))
+        step = jax.jit(step_lib.make_train_step(model, tx, c), donate_argnums=0)
+        tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
+        batch = {"inputs": jnp.asarray(tok, jnp.int32), "targets": jnp.asarray(tok, jnp.int32)}
+        t0 = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        hlo = compiled.as_text()
+        ma = compiled.memory_analysis()
+        for _ in range(2):  # warm-up
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t)
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    ms = statistics.median(times) * 1e3
+    tokens = c.batch_size * c.seq_len
+    return {
+        "config": name,
+        "level": level,
+        "batch": c.batch_size,
+        "seq": c.seq_len,
+        "step_ms": ms,
+        "tokens_per_s": tokens / (ms / 1e3),
+        "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16,
+        "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
+        "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
+        "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
+        "compile_s": compile_s,
+        "loss": float(metrics["loss"]),
+        "jax": jax.__version__,
+        "device": str(dev.device_kind),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--child", default=None)
+    a = p.parse_args()
+    if a.child:
+        name, level = a.child.split(":")
+        print(MARK + json.dumps(child(name, level, a.quick, a.steps, a.batch)), flush=True)
+        return
+    rows = []
+    for run in a.runs.split(","):
+        cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps), "--batch", str(a.batch)]
+        cmd += ["--quick"] if a.quick else []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        recs = [json.loads(ln[len(MARK) :]) for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+        if recs:
+            rows.append(recs[0])
+        else:
+            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            rows.append({"config": run, "error": err[:300]})
+        print(json.dumps(rows[-1]), flush=True)
+        with open(os.path.join(a.out, "step.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n{'run':18} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'temp GiB':>9} {'f8 GEMMs':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:18} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['config'] + ':' + r['level']:18} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
+              f"{r['mfu']:6.1%} {r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:8d}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -67,7 +67,7 @@ def main(argv):
     if _MEMORY.value:
         print(memory.memory_table(memory_rows(config)))
         _, lowered = lower_train_step(config)
-        print(memory.compiled_memory(lowered.compile()))
+        print(memory.format_compiled_memory(memory.compiled_memory(lowered.compile())))
     return 0
 
 

@@ -126,3 +126,10 @@ def test_train_and_evaluate_end_to_end(tmp_path):
     c.num_train_steps = 50
     second = train_lib.train_and_evaluate(c, str(tmp_path))
     assert second["step"] == 50 and second["val_loss"] < first["val_loss"] + 0.05
+
+
+def test_memory_rows_per_level():
+    rows = {r["label"]: r for r in inspect_lib.memory_rows(_micro_config())}
+    assert rows["O0"]["matmul_total"] == 16.0  # f32 weight + f32 grad + f32 m and v
+    assert rows["O2"]["matmul_total"] <= 6.0 + 1e-3  # FP16 master + FP8 grad + E4M3 m + FP16 v
+    assert rows["O1"]["matmul_total"] < rows["O0"]["matmul_total"]

@@ -4,7 +4,9 @@
     python train.py --config configs/tiny.py --config.fp8.level=O0 --config.num_train_steps=50
 
 This file is intentionally short: the logic lives in ``fp8jax.train`` so notebooks and tests
-call the same ``train_and_evaluate``. Rerunning with the same ``--workdir`` resumes.
+call the same ``train_and_evaluate``. Rerunning with the same ``--workdir`` resumes; SIGTERM
+checkpoints and exits 0. Bad flags, config, data or checkpoints exit 2 with one line on stderr
+(FP8JAX_DEBUG=1 shows the traceback instead), as does a run stopped by repeated NaN/Inf.
 """
 
 import os
@@ -18,9 +20,28 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _fail(message) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    """absl's parsing, but a bad flag, config file or config key is one line, not a traceback."""
+    try:
+        args = flags.FLAGS(argv)
+        _CONFIG.value.keys()  # ml_collections defers config-file errors to the first field read
+        return args
+    except Exception as e:  # absl, ml_collections and the config file itself raise many kinds
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        from fp8jax.errors import describe_flag_error
+
+        _fail(describe_flag_error(e, argv, flags.FLAGS["config"].value))
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        _fail(f"unexpected arguments {argv[1:]}; set fields as --config.<field>=<value>")
     # Imported after flag parsing so `--help` and config errors are fast.
     from fp8jax import errors
     from fp8jax.train import train_and_evaluate
@@ -31,11 +52,9 @@ def main(argv):
     except errors.USER_ERRORS as e:
         if os.environ.get("FP8JAX_DEBUG"):
             raise
-        logging.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(e)
     logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

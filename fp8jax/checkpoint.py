@@ -1,16 +1,23 @@
 """Orbax checkpointing of the train state together with the data iterator position.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a crash
-mid-save never leaves a half-written *latest* checkpoint; restore always picks a finished one.
+(even ``kill -9``) mid-save never leaves a half-written *latest* checkpoint; restore always
+picks a finished one, and leftover temporary directories are removed on the next start.
+A state holding NaN/Inf is never written, so the latest checkpoint is always a good state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from fp8jax.errors import CheckpointMismatchError
 
@@ -20,7 +27,9 @@ class Checkpointer:
 
     def __init__(self, workdir: str, keep: int = 2, every: int = 0):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True
+        )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data")
         )
@@ -31,10 +40,17 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Save if ``step`` is due (or ``force``); blocks until it is on disk."""
+        """Save if ``step`` is due (or ``force``) and ``state`` is finite; blocks until on disk."""
         if not force and (self.every <= 0 or step % self.every != 0):
             return False
         if step in self.manager.all_steps():
+            return False
+        bad = non_finite_leaves(state)
+        if bad:
+            logging.error(
+                "not checkpointing step %d: NaN/Inf in %s; the latest checkpoint stays step %s",
+                step, ", ".join(bad[:3]), self.latest_step(),
+            )  # fmt: skip
             return False
         saved = self.manager.save(
             step,
@@ -51,21 +67,43 @@ class Checkpointer:
     def restore(self, abstract_state, step: int | None = None):
         """Restore ``(state, data_state)`` of ``step`` (default latest) into the abstract target."""
         step = self.latest_step() if step is None else step
-        try:
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                ),
-            )
-        except Exception as e:  # orbax raises many types: shape, tree, missing-file errors
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        path = os.path.join(self.directory, str(step))
+        mismatch = _mismatch(path, abstract_state)
+        if mismatch:
             raise CheckpointMismatchError(
-                f"checkpoint {self.directory}/{step} does not match this config or is corrupt "
-                f"({type(e).__name__}: {first[:200]}); use a fresh --workdir or the config that "
-                f"wrote it"
+                f"checkpoint {path} was written by another model or config: {mismatch}; resume "
+                f"with the config that wrote it or start a fresh --workdir"
+            )
+        try:
+            with _muted_background_errors():
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        data=ocp.args.JsonRestore(),
+                    ),
+                )
+        except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+            reason = (str(e).strip().splitlines() or [""])[0][:160]
+            raise CheckpointMismatchError(
+                f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {reason}); "
+                f"{self._fallback(step)}"
             ) from e
+        bad = non_finite_leaves(restored["state"])
+        if bad:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} holds NaN/Inf in {bad[0]}; {self._fallback(step)}"
+            )
         return restored["state"], restored["data"]
+
+    def _fallback(self, step: int) -> str:
+        older = [s for s in self.manager.all_steps() if s < step]
+        if older:
+            return (
+                f"move {self.directory}/{step} out of {self.directory} to resume from step "
+                f"{max(older)}, or start a fresh --workdir"
+            )
+        return f"delete {self.directory}/{step} or start a fresh --workdir"
 
     def close(self):
         """Flush pending saves."""
@@ -80,3 +118,67 @@ def abstract_like(tree, shardings=None):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+@jax.jit
+def _finite_flags(tree):
+    return [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+
+
+def non_finite_leaves(tree) -> list[str]:
+    """Paths of the floating-point leaves of ``tree`` that hold NaN or Inf."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    floats = [(p, x) for p, x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not floats:
+        return []
+    flags = jax.device_get(_finite_flags([x for _, x in floats]))
+    return [_dotted(p) for (p, _), ok in zip(floats, flags, strict=True) if not ok]
+
+
+def _dotted(path) -> str:
+    """'params.blocks.mlp.wi.kernel' for a key path (orbax names arrays the same way)."""
+    keys = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return ".".join(map(str, keys))
+
+
+def _mismatch(path: str, abstract_state) -> str | None:
+    """How the saved arrays differ from ``abstract_state`` (names, shapes, dtypes), or None."""
+    try:
+        meta = ocp.StandardCheckpointHandler().metadata(epath.Path(path) / "state")
+        saved = ocp.tree.to_flat_dict(meta)
+    except Exception:  # unreadable metadata: restore reports the checkpoint as corrupt
+        return None
+    wanted = ocp.tree.to_flat_dict(abstract_state)
+    name = ".".join
+    spec = lambda x: f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+    problems = []
+    differ = [k for k in wanted if k in saved and spec(saved[k]) != spec(wanted[k])]
+    if differ:
+        k = differ[0]
+        problems.append(f"{name(k)} is {spec(saved[k])} there but {spec(wanted[k])} here")
+    missing = [k for k in wanted if k not in saved]
+    if missing:
+        problems.append(f"it lacks {name(missing[0])}")
+    extra = [k for k in saved if k not in wanted]
+    if extra:
+        problems.append(f"it holds {name(extra[0])}, which this config has no use for")
+    count = len(differ) + len(missing) + len(extra)
+    if count > len(problems):
+        problems.append(f"{count - len(problems)} more arrays differ")
+    return ", ".join(problems) or None
+
+
+@contextlib.contextmanager
+def _muted_background_errors():
+    """Silence tracebacks that orbax's I/O threads print when a read fails.
+
+    After the first unreadable array, every other pending read fails too and prints a
+    multi-page TensorStore traceback from a background thread; the one exception we re-raise
+    already says what is wrong.
+    """
+    hooks = sys.unraisablehook, sys.excepthook, threading.excepthook
+    sys.unraisablehook = sys.excepthook = threading.excepthook = lambda *args: None
+    try:
+        yield
+    finally:
+        sys.unraisablehook, sys.excepthook, threading.excepthook = hooks

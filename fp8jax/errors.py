@@ -1,14 +1,97 @@
-"""Errors the command line reports as one line: bad config, data, checkpoint, non-finite run."""
+"""Errors the command line reports as one line: bad config, data, checkpoint, non-finite run.
+
+Only ``UserError`` subclasses are reported as one line; anything else is a bug and keeps its
+traceback. ``reraise_as`` turns the ValueError/TypeError that validation code raises (with a
+message naming the fix) into one of these, for the phases where the input is to blame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from absl import flags
 
 
-class CheckpointMismatchError(ValueError):
+class UserError(Exception):
+    """A problem with the run's inputs or its numerics, fixable by the user; one line."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
+class ConfigError(UserError, ValueError):
+    """The config is invalid or inconsistent (fields, shapes, mesh vs devices)."""
+
+
+class DataError(UserError, ValueError):
+    """The corpus is missing, empty or too small for the config."""
+
+
+class CheckpointMismatchError(UserError, ValueError):
     """The checkpoint in the work dir does not fit this config's model (or is corrupt)."""
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """Raised after ``max_bad_steps`` consecutive non-finite steps."""
 
 
-# ValueError/TypeError/FileNotFoundError are what config, format, recipe, shape and data checks
-# raise with a message naming the fix. Set FP8JAX_DEBUG=1 to see full tracebacks instead.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NonFiniteLossError)
+# What train.py prints as one line (FP8JAX_DEBUG=1 shows the traceback instead).
+USER_ERRORS = (UserError,)
+
+
+def one_line(text) -> str:
+    """``text`` with its lines and runs of blanks joined by single spaces."""
+    return " ".join(str(text).split())
+
+
+@contextlib.contextmanager
+def reraise_as(cls: type[UserError], *types: type[Exception]):
+    """Turn ``types`` (default ValueError, TypeError, OSError) raised inside into ``cls``."""
+    types = types or (ValueError, TypeError, OSError)
+    try:
+        yield
+    except UserError:
+        raise
+    except types as e:
+        raise cls(str(e) or type(e).__name__) from e
+
+
+_FIELDS = "configs/base.py lists every field with its type"
+
+
+def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
+    """One line for a bad command line: the flag, what is wrong and how to fix it."""
+    text = one_line(error)
+    if isinstance(error, (KeyError, AttributeError)):  # ml_collections: no such config field
+        key = re.search(r"'([^'\\]+)", text)
+        key = key.group(1) if key else text
+        hint = re.search(r'Did you mean "([^"]+)"', text)
+        hint = f" (did you mean {hint.group(1)!r}?)" if hint else ""
+        flag = next((a.split("=")[0] for a in argv[1:] if _names_key(a, key)), "--config.*")
+        return f"unknown config key {key!r} in {flag}{hint}; {_FIELDS}"
+    if isinstance(error, OSError) and "config file" in text:  # ml_collections: --config failed
+        reason = str(error).strip().splitlines()[-1].strip()
+        return f"cannot load the --config file: {reason}; pass --config=<file.py> (configs/*.py)"
+    match = re.match(r"flag (--config\.([\w.]+))=", text)
+    if match:  # a value that does not parse as the field's type
+        try:
+            kind = f"a value of type {type(_get(config, match.group(2))).__name__}"
+        except Exception:  # config not loaded: name no type
+            kind = "a value of the field's type"
+        return f"{text}; {match.group(1)} takes {kind} ({_FIELDS})"
+    if isinstance(error, flags.Error):
+        return f"{text.rstrip('.')}; see python train.py --helpshort"
+    # Anything else came from running the config file itself.
+    name = type(error).__name__
+    return f"the --config file raised {name}: {text}; FP8JAX_DEBUG=1 shows the traceback"
+
+
+def _names_key(arg: str, key: str) -> bool:
+    return arg.startswith("--config.") and key in arg.split("=")[0].split(".")
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config

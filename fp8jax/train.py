@@ -1,7 +1,16 @@
 """The training loop: ``train_and_evaluate(config, workdir)``.
 
 Called by ``train.py``, the notebooks and the tests. The step itself (pure, jitted once with
-explicit shardings and donation) lives in ``fp8jax.step``.
+explicit shardings and donation) lives in ``fp8jax.step``; it skips the update of a step whose
+loss or gradient norm is not finite and counts it. The loop around it:
+
+* validates the config, the data and any checkpoint before it writes anything, raising a
+  one-line ``fp8jax.errors.UserError`` naming the fix;
+* logs each step's metrics to the console, TensorBoard and ``<workdir>/metrics.jsonl``;
+* warns on every skipped step and stops after ``max_bad_steps`` in a row, leaving the last good
+  state as the latest checkpoint (``NonFiniteLossError``);
+* on SIGTERM checkpoints at the next step boundary and returns normally (pre-emption); a rerun
+  with the same ``workdir`` resumes bit-exactly (same state, same data position).
 """
 
 from __future__ import annotations
@@ -20,12 +29,11 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from fp8jax import data as data_lib
+from fp8jax import errors, models
 from fp8jax import metrics as metrics_lib
-from fp8jax import models
 from fp8jax import sharding as sharding_lib
 from fp8jax import step as step_lib
 from fp8jax.checkpoint import Checkpointer, abstract_like
-from fp8jax.errors import NonFiniteLossError
 
 
 class _Preempted:
@@ -49,6 +57,34 @@ class _Preempted:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+
+def check_loop_config(config: ml_collections.ConfigDict) -> None:
+    """Raise a one-line ValueError for loop settings that cannot work, naming the fix."""
+    at_least = dict(num_train_steps=0, checkpoint_every_steps=0, batch_size=1, seq_len=1,
+                    grad_accum_steps=1, log_every_steps=1, eval_every_steps=1, eval_batches=1,
+                    fp8_stats_every_steps=1, keep_checkpoints=1, max_bad_steps=1)  # fmt: skip
+    for name, low in at_least.items():
+        if not isinstance(config[name], int) or config[name] < low:
+            raise ValueError(f"config.{name}={config[name]!r}: use an integer >= {low}")
+    if config.batch_size % config.grad_accum_steps:
+        raise ValueError(
+            f"batch_size={config.batch_size} is not divisible by grad_accum_steps="
+            f"{config.grad_accum_steps}: change one of them"
+        )
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Check model, FP8, loop and mesh settings against each other and the devices."""
+    models.check_config(config)
+    check_loop_config(config)
+    mesh = sharding_lib.make_mesh(config.mesh)
+    replicas = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum_steps
+    if config.batch_size % replicas:
+        raise ValueError(
+            f"batch_size={config.batch_size} does not split over data x fsdp x grad_accum_steps "
+            f"= {replicas}: use a multiple of {replicas} or change config.mesh"
+        )
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str):
@@ -115,104 +151,195 @@ def sample(model, state, tokenizer, prompt: str, num_tokens: int, max_len: int, 
     for pos in range(n0, min(max_len, n0 + num_tokens)):
         key, sub = jax.random.split(key)
         buf[0, pos] = int(next_token(jnp.asarray(buf), pos, sub))
-    return tokenizer.decode(buf[0, :pos + 1].tolist())
+    return tokenizer.decode(buf[0, : pos + 1].tolist())
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Train ``config`` in ``workdir`` (resuming if a checkpoint is there); return final metrics."""
-    os.makedirs(workdir, exist_ok=True)
-    metrics_lib.quiet_library_logs()
+    """Train ``config`` in ``workdir`` (resuming if a checkpoint is there); return final metrics.
+
+    Bad input raises a ``UserError`` (config, data, checkpoint) before anything in ``workdir``
+    is overwritten; ``max_bad_steps`` non-finite steps in a row raise ``NonFiniteLossError``.
+    """
     if config.get("distributed", False):
         jax.distributed.initialize()
+    with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
+        validate(config)
+    os.makedirs(workdir, exist_ok=True)
+    metrics_lib.quiet_library_logs()
     logging.info("fp8jax: level %s, devices %s", config.fp8.level, jax.devices())
-    dataset = data_lib.build(config, workdir)
-    env = setup(config, workdir)
-    ckpt = Checkpointer(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every_steps)
-    train_iter = dataset.train_iter()
-    start = ckpt.latest_step()
-    if start is not None:
-        target = abstract_like(env["abstract"], env["state_shardings"])
-        state, data_state = ckpt.restore(target, start)
-        train_iter.set_state(data_state)
-        logging.info("resuming from checkpoint at step %d in %s", start, ckpt.directory)
-    else:
-        start = 0
-        state = env["init"](jax.random.PRNGKey(config.seed))
-    compiled = env["train_step"].lower(state, abstract_batch(config)).compile()
-    metrics_lib.log_memory(compiled)
-    eval_batches = dataset.eval_batches(config.eval_batches)
-    writer = metrics_lib.Writer(workdir, enabled=jax.process_index() == 0)
-    tokens_per_step = config.batch_size * config.seq_len
-    summary, pending = {}, None
-    step = start
-    bar = tqdm(total=config.num_train_steps, initial=start, desc="train", unit="step",
-               disable=jax.process_index() != 0)  # fmt: skip
-    t_last, steps_since = time.perf_counter(), 0
+    # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
-        while step < config.num_train_steps:
-            batch = jax.device_put(next(train_iter), env["batch_sharding"])
-            state, metrics = compiled(state, batch)
-            step += 1
-            steps_since += 1
-            # Pull the previous step's metrics only now, so this step is already dispatched.
-            done, pending = pending, (step, metrics)
-            if done is not None:
-                _check_finite(done, config, ckpt, state, train_iter)
-            bar.update(1)
-            if step % config.log_every_steps == 0 or step == config.num_train_steps:
-                m = jax.device_get(metrics)
-                _check_finite((step, metrics), config, ckpt, state, train_iter)
-                dt = time.perf_counter() - t_last
-                m["tokens_per_s"] = steps_since * tokens_per_step / max(dt, 1e-9)
-                t_last, steps_since = time.perf_counter(), 0
-                writer.scalars(step, {f"train/{k}": v for k, v in m.items()})
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
-                logging.info("step %d: %s", step, metrics_lib.fmt(m))
-                summary.update({f"train_{k}": float(v) for k, v in m.items()})
-            if step % config.eval_every_steps == 0 or step == config.num_train_steps:
-                ev = evaluate(env["eval_step"], state, eval_batches, env["batch_sharding"])
-                writer.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
-                logging.info("step %d: %s", step, metrics_lib.fmt(ev))
-                summary.update(ev)
-            if config.fp8.level != "O0" and step % config.fp8_stats_every_steps == 0:
-                health = metrics_lib.fp8_health(state, env["stats_step"](state, batch))
-                writer.scalars(step, health)
-            ckpt.save(step, state, train_iter.get_state())
-            if preempt.flag:
-                ckpt.save(step, state, train_iter.get_state(), force=True)
-                logging.warning("SIGTERM: checkpointed step %d in %s; exiting", step, workdir)
-                summary["preempted_at"] = step
-                break
-    bar.close()
-    if pending is not None:
-        _check_finite(pending, config, ckpt, state, train_iter)
-    ckpt.save(step, state, train_iter.get_state(), force=True)
-    ckpt.close()
-    if config.sample_tokens > 0 and not summary.get("preempted_at"):
-        text = sample(env["model"], state, dataset.tokenizer, "The ", config.sample_tokens,
-                      config.seq_len)  # fmt: skip
-        logging.info("sample: %s", text)
-        summary["sample"] = text
-    summary["step"] = step
-    writer.close()
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        with errors.reraise_as(errors.DataError, ValueError, OSError):
+            dataset = data_lib.build(config, workdir)
+            train_iter = dataset.train_iter()
+            eval_batches = dataset.eval_batches(config.eval_batches)
+        env = setup(config, workdir)
+        ckpt = Checkpointer(
+            workdir, keep=config.keep_checkpoints, every=config.checkpoint_every_steps
+        )
+        try:
+            state, step = _restore_or_init(config, env, ckpt, train_iter)
+            state, summary = _train(
+                config, env, ckpt, state, step, train_iter, eval_batches, preempt
+            )
+        finally:
+            ckpt.close()
+    if config.sample_tokens > 0 and "preempted_at" not in summary:
+        prompt, n = "The ", config.sample_tokens
+        summary["sample"] = sample(
+            env["model"], state, dataset.tokenizer, prompt, n, config.seq_len
+        )
+        logging.info("sample: %s", summary["sample"])
+    _write_json(os.path.join(workdir, "summary.json"), summary)
     return summary
 
 
-def _check_finite(done, config, ckpt, state, train_iter):
-    """Stop with a clear message (and a checkpoint of the last good state) on repeated NaN/Inf."""
-    step, metrics = done
-    bad = int(jax.device_get(metrics["bad_steps"]))
-    if bad == 0:
-        return
-    loss = float(jax.device_get(metrics["loss"]))
-    logging.warning("step %d: non-finite loss/gradients (loss=%s); update skipped", step, loss)
-    if bad >= config.max_bad_steps:
-        # Skipped steps leave the state untouched, so this is the last good state.
+def _restore_or_init(config, env, ckpt, train_iter):
+    """The latest checkpoint's state (and data position) if there is one, else a fresh state."""
+    step = ckpt.latest_step()
+    if step is None:
+        return env["init"](jax.random.PRNGKey(config.seed)), 0
+    state, data_state = ckpt.restore(abstract_like(env["abstract"], env["state_shardings"]), step)
+    train_iter.set_state(data_state)
+    logging.info("resuming from checkpoint step %d in %s", step, ckpt.directory)
+    return state, step
+
+
+def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
+    """The loop from ``step`` to ``num_train_steps``; returns the final state and summary."""
+    compiled = env["train_step"].lower(state, abstract_batch(config)).compile()
+    metrics_lib.log_memory(compiled)
+    log = _Log(os.path.dirname(ckpt.directory), config, step)
+    guard = _NonFiniteGuard(config.max_bad_steps)
+    pending = None  # (step, metrics) whose non-finite count is read one step late
+    try:
+        while step < config.num_train_steps and not preempt.flag:
+            batch = jax.device_put(next(train_iter), env["batch_sharding"])
+            state, metrics = compiled(state, batch)
+            step += 1
+            log.bar.update()
+            # Read the previous step's count only now, so this step is already dispatched.
+            if pending is not None:
+                guard.check(*pending)
+            pending = (step, metrics)
+            last = step == config.num_train_steps
+            if step % config.log_every_steps == 0 or last:
+                log.train(step, metrics)
+                guard.check(step, metrics)
+            if step % config.eval_every_steps == 0 or last:
+                log.eval(step, evaluate(env["eval_step"], state, eval_batches,
+                                        env["batch_sharding"]))  # fmt: skip
+            if config.fp8.level != "O0" and step % config.fp8_stats_every_steps == 0:
+                log.fp8(step, metrics_lib.fp8_health(state, env["stats_step"](state, batch)))
+            ckpt.save(step, state, train_iter.get_state())
+        if pending is not None:
+            guard.check(*pending)
+    except errors.NonFiniteLossError as e:
+        # Skipped steps leave the state as it was, so unless the state itself went bad (then
+        # the save is refused) this checkpoints the last good state.
         ckpt.save(step, state, train_iter.get_state(), force=True)
-        raise NonFiniteLossError(
-            f"{bad} consecutive non-finite steps up to step {step} (loss={loss}); the last good "
-            f"state is checkpointed in {ckpt.directory}. Lower the learning rate, check the data, "
+        good = ckpt.latest_step()
+        saved = f"checkpointed at step {good} in {ckpt.directory}" if good is not None else "lost"
+        raise errors.NonFiniteLossError(
+            f"{e}; the last good state is {saved}. Lower the learning rate, check the data, "
             f"or raise config.max_bad_steps"
+        ) from None
+    finally:
+        log.close()
+    summary = log.summary
+    if preempt.flag and step < config.num_train_steps:
+        logging.warning("SIGTERM: checkpointing step %d in %s; exiting", step, ckpt.directory)
+        summary["preempted_at"] = step
+    ckpt.save(step, state, train_iter.get_state(), force=True)
+    return state, {**summary, "step": step}
+
+
+class _NonFiniteGuard:
+    """Warns about each skipped step; raises NonFiniteLossError after ``max_bad`` in a row."""
+
+    def __init__(self, max_bad: int):
+        self.max_bad, self.checked = max_bad, 0
+
+    def check(self, step: int, metrics) -> None:
+        if step <= self.checked:
+            return
+        self.checked = step
+        bad = int(jax.device_get(metrics["bad_steps"]))
+        if bad == 0:
+            return
+        loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+        logging.warning(
+            "step %d: non-finite loss or gradients (loss=%s, grad_norm=%s): update skipped, %d "
+            "in a row, %d in total", step, loss, gnorm, bad, int(metrics["skipped_steps"]),
+        )  # fmt: skip
+        if bad >= self.max_bad:
+            raise errors.NonFiniteLossError(
+                f"{bad} consecutive non-finite steps ({step - bad + 1}..{step}, last loss={loss}, "
+                f"grad_norm={gnorm})"
+            )
+
+
+class _Log:
+    """Metrics to the console, TensorBoard and ``<workdir>/metrics.jsonl`` (a JSON per line)."""
+
+    def __init__(self, workdir: str, config, step: int):
+        main = jax.process_index() == 0
+        self.writer = metrics_lib.Writer(workdir, enabled=main)
+        # One os.write per record on an O_APPEND file: a kill leaves whole lines only.
+        path = os.path.join(workdir, "metrics.jsonl")
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if main else None
+        self.bar = tqdm(total=config.num_train_steps, initial=step, desc="train", unit="step",
+                        disable=not main)  # fmt: skip
+        self.tokens_per_step = config.batch_size * config.seq_len
+        self.last_step, self.t_last = step, time.perf_counter()
+        self.summary = {}
+
+    def train(self, step: int, metrics) -> None:
+        m = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        m["tokens_per_s"] = (
+            (step - self.last_step) * self.tokens_per_step / max(now - self.t_last, 1e-9)
         )
+        self.last_step, self.t_last = step, now
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+        self._emit(step, "train", m)
+        self.summary.update({f"train_{k}": v for k, v in m.items()})
+
+    def eval(self, step: int, values: dict) -> None:
+        self._emit(step, "eval", values)
+        self.summary.update(values)
+
+    def fp8(self, step: int, health: dict) -> None:
+        self.writer.scalars(step, health)
+        worst = {
+            f"fp8_max_{kind}": max(
+                [v for k, v in health.items() if k.endswith(f"_{kind}")] or [0.0]
+            )
+            for kind in ("saturated", "flushed")
+        }
+        logging.info("step %d: %s", step, metrics_lib.fmt(worst))
+        self._append({"step": step, **worst})
+
+    def _emit(self, step: int, prefix: str, values: dict) -> None:
+        self.writer.scalars(step, {f"{prefix}/{k}": v for k, v in values.items()})
+        logging.info("step %d: %s", step, metrics_lib.fmt(values))
+        self._append({"step": step, **values})
+
+    def _append(self, record: dict) -> None:
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _write_json(path: str, value) -> None:
+    """Write JSON atomically (a kill mid-write leaves the old file, never half a new one)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)

@@ -64,8 +64,7 @@ def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
     """One line for a bad command line: the flag, what is wrong and how to fix it."""
     text = one_line(error)
     if isinstance(error, (KeyError, AttributeError)):  # ml_collections: no such config field
-        key = re.search(r"'([^'\\]+)", text)
-        key = key.group(1) if key else text
+        key = field_name(error)
         hint = re.search(r'Did you mean "([^"]+)"', text)
         hint = f" (did you mean {hint.group(1)!r}?)" if hint else ""
         flag = next((a.split("=")[0] for a in argv[1:] if _names_key(a, key)), "--config.*")
@@ -80,11 +79,20 @@ def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
         except Exception:  # config not loaded: name no type
             kind = "a value of the field's type"
         return f"{text}; {match.group(1)} takes {kind} ({_FIELDS})"
+    if "Traceback (most recent call last)" in str(error):  # the config file raised, absl says
+        reason = str(error).strip().splitlines()[-1].strip()
+        return f"the --config file raised {reason}; FP8JAX_DEBUG=1 shows the traceback"
     if isinstance(error, flags.Error):
         return f"{text.rstrip('.')}; see python train.py --helpshort"
     # Anything else came from running the config file itself.
     name = type(error).__name__
     return f"the --config file raised {name}: {text}; FP8JAX_DEBUG=1 shows the traceback"
+
+
+def field_name(error: Exception) -> str:
+    """The config field an ml_collections KeyError/AttributeError names ('foo' of "'foo'")."""
+    match = re.search(r"'([^'\\]+)", str(error))
+    return match.group(1) if match else one_line(error)
 
 
 def _names_key(arg: str, key: str) -> bool:

@@ -76,9 +76,15 @@ def check_loop_config(config: ml_collections.ConfigDict) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Check model, FP8, loop and mesh settings against each other and the devices."""
-    models.check_config(config)
-    check_loop_config(config)
-    mesh = sharding_lib.make_mesh(config.mesh)
+    try:
+        models.check_config(config)
+        check_loop_config(config)
+        mesh = sharding_lib.make_mesh(config.mesh)
+    except (KeyError, AttributeError) as e:  # ml_collections: a field the config file lacks
+        raise ValueError(
+            f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
+            f"every field with its default)"
+        ) from e
     replicas = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum_steps
     if config.batch_size % replicas:
         raise ValueError(

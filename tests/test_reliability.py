@@ -371,6 +371,7 @@ def test_nonfinite_step_is_skipped_and_fp8_scales_keep_last_good(kind, fault_run
             assert not trees_equal(after.params, before.params)
 
 
+@pytest.mark.slow
 def test_loop_skips_transient_nan_then_stops_after_k_bad_steps(corpus, tmp_path, monkeypatch):
     """Injects NaN into the activations of steps 4-5, then of every step from 9 on (K=3).
 
@@ -395,6 +396,7 @@ def test_loop_skips_transient_nan_then_stops_after_k_bad_steps(corpus, tmp_path,
     assert_scales_good(state.fp8)
 
 
+@pytest.mark.slow
 def test_loop_never_checkpoints_a_corrupted_weight(corpus, tmp_path, monkeypatch):
     """Injects NaN into an FP8 kernel of the train state itself at step 4 (it persists).
 
@@ -519,6 +521,7 @@ def test_sigterm_mid_run_checkpoints_and_exits_0(corpus, env, tmp_path):
     assert "SIGTERM: checkpointing step" in (tmp_path / "log.txt").read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_resume_is_bit_exact(corpus, tmp_path, baseline, monkeypatch):
     """Injects SIGTERM into this process while the loop reads the batch of step 6.
 
@@ -568,9 +571,10 @@ def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(corpus, env,
                 proc.wait()
         ckpts = tmp_path / "checkpoints"
         mid_save = any("tmp" in p.name for p in ckpts.iterdir()) if ckpts.exists() else False
-        step, state, data = restore_latest(tmp_path, corpus)
-        assert step is not None and data["step"] == step
-        assert int(state.step) == step
+        step = None
+        if checkpoint_steps(tmp_path):  # none yet if killed during the very first save
+            step, state, data = restore_latest(tmp_path, corpus)
+            assert data["step"] == step == int(state.step)
         kills.append((train_records(tmp_path)[-1]["step"], step, mid_save))
     print("kills (last logged step, latest checkpoint, killed mid-save):", kills)
     proc = run_cli(args, env)
@@ -628,6 +632,7 @@ BAD_INPUT = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_line_error_and_overwrites_nothing(case, corpus, env, tmp_path, baseline):
     """Injects one bad input per case (a bad flag, config value, corpus or checkpoint) into
@@ -667,6 +672,7 @@ def test_fp8_dot_rejects_int_and_float64_with_the_fix(dtype):
 # --- determinism ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_losses(corpus, tmp_path, baseline):
     """Injects nothing: an in-process run repeats the baseline subprocess run's config and seed.
 

@@ -213,6 +213,9 @@ def _restore_or_init(config, env, ckpt, train_iter):
 
 def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
     """The loop from ``step`` to ``num_train_steps``; returns the final state and summary."""
+    if preempt.flag:  # SIGTERM during start-up: nothing new to save, skip the compile
+        logging.warning("SIGTERM before the first step; exiting")
+        return state, {"step": step, "preempted_at": step}
     compiled = env["train_step"].lower(state, abstract_batch(config)).compile()
     metrics_lib.log_memory(compiled)
     log = _Log(os.path.dirname(ckpt.directory), config, step)

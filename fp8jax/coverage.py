@@ -75,6 +75,11 @@ class DotEntry:
         return self.lhs_dtype in FP8_TYPES and self.rhs_dtype in FP8_TYPES
 
     @property
+    def fp8(self) -> bool:
+        """Alias of ``is_fp8``."""
+        return self.is_fp8
+
+    @property
     def flops(self) -> int:
         """2 * output elements * contracted size, per execution (0 if a dim is dynamic)."""
         k_dims = [self.lhs_shape[d] for d in self.contracting[0]]

@@ -98,10 +98,12 @@ def scale_from_amax(amax, prev_scale, fmt: str, recipe: Recipe) -> jax.Array:
     # Decide before rounding: frexp(inf) would round an overflowed scale to a finite 0.5.
     ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
     if recipe.power_of_two:
-        # frexp is exact (scale = m * 2^e, m in [0.5, 1)); exp2(floor(log2(s))) is not on CPU
-        # (2^15 came out as 32767.984) and can round up across a power of two.
-        _, exponent = jnp.frexp(scale)
-        scale = jnp.ldexp(jnp.ones_like(scale), exponent - 1)
+        # exp2(floor(log2(s))) is inexact on CPU (2^15 came out as 32767.984) and jnp.ldexp is
+        # a float pow too: read the exponent off frexp (scale = m * 2^e, m in [0.5, 1)) and
+        # write 2^(e-1) straight into the f32 exponent bits.
+        _, e = jnp.frexp(scale)
+        biased = jnp.clip(e - 1 + 127, 1, 254).astype(jnp.int32)  # normal f32 exponents only
+        scale = jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
     return jnp.where(ok, scale, prev_scale).astype(jnp.float32)
 
 

@@ -62,7 +62,8 @@ def saturation_stats(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, ja
     dtype = as_dtype(fmt)
     xs = jnp.abs(x.astype(jnp.float32) * scale.astype(jnp.float32))
     n = x.size
-    saturated = jnp.sum(xs >= fmax(dtype)) / n
+    # Strictly above: a value equal to the max (current scaling's amax element) is exact.
+    saturated = jnp.sum(xs > fmax(dtype)) / n
     # Values below half the smallest subnormal round to zero in the cast.
     tiny = float(jnp.finfo(dtype).smallest_subnormal) / 2
     flushed = jnp.sum((xs > 0) & (xs < tiny)) / n

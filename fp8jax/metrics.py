@@ -44,7 +44,7 @@ class Writer:
             return
         for k, v in values.items():
             v = np.asarray(jax.device_get(v))
-            if v.size == 1 and np.issubdtype(v.dtype, np.number):
+            if v.size == 1 and np.issubdtype(v.dtype, np.number) and np.isfinite(v):
                 self._w.add_scalar(k, float(v), step)
         self._w.flush()
 

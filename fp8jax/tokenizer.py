@@ -113,5 +113,7 @@ def load_or_train(
     logging.info("training byte-level BPE tokenizer (vocab %d) -> %s", vocab_size, path)
     tok = train(texts, vocab_size, min_frequency)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, path)  # atomic: a kill mid-save never leaves a broken tokenizer.json
     return tok

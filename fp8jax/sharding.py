@@ -1,18 +1,32 @@
-"""Device mesh and the one rules table mapping logical axis names to mesh axes."""
+"""Device mesh, the one rules table mapping logical axis names to mesh axes, state shardings.
+
+Mesh axes: ``data`` (pure data parallel: params replicated), ``fsdp`` (data parallel with params,
+master weights and optimizer state sharded, ZeRO-3 style) and ``tensor`` (Megatron tensor
+parallel). The batch is split over ``data`` x ``fsdp``; both are the data-parallel axes over
+which gradients are reduced (in FP8 at O1+, see ``fp8jax.comm``).
+"""
 
 from __future__ import annotations
 
+import os
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fp8jax import master
+
 MESH_AXES = ("data", "fsdp", "tensor")
+DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
 
 # Logical axis -> mesh axis (None = replicated). Parameters: 'embed' is sharded over fsdp
-# (ZeRO-3 style, O3), 'mlp'/'heads'/'kv_heads'/'vocab' over tensor (Megatron column/row).
+# (ZeRO-3 style), 'mlp'/'heads'/'kv_heads'/'vocab' over tensor: column-parallel q/kv/wi split
+# their output features, row-parallel o/wo their input features (Megatron), so each shard runs
+# its own FP8 GEMM and only the row-parallel outputs are summed across 'tensor'.
 RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", DP_AXES),
     ("length", None),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -29,22 +43,44 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     """Mesh ('data', 'fsdp', 'tensor') from config sizes; -1 takes the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = [int(mesh_config.data), int(mesh_config.fsdp), int(mesh_config.tensor)]
+    named = dict(zip(MESH_AXES, sizes, strict=True))
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh sizes {sizes}: at most one of data/fsdp/tensor may be -1")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if known <= 0 or len(devices) % known:
             raise ValueError(
-                f"mesh {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices; "
+                f"mesh {named} does not divide {len(devices)} devices; "
                 f"set config.mesh sizes whose product divides the device count"
             )
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
+        named = dict(zip(MESH_AXES, sizes, strict=True))
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but "
+            f"mesh {named} needs {int(np.prod(sizes))} devices but "
             f"{len(devices)} are available; fix config.mesh (use -1 for 'the rest')"
         )
     return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+
+
+def initialize_distributed() -> None:
+    """``jax.distributed.initialize`` from the cluster (Slurm, MPI, k8s, TPU) or JAX_* vars."""
+    # Without a cluster manager set JAX_COORDINATOR_ADDRESS (host:port of process 0),
+    # JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process; JAX reads only the first itself.
+    # On CPU hosts the cross-process collectives go through gloo.
+    if jax.config.values.get("jax_cpu_collectives_implementation", "gloo") in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {}
+    if "JAX_NUM_PROCESSES" in os.environ:
+        kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+    if "JAX_PROCESS_ID" in os.environ:
+        kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+    jax.distributed.initialize(**kwargs)
+
+
+def dp_size(mesh: Mesh) -> int:
+    """Number of data-parallel replicas (data x fsdp)."""
+    return int(mesh.shape["data"] * mesh.shape["fsdp"])
 
 
 def logical_shardings(abstract_boxed, mesh: Mesh, rules=RULES):
@@ -60,28 +96,139 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch dimension split over the data-parallel axes (data x fsdp)."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return NamedSharding(mesh, PartitionSpec(DP_AXES))
+
+
+def put_batch(batch, sharding: NamedSharding):
+    """Place a host batch on the mesh; with several processes ``batch`` is this process's rows."""
+    # fp8jax.data yields each process its own rows of the global batch; the global array is
+    # assembled from every process's rows.
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+    )
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+def fit_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """``spec`` without mesh axes that do not divide their dimension (or have size 1)."""
+    # e.g. 2 key/value heads on a 4-way 'tensor' axis stay replicated instead of failing.
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    out = []
+    for dim, entry in zip(shape, entries, strict=True):
+        axes = tuple(a for a in _mesh_axes(entry) if mesh.shape[a] > 1)
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if not axes or dim % size:
+            out.append(None)
+        else:
+            out.append(axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with mesh ``axis`` removed (e.g. the full-weight layout after an fsdp gather)."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in _mesh_axes(entry) if a != axis)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def axis_dim(spec: PartitionSpec, axis: str) -> int | None:
+    """The dimension that ``spec`` shards over mesh ``axis`` (None if it does not)."""
+    for d, entry in enumerate(spec):
+        if axis in _mesh_axes(entry):
+            return d
+    return None
+
+
+def boxed_params(model, config):
+    """Abstract params with their logical-axis boxes (no allocation)."""
+    tokens_BxL = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens_BxL)["params"]
+
+
+def param_specs(model, config, mesh: Mesh):
+    """Mesh PartitionSpec of every (plain, unboxed) parameter, fitted to its shape."""
+    boxed = boxed_params(model, config)
+    logical = nn.get_partition_spec(boxed)
+    abstract = nn.unbox(boxed)
+
+    def one(names, leaf):
+        spec = nn.logical_to_mesh_axes(tuple(names), RULES)
+        return fit_spec(spec, leaf.shape, mesh)
+
+    return jax.tree.map(one, logical, abstract, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def param_logical_names(model, config):
+    """Logical axis names of every parameter (tuples, e.g. ('layers', 'embed', 'mlp'))."""
+    logical = nn.get_partition_spec(boxed_params(model, config))
+    return jax.tree.map(lambda s: tuple(s), logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_key(path) -> tuple[str, ...]:
+    """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
+    return tuple(_key_name(k) for k in path)
+
+
+def _shard_like_params(tree, spec_by_path: dict, mesh: Mesh):
+    """Shardings for a tree of parameter-shaped leaves (params, optimizer moments)."""
+    # A leaf (or ScaledTensor) whose path ends with a parameter's path and has its shape takes
+    # that parameter's sharding (a ScaledTensor's per-tensor scale stays replicated); anything
+    # else (step counters, scalars) is replicated.
+    rep = replicated(mesh)
+
+    def one(path, leaf):
+        key = path_key(path)
+        for i in range(len(key)):
+            spec = spec_by_path.get(key[i:])
+            if spec is None:
+                continue
+            if tuple(spec[1]) != tuple(leaf.shape):
+                continue
+            sh = NamedSharding(mesh, spec[0])
+            return master.ScaledTensor(sh, rep) if master.is_scaled(leaf) else sh
+        return master.ScaledTensor(rep, rep) if master.is_scaled(leaf) else rep
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=master.is_scaled)
 
 
 def state_shardings(model, config, abstract_state, mesh: Mesh):
-    """Shardings for a TrainState: params from their logical names, the rest replicated.
-
-    Only plain parameter arrays take logical shardings here; scaled (O2+) masters, optimizer
-    moments and FP8 scale state are replicated.
-    """
-    import jax.numpy as jnp
-
-    tokens_BxL = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
-    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens_BxL)["params"]
-    param_sh = logical_shardings(boxed, mesh)
+    """TrainState shardings: params and moments by logical names, everything else replicated."""
+    # FP8/FP16 ScaledTensor data is sharded like its parameter, its scale replicated; FP8 scale
+    # state, the gradient-communication state and counters are replicated.
+    specs = param_specs(model, config, mesh)
+    shapes = nn.unbox(boxed_params(model, config))
+    flat_specs = jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )[0]
+    flat_shapes = jax.tree.leaves(shapes)
+    spec_by_path = {
+        path_key(p): (s, tuple(x.shape)) for (p, s), x in zip(flat_specs, flat_shapes, strict=True)
+    }
     rep = replicated(mesh)
-    params = abstract_state.params
-    same = jax.tree.structure(params) == jax.tree.structure(param_sh)
     return abstract_state.replace(
         step=rep,
-        params=param_sh if same else jax.tree.map(lambda _: rep, params),
-        opt_state=jax.tree.map(lambda _: rep, abstract_state.opt_state),
+        params=_shard_like_params(abstract_state.params, spec_by_path, mesh),
+        opt_state=_shard_like_params(abstract_state.opt_state, spec_by_path, mesh),
         fp8=jax.tree.map(lambda _: rep, abstract_state.fp8),
         bad_steps=rep,
         skipped=rep,
+        comm=jax.tree.map(lambda _: rep, getattr(abstract_state, "comm", {})),
     )

@@ -13,9 +13,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import linen as nn
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
-from fp8jax import optim
+from fp8jax import comm, optim
+from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
 from fp8jax.state import FP8, FP8_STATS
 
@@ -32,6 +35,7 @@ class TrainState:
     fp8: Any  # the fp8_state collection (empty at O0)
     bad_steps: jax.Array  # [] int32, consecutive non-finite steps (update skipped)
     skipped: jax.Array  # [] int32, total skipped steps
+    comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
 
 
 def level_index(level: str) -> int:
@@ -93,7 +97,8 @@ def init_state(model, tx, config, rng: jax.Array) -> TrainState:
     if level_index(config.fp8.level) >= 2:
         params = optim.to_master(params, master_format=config.fp8.master_format)
     zero = jnp.zeros((), jnp.int32)
-    return TrainState(zero, params, opt_state, variables.get(FP8, {}), zero, zero)
+    comm_state = comm.init_state(level_index(config.fp8.level), comm.CommConfig.from_config(config))
+    return TrainState(zero, params, opt_state, variables.get(FP8, {}), zero, zero, comm_state)
 
 
 def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
@@ -104,12 +109,14 @@ def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
     return jnp.mean(losses)
 
 
-def _micro_grads(model, params, fp8, batch):
+def _micro_grads(model, params, fp8, batch, weight=1.0):
     """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state."""
+    # ``weight`` scales the loss: 1/N for one of N data-parallel replicas, so the replicas'
+    # gradients sum to the global batch's and dy (hence its FP8 amax) equals the unsharded one.
 
     def loss_fn(p, s):
         logits, mutated = model.apply({"params": p, FP8: s}, batch["inputs"], mutable=[FP8])
-        return cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
+        return weight * cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
 
     (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, fp8
@@ -117,25 +124,83 @@ def _micro_grads(model, params, fp8, batch):
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
 
 
-def make_train_step(model, tx, config):
-    """Build the pure ``train_step(state, batch) -> (state, metrics)``."""
+def _accumulate(model, params, fp8, batch, accum: int, weight=1.0):
+    """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches."""
+    if accum == 1:
+        return _micro_grads(model, params, fp8, batch, weight)
+    micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+        loss_sum, g_sum, fp8 = carry
+        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight)
+        return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), fp8), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
+    return loss / accum, fp8, jax.tree.map(lambda g: g / accum, grads)
+
+
+def _replica_grads(model, params, state, batch, accum: int, plan):
+    """(loss, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
+    # The batch is viewed as [N, B/N, ...] with N split over data x fsdp and the step vmapped
+    # over it: each device computes its own replica's gradients, which comm.reduce_gradients
+    # sums in FP8. Tensor parallelism stays with XLA's SPMD partitioner (the parameters keep
+    # their 'tensor' shardings inside).
+    mesh, n = plan.mesh, plan.num_replicas
+    batch_size = batch["inputs"].shape[0]
+    if batch_size % (n * accum):
+        raise ValueError(
+            f"batch_size={batch_size} must be divisible by data-parallel replicas ({n}) x "
+            f"grad_accum_steps ({accum}); change batch_size or config.mesh"
+        )
+    dp = NamedSharding(mesh, PartitionSpec(sharding_lib.DP_AXES))
+    batch_N = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
+    )
+    full, w_amax = comm.gather_params(params, state.fp8, plan)
+
+    def one(b):
+        return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n)
+
+    # The model's activation constraints name 'batch', which the vmapped replica axis already
+    # splits over data x fsdp: keep them inert inside a replica.
+    with nn.logical_axis_rules(()):
+        loss_N, fp8_N, grads_N = jax.vmap(one)(batch_N)
+    grads_N = jax.tree.map(
+        lambda g, spec: jax.lax.with_sharding_constraint(
+            g, NamedSharding(mesh, plan.replica_spec(spec))
+        ),
+        grads_N,
+        plan.specs,
+    )
+    # Amaxes are maxima over every replica's data (the global amax); scales are identical.
+    fp8 = jax.tree.map(lambda x: jnp.max(x, axis=0), fp8_N)
+    fp8 = comm.set_weight_amax(fp8, w_amax)
+    return jnp.sum(loss_N), fp8, grads_N
+
+
+def make_train_step(model, tx, config, mesh=None):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: config's)."""
+    # With more than one data-parallel replica at O1+ gradients are reduced in FP8 with a shared
+    # scale (fp8jax.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8. The
+    # mesh must be the one the step is jitted over (train.setup's: make_mesh(config.mesh)).
     accum = int(config.grad_accum_steps)
+    level = level_index(config.fp8.level)
+    if mesh is None and level >= 1 and comm.CommConfig.from_config(config).enabled:
+        mesh = sharding_lib.make_mesh(config.mesh)
+    plan = comm.make_plan(model, config, mesh, level) if mesh is not None else None
 
     def train_step(state: TrainState, batch):
         params = optim.materialize(state.params)  # f32 view (O2+: FP16 master dequantized)
-        if accum == 1:
-            loss, fp8, grads = _micro_grads(model, params, state.fp8, batch)
+        comm_state, comm_metrics = state.comm, {}
+        if plan is None:
+            loss, fp8, grads = _accumulate(model, params, state.fp8, batch, accum)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-
-            def body(carry, mb):
-                loss_sum, g_sum, fp8 = carry
-                loss, fp8, g = _micro_grads(model, params, fp8, mb)
-                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), fp8), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, state.fp8), micro)
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            loss, fp8, grads_N = _replica_grads(model, params, state, batch, accum, plan)
+            mu = state.comm["mu"]
+            grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
+            comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
+            comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}
         fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
         grad_norm = optax.global_norm(grads)
@@ -148,6 +213,7 @@ def make_train_step(model, tx, config):
             params=keep(new_params, state.params),
             opt_state=keep(opt_state, state.opt_state),
             fp8=keep(fp8, state.fp8),
+            comm=keep(comm_state, state.comm),
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
             skipped=state.skipped + jnp.where(ok, 0, 1),
         )
@@ -157,6 +223,7 @@ def make_train_step(model, tx, config):
             "learning_rate": learning_rate_schedule(config)(state.step),
             "skipped_steps": new_state.skipped,
             "bad_steps": new_state.bad_steps,
+            **comm_metrics,
         }
         return new_state, metrics
 

@@ -1,0 +1,544 @@
+"""FP8 communication for data-parallel training (FP8-LM): gradient reduction and weight gathers.
+
+Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (N replicas):
+
+1. Each replica holds its own gradient ``g_i`` (its loss carries a 1/N weight, so the reduced
+   gradient is the sum ``sum_i g_i``).
+2. One ``pmax`` gives every tensor's global amax (one per layer for ``nn.scan`` stacks) and the
+   shared scale ``s = mu * fmax / amax``; every replica quantizes ``g_i * s`` with it (E5M2 by
+   default). ``mu`` is FP8-LM's automatic pre-scale factor (below).
+3. The FP8 bytes of all gradients travel in one ``all_to_all``: replica r receives every
+   replica's r-th chunk and adds them in f32. An FP8 sum of N full-range values could overflow
+   (MS-AMP issue #41); the f32 sum cannot, and ``sum / N`` is again within the format's range.
+4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data``
+   only for parameters sharded over ``fsdp``, which keep just their shard: a reduce-scatter).
+   The N goes back into the inverse scale: ``g = q * (N / s)``.
+
+So each device sends about 2 bytes per gradient element (all-to-all + all-gather) where an f32
+ring all-reduce sends 8. Gradients smaller than ``min_fp8_size`` elements (norms, biases) are
+reduced in f32: their bytes are negligible and their precision is not.
+
+Automatic scaling (FP8-LM): if more than ``saturation_limit`` (0.001%) of the quantized values
+exceed the format max (they are clipped), ``mu`` halves for the next step; otherwise it grows by
+``mu_growth`` (2**(1/1000)). With ``mu <= 1`` nothing clips (the amax is this step's global
+one), so ``mu`` creeps above 1, trading the rare largest values for resolution of small ones.
+
+FSDP weight gathers: parameters sharded over ``fsdp`` are all-gathered before the forward pass;
+at O3 the matmul kernels of FP8 layers are quantized to E4M3 with the layer's own weight scale
+on their shard first, so only FP8 bytes move. The gathered FP8 weight is handed to the model
+dequantized; the FP8 matmul re-quantizes it with the same scale, which lands exactly on the
+gathered FP8 values (the round trip's error is far below half an E4M3 step), so the GEMM sees
+the gathered bytes.
+
+Wire format: XLA:GPU keeps FP8 element types in collectives (NCCL moves the bytes); XLA:CPU
+upcasts FP8 collectives to f16. ``wire='auto'`` therefore sends FP8 as FP8 on accelerators and
+as its uint8 bit pattern (``bitcast_convert_type``, free) on CPU: one byte per element either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from fp8jax import formats, scaling
+from fp8jax import sharding as sharding_lib
+from fp8jax.sharding import DP_AXES, MESH_AXES
+
+P = PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConfig:
+    """Settings of FP8 gradient communication (``config.comm``; every field optional)."""
+
+    enabled: bool = True  # FP8 gradient reduction at O1+ (False: XLA's own f32 all-reduce)
+    grad_format: str = "e5m2"  # 'e5m2' (range) or 'e4m3' (precision) for gradients on the wire
+    wire: str = "auto"  # 'auto', 'fp8' (FP8 dtype collectives) or 'uint8' (FP8 bit patterns)
+    min_fp8_size: int = 4096  # gradients with fewer elements are reduced in f32
+    mu_init: float = 1.0  # FP8-LM auto-scaling factor at step 0
+    mu_growth: float = 2.0 ** (1.0 / 1000)  # growth per step without saturation
+    saturation_limit: float = 1e-5  # halve mu when more than this share of values clips
+
+    def __post_init__(self):
+        formats.as_dtype(self.grad_format)
+        if self.wire not in ("auto", "fp8", "uint8"):
+            raise ValueError(f"unknown comm.wire {self.wire!r}: use 'auto', 'fp8' or 'uint8'")
+
+    @classmethod
+    def from_config(cls, config) -> CommConfig:
+        """From ``config.comm`` (a dict or ConfigDict; missing fields take the defaults)."""
+        raw = config.get("comm", None) if hasattr(config, "get") else None
+        raw = dict(raw.to_dict() if hasattr(raw, "to_dict") else raw or {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise ValueError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
+        return cls(**raw)
+
+
+def init_state(level: int, cfg: CommConfig) -> dict:
+    """The train state's ``comm`` entry: ``{'mu': f32[]}`` at O1+, empty at O0."""
+    return {"mu": jnp.asarray(cfg.mu_init, jnp.float32)} if level >= 1 else {}
+
+
+def next_mu(mu: jax.Array, saturated: jax.Array, cfg: CommConfig) -> jax.Array:
+    """FP8-LM auto-scaling: halve when too many values clipped, otherwise grow slowly."""
+    return jnp.where(saturated > cfg.saturation_limit, mu * 0.5, mu * cfg.mu_growth).astype(
+        jnp.float32
+    )
+
+
+def _wire(mesh: Mesh, cfg: CommConfig) -> str:
+    """'fp8' or 'uint8': how FP8 payloads travel on this mesh's platform."""
+    if cfg.wire != "auto":
+        return cfg.wire
+    return "uint8" if mesh.devices.flat[0].platform == "cpu" else "fp8"
+
+
+def _send(x_f8: jax.Array, wire: str) -> jax.Array:
+    """FP8 payload as it goes on the wire (same bytes; uint8 view where FP8 would be upcast)."""
+    return lax.bitcast_convert_type(x_f8, jnp.uint8) if wire == "uint8" else x_f8
+
+
+def _recv(x: jax.Array, dtype, wire: str) -> jax.Array:
+    """The FP8 array (E4M3 or E5M2, as sent) back from its wire form."""
+    return lax.bitcast_convert_type(x, dtype) if wire == "uint8" else x
+
+
+def _bcast(s: jax.Array, ndim: int) -> jax.Array:
+    """Per-layer scale ``[L]`` (or ``[]``) broadcast against a ``[L, ...]`` tensor."""
+    return s.reshape(s.shape + (1,) * (ndim - s.ndim))
+
+
+def _amax_stacked(x: jax.Array, stack_ndim: int) -> jax.Array:
+    """Amax over all but the leading ``stack_ndim`` (layer) axes, f32."""
+    axes = tuple(range(stack_ndim, x.ndim))
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the sharded step needs to know about every parameter (static, built once)."""
+
+    mesh: Mesh
+    cfg: CommConfig
+    level: int  # 0..3
+    specs: Any  # tree of PartitionSpec: each parameter's layout on the mesh
+    stack_ndims: Any  # tree of int: leading 'layers' axes (one FP8 scale per layer)
+    compute_dtype: Any  # the model's dtype (what the FP8 matmul quantizes from)
+
+    @property
+    def num_replicas(self) -> int:
+        return sharding_lib.dp_size(self.mesh)
+
+    def replica_spec(self, spec: PartitionSpec) -> PartitionSpec:
+        """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp, split over N)."""
+        return P(DP_AXES, *sharding_lib.drop_axis(spec, "fsdp"))
+
+
+def make_plan(model, config, mesh: Mesh, level: int) -> Plan | None:
+    """The plan of FP8 communication, or None when there is none (O0, one replica, disabled)."""
+    cfg = CommConfig.from_config(config)
+    if level < 1 or not cfg.enabled or sharding_lib.dp_size(mesh) == 1:
+        return None
+    specs = sharding_lib.param_specs(model, config, mesh)
+    names = sharding_lib.param_logical_names(model, config)
+    stack = jax.tree.map(
+        lambda n: next((i for i, a in enumerate(n) if a != "layers"), len(n)),
+        names,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    return Plan(mesh, cfg, level, specs, stack, jnp.dtype(config.model.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient reduction
+
+
+def _arrange(y: jax.Array, fsdp_dim: int | None, a: int, f: int) -> tuple[jax.Array, int]:
+    """(``[N, k]`` rows for replica ``a*F + b`` = (data a, fsdp b), unpadded length covered)."""
+    # Sharded over fsdp: row (a, b) is the a-th piece of fsdp-slice b, so replica (a, b) ends up
+    # owning a piece of its own slice. Replicated: the flat tensor cut into N chunks.
+    n = a * f
+    if fsdp_dim is None:
+        flat = y.reshape(-1)
+        k = -(-flat.size // n)
+        return jnp.pad(flat, (0, k * n - flat.size)).reshape(n, k), flat.size
+    rows_FxM = jnp.moveaxis(y, fsdp_dim, 0).reshape(f, -1)
+    m = rows_FxM.shape[1]
+    k = -(-m // a)
+    rows_FxAxK = jnp.pad(rows_FxM, ((0, 0), (0, k * a - m))).reshape(f, a, k)
+    return jnp.transpose(rows_FxAxK, (1, 0, 2)).reshape(n, k), m
+
+
+def _unarrange_sharded(rows_AxK, m: int, local_shape, fsdp_dim: int, f: int):
+    """Inverse of ``_arrange`` for this replica's fsdp slice, from the data-gathered pieces."""
+    moved = list(local_shape)
+    moved.insert(0, moved.pop(fsdp_dim))
+    flat = rows_AxK.reshape(-1)[:m]
+    return jnp.moveaxis(flat.reshape(moved), 0, fsdp_dim)
+
+
+def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
+    """Sum replica gradients ``[N, *param]`` in FP8: (f32 grads like the params, clipped share)."""
+    # fsdp-sharded parameters get only their shard back (a reduce-scatter). A non-finite
+    # gradient anywhere stays non-finite (NaN), so the train step skips the update as usual.
+    mesh, cfg = plan.mesh, plan.cfg
+    a, f = int(mesh.shape["data"]), int(mesh.shape["fsdp"])
+    n = a * f
+    fmt = formats.as_dtype(cfg.grad_format)
+    fmax = formats.fmax(fmt)
+    wire = _wire(mesh, cfg)
+    leaves, treedef = jax.tree.flatten(grads_N)
+    specs = treedef.flatten_up_to(plan.specs)
+    stacks = treedef.flatten_up_to(plan.stack_ndims)
+    fsdp_dims = [sharding_lib.axis_dim(s, "fsdp") for s in specs]
+    # Full (global) element counts decide FP8 vs f32 identically on every device.
+    use_fp8 = [math.prod(x.shape[1:]) >= cfg.min_fp8_size for x in leaves]
+
+    def body(mu, *g_leaves):
+        g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
+        fp8_ids = [i for i, u in enumerate(use_fp8) if u]
+        out = [None] * len(g_leaves)
+
+        # Shared per-tensor (per-layer) scale from the global amax: one pmax for all tensors.
+        amaxes = [_amax_stacked(g_leaves[i], stacks[i]) for i in fp8_ids]
+        sizes = [x.size for x in amaxes]
+        if fp8_ids:
+            flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
+            splits = np.cumsum(sizes)[:-1].tolist()
+            amaxes = [
+                x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)
+            ]
+        scales = {
+            i: jnp.where(am > 0, mu * fmax / am, 1.0) for i, am in zip(fp8_ids, amaxes, strict=True)
+        }
+
+        # Bucket: parameters sharded over fsdp first (gathered over 'data' only), then the rest.
+        order = sorted(fp8_ids, key=lambda i: fsdp_dims[i] is None)
+        rows, meta = [], []
+        for i in order:
+            g = g_leaves[i].astype(jnp.float32)
+            y = g * _bcast(scales[i], g.ndim)
+            r, m = _arrange(y, fsdp_dims[i], a, f)
+            rows.append(r)
+            meta.append((i, r.shape[1], m))
+        if rows:
+            bucket_NxC = jnp.concatenate(rows, axis=1)
+            # Clipped values: beyond fmax by more than half a step, since anything closer would
+            # round to fmax anyway (and amax * (fmax / amax) lands a hair above fmax in f32).
+            limit = fmax * (1.0 + 2.0 ** -(jnp.finfo(fmt).nmant + 1))
+            saturated = jnp.sum(jnp.abs(bucket_NxC) > limit).astype(jnp.float32)
+            count = jnp.asarray(sum(g_leaves[i].size for i in fp8_ids), jnp.float32)
+            # Gradient format (E5M2 default: range over precision), shared scale, saturating
+            # (values past fmax only occur when mu > 1 and are counted above).
+            q_NxC = jnp.clip(bucket_NxC, -fmax, fmax).astype(fmt)
+            recv_NxC = lax.all_to_all(_send(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
+            # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
+            acc_C = _recv(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
+            # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
+            # N moves into the inverse scale below.
+            q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
+            n_sharded = sum(1 for i, _, _ in meta if fsdp_dims[i] is not None)
+            c_sharded = sum(k for _, k, _ in meta[:n_sharded])
+            parts = {}
+            if n_sharded:
+                part = q_C[:c_sharded]
+                if a > 1:
+                    got = lax.all_gather(_send(part, wire), "data", axis=0, tiled=False)
+                    parts["sharded"] = _recv(got, fmt, wire)  # [A, c_sharded]
+                else:
+                    parts["sharded"] = part[None]
+            if n_sharded < len(meta):
+                got = lax.all_gather(_send(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
+                parts["replicated"] = _recv(got, fmt, wire)  # [N, c_replicated]
+            off = {"sharded": 0, "replicated": 0}
+            for i, k, m in meta:
+                key = "sharded" if fsdp_dims[i] is not None else "replicated"
+                piece = parts[key][:, off[key] : off[key] + k]
+                off[key] += k
+                g = g_leaves[i]
+                if fsdp_dims[i] is None:
+                    q = piece.reshape(-1)[:m].reshape(g.shape)
+                else:
+                    local = list(g.shape)
+                    local[fsdp_dims[i]] //= f
+                    q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
+                out[i] = q.astype(jnp.float32) * _bcast(n / scales[i], q.ndim)
+        else:
+            saturated = count = jnp.zeros((), jnp.float32)
+
+        # Small gradients (norms, biases) in f32.
+        for i, g in enumerate(g_leaves):
+            if use_fp8[i]:
+                continue
+            g = g.astype(jnp.float32)
+            if fsdp_dims[i] is None:
+                out[i] = lax.psum(g, DP_AXES)
+            else:
+                g = lax.psum_scatter(g, "fsdp", scatter_dimension=fsdp_dims[i], tiled=True)
+                out[i] = lax.psum(g, "data")
+        saturated = lax.psum(saturated, MESH_AXES) / jnp.maximum(lax.psum(count, MESH_AXES), 1.0)
+        return saturated, *out
+
+    in_specs = (P(), *[plan.replica_spec(s) for s in specs])
+    out_specs = (P(), *specs)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    saturated, *reduced = fn(jnp.asarray(mu, jnp.float32), *leaves)
+    return treedef.unflatten(reduced), saturated
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP weight gathers
+
+
+def _find_meta(fp8_state, path: tuple[str, ...]):
+    """The ``Fp8Meta`` of the FP8 matmul owning kernel ``path`` (None if it is not FP8)."""
+    node = fp8_state
+    for k in path[:-1]:
+        if not isinstance(node, Mapping) or k not in node:
+            return None
+        node = node[k]
+    if not isinstance(node, Mapping):
+        return None
+    for name, child in node.items():
+        if name.startswith("Fp8DotGeneral") and isinstance(child, Mapping) and "meta" in child:
+            return child["meta"]
+    return None
+
+
+def _weight_scale(w_state, amax: jax.Array) -> jax.Array:
+    """The scale the FP8 matmul will use for this weight (stored, or from amax if current)."""
+    if isinstance(w_state.recipe, scaling.CurrentScaling):
+        return scaling.scale_from_amax(amax, w_state.scale, w_state.fmt, w_state.recipe)
+    return w_state.scale
+
+
+def gather_params(params, fp8_state, plan: Plan):
+    """(fsdp-gathered params, {kernel path: global amax}); O3's FP8 kernels move as E4M3."""
+    # FP8-gathered kernels come back in the model's compute dtype, the rest in their own. Their
+    # true amax (per layer) replaces the one the matmul records from the gathered copy, so the
+    # weight scales evolve exactly as on one device.
+    mesh = plan.mesh
+    f = int(mesh.shape["fsdp"])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = treedef.flatten_up_to(plan.specs)
+    stacks = treedef.flatten_up_to(plan.stack_ndims)
+    todo = [
+        i for i, s in enumerate(specs) if f > 1 and sharding_lib.axis_dim(s, "fsdp") is not None
+    ]
+    if not todo:
+        return params, {}
+    wire = _wire(mesh, plan.cfg)
+    paths = [sharding_lib.path_key(p) for p, _ in flat]
+    metas = {}
+    if plan.level >= 3:
+        for i in todo:
+            if paths[i][-1] == "kernel":
+                meta = _find_meta(fp8_state, paths[i])
+                if meta is not None:
+                    metas[i] = meta.w  # the weight's ScaleState
+
+    def body(*args):
+        ws, meta_list = args[: len(todo)], args[len(todo) :]
+        meta_of = dict(zip(sorted(metas), meta_list, strict=True))
+        outs, amaxes = [], []
+        for i, w in zip(todo, ws, strict=True):
+            dim = sharding_lib.axis_dim(specs[i], "fsdp")
+            if i not in meta_of:
+                outs.append(lax.all_gather(w, "fsdp", axis=dim, tiled=True))
+                continue
+            meta = meta_of[i]
+            amax = lax.pmax(_amax_stacked(w, stacks[i]), MESH_AXES)  # global, per layer
+            s = _bcast(_weight_scale(meta, amax), w.ndim)
+            # E4M3 (the FP8 matmul's weight format), with the scale that matmul will use,
+            # from the model's compute dtype exactly as the matmul quantizes it.
+            q = formats.quantize(w.astype(plan.compute_dtype), s, formats.E4M3)
+            got = lax.all_gather(_send(q, wire), "fsdp", axis=dim, tiled=True)
+            # Handed over in the compute dtype (what the layer casts its kernel to anyway): the
+            # FP8 matmul's re-quantization with scale s then lands exactly on the gathered bytes.
+            w_full = _recv(got, formats.E4M3, wire).astype(jnp.float32) / s
+            outs.append(w_full.astype(plan.compute_dtype))
+            amaxes.append(amax)
+        return *outs, *amaxes
+
+    leaves = [flat[i][1] for i in todo]
+    meta_args = [metas[i] for i in sorted(metas)]
+    in_specs = (*[specs[i] for i in todo], *[jax.tree.map(lambda _: P(), m) for m in meta_args])
+    out_specs = (
+        *[sharding_lib.drop_axis(specs[i], "fsdp") for i in todo],
+        *[P() for _ in metas],
+    )
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    res = fn(*leaves, *meta_args)
+    full = [x for _, x in flat]
+    for i, x in zip(todo, res[: len(todo)], strict=True):
+        full[i] = x
+    w_amax = {paths[i]: am for i, am in zip(sorted(metas), res[len(todo) :], strict=True)}
+    return treedef.unflatten(full), w_amax
+
+
+def set_weight_amax(fp8_state, w_amax: dict):
+    """Put the true global weight amaxes into the FP8 state's pending slots."""
+    if not w_amax:
+        return fp8_state
+
+    def rebuild(node, prefix):
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for k, v in node.items():
+            out[k] = rebuild(v, prefix + (k,))
+        for kernel_path, amax in w_amax.items():
+            if kernel_path[:-1] == prefix:
+                for name, child in out.items():
+                    if name.startswith("Fp8DotGeneral") and "meta" in child:
+                        meta = child["meta"]
+                        hist = meta.w.amax_history.at[..., 0].set(amax)
+                        w = meta.w.replace(amax_history=hist)
+                        out[name] = {**child, "meta": meta.replace(w=w)}
+        return out
+
+    return rebuild(fp8_state, ())
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes on the wire, read from compiled HLO
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP_RE = re.compile(
+    r"=\s*(?P<type>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\("
+)
+_SHAPE_RE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    m = re.search(r"replica_groups=\{(\{[^}]*\})", line)
+    if m:
+        return len([x for x in m.group(1).strip("{}").split(",") if x.strip()])
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    return num_devices
+
+
+_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALL_RE = re.compile(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """HLO text split into computations (name -> lines) and the entry computation's name."""
+    comps, entry, name = {}, "", None
+    for line in hlo_text.splitlines():
+        m = _COMP_RE.match(line)
+        if m and not line.startswith(" "):
+            name = m.group(2)
+            comps[name] = []
+            if m.group(1):
+                entry = name
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How often each computation runs per call of the entry (while bodies x trip count)."""
+    runs = {entry: 1}
+    todo = [entry]
+    while todo:
+        comp = todo.pop()
+        for line in comps.get(comp, []):
+            trips = 1
+            if " while(" in line:
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                trips = int(m.group(1)) if m else 1
+            for callee in _CALL_RE.findall(line):
+                if callee in comps and callee not in runs:
+                    runs[callee] = runs[comp] * (trips if f"body=%{callee}" in line else 1)
+                    todo.append(callee)
+    return runs
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[dict]:
+    """Collectives of a compiled HLO module with the bytes each device sends per step."""
+    # Per row: op, element type, result bytes, group size, runs per step (inside while loops:
+    # the trip count) and bytes sent under ring costs.
+    comps, entry = _computations(hlo_text)
+    runs = _executions(comps, entry) if entry else {}
+    rows = []
+    for comp, lines in comps.items() if comps else [("", hlo_text.splitlines())]:
+        for line in lines:
+            m = _OP_RE.search(line)
+            if not m:
+                continue
+            op, types = m.group("op"), _SHAPE_RE.findall(m.group("type"))
+            if m.group("start") and op != "all-reduce":
+                types = types[len(types) // 2 :]  # async start ops return (operands, results)
+            n = _group_size(line, num_devices)
+            times = runs.get(comp, 1)
+            for dtype, dims in types:
+                elems = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+                nbytes = elems * _DTYPE_BYTES.get(dtype, 4)
+                ring = {
+                    "all-reduce": 2 * (n - 1) / n,
+                    "all-gather": (n - 1) / n,
+                    "reduce-scatter": float(n - 1),
+                    "all-to-all": (n - 1) / n,
+                    "collective-permute": 1.0,
+                }[op]
+                sent = nbytes * ring * times if n > 1 else 0.0
+                rows.append(dict(op=op, dtype=dtype, bytes=nbytes, group=n, runs=times, sent=sent))
+    return rows
+
+
+def bytes_summary(rows: list[dict]) -> dict:
+    """Sent bytes per device, by '<op> <dtype>' and in total."""
+    out: dict[str, float] = {}
+    for r in rows:
+        key = f"{r['op']} {r['dtype']}"
+        out[key] = out.get(key, 0.0) + r["sent"]
+    out["total"] = sum(r["sent"] for r in rows)
+    return out
+
+
+def fp8_collectives_in_stablehlo(text: str) -> dict[str, list[str]]:
+    """Element types of the all_to_all / all_gather ops of a lowered (StableHLO) module."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        for op in ("all_to_all", "all_gather"):
+            if f"stablehlo.{op}" in line:
+                m = re.search(r":\s*\(tensor<[^>]*x(\w+)>", line)
+                if m:
+                    found.setdefault(op, []).append(m.group(1))
+    return found
+
+
+__all__ = [
+    "CommConfig",
+    "Plan",
+    "bytes_summary",
+    "collectives",
+    "gather_params",
+    "init_state",
+    "make_plan",
+    "next_mu",
+    "reduce_gradients",
+    "set_weight_amax",
+]

@@ -1,0 +1,309 @@
+"""Sharded-training checks on 8 simulated CPU devices, run once in a subprocess.
+
+``tests/test_sharding.py`` runs this file (so the 8-device XLA flag never touches the main
+pytest process) and asserts on the JSON it prints last. Standalone, it also prints the table of
+bytes communicated per step:
+
+    python tests/sharded_checks.py
+
+Checks: two train steps of a shrunk configs/tiny.py under DP, FSDP, TP, DP x TP and O3 against
+the single-device steps; FP8 element types in the collectives; bytes per step from the compiled
+HLO; an FP8 gradient sum that would overflow naively; the mu auto-scaling rule.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    # 8 host devices: must be set before JAX initialises its CPU backend (not on import: the
+    # multi-process test imports tiny_config from here with its own device count).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import concurrent.futures  # noqa: E402
+import copy  # noqa: E402
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8jax import comm, formats, models, optim, sharding, step  # noqa: E402
+
+STEPS = 2  # step 0 runs at learning rate 0 (warm-up), step 1 moves the parameters
+
+
+def tiny_config(level: str, data=-1, fsdp=1, tensor=1, **comm_fields) -> ml_collections.ConfigDict:
+    """configs/tiny.py, shrunk (width 64, 16 tokens) so the many compiles stay quick."""
+    spec = importlib.util.spec_from_file_location("tiny_cfg", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.fp8.level = level
+    c.model.update(d_model=64, d_ff=256, vocab_size=256, max_len=16)
+    c.seq_len, c.batch_size, c.warmup_steps = 16, 16, 1
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
+    if comm_fields:
+        c.comm = ml_collections.ConfigDict(comm_fields)
+    return c
+
+
+def abstract_batch(config) -> dict:
+    spec = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+    return {"inputs": spec, "targets": spec}
+
+
+def batches(config) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        t = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1))
+        t = t.astype(np.int32)
+        out.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
+    return out
+
+
+def build(config, devices):
+    """(mesh, jitted init, jitted step, state shardings, batch sharding) as train.setup does."""
+    mesh = sharding.make_mesh(config.mesh, devices)
+    model = models.build_model(config)
+    tx = step.make_optimizer(config)
+    init_fn = functools.partial(step.init_state, model, tx, config)
+    abstract = jax.eval_shape(init_fn, jax.random.PRNGKey(config.seed))
+    state_sh = sharding.state_shardings(model, config, abstract, mesh)
+    batch_sh = sharding.batch_sharding(mesh)
+    train_step = jax.jit(
+        step.make_train_step(model, tx, config, mesh=mesh),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+    )
+    init = jax.jit(init_fn, out_shardings=state_sh)
+    return mesh, init, train_step, state_sh, batch_sh
+
+
+@functools.cache
+def initial_state(level: str):
+    """The initial train state of a level on the host (one init compile per level, not mesh)."""
+    config = tiny_config(level)
+    _, init, _, _, _ = build(config, jax.devices()[:1])
+    return jax.device_get(init(jax.random.PRNGKey(config.seed)))
+
+
+def prepare(config, devices) -> dict:
+    """Trace and compile the train step (thread-safe: nothing runs on the devices)."""
+    t0 = time.perf_counter()
+    mesh, init, train_step, state_sh, batch_sh = build(config, devices)
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(config.seed))
+    return dict(
+        config=config,
+        mesh=mesh,
+        state_sharding=state_sh,
+        step=train_step.lower(abstract, abstract_batch(config)).compile(),
+        batch_sharding=batch_sh,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def run(prepared: dict) -> dict:
+    """Train ``STEPS`` steps; keep metrics, params before/after and the FP8 state after step 0."""
+    config = prepared["config"]
+    # The same initial values on every mesh (sharding-invariant RNG would give them too).
+    state = jax.device_put(initial_state(config.fp8.level), prepared["state_sharding"])
+    params0 = jax.device_get(optim.materialize(state.params))
+    metrics, fp8_after_0 = [], None
+    for i, b in enumerate(batches(config)):
+        state, m = prepared["step"](state, sharding.put_batch(b, prepared["batch_sharding"]))
+        metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+        if i == 0:
+            fp8_after_0 = jax.device_get(state.fp8)
+    identical = all(
+        all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0].data))
+            for s in x.addressable_shards)
+        for x in jax.tree.leaves(state.fp8)
+    )  # fmt: skip
+    return dict(
+        mesh=dict(prepared["mesh"].shape),
+        metrics=metrics,
+        params0=params0,
+        params=jax.device_get(optim.materialize(state.params)),
+        fp8_after_0=fp8_after_0,
+        scales_identical_across_devices=bool(identical),
+        hlo=prepared["step"].as_text(),
+        seconds=prepared["seconds"],
+    )
+
+
+def _flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def compare(base: dict, other: dict) -> dict:
+    """Differences of a sharded run from the single-device run."""
+    rel = lambda a, b: abs(a - b) / max(abs(a), 1e-30)
+    u_base = _flat(base["params"]) - _flat(base["params0"])
+    u_other = _flat(other["params"]) - _flat(other["params0"])
+    fp8_b, fp8_o = _flat(base["fp8_after_0"]), _flat(other["fp8_after_0"])
+    return dict(
+        mesh=other["mesh"],
+        loss_rel=[
+            rel(a["loss"], b["loss"])
+            for a, b in zip(base["metrics"], other["metrics"], strict=True)
+        ],
+        grad_norm_rel=[
+            rel(a["grad_norm"], b["grad_norm"])
+            for a, b in zip(base["metrics"], other["metrics"], strict=True)
+        ],
+        update_rel_l2=float(np.linalg.norm(u_other - u_base) / np.linalg.norm(u_base)),
+        fp8_state_step0_rel=float(np.max(np.abs(fp8_o - fp8_b) / np.maximum(np.abs(fp8_b), 1e-30))),
+        scales_identical_across_devices=other["scales_identical_across_devices"],
+        comm=[{k: v for k, v in m.items() if k.startswith("comm_")} for m in other["metrics"]],
+        seconds=round(other["seconds"], 1),
+    )
+
+
+def bytes_rows(name: str, r: dict, num_devices: int) -> dict:
+    rows = comm.collectives(r["hlo"], num_devices)
+    out: dict = {"run": name, "mesh": r["mesh"], "by_op": {}}
+    for row in rows:
+        key = f"{row['op']} {row['dtype']} x{row['group']}"
+        out["by_op"][key] = out["by_op"].get(key, 0.0) + row["sent"]
+    out["total"] = sum(row["sent"] for row in rows)
+    return out
+
+
+def overflow_check() -> dict:
+    """Gradients whose FP8 sum overflows naively: FP8 psum vs ``comm.reduce_gradients``."""
+    mc = ml_collections.ConfigDict(dict(data=8, fsdp=1, tensor=1))
+    mesh = sharding.make_mesh(mc)
+    specs, stacks = {"w": P()}, {"w": 0}
+    plan = comm.Plan(mesh, comm.CommConfig(), 1, specs, stacks, jnp.float32)
+    fmt = formats.E5M2
+    fmax = formats.fmax(fmt)
+    # Every replica holds values at 90-100% of the shared amax: 8 of them sum to ~8x fmax.
+    g_Nx4096 = np.full((8, 4096), 0.9, np.float32) * np.linspace(1.0, 1.1, 4096, dtype=np.float32)
+    g_Nx4096[:, 0] = 1.0
+    sh = NamedSharding(mesh, P(sharding.DP_AXES))
+    g = jax.device_put(g_Nx4096, sh)
+
+    def naive(x):  # shared scale from the global amax, then the sum itself in FP8
+        s = fmax / jax.lax.pmax(jnp.max(jnp.abs(x)), sharding.DP_AXES)
+        q = jnp.clip(x * s, -fmax, fmax).astype(fmt)  # E5M2 with the shared max scale
+        return (jax.lax.psum(q, sharding.DP_AXES).astype(jnp.float32) / s)[None]
+
+    naive_fn = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=P(sharding.DP_AXES),
+                                     out_specs=P(sharding.DP_AXES), check_vma=False))  # fmt: skip
+    naive_out = np.asarray(naive_fn(g))[0]
+    reduce = jax.jit(lambda x, mu: comm.reduce_gradients({"w": x}, mu, plan))
+    exact = g_Nx4096.sum(0)
+    ours, sat1 = reduce(g, 1.0)
+    ours = np.asarray(ours["w"])
+    _, sat_big = reduce(g, 64.0)  # mu = 64: most values clip
+    g_nan = g_Nx4096.copy()
+    g_nan[3, 7] = np.nan  # one replica's bad value must reach the step's finiteness check
+    with_nan, _ = reduce(jax.device_put(g_nan, sh), 1.0)
+    cfg = plan.cfg
+    return dict(
+        naive_nonfinite=int(np.sum(~np.isfinite(naive_out))),
+        ours_nonfinite=int(np.sum(~np.isfinite(ours))),
+        ours_max_rel_err=float(np.max(np.abs(ours - exact) / np.abs(exact))),
+        nan_propagates=bool(np.isnan(np.asarray(with_nan["w"])).any()),
+        saturated_mu1=float(sat1),
+        saturated_mu64=float(sat_big),
+        next_mu_after_mu1=float(comm.next_mu(jnp.float32(1.0), sat1, cfg)),
+        next_mu_after_mu64=float(comm.next_mu(jnp.float32(64.0), sat_big, cfg)),
+    )
+
+
+def stablehlo_fp8(config) -> dict:
+    """Element types of all_to_all / all_gather in the lowered step with ``wire='fp8'``."""
+    c = copy.deepcopy(config)
+    c.comm = ml_collections.ConfigDict(dict(wire="fp8"))
+    _, init, train_step, _, _ = build(c, jax.devices())
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+    text = train_step.lower(abstract, abstract_batch(c)).as_text()
+    return comm.fp8_collectives_in_stablehlo(text)
+
+
+def main() -> dict:
+    jax.config.update("jax_disable_most_optimizations", True)  # compiles dominate; numerics don't
+    devs = jax.devices()
+    assert len(devs) == 8, devs
+    one = devs[:1]
+    t0 = time.perf_counter()
+
+    def o1(**mesh):
+        c = tiny_config("O1", **mesh)
+        c.grad_accum_steps = 2  # O1 runs also cover micro-batches (inside each replica)
+        return c
+
+    runs = {
+        "base O1": (o1(), one, None),
+        "base O3": (tiny_config("O3"), one, None),
+        "O0 DP": (tiny_config("O0", data=8), devs, None),
+        "O1 DP": (o1(data=8), devs, "base O1"),
+        "O1 FSDP": (o1(data=2, fsdp=4), devs, "base O1"),
+        "O1 TP": (o1(data=1, tensor=4), devs[:4], "base O1"),
+        "O1 DPxTP": (o1(data=2, tensor=4), devs, "base O1"),
+        "O3 FSDP": (tiny_config("O3", data=2, fsdp=4), devs, "base O3"),
+    }
+    # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
+    # one program at a time, so no two programs' collectives interleave on the devices.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(prepare, c, d) for name, (c, d, _) in runs.items()}
+        prepared = {name: f.result() for name, f in futures.items()}
+    results = {name: run(p) for name, p in prepared.items()}
+    compared, table = {}, []
+    for name, (_, devices, base_name) in runs.items():
+        if base_name:
+            compared[name] = compare(results[base_name], results[name])
+        if not name.startswith("base"):
+            table.append(bytes_rows(name, results[name], len(devices)))
+    # train.setup initialises directly into the shardings: same values as on one device?
+    o3 = runs["O3 FSDP"][0]
+    sharded_init = build(o3, devs)[1](jax.random.PRNGKey(o3.seed))
+    out = dict(
+        sharded_init_equal=bool(
+            np.array_equal(_flat(jax.device_get(sharded_init)), _flat(initial_state("O3")))
+        ),
+        compare=compared,
+        bytes=table,
+        overflow=overflow_check(),
+        stablehlo_O1=stablehlo_fp8(tiny_config("O1", data=8)),
+        stablehlo_O3=stablehlo_fp8(tiny_config("O3", data=2, fsdp=4)),
+        compiled_O1_has_u8=[
+            k for k in next(t for t in table if t["run"] == "O1 DP")["by_op"] if " u8 " in k
+        ],
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+    return out
+
+
+def print_table(table: list[dict]) -> None:
+    """Bytes sent per device per step, by collective, element type and group size."""
+    keys = sorted({k for t in table for k in t["by_op"]})
+    print(f"{'bytes sent per device per step':40s}" + "".join(f"{t['run']:>12s}" for t in table))
+    for k in keys:
+        print(f"{k:40s}" + "".join(f"{t['by_op'].get(k, 0):12.0f}" for t in table))
+    print(f"{'total':40s}" + "".join(f"{t['total']:12.0f}" for t in table))
+
+
+if __name__ == "__main__":
+    result = main()
+    print_table(result["bytes"])
+    if "--json" not in sys.argv:  # readable summary; the tests read only the last line
+        print(json.dumps({k: v for k, v in result.items() if k != "bytes"}, indent=1))
+    print(json.dumps(result))

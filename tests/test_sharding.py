@@ -1,0 +1,260 @@
+"""Mesh, rules and state shardings; FP8 gradient communication and FP8 weight gathers.
+
+The fast tests run in this (one-device) process. The slow one runs tests/sharded_checks.py once
+in a subprocess with 8 simulated CPU devices (the XLA flag must not reach this process) and
+checks its JSON: sharded steps against one device, FP8 in the collectives, bytes per step, no
+FP8-sum overflow, mu auto-scaling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp8jax import comm, master, models, sharding, step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from sharded_checks import tiny_config  # noqa: E402
+
+# Tolerances of a sharded step against the single-device step (2 steps; step 1 updates).
+EXACT_RTOL = 1e-5  # loss / grad norm / FP8 state when gradients are reduced in f32 (TP only)
+LOSS_RTOL = 1e-5  # loss: the forward pass never sees FP8 communication before the first update
+FP8_GRAD_NORM_RTOL = 1e-2  # grad norm after E5M2 all-to-all + all-gather (~5% per element)
+# Relative L2 of the Adam update. Adam divides by sqrt(v) + 1e-8, so gradients near zero (and
+# m near 0) turn tiny absolute differences into large update differences.
+FP8_UPDATE_RTOL = 0.25  # E5M2 gradients (measured 0.08-0.11)
+EXACT_UPDATE_RTOL = 0.05  # f32 gradients summed in another order (measured 0.01)
+BYTES_RATIO_MAX = 0.3  # O1's gradient bytes over O0's f32 all-reduce
+
+
+def mesh_config(data=-1, fsdp=1, tensor=1):
+    return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor))
+
+
+# ---------------------------------------------------------------------------- mesh and specs
+
+
+def test_make_mesh_resolves_rest_and_rejects_bad_sizes():
+    devices = [object()] * 8
+    mesh = sharding.make_mesh(mesh_config(data=-1, fsdp=2, tensor=2), devices=devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ValueError, match="at most one"):
+        sharding.make_mesh(mesh_config(data=-1, fsdp=-1), devices=devices)
+    with pytest.raises(ValueError, match="does not divide"):
+        sharding.make_mesh(mesh_config(data=-1, fsdp=3), devices=devices)
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        sharding.make_mesh(mesh_config(data=2, fsdp=2), devices=devices)
+
+
+def test_fit_spec_drops_axes_that_do_not_divide():
+    mesh = AbstractMesh((2, 2, 4), sharding.MESH_AXES)
+    # 2 key/value heads cannot split 4 ways: replicated; 'embed' 128 splits over fsdp.
+    assert sharding.fit_spec(P("fsdp", None, "tensor"), (128, 2, 2), mesh) == P("fsdp")
+    assert sharding.fit_spec(P("fsdp", "tensor"), (128, 8), mesh) == P("fsdp", "tensor")
+    assert sharding.fit_spec(P(("data", "fsdp")), (8,), mesh) == P(("data", "fsdp"))
+    assert sharding.drop_axis(P(None, "fsdp", "tensor"), "fsdp") == P(None, None, "tensor")
+    assert sharding.axis_dim(P(None, "fsdp"), "fsdp") == 1
+    assert sharding.axis_dim(P("tensor"), "fsdp") is None
+
+
+def test_rules_put_megatron_splits_on_tensor():
+    config = tiny_config("O1")
+    model = models.build_model(config)
+    specs = sharding.param_specs(model, config, AbstractMesh((1, 2, 2), sharding.MESH_AXES))
+    attn, mlp = specs["blocks"]["attn"], specs["blocks"]["mlp"]
+    # [layers, embed, heads, head_dim]: column-parallel over heads, ZeRO-3 over embed.
+    assert attn["q"]["kernel"] == P(None, "fsdp", "tensor")
+    assert attn["o"]["kernel"] == P(None, "tensor", None, "fsdp")  # row-parallel: heads in
+    assert mlp["wi"]["kernel"] == P(None, "fsdp", "tensor")  # column: mlp out
+    assert mlp["wo"]["kernel"] == P(None, "tensor", "fsdp")  # row: mlp in
+    assert specs["embed"]["embedding"] == P("tensor", "fsdp")  # vocab x embed
+    assert specs["blocks"]["attn_norm"]["scale"] == P()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_state_shardings_cover_scaled_states(level):
+    config = tiny_config(level)
+    model = models.build_model(config)
+    tx = step.make_optimizer(config)
+    abstract = jax.eval_shape(lambda r: step.init_state(model, tx, config, r), jax.random.key(0))
+    mesh = AbstractMesh((1, 2, 2), sharding.MESH_AXES)
+    sh = sharding.state_shardings(model, config, abstract, mesh)
+    q_spec = P(None, "fsdp", "tensor")
+    q = sh.params["blocks"]["attn"]["q"]["kernel"]
+    flat = jax.tree_util.tree_flatten_with_path(sh.opt_state, is_leaf=master.is_scaled)[0]
+    moments = [x for p, x in flat if sharding.path_key(p)[-3:] == ("attn", "q", "kernel")]
+    assert moments, "optimizer moments of the q kernel not found"
+    if level == "O2":  # FP16 master, E4M3 m and FP16 v: data like the param, scale replicated
+        assert q.data.spec == q_spec and q.scale.spec == P()
+        assert all(master.is_scaled(m) for m in moments)
+        assert all(m.data.spec == q_spec and m.scale.spec == P() for m in moments)
+    else:
+        assert q.spec == q_spec
+        assert all(m.spec == q_spec for m in moments)
+    for leaf in jax.tree.leaves(sh.fp8) + jax.tree.leaves(sh.comm) + [sh.step]:
+        assert leaf.spec == P()  # FP8 scale state, mu and counters: replicated
+    assert set(abstract.comm) == {"mu"}
+
+
+def test_put_batch_single_process_is_device_put():
+    mesh = sharding.make_mesh(mesh_config())
+    batch = {"inputs": np.arange(8, dtype=np.int32).reshape(2, 4)}
+    out = sharding.put_batch(batch, sharding.batch_sharding(mesh))
+    np.testing.assert_array_equal(np.asarray(out["inputs"]), batch["inputs"])
+    assert isinstance(out["inputs"].sharding, NamedSharding)
+
+
+# ------------------------------------------------------------------------------ comm pieces
+
+
+def test_comm_config_and_mu_rule():
+    assert comm.CommConfig.from_config(tiny_config("O1")) == comm.CommConfig()
+    c = tiny_config("O1", grad_format="e4m3")
+    assert comm.CommConfig.from_config(c).grad_format == "e4m3"
+    with pytest.raises(ValueError, match="unknown config.comm fields"):
+        comm.CommConfig.from_config(tiny_config("O1", grad_fmt="e4m3"))
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        comm.CommConfig(grad_format="e3m4")
+    cfg = comm.CommConfig()
+    assert comm.init_state(0, cfg) == {}
+    mu = jnp.float32(2.0)
+    assert float(comm.next_mu(mu, jnp.float32(2e-5), cfg)) == 1.0  # > 0.001% clipped: halve
+    grown = float(comm.next_mu(mu, jnp.float32(0.0), cfg))
+    assert grown == pytest.approx(2.0 * 2 ** (1 / 1000))  # otherwise grow slowly
+
+
+def test_one_device_step_has_no_comm():
+    """On one device the sharded path is the unsharded step: no shard_map, no comm metrics."""
+    config = tiny_config("O1")
+    model = models.build_model(config)
+    tx = step.make_optimizer(config)
+    train_step = step.make_train_step(model, tx, config)
+    state = jax.eval_shape(lambda r: step.init_state(model, tx, config, r), jax.random.key(0))
+    spec = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(train_step)(state, {"inputs": spec, "targets": spec}))
+    assert "shard_map" not in jaxpr and "all_to_all" not in jaxpr
+    _, metrics = jax.eval_shape(train_step, state, {"inputs": spec, "targets": spec})
+    assert not any(k.startswith("comm_") for k in metrics)
+
+
+_HLO = """HloModule m
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %ar = f32[64]{0} all-reduce(f32[64]{0} %x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %w = (s32[], f32[64]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %a2a = (u8[2,16]{1,0}, u8[2,16]{1,0}) all-to-all(%q, %r), channel_id=2, replica_groups=[1,2]<=[2], dimensions={0}
+  %ag = f8e4m3fn[128]{0} all-gather(f8e4m3fn[32]{0} %y), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
+}
+"""  # noqa: E501
+
+
+def test_hlo_collective_bytes_count_loops_and_groups():
+    rows = comm.collectives(_HLO, num_devices=8)
+    by_op = {(r["op"], r["dtype"]): r for r in rows}
+    ar = by_op[("all-reduce", "f32")]
+    assert (ar["group"], ar["runs"], ar["sent"]) == (4, 3, 256 * 2 * 3 / 4 * 3)  # in a loop x3
+    a2a = [r for r in rows if r["op"] == "all-to-all"]
+    assert len(a2a) == 2 and all(r["sent"] == 32 * 1 / 2 for r in a2a)
+    ag = by_op[("all-gather", "f8e4m3fn")]
+    assert (ag["group"], ag["sent"]) == (4, 128 * 3 / 4)
+    assert comm.bytes_summary(rows)["total"] == pytest.approx(sum(r["sent"] for r in rows))
+    stablehlo = (
+        '%3 = "stablehlo.all_to_all"(%2) <{split_dimension = 0 : i64}> : '
+        "(tensor<8x3xf8E5M2>) -> tensor<8x3xf8E5M2>"
+    )
+    assert comm.fp8_collectives_in_stablehlo(stablehlo) == {"all_to_all": ["f8E5M2"]}
+
+
+# ------------------------------------------------------------------ 8 simulated devices
+
+
+@pytest.fixture(scope="module")
+def checks():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "sharded_checks.py"), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print(proc.stdout[: proc.stdout.rstrip().rfind("\n")])  # the bytes table (pytest -s)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sharded_steps_match_one_device(checks):
+    assert checks["sharded_init_equal"]  # jit(init, out_shardings=...) on 8 devices
+    cmp = checks["compare"]
+    assert set(cmp) == {"O1 DP", "O1 FSDP", "O1 TP", "O1 DPxTP", "O3 FSDP"}
+    for name, c in cmp.items():
+        assert c["scales_identical_across_devices"], name
+        # Step 0: identical forward, hence identical amaxes and scales (global, not per shard).
+        assert c["fp8_state_step0_rel"] <= EXACT_RTOL, (name, c)
+        assert max(c["loss_rel"]) <= LOSS_RTOL, (name, c)
+        fp8_comm = c["mesh"]["data"] * c["mesh"]["fsdp"] > 1
+        if fp8_comm:
+            assert max(c["grad_norm_rel"]) <= FP8_GRAD_NORM_RTOL, (name, c)
+            assert c["update_rel_l2"] <= FP8_UPDATE_RTOL, (name, c)
+            assert c["comm"][0]["comm_mu"] == 1.0 and c["comm"][0]["comm_saturated"] == 0.0
+            assert c["comm"][1]["comm_mu"] > 1.0  # no clipping: mu grows
+        else:  # tensor parallel only: gradients reduced by XLA in f32
+            assert max(c["grad_norm_rel"]) <= EXACT_RTOL, (name, c)
+            assert c["update_rel_l2"] <= EXACT_UPDATE_RTOL, (name, c)
+
+
+@pytest.mark.slow
+def test_fp8_on_the_wire(checks):
+    # Lowered with wire='fp8' (what XLA:GPU compiles and keeps): FP8 element types.
+    assert checks["stablehlo_O1"]["all_to_all"] == ["f8E5M2"]
+    assert checks["stablehlo_O1"]["all_gather"] == ["f8E5M2"]
+    o3 = checks["stablehlo_O3"]["all_gather"]
+    assert o3.count("f8E4M3FN") == 5  # q, kv, o, wi, wo kernels gathered as E4M3
+    assert "f8E5M2" in o3 and checks["stablehlo_O3"]["all_to_all"] == ["f8E5M2"]
+    # Compiled for CPU (wire='auto': FP8 bit patterns as u8, one byte each).
+    assert set(checks["compiled_O1_has_u8"]) == {"all-to-all u8 x8", "all-gather u8 x8"}
+
+
+@pytest.mark.slow
+def test_bytes_per_step(checks):
+    table = {t["run"]: t for t in checks["bytes"]}
+    o0, o1, o3 = table["O0 DP"], table["O1 DP"], table["O3 FSDP"]
+    assert set(o0["by_op"]) == {"all-reduce f32 x8"}
+    assert o1["total"] <= BYTES_RATIO_MAX * o0["total"], (o1, o0)
+    # FSDP weight gathers: O1 moves kernels in f32, O3 in FP8 (fsdp groups of 4).
+    o1_fsdp = table["O1 FSDP"]
+    assert o3["by_op"]["all-gather u8 x4"] > 0 and "all-gather u8 x4" not in o1_fsdp["by_op"]
+    assert o3["by_op"]["all-gather f32 x4"] < 0.5 * o1_fsdp["by_op"]["all-gather f32 x4"]
+
+
+@pytest.mark.slow
+def test_no_overflow_where_a_naive_fp8_sum_overflows(checks):
+    o = checks["overflow"]
+    assert o["naive_nonfinite"] > 0  # an FP8 psum of 8 near-max values overflows
+    assert o["ours_nonfinite"] == 0
+    assert o["ours_max_rel_err"] <= 0.125  # within E5M2 rounding
+    assert o["nan_propagates"]
+    assert o["saturated_mu1"] == 0.0 and o["next_mu_after_mu1"] > 1.0
+    assert o["saturated_mu64"] > 1e-5 and o["next_mu_after_mu64"] == 32.0

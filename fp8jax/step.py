@@ -77,6 +77,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             b2=config.b2,
             eps=config.eps,
             weight_decay=config.weight_decay,
+            weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
             m_format=config.fp8.m_format,
             v_format=config.fp8.v_format,
         )
@@ -191,7 +192,9 @@ def make_train_step(model, tx, config, mesh=None):
     plan = comm.make_plan(model, config, mesh, level) if mesh is not None else None
 
     def train_step(state: TrainState, batch):
-        params = optim.materialize(state.params)  # f32 view (O2+: FP16 master dequantized)
+        # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
+        # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B).
+        params = optim.materialize(state.params, dtype=jnp.dtype(config.model.dtype))
         comm_state, comm_metrics = state.comm, {}
         if plan is None:
             loss, fp8, grads = _accumulate(model, params, state.fp8, batch, accum)
@@ -206,6 +209,8 @@ def make_train_step(model, tx, config, mesh=None):
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, params)
+        # Finite grads can still give a non-finite update (e.g. an Inf weight under decay).
+        ok = ok & jnp.isfinite(optax.global_norm(updates))
         new_params = optim.apply_updates(state.params, updates)
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(

@@ -92,7 +92,7 @@ def test_grad_accumulation_matches_one_batch(level, tmp_path):
     _, s2, l2 = _run(c2, 2, tmp_path / "b")
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
     if level == "O0":  # same math up to f32 summation order
-        for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     else:
         # Params are not compared at O1: each micro-batch's dy is rounded to E5M2 on its own,

@@ -133,7 +133,7 @@ def abstract_batch(config, batch_size=None):
 
 def evaluate(eval_step, state, batches, sharding) -> dict:
     """Mean validation loss and perplexity over fixed batches."""
-    losses = [eval_step(state, jax.device_put(b, sharding)) for b in batches]
+    losses = [eval_step(state, sharding_lib.put_batch(b, sharding)) for b in batches]
     loss = float(np.mean(jax.device_get(losses)))
     return {"val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50.0)))}
 
@@ -223,7 +223,7 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
     pending = None  # (step, metrics) whose non-finite count is read one step late
     try:
         while step < config.num_train_steps and not preempt.flag:
-            batch = jax.device_put(next(train_iter), env["batch_sharding"])
+            batch = sharding_lib.put_batch(next(train_iter), env["batch_sharding"])
             state, metrics = compiled(state, batch)
             step += 1
             log.bar.update()

@@ -358,11 +358,12 @@ def gather_params(params, fp8_state, plan: Plan):
                 outs.append(lax.all_gather(w, "fsdp", axis=dim, tiled=True))
                 continue
             meta = meta_of[i]
-            amax = lax.pmax(_amax_stacked(w, stacks[i]), MESH_AXES)  # global, per layer
+            w_c = w.astype(plan.compute_dtype)  # what the layer hands its FP8 matmul
+            amax = lax.pmax(_amax_stacked(w_c, stacks[i]), MESH_AXES)  # global, per layer
             s = _bcast(_weight_scale(meta, amax), w.ndim)
             # E4M3 (the FP8 matmul's weight format), with the scale that matmul will use,
-            # from the model's compute dtype exactly as the matmul quantizes it.
-            q = formats.quantize(w.astype(plan.compute_dtype), s, formats.E4M3)
+            # from the compute dtype exactly as the matmul quantizes it.
+            q = formats.quantize(w_c, s, formats.E4M3)
             got = lax.all_gather(_send(q, wire), "fsdp", axis=dim, tiled=True)
             # Handed over in the compute dtype (what the layer casts its kernel to anyway): the
             # FP8 matmul's re-quantization with scale s then lands exactly on the gathered bytes.
@@ -428,6 +429,11 @@ _SHAPE_RE = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def _group_size(line: str, num_devices: int) -> int:
+    """Devices per replica group of a collective (all devices when the groups are empty)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # replica_groups=mesh['a'=2,'b'=4] {'b'}: groups span the named mesh axes
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
     m = re.search(r"replica_groups=\{(\{[^}]*\})", line)
     if m:
         return len([x for x in m.group(1).strip("{}").split(",") if x.strip()])

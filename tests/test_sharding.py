@@ -164,6 +164,7 @@ ENTRY %main (a: f32[64]) -> f32[64] {
   %w = (s32[], f32[64]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %a2a = (u8[2,16]{1,0}, u8[2,16]{1,0}) all-to-all(%q, %r), channel_id=2, replica_groups=[1,2]<=[2], dimensions={0}
   %ag = f8e4m3fn[128]{0} all-gather(f8e4m3fn[32]{0} %y), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
+  %ar2 = f32[8]{0} all-reduce(%z), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
 }
 """  # noqa: E501
 
@@ -171,12 +172,13 @@ ENTRY %main (a: f32[64]) -> f32[64] {
 def test_hlo_collective_bytes_count_loops_and_groups():
     rows = comm.collectives(_HLO, num_devices=8)
     by_op = {(r["op"], r["dtype"]): r for r in rows}
-    ar = by_op[("all-reduce", "f32")]
+    ar = next(r for r in rows if r["op"] == "all-reduce" and r["bytes"] == 256)
     assert (ar["group"], ar["runs"], ar["sent"]) == (4, 3, 256 * 2 * 3 / 4 * 3)  # in a loop x3
     a2a = [r for r in rows if r["op"] == "all-to-all"]
     assert len(a2a) == 2 and all(r["sent"] == 32 * 1 / 2 for r in a2a)
     ag = by_op[("all-gather", "f8e4m3fn")]
     assert (ag["group"], ag["sent"]) == (4, 128 * 3 / 4)
+    assert [r["group"] for r in rows if r["bytes"] == 32 and r["op"] == "all-reduce"] == [4]
     assert comm.bytes_summary(rows)["total"] == pytest.approx(sum(r["sent"] for r in rows))
     stablehlo = (
         '%3 = "stablehlo.all_to_all"(%2) <{split_dimension = 0 : i64}> : '

@@ -112,10 +112,12 @@ def main():
         return
     rows = []
     for run in a.runs.split(","):
-        cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps), "--batch", str(a.batch)]
+        cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
+        cmd += ["--batch", str(a.batch)]
         cmd += ["--quick"] if a.quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        recs = [json.loads(ln[len(MARK) :]) for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+        lines = proc.stdout.splitlines()
+        recs = [json.loads(ln[len(MARK) :]) for ln in lines if ln.startswith(MARK)]
         if recs:
             rows.append(recs[0])
         else:
@@ -124,13 +126,17 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'run':18} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'temp GiB':>9} {'f8 GEMMs':>8}")
+    head = ("run", "ms", "tok/s", "MFU", "peak GiB", "temp GiB", "f8 GEMMs")
+    print("\n{:18} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}".format(*head))
     for r in rows:
         if "error" in r:
             print(f"{r['config']:18} ERROR {r['error'][:80]}")
             continue
-        print(f"{r['config'] + ':' + r['level']:18} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
-              f"{r['mfu']:6.1%} {r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:8d}")  # fmt: skip
+        name = f"{r['config']}:{r['level']}"
+        print(
+            f"{name:18} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
+            f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:8d}"
+        )
 
 
 if __name__ == "__main__":

@@ -80,9 +80,8 @@ def log_memory(compiled):
     """Log the compiled train step's memory analysis before step 0."""
     mem = memory_summary(compiled)
     if mem:
-        logging.info(
-            "train step memory: %s", ", ".join(f"{k[:-9]}={v / 2**20:.1f}MiB" for k, v in mem.items())
-        )
+        parts = ", ".join(f"{k[:-9]}={v / 2**20:.1f}MiB" for k, v in mem.items())
+        logging.info("train step memory: %s", parts)
 
 
 def _flatten(tree, prefix: str) -> dict:

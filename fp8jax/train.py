@@ -104,7 +104,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str):
     state_sh = sharding_lib.state_shardings(model, config, abstract, mesh)
     batch_sh = sharding_lib.batch_sharding(mesh)
     train_step = jax.jit(
-        step_lib.make_train_step(model, tx, config),
+        step_lib.make_train_step(model, tx, config, mesh=mesh),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding_lib.replicated(mesh)),
         donate_argnums=0,
@@ -167,7 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     is overwritten; ``max_bad_steps`` non-finite steps in a row raise ``NonFiniteLossError``.
     """
     if config.get("distributed", False):
-        jax.distributed.initialize()
+        sharding_lib.initialize_distributed()
     with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
         validate(config)
     os.makedirs(workdir, exist_ok=True)

@@ -12,27 +12,17 @@ from fp8jax import FP8, FP8_STATS, Fp8DotGeneral
 from fp8jax.coverage import coverage_report
 from fp8jax.linen import fp8_scan
 
-FWD_TOL, GRAD_TOL, MIN_ERR = 0.05, 0.08, 0.01  # derivation in test_dot.py
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def amax(a) -> float:
-    return float(np.abs(np.asarray(a)).max())
-
-
-def f32_div(a, b):
-    """fmax / amax as the scale update computes it, to within the 2 ulp of XLA:GPU's division."""
-    return pytest.approx(float(np.float32(a) / np.float32(b)), rel=2.5e-7)
-
-
-def randn(seed, shape, scale=1.0):
-    # numpy RNG: eager jax.random compiles a kernel per shape (seconds on CPU).
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32) * scale)
+from fp8_testing import (
+    E4M3_MAX,
+    E5M2_MAX,
+    FWD_TOL,
+    GRAD_TOL,
+    MIN_ERR,
+    amax,
+    f32_div,
+    randn,
+    rel_err,
+)
 
 
 def metas(tree) -> list[fp8jax.Fp8Meta]:

@@ -5,32 +5,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 import fp8jax
 from fp8jax import nnx as fnnx
 
-FWD_TOL, GRAD_TOL, MIN_ERR = 0.05, 0.08, 0.01  # derivation in test_dot.py
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def amax(a) -> float:
-    return float(np.abs(np.asarray(a)).max())
-
-
-def f32_div(a, b):
-    """fmax / amax as the scale update computes it, to within the 2 ulp of XLA:GPU's division."""
-    return pytest.approx(float(np.float32(a) / np.float32(b)), rel=2.5e-7)
-
-
-def randn(seed, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32) * scale)
+from fp8_testing import (
+    E4M3_MAX,
+    E5M2_MAX,
+    FWD_TOL,
+    GRAD_TOL,
+    MIN_ERR,
+    amax,
+    f32_div,
+    randn,
+    rel_err,
+)
 
 
 @nnx.jit

@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MARK = "@@STEP "
@@ -34,18 +35,18 @@ def _load_config(name: str):
     return mod.get_config()
 
 
-def child(name: str, level: str, quick: bool, steps: int, batch: int = 0) -> dict:
+def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> dict:
     """Compile and time one config at one level (runs inside the child process)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from fp8jax import models, sharding
-    from fp8jax import step as step_lib
+    from fp8jax import models
+    from fp8jax import train as train_lib
 
     c = _load_config(name)
     c.fp8.level = level
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1  # one device: no sharding
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in mesh.split(","))
     if batch:
         c.batch_size = batch
     if quick:
@@ -53,16 +54,15 @@ def child(name: str, level: str, quick: bool, steps: int, batch: int = 0) -> dic
         m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 2, 64, 2, 2, 128
         m.vocab_size, m.max_len, c.seq_len, c.batch_size = 256, 32, 32, 4
         m.dtype, m.attention_impl = "float32", "xla"
-    model = models.build_model(c)
-    tx = step_lib.make_optimizer(c)
-    mesh = sharding.make_mesh(c.mesh)
-    with mesh:
-        state = jax.jit(lambda r: step_lib.init_state(model, tx, c, r))(jax.random.PRNGKey(0))
-        step = jax.jit(step_lib.make_train_step(model, tx, c), donate_argnums=0)
+    # The trainer's own jitted init and step: explicit shardings over the mesh and donation.
+    env = train_lib.setup(c, tempfile.mkdtemp())
+    with env["mesh"]:
+        state = env["init"](jax.random.PRNGKey(0))
         tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
-        batch = {"inputs": jnp.asarray(tok, jnp.int32), "targets": jnp.asarray(tok, jnp.int32)}
+        tok = jnp.asarray(tok, jnp.int32)
+        batch = jax.device_put({"inputs": tok, "targets": tok}, env["batch_sharding"])
         t0 = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
+        compiled = env["train_step"].lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
         hlo = compiled.as_text()
         ma = compiled.memory_analysis()
@@ -103,17 +103,18 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")
+    p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--child", default=None)
     a = p.parse_args()
     if a.child:
         name, level = a.child.split(":")
-        print(MARK + json.dumps(child(name, level, a.quick, a.steps, a.batch)), flush=True)
+        print(MARK + json.dumps(child(name, level, a.quick, a.steps, a.batch, a.mesh)), flush=True)
         return
     rows = []
     for run in a.runs.split(","):
         cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
-        cmd += ["--batch", str(a.batch)]
+        cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}"]
         cmd += ["--quick"] if a.quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = proc.stdout.splitlines()

@@ -28,7 +28,6 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fp8jax import data as data_lib
 from fp8jax import errors, models
 from fp8jax import metrics as metrics_lib
 from fp8jax import sharding as sharding_lib
@@ -176,6 +175,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
         with errors.reraise_as(errors.DataError, ValueError, OSError):
+            from fp8jax import data as data_lib  # here: setup() must not need grain
+
             dataset = data_lib.build(config, workdir)
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(config.eval_batches)

@@ -13,19 +13,9 @@ relative difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
-
-
-def load_config(name: str):
-    """``configs/<name>.py``'s ``get_config()``."""
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def main():
@@ -42,7 +32,7 @@ def main():
     rows = {}
     first_dir = None
     for level in a.levels.split(","):
-        c = load_config(a.config)
+        c = train_lib.load_config(a.config)
         c.fp8.level = level
         c.model.vocab_size = a.vocab
         c.num_train_steps = a.steps

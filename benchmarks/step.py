@@ -14,25 +14,15 @@ median step time over timed steps after warm-up, tokens/s, model FLOPs utilisati
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 MARK = "@@STEP "
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, the usual MFU denominator
-
-
-def _load_config(name: str):
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> dict:
@@ -44,7 +34,7 @@ def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="
     from fp8jax import models
     from fp8jax import train as train_lib
 
-    c = _load_config(name)
+    c = train_lib.load_config(name)
     c.fp8.level = level
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in mesh.split(","))
     if batch:
@@ -55,7 +45,7 @@ def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="
         m.vocab_size, m.max_len, c.seq_len, c.batch_size = 256, 32, 32, 4
         m.dtype, m.attention_impl = "float32", "xla"
     # The trainer's own jitted init and step: explicit shardings over the mesh and donation.
-    env = train_lib.setup(c, tempfile.mkdtemp())
+    env = train_lib.setup(c)
     with env["mesh"]:
         state = env["init"](jax.random.PRNGKey(0))
         tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))

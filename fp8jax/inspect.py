@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import tempfile
 
 import jax
 from absl import app, flags
@@ -27,8 +26,7 @@ _COMPILE = flags.DEFINE_bool(
 
 def lower_train_step(config):
     """The lowered train step of ``config`` (abstract state and batch: nothing allocated)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = train_lib.setup(config, tmp)
+    env = train_lib.setup(config)
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         env["abstract"],
@@ -51,8 +49,7 @@ def memory_rows(config) -> list[dict]:
     for level in ("O0", "O1", "O2"):
         c = copy.deepcopy(config)
         c.fp8.level = level
-        with tempfile.TemporaryDirectory() as tmp:
-            env = train_lib.setup(c, tmp)
+        env = train_lib.setup(c)
         abstract = env["abstract"]
         rows.append(memory.bytes_per_param(abstract.params, abstract.opt_state, level=level))
     return rows

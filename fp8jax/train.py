@@ -16,8 +16,10 @@ loss or gradient norm is not finite and counts it. The loop around it:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
+import pathlib
 import signal
 import time
 
@@ -92,10 +94,27 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str):
-    """Build model, optimizer, mesh, data and the jitted steps (shared with inspect/benchmarks)."""
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # in a source checkout
+
+
+def load_config(name_or_path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of a config file, given its path or its name under ``configs/``."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".py":
+        path = CONFIG_DIR / f"{name_or_path}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file {path}: pass a path or a name in {CONFIG_DIR}")
+    # Loaded by path, as ml_collections' --config flag does (configs/ is not a package).
+    spec = importlib.util.spec_from_file_location(f"fp8jax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)
+
+
+def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
+    """Build model, optimizer, mesh and the jitted steps (shared with inspect/benchmarks/tests)."""
     models.check_config(config)
-    mesh = sharding_lib.make_mesh(config.mesh)
+    mesh = sharding_lib.make_mesh(config.mesh, devices)
     model = models.build_model(config)
     tx = step_lib.make_optimizer(config)
     init_fn = functools.partial(step_lib.init_state, model, tx, config)
@@ -106,7 +125,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str):
         step_lib.make_train_step(model, tx, config, mesh=mesh),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding_lib.replicated(mesh)),
-        donate_argnums=0,
+        donate_argnums=0 if donate else (),
     )
     eval_step = jax.jit(step_lib.make_eval_step(model), in_shardings=(state_sh, batch_sh))
     return dict(
@@ -180,7 +199,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             dataset = data_lib.build(config, workdir)
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(config.eval_batches)
-        env = setup(config, workdir)
+        env = setup(config)
         ckpt = Checkpointer(
             workdir, keep=config.keep_checkpoints, every=config.checkpoint_every_steps
         )

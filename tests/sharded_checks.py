@@ -25,8 +25,6 @@ if __name__ == "__main__":
 
 import concurrent.futures  # noqa: E402
 import copy  # noqa: E402
-import functools  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
@@ -42,17 +40,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8jax import comm, formats, models, optim, sharding, step  # noqa: E402
+from fp8jax import comm, formats, optim, sharding  # noqa: E402
+from fp8jax import train as train_lib  # noqa: E402
 
 STEPS = 2  # step 0 runs at learning rate 0 (warm-up), step 1 moves the parameters
 
 
 def tiny_config(level: str, data=-1, fsdp=1, tensor=1, **comm_fields) -> ml_collections.ConfigDict:
     """configs/tiny.py, shrunk (width 64, 16 tokens) so the many compiles stay quick."""
-    spec = importlib.util.spec_from_file_location("tiny_cfg", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = train_lib.load_config("tiny")
     c.fp8.level = level
     c.model.update(d_model=64, d_ff=256, vocab_size=256, max_len=16)
     c.seq_len, c.batch_size, c.warmup_steps = 16, 16, 1
@@ -79,20 +75,9 @@ def batches(config) -> list[dict]:
 
 def build(config, devices):
     """(mesh, jitted init, jitted step, state shardings, batch sharding) as train.setup does."""
-    mesh = sharding.make_mesh(config.mesh, devices)
-    model = models.build_model(config)
-    tx = step.make_optimizer(config)
-    init_fn = functools.partial(step.init_state, model, tx, config)
-    abstract = jax.eval_shape(init_fn, jax.random.PRNGKey(config.seed))
-    state_sh = sharding.state_shardings(model, config, abstract, mesh)
-    batch_sh = sharding.batch_sharding(mesh)
-    train_step = jax.jit(
-        step.make_train_step(model, tx, config, mesh=mesh),
-        in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, sharding.replicated(mesh)),
-    )
-    init = jax.jit(init_fn, out_shardings=state_sh)
-    return mesh, init, train_step, state_sh, batch_sh
+    env = train_lib.setup(config, devices, donate=False)  # states are reused across runs
+    return (env["mesh"], env["init"], env["train_step"], env["state_shardings"],
+            env["batch_sharding"])  # fmt: skip
 
 
 _INITIAL: dict = {}

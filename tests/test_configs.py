@@ -1,6 +1,5 @@
 """Every file in configs/ loads as train.py loads it, validates, and builds its model."""
 
-import importlib.util
 import pathlib
 import re
 
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from fp8jax import models
+from fp8jax import train as train_lib
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
@@ -23,10 +23,7 @@ NAMED_SIZES = {
 
 def load(name: str, variant: str | None = None):
     """Load ``configs/<name>`` by file path, as ml_collections' config_flags does."""
-    spec = importlib.util.spec_from_file_location(f"config_{name[:-3]}", CONFIG_DIR / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant) if variant else module.get_config()
+    return train_lib.load_config(str(CONFIG_DIR / name), variant or None)
 
 
 def flat_keys(config, prefix=""):

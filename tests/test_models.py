@@ -1,8 +1,6 @@
 """Transformer invariants on tiny shapes: FP8 placement, causality, scan/remat equivalence."""
 
 import functools
-import importlib.util
-import pathlib
 import re
 
 import jax
@@ -12,6 +10,7 @@ import pytest
 from flax import linen as nn
 
 from fp8jax import FP8, FP8_STATS, models
+from fp8jax import train as train_lib
 
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
@@ -29,11 +28,7 @@ def _fast_compiles():
 
 def tiny(style="gpt", level="O1", **model):
     """configs/tiny.py with overrides; the test models are that size."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
-    spec = importlib.util.spec_from_file_location("config_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(style)
+    config = train_lib.load_config("tiny", style)
     config.fp8.level = level
     config.model.update(model)
     return config

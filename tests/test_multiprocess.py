@@ -92,7 +92,6 @@ def test_two_processes_match_one_process(tmp_path):
 
 def _worker(mode: str, out: str) -> None:
     """Train ``STEPS`` steps of the tiny model over every visible device; write the losses."""
-    import tempfile
 
     import jax
     import numpy as np
@@ -116,8 +115,7 @@ def _worker(mode: str, out: str) -> None:
         seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len,
     )  # fmt: skip
     it = dataset.train_iter()  # this process's rows of each global batch
-    with tempfile.TemporaryDirectory() as tmp:
-        env = train_lib.setup(config, tmp)
+    env = train_lib.setup(config)
     state = env["init"](jax.random.PRNGKey(config.seed))
     losses, grad_norms, m = [], [], {}
     for _ in range(STEPS):

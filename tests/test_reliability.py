@@ -11,7 +11,6 @@ import fcntl
 import functools
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -125,10 +124,7 @@ def baseline(shared, corpus, env):
 
 def load_config(corpus, **overrides):
     """configs/tiny.py with ``SMALL`` and ``overrides`` (dotted keys) applied."""
-    spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs" / "tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = train_lib.load_config("tiny")
     for key, value in {**SMALL, "data.path": str(corpus), **overrides}.items():
         *parents, leaf = key.split(".")
         functools.reduce(lambda d, k: d[k], parents, c)[leaf] = value
@@ -169,7 +165,7 @@ def assert_same_losses(records, reference):
 def restore_latest(workdir, corpus):
     """Restore the latest checkpoint of ``workdir`` in-process: (step, state, data state)."""
     c = load_config(corpus)
-    env = train_lib.setup(c, str(workdir))
+    env = train_lib.setup(c)
     ckpt = Checkpointer(str(workdir))
     try:
         step = ckpt.latest_step()

@@ -1,6 +1,5 @@
 """Train step and loop: golden losses, level parity, accumulation, coverage, end to end."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -26,10 +25,7 @@ GOLDEN = {
 
 def load_config(name="tiny", arg=None):
     """Load ``configs/<name>.py`` by path, as train.py does."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config() if arg is None else mod.get_config(arg)
+    return train_lib.load_config(name, arg)
 
 
 def _micro_config(level="O1", **overrides):
@@ -51,7 +47,7 @@ def _batch(c, seed=0):
 
 
 def _run(c, steps, tmp_path):
-    env = train_lib.setup(c, str(tmp_path))
+    env = train_lib.setup(c)
     state = env["init"](jax.random.PRNGKey(c.seed))
     losses = []
     for _ in range(steps):

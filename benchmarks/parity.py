@@ -49,14 +49,16 @@ def main():
         rows[level] = {k: summary.get(k) for k in ("val_loss", "train_loss", "train_tokens_per_s")}
         print(level, rows[level], flush=True)
     base = rows[a.levels.split(",")[0]]["val_loss"]
-    for r in rows.values():
-        r["rel_diff_vs_first"] = (r["val_loss"] - base) / base
+    for r in rows.values():  # a run stopped early (SIGTERM) has no final validation loss
+        ok = r["val_loss"] is not None and base is not None
+        r["rel_diff_vs_first"] = (r["val_loss"] - base) / base if ok else float("nan")
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"\n{'level':6} {'val_loss':>9} {'rel diff':>9} {'tok/s':>9}")
     for level, r in rows.items():
         tps = r["train_tokens_per_s"] or 0.0
-        print(f"{level:6} {r['val_loss']:9.4f} {r['rel_diff_vs_first']:9.3%} {tps:9.0f}")
+        val = r["val_loss"] if r["val_loss"] is not None else float("nan")
+        print(f"{level:6} {val:9.4f} {r['rel_diff_vs_first']:9.3%} {tps:9.0f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ median step time over timed steps after warm-up, tokens/s, model FLOPs utilisati
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/step.py --out "$OUT" \
         --runs gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1
 
+A run is ``config:level[:options]``, options joined by ``+``: ``key=value`` config overrides
+(``gpt_1b3:O0:model.scan_layers=False``) and ``plain``, which jits the same pure step without
+shardings or mesh (the unsharded reference for the sharded path's overhead).
 ``--quick`` shrinks every model to a CPU smoke test.
 """
 
@@ -25,15 +28,43 @@ MARK = "@@STEP "
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, the usual MFU denominator
 
 
-def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> dict:
-    """Compile and time one config at one level (runs inside the child process)."""
+def parse_run(run: str) -> tuple[str, str, list[str]]:
+    """'gpt_1b3:O1[:model.scan_layers=False+plain]' -> (config, level, options)."""
+    name, level, *rest = run.split(":")
+    return name, level, (rest[0].split("+") if rest else [])
+
+
+def apply_overrides(c, options) -> None:
+    """Set ``key=value`` options on the config (values parsed as Python literals if they can)."""
+    import ast
+
+    for opt in options:
+        if "=" not in opt:
+            continue
+        key, value = opt.split("=", 1)
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass  # a bare string such as bfloat16
+        *parents, leaf = key.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        if leaf not in node:
+            raise KeyError(f"unknown config field {key!r} in run option {opt!r}")
+        node[leaf] = value
+
+
+def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
+    """(config, compiled-ready env, state, batch) for one run string, as the trainer builds them."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from fp8jax import models
+    from fp8jax import step as step_lib
     from fp8jax import train as train_lib
 
+    name, level, options = parse_run(run)
     c = train_lib.load_config(name)
     c.fp8.level = level
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in mesh.split(","))
@@ -44,13 +75,30 @@ def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="
         m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 2, 64, 2, 2, 128
         m.vocab_size, m.max_len, c.seq_len, c.batch_size = 256, 32, 32, 4
         m.dtype, m.attention_impl = "float32", "xla"
+    apply_overrides(c, options)
     # The trainer's own jitted init and step: explicit shardings over the mesh and donation.
     env = train_lib.setup(c)
+    if "plain" in options:
+        # The unsharded reference: the same pure step under a bare jit (no shardings, no mesh).
+        env["train_step"] = jax.jit(
+            step_lib.make_train_step(env["model"], env["tx"], c, mesh=None), donate_argnums=0
+        )
+    state = env["init"](jax.random.PRNGKey(0))
+    tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
+    tok = jnp.asarray(tok, jnp.int32)
+    batch = jax.device_put({"inputs": tok, "targets": tok}, env["batch_sharding"])
+    return c, env, state, batch
+
+
+def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> dict:
+    """Compile and time one run (config:level[:options]) inside the child process."""
+    import jax
+
+    from fp8jax import models
+
+    c, env, state, batch = build(run, quick, batch, mesh)
+    name, level, _ = parse_run(run)
     with env["mesh"]:
-        state = env["init"](jax.random.PRNGKey(0))
-        tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
-        tok = jnp.asarray(tok, jnp.int32)
-        batch = jax.device_put({"inputs": tok, "targets": tok}, env["batch_sharding"])
         t0 = time.perf_counter()
         compiled = env["train_step"].lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
@@ -70,13 +118,17 @@ def child(name: str, level: str, quick: bool, steps: int, batch: int = 0, mesh="
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len
     return {
+        "run": run,
         "config": name,
         "level": level,
         "batch": c.batch_size,
         "seq": c.seq_len,
         "step_ms": ms,
         "tokens_per_s": tokens / (ms / 1e3),
-        "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16,
+        "devices": env["mesh"].size,
+        "tokens_per_s_per_device": tokens / (ms / 1e3) / env["mesh"].size,
+        # Against the peak of every device the step runs on.
+        "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16 / env["mesh"].size,
         "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
         "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
@@ -98,8 +150,7 @@ def main():
     p.add_argument("--child", default=None)
     a = p.parse_args()
     if a.child:
-        name, level = a.child.split(":")
-        print(MARK + json.dumps(child(name, level, a.quick, a.steps, a.batch, a.mesh)), flush=True)
+        print(MARK + json.dumps(child(a.child, a.quick, a.steps, a.batch, a.mesh)), flush=True)
         return
     rows = []
     for run in a.runs.split(","):
@@ -113,19 +164,18 @@ def main():
             rows.append(recs[0])
         else:
             err = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"config": run, "error": err[:300]})
+            rows.append({"run": run, "error": err[:300]})
         print(json.dumps(rows[-1]), flush=True)
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
     head = ("run", "ms", "tok/s", "MFU", "peak GiB", "temp GiB", "f8 GEMMs")
-    print("\n{:18} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}".format(*head))
+    print("\n{:40} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}".format(*head))
     for r in rows:
         if "error" in r:
-            print(f"{r['config']:18} ERROR {r['error'][:80]}")
+            print(f"{r['run']:40} ERROR {r['error'][:80]}")
             continue
-        name = f"{r['config']}:{r['level']}"
         print(
-            f"{name:18} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
+            f"{r['run'][:40]:40} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
             f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:8d}"
         )
 

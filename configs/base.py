@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.amax_compute_algo = "max"  # delayed scaling: 'max' over the window or 'most_recent'
     f.margin = 0  # scale = fmax / (amax * 2**margin)
     f.power_of_two = False  # round scales down to powers of two
+    f.impl = "fp8jax"  # FP8 matmul: 'fp8jax'; 'flax' = flax's Fp8DirectDotGeneralOp (benchmarks)
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)

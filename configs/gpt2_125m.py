@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 3072  # 4 x d_model
     m.max_len = 1024  # learned position table, tokens
     m.dtype = "bfloat16"  # compute dtype
+    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
     m.remat_policy = "none"  # activations of 12 small layers fit an H200 easily
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 

@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 8192  # 4 x d_model
     m.max_len = 2048  # learned position table, tokens
     m.dtype = "bfloat16"  # compute dtype
+    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
     m.remat_policy = "none"  # 16k tokens x 24 layers of activations fit in 141 GB
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 

@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 5632  # SwiGLU hidden width (~2.75 x d_model)
     m.max_len = 2048  # longest sequence, tokens (RoPE has no table; checked against seq_len)
     m.dtype = "bfloat16"  # compute dtype
+    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
     m.remat_policy = "none"  # 16k tokens x 22 layers of activations fit in 141 GB
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 

@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 11008  # SwiGLU hidden width
     m.max_len = 4096  # longest sequence, tokens (RoPE has no table; checked against seq_len)
     m.dtype = "bfloat16"  # compute dtype
+    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
     m.remat_policy = "full"  # recompute each block in the backward pass: 4k-token activations
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 

@@ -23,6 +23,8 @@ from fp8jax.scaling import ScaleState
 
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
+# flax's own FP8 ops keep their scales here; the gradient of these variables is their new value.
+FLAX_FP8 = "_overwrite_with_gradient"
 
 
 def _is_state(x) -> bool:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fp8jax import comm, optim
 from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
-from fp8jax.state import FP8, FP8_STATS
+from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -89,6 +89,11 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     return optax.chain(*clip, adam)
 
 
+def state_collection(model) -> str:
+    """The variable collection holding the model's FP8 scale state (flax's op: its own)."""
+    return FLAX_FP8 if getattr(getattr(model, "cfg", None), "fp8_impl", "") == "flax" else FP8
+
+
 def init_state(model, tx, config, rng: jax.Array) -> TrainState:
     """Initialise params, FP8 state and optimizer state (run under jit with out_shardings)."""
     tokens_BxL = jnp.zeros((1, config.seq_len), jnp.int32)
@@ -99,7 +104,8 @@ def init_state(model, tx, config, rng: jax.Array) -> TrainState:
         params = optim.to_master(params, master_format=config.fp8.master_format)
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(level_index(config.fp8.level), comm.CommConfig.from_config(config))
-    return TrainState(zero, params, opt_state, variables.get(FP8, {}), zero, zero, comm_state)
+    fp8 = variables.get(state_collection(model), {})
+    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state)
 
 
 def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
@@ -115,13 +121,17 @@ def _micro_grads(model, params, fp8, batch, weight=1.0):
     # ``weight`` scales the loss: 1/N for one of N data-parallel replicas, so the replicas'
     # gradients sum to the global batch's and dy (hence its FP8 amax) equals the unsharded one.
 
+    coll = state_collection(model)
+
     def loss_fn(p, s):
-        logits, mutated = model.apply({"params": p, FP8: s}, batch["inputs"], mutable=[FP8])
+        logits, mutated = model.apply({"params": p, coll: s}, batch["inputs"], mutable=[FP8])
         return weight * cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
 
     (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, fp8
     )
+    if coll == FLAX_FP8:  # flax's convention: the "gradient" is the updated scale state
+        return loss, g_fp8, g_params
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
 
 
@@ -190,6 +200,8 @@ def make_train_step(model, tx, config, mesh=None):
     if mesh is None and level >= 1 and comm.CommConfig.from_config(config).enabled:
         mesh = sharding_lib.make_mesh(config.mesh)
     plan = comm.make_plan(model, config, mesh, level) if mesh is not None else None
+    if plan is not None and state_collection(model) != FP8:
+        raise ValueError("fp8.impl='flax' runs on one data-parallel replica only (benchmarks)")
 
     def train_step(state: TrainState, batch):
         # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
@@ -204,7 +216,8 @@ def make_train_step(model, tx, config, mesh=None):
             grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
             comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}
-        fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
+        if state_collection(model) == FP8:
+            fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -240,7 +253,8 @@ def make_eval_step(model):
 
     def eval_step(state: TrainState, batch):
         params = optim.materialize(state.params)
-        logits = model.apply({"params": params, FP8: state.fp8}, batch["inputs"])
+        coll = state_collection(model)
+        logits = model.apply({"params": params, coll: state.fp8}, batch["inputs"])
         return cross_entropy(logits, batch["targets"])
 
     return eval_step

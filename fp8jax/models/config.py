@@ -17,6 +17,8 @@ LEVELS = ("O0", "O1", "O2", "O3")
 # Storage formats the O2+ optimizer may use for Adam moments and master weights.
 STATE_FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
 ATTENTION_IMPLS = ("", "xla", "cudnn")
+# 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for benchmarks/step.py.
+FP8_IMPLS = ("fp8jax", "flax")
 DTYPES = ("float32", "bfloat16", "float16")
 # Remat policy name -> jax.checkpoint policy ('full' = save nothing: recompute the whole block).
 REMAT_POLICIES = {
@@ -43,6 +45,7 @@ def check_config(config) -> None:
     _check_choice(m.attention_impl or "", ATTENTION_IMPLS, "model.attention_impl")
     _check_choice(f.level, LEVELS, "fp8.level")
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
+    _check_choice(f.get("impl", "fp8jax"), FP8_IMPLS, "fp8.impl")
     _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
     for name in ("m_format", "v_format", "master_format"):
         _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
@@ -99,17 +102,19 @@ class ModelConfig:
     tie_embeddings: bool
     attention_impl: str | None
     recipe: scaling.Recipe | None
+    fp8_impl: str = "fp8jax"
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
         """Validate ``config`` and take the fields the model needs."""
         check_config(config)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe", "fp8_impl"}
         kw = {k: config.model[k] for k in fields}
         kw["dtype"], kw["param_dtype"] = jnp.dtype(kw["dtype"]), jnp.dtype(kw["param_dtype"])
         kw["attention_impl"] = kw["attention_impl"] or None  # '' -> JAX picks
         use_fp8 = config.fp8.level != "O0"
-        return cls(**kw, recipe=recipe_from_config(config.fp8) if use_fp8 else None)
+        recipe = recipe_from_config(config.fp8) if use_fp8 else None
+        return cls(**kw, recipe=recipe, fp8_impl=config.fp8.get("impl", "fp8jax"))
 
     @property
     def head_dim(self) -> int:

@@ -40,6 +40,8 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
     """
     features = tuple(features)
     dot_general_cls = fp8_dot_general_cls(cfg.recipe) if cfg.recipe else None
+    if cfg.recipe and cfg.fp8_impl == "flax":
+        dot_general_cls = nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
     return nn.DenseGeneral(
         features,
         axis=axis,

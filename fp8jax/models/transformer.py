@@ -16,7 +16,7 @@ from flax import linen as nn
 from fp8jax.linen import fp8_dot_general_cls
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
 from fp8jax.models.layers import Block, constrain, norm, normal_init
-from fp8jax.state import FP8, FP8_STATS
+from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
 
 
 class Transformer(nn.Module):
@@ -63,7 +63,7 @@ class Transformer(nn.Module):
             # layer get a leading layer axis.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0},
+                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0},
                 split_rngs={"params": True},
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},

@@ -3,11 +3,12 @@
 GPT 1.3B: d_model 2048, 24 layers, 16 heads, GELU MLP 4x, seq 2048, batch 8 (16384 tokens per
 step), vocabulary 32768, untied LM head: 1.35B parameters. FP8 level O1, bf16 compute, one GPU.
 The shape of the whole-model reference in docs h200-measured.md (one H200, forward + backward
-only: PyTorch bf16 68.0k tokens/s, torchao float8 76.5k, Flax bf16 50.7k). This model, same
-measurement plus the FP8 state update (jax 0.11.2, 2026-11-29,
-XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 305 ms/step (53.6k tokens/s), O1 253 ms
-(64.7k). Run time and loss of a full training run: not measured yet. Set
-``--config.data.path`` to a large corpus.
+only: PyTorch bf16 68.0k tokens/s, torchao float8 76.5k, Flax bf16 50.7k). Full train step
+with AdamW (benchmarks/RESULTS.md, 2026-11-29, jax 0.11.2,
+XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 269 ms/step (61.0k tokens/s, 50.7 GiB peak),
+O1 245 ms (67.0k, 48.7 GiB); PyTorch compiled bf16 61.2k, torchao float8 65.0k in the same run.
+Compiles in ~30 s (O0) / ~50 s (O1). Run time and loss of a full training run: not measured
+yet. Set ``--config.data.path`` to a large corpus.
 """
 
 import importlib.util

@@ -5,7 +5,9 @@ LLaMA-2-7B shapes: d_model 4096, 32 layers, 32 heads (no grouping), SwiGLU d_ff 
 Adam, optimizer state and master weights sharded over an fsdp axis of 8, weights all-gathered
 in FP8), full block remat, 64k tokens per step. Not run on 8 GPUs yet. One H200 at this
 config's per-GPU batch (2 x 4096), forward + backward only (jax 0.11.2, 2026-11-29): O1 564
-ms/step (14.5k tokens/s, 22.8 GiB XLA temp), O0 780 ms. Training time, memory and loss: not
+ms/step (14.5k tokens/s, 22.8 GiB XLA temp), O0 780 ms; full train step with nn.scan layers:
+O2 604 ms (13.6k tokens/s, 73 GiB peak), O0 out of memory (benchmarks/RESULTS.md). The
+unrolled layers now configured were not run at this size. Training time and loss: not
 measured yet. Set ``--config.data.path`` to a large corpus.
 """
 

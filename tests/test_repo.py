@@ -1,5 +1,6 @@
 """Repository invariants: CI runs the README's test command; public API imports."""
 
+import os
 import pathlib
 import re
 
@@ -29,3 +30,18 @@ def test_public_api_reexported():
 
     for name in fp8jax.__all__:
         assert hasattr(fp8jax, name), name
+
+
+def test_train_py_turns_triton_gemms_off_unless_set(monkeypatch):
+    """train.py adds --xla_gpu_enable_triton_gemm=false, keeping the user's flags and choice."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8jax_train_cli", ROOT / "train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    cli._default_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    cli._default_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"

@@ -96,7 +96,9 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
 
     from fp8jax import models
 
+    t_build = time.perf_counter()
     c, env, state, batch = build(run, quick, batch, mesh)
+    build_s = time.perf_counter() - t_build  # imports excluded: setup, init compile, init
     name, level, _ = parse_run(run)
     with env["mesh"]:
         t0 = time.perf_counter()
@@ -133,6 +135,7 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
         "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
         "compile_s": compile_s,
+        "build_s": build_s,
         "loss": float(metrics["loss"]),
         "jax": jax.__version__,
         "device": str(dev.device_kind),

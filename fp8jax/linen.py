@@ -20,28 +20,19 @@ from fp8jax.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-ex
 from fp8jax.state import FP8, FP8_STATS
 
 
-class Fp8DotGeneral(nn.Module):
-    """Drop-in ``dot_general_cls`` for ``nn.Dense``/``nn.DenseGeneral`` running FP8 GEMMs."""
+class _Fp8Op(nn.Module):
+    """An FP8 matmul's ``meta`` variable: read it, record health stats, write the new amax."""
 
     recipe: scaling.Recipe = scaling.DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
 
-    @nn.compact
-    def __call__(
-        self,
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=None,
-        preferred_element_type=None,
-        out_sharding=None,
-    ):
-        del precision, out_sharding  # FP8 GEMMs have one precision; sharding follows the inputs
+    def _with_meta(self, lhs, rhs, matmul):
+        """``matmul(meta) -> (out, new_meta)`` under this module's state; returns ``out``."""
         meta_var = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe)
         meta = meta_var.value
         if self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
             self._sow_stats(lhs, rhs, meta)
-        out, new_meta = dot.dot_general(lhs, rhs, dimension_numbers, meta, preferred_element_type)
+        out, new_meta = matmul(meta)
         if self.is_mutable_collection(FP8) and not self.is_initializing():
             meta_var.value = new_meta
         return out
@@ -56,18 +47,35 @@ class Fp8DotGeneral(nn.Module):
             self.sow(FP8_STATS, f"{name}_flushed", flush)
 
 
-class Fp8Einsum(nn.Module):
-    """FP8 version of ``jnp.einsum(eq, x, kernel)``; state in the ``fp8_state`` collection."""
+class Fp8DotGeneral(_Fp8Op):
+    """Drop-in ``dot_general_cls`` for ``nn.Dense``/``nn.DenseGeneral`` running FP8 GEMMs."""
 
-    recipe: scaling.Recipe = scaling.DelayedScaling()
+    @nn.compact
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
+        del precision, out_sharding  # FP8 GEMMs have one precision; sharding follows the inputs
+        return self._with_meta(
+            lhs,
+            rhs,
+            lambda meta: dot.dot_general(lhs, rhs, dimension_numbers, meta, preferred_element_type),
+        )
+
+
+class Fp8Einsum(_Fp8Op):
+    """FP8 version of ``jnp.einsum(eq, x, kernel)``; state in the ``fp8_state`` collection."""
 
     @nn.compact
     def __call__(self, eq: str, lhs, rhs, preferred_element_type=None):
-        meta_var = self.variable(FP8, "meta", dot.init_meta, self.recipe)
-        out, new_meta = fp8_einsum(eq, lhs, rhs, meta_var.value, preferred_element_type)
-        if self.is_mutable_collection(FP8) and not self.is_initializing():
-            meta_var.value = new_meta
-        return out
+        return self._with_meta(
+            lhs, rhs, lambda meta: fp8_einsum(eq, lhs, rhs, meta, preferred_element_type)
+        )
 
 
 class Einsum(nn.Module):

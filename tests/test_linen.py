@@ -304,6 +304,20 @@ def test_evaluation_without_mutable_runs_and_writes_nothing():
     assert all(0.0 <= float(s) <= 1.0 for s in stats)
 
 
+def test_einsum_records_health_stats_like_dense():
+    """Fp8Einsum sows the same saturation/flush shares as Fp8DotGeneral, from the same meta."""
+    model = fp8jax.Einsum(shape=(16, 8), einsum_str="bd,df->bf")
+    x = randn(25, (4, 16)) * 1e3  # far above the initial scale's range: x saturates
+    variables = init(model, x)
+    _, mutated = jax.jit(lambda v: model.apply(v, x, mutable=[FP8_STATS]))(variables)
+    stats = {k: float(v[0]) for k, v in mutated[FP8_STATS]["fp8"].items()}
+    assert set(stats) == {"x_saturated", "x_flushed", "w_saturated", "w_flushed"}
+    # Initial scale 1: every |x| > 448 clips, and no weight (lecun normal, |w| << 448) does.
+    expected = float(jnp.mean(jnp.abs(x) > E4M3_MAX))
+    assert stats["x_saturated"] == pytest.approx(expected) and expected > 0.5
+    assert stats["w_saturated"] == 0.0
+
+
 def test_train_step_jits_once():
     model = nn.Dense(8, dot_general_cls=fp8jax.fp8_dot_general_cls(fp8jax.CurrentScaling()))
     x = randn(24, (4, 16))

@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp8jax import comm, optim
+from fp8jax import comm, gather, optim
 from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
@@ -168,7 +168,7 @@ def _replica_grads(model, params, state, batch, accum: int, plan):
     batch_N = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
     )
-    full, w_amax = comm.gather_params(params, state.fp8, plan)
+    full, w_amax = gather.gather_params(params, state.fp8, plan)
 
     def one(b):
         return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n)
@@ -186,15 +186,16 @@ def _replica_grads(model, params, state, batch, accum: int, plan):
     )
     # Amaxes are maxima over every replica's data (the global amax); scales are identical.
     fp8 = jax.tree.map(lambda x: jnp.max(x, axis=0), fp8_N)
-    fp8 = comm.set_weight_amax(fp8, w_amax)
+    fp8 = gather.set_weight_amax(fp8, w_amax)
     return jnp.sum(loss_N), fp8, grads_N
 
 
 def make_train_step(model, tx, config, mesh=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: config's)."""
     # With more than one data-parallel replica at O1+ gradients are reduced in FP8 with a shared
-    # scale (fp8jax.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8. The
-    # mesh must be the one the step is jitted over (train.setup's: make_mesh(config.mesh)).
+    # scale (fp8jax.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8
+    # (fp8jax.gather). The mesh must be the one the step is jitted over (train.setup's:
+    # make_mesh(config.mesh)).
     accum = int(config.grad_accum_steps)
     level = level_index(config.fp8.level)
     if mesh is None and level >= 1 and comm.CommConfig.from_config(config).enabled:

@@ -1,0 +1,137 @@
+"""FSDP weight gathers: parameters sharded over ``fsdp`` are all-gathered before the forward pass;
+at O3 the matmul kernels of FP8 layers are quantized to E4M3 with the layer's own weight scale
+on their shard first, so only FP8 bytes move (in ``fp8jax.comm``'s wire format). The gathered FP8
+weight is handed to the model dequantized; the FP8 matmul re-quantizes it with the same scale,
+which lands exactly on the gathered FP8 values (the round trip's error is far below half an E4M3
+step), so the GEMM sees the gathered bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from fp8jax import formats, scaling
+from fp8jax import sharding as sharding_lib
+from fp8jax.comm import Plan, _amax_stacked, _bcast, _recv, _send, _wire
+from fp8jax.sharding import MESH_AXES
+
+P = PartitionSpec
+
+
+def _find_meta(fp8_state, path: tuple[str, ...]):
+    """The ``Fp8Meta`` of the FP8 matmul owning kernel ``path`` (None if it is not FP8)."""
+    node = fp8_state
+    for k in path[:-1]:
+        if not isinstance(node, Mapping) or k not in node:
+            return None
+        node = node[k]
+    if not isinstance(node, Mapping):
+        return None
+    for name, child in node.items():
+        if name.startswith("Fp8DotGeneral") and isinstance(child, Mapping) and "meta" in child:
+            return child["meta"]
+    return None
+
+
+def _weight_scale(w_state, amax: jax.Array) -> jax.Array:
+    """The scale the FP8 matmul will use for this weight (stored, or from amax if current)."""
+    if isinstance(w_state.recipe, scaling.CurrentScaling):
+        return scaling.scale_from_amax(amax, w_state.scale, w_state.fmt, w_state.recipe)
+    return w_state.scale
+
+
+def gather_params(params, fp8_state, plan: Plan):
+    """(fsdp-gathered params, {kernel path: global amax}); O3's FP8 kernels move as E4M3."""
+    # FP8-gathered kernels come back in the model's compute dtype, the rest in their own. Their
+    # true amax (per layer) replaces the one the matmul records from the gathered copy, so the
+    # weight scales evolve exactly as on one device.
+    mesh = plan.mesh
+    f = int(mesh.shape["fsdp"])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = treedef.flatten_up_to(plan.specs)
+    stacks = treedef.flatten_up_to(plan.stack_ndims)
+    todo = [
+        i for i, s in enumerate(specs) if f > 1 and sharding_lib.axis_dim(s, "fsdp") is not None
+    ]
+    if not todo:
+        return params, {}
+    wire = _wire(mesh, plan.cfg)
+    paths = [sharding_lib.path_key(p) for p, _ in flat]
+    metas = {}
+    if plan.level >= 3:
+        for i in todo:
+            if paths[i][-1] == "kernel":
+                meta = _find_meta(fp8_state, paths[i])
+                if meta is not None:
+                    metas[i] = meta.w  # the weight's ScaleState
+
+    def body(*args):
+        ws, meta_list = args[: len(todo)], args[len(todo) :]
+        meta_of = dict(zip(sorted(metas), meta_list, strict=True))
+        outs, amaxes = [], []
+        for i, w in zip(todo, ws, strict=True):
+            dim = sharding_lib.axis_dim(specs[i], "fsdp")
+            if i not in meta_of:
+                outs.append(lax.all_gather(w, "fsdp", axis=dim, tiled=True))
+                continue
+            meta = meta_of[i]
+            w_c = w.astype(plan.compute_dtype)  # what the layer hands its FP8 matmul
+            amax = lax.pmax(_amax_stacked(w_c, stacks[i]), MESH_AXES)  # global, per layer
+            s = _bcast(_weight_scale(meta, amax), w.ndim)
+            # E4M3 (the FP8 matmul's weight format), with the scale that matmul will use,
+            # from the compute dtype exactly as the matmul quantizes it.
+            q = formats.quantize(w_c, s, formats.E4M3)
+            got = lax.all_gather(_send(q, wire), "fsdp", axis=dim, tiled=True)
+            # Handed over in the compute dtype (what the layer casts its kernel to anyway): the
+            # FP8 matmul's re-quantization with scale s then lands exactly on the gathered bytes.
+            w_full = _recv(got, formats.E4M3, wire).astype(jnp.float32) / s
+            outs.append(w_full.astype(plan.compute_dtype))
+            amaxes.append(amax)
+        return *outs, *amaxes
+
+    leaves = [flat[i][1] for i in todo]
+    meta_args = [metas[i] for i in sorted(metas)]
+    in_specs = (*[specs[i] for i in todo], *[jax.tree.map(lambda _: P(), m) for m in meta_args])
+    out_specs = (
+        *[sharding_lib.drop_axis(specs[i], "fsdp") for i in todo],
+        *[P() for _ in metas],
+    )
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    res = fn(*leaves, *meta_args)
+    full = [x for _, x in flat]
+    for i, x in zip(todo, res[: len(todo)], strict=True):
+        full[i] = x
+    w_amax = {paths[i]: am for i, am in zip(sorted(metas), res[len(todo) :], strict=True)}
+    return treedef.unflatten(full), w_amax
+
+
+def set_weight_amax(fp8_state, w_amax: dict):
+    """Put the true global weight amaxes into the FP8 state's pending slots."""
+    if not w_amax:
+        return fp8_state
+
+    def rebuild(node, prefix):
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for k, v in node.items():
+            out[k] = rebuild(v, prefix + (k,))
+        for kernel_path, amax in w_amax.items():
+            if kernel_path[:-1] == prefix:
+                for name, child in out.items():
+                    if name.startswith("Fp8DotGeneral") and "meta" in child:
+                        meta = child["meta"]
+                        hist = meta.w.amax_history.at[..., 0].set(amax)
+                        w = meta.w.replace(amax_history=hist)
+                        out[name] = {**child, "meta": meta.replace(w=w)}
+        return out
+
+    return rebuild(fp8_state, ())
+
+
+__all__ = ["gather_params", "set_weight_amax"]

@@ -30,7 +30,7 @@ PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, the usual MFU d
 
 def parse_run(run: str) -> tuple[str, str, list[str]]:
     """'gpt_1b3:O1[:model.scan_layers=False+plain]' -> (config, level, options)."""
-    name, level, *rest = run.split(":")
+    name, level, *rest = run.split(":", 2)  # option values may hold ':' (paths)
     return name, level, (rest[0].split("+") if rest else [])
 
 
@@ -49,6 +49,8 @@ def apply_overrides(c, options) -> None:
         *parents, leaf = key.split(".")
         node = c
         for part in parents:
+            if part not in node:
+                raise KeyError(f"unknown config field {key!r} in run option {opt!r}")
             node = node[part]
         if leaf not in node:
             raise KeyError(f"unknown config field {key!r} in run option {opt!r}")

@@ -220,11 +220,11 @@ def make_train_step(model, tx, config, mesh=None):
         if state_collection(model) == FP8:
             fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         # Finite grads can still give a non-finite update (e.g. an Inf weight under decay).
-        ok = ok & jnp.isfinite(optax.global_norm(updates))
+        ok = ok & jnp.isfinite(optax.tree.norm(updates))
         new_params = optim.apply_updates(state.params, updates)
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(
@@ -266,9 +266,8 @@ def make_stats_step(model):
 
     def stats_step(state: TrainState, batch):
         params = optim.materialize(state.params)
-        _, mutated = model.apply(
-            {"params": params, FP8: state.fp8}, batch["inputs"], mutable=[FP8_STATS]
-        )
+        variables = {"params": params, state_collection(model): state.fp8}
+        _, mutated = model.apply(variables, batch["inputs"], mutable=[FP8_STATS])
         return mutated.get(FP8_STATS, {})
 
     return stats_step

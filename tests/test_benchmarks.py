@@ -1,0 +1,205 @@
+"""Pure helpers of benchmarks/: kernel categories, trace summaries, run strings, notebook cells."""
+
+import gzip
+import json
+import pathlib
+import sys
+
+import pytest
+
+from fp8jax import train as train_lib
+
+# The benchmarks are scripts, not a package: import them as kernel_profile.py imports step.py.
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import kernel_profile  # noqa: E402
+import notebooks  # noqa: E402
+import step as step_bench  # noqa: E402
+
+FP8_GEMM = "nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_bias_TNT"
+
+# Kernel names from H200 traces of the gpt_1b3 step (cuBLASLt nvjet, cuDNN, XLA, NCCL).
+KERNELS = [
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_ssched_bz_coopA_NTN", "gemm_other"),  # bf16 x bf16
+    (FP8_GEMM, "gemm_fp8"),  # E4M3 x E4M3 (forward)
+    ("nvjet_sm90_rqtst_144x128_128x6_1x2_h_bz_TNN", "gemm_fp8"),  # E5M2 x E4M3 (dgrad)
+    ("nvjet_sm90_qrtst_176x128_128x5_1x2_h_bz_TNN", "gemm_fp8"),  # E4M3 x E5M2 (wgrad)
+    (
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1",
+        "attention",
+    ),
+    ("memcpy128", "copy/transpose"),
+    ("input_add_reduce_fusion", "reduction fusion"),
+    ("loop_convert_fusion", "elementwise fusion"),
+    ("ncclDevKernel_AllGather", "collective"),
+]
+
+
+@pytest.mark.parametrize("name,expected", KERNELS, ids=[k[1] + ":" + k[0][:24] for k in KERNELS])
+def test_kernel_category(name, expected):
+    assert kernel_profile.category(name) == expected
+
+
+def _write_trace(root: pathlib.Path, events, pids):
+    """A gzipped Chrome trace where jax.profiler writes it: plugins/profile/<run>/."""
+    run = root / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+        for pid, name in pids.items()
+    ]
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def _x(pid, name, ts, dur, tid=1):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+GPU, HOST = 7, 3
+
+
+def test_summarize_trace_per_step_numbers(tmp_path):
+    events = [
+        # Two steps' worth of device kernels, microseconds.
+        _x(GPU, "loop_add_fusion_3", 0, 100),
+        _x(GPU, "loop_add_fusion_17", 150, 250),  # same fusion kind, another layer
+        _x(GPU, FP8_GEMM, 400, 1000),
+        _x(GPU, "ncclDevKernel_AllGather", 900, 700, tid=2),  # overlaps the GEMM by 500
+        _x(GPU, "memcpy128", 2000, 200),
+        _x(GPU, FP8_GEMM, 2500, 1000),
+        {"ph": "i", "pid": GPU, "tid": 1, "name": "marker", "ts": 10},  # not a complete event
+        {"ph": "M", "name": "thread_name", "pid": GPU, "tid": 1, "args": {"name": "stream 7"}},
+        # Host events: ignored, or every number below would move.
+        _x(HOST, FP8_GEMM, 0, 50_000),
+        _x(HOST, "ExecuteOnLocalDevices", 0, 90_000),
+    ]
+    _write_trace(tmp_path, events, {GPU: "/device:GPU:0", HOST: "/host:CPU"})
+    s = kernel_profile.summarize_trace(str(tmp_path), steps=2, top=3)
+    approx = lambda v: pytest.approx(v, rel=1e-12)
+    assert s["timeline"] == "gpu"
+    # Kernel sum 3250 us; busy is the union of intervals (the overlap and the gaps don't
+    # count): 100 + 250 + [400, 1600] + 200 + 1000 = 2750 us; span 0..3500 us. Over 2 steps.
+    assert s["kernel_ms_per_step"] == approx(1.625)
+    assert s["busy_ms_per_step"] == approx(1.375)
+    assert s["span_ms_per_step"] == approx(1.75)
+    # Categories largest first.
+    assert list(s["categories"]) == [
+        "gemm_fp8",
+        "collective",
+        "elementwise fusion",
+        "copy/transpose",
+    ]
+    assert list(s["categories"].values()) == [approx(1.0), approx(0.35), approx(0.175), approx(0.1)]
+    # Top 3 of 4 kernel names (memcpy128 is cut); the two fusions are one row.
+    assert s["top"] == [
+        {
+            "name": FP8_GEMM,
+            "ms_per_step": approx(1.0),
+            "share": approx(2000 / 3250),
+            "calls_per_step": 1.0,
+            "category": "gemm_fp8",
+        },
+        {
+            "name": "ncclDevKernel_AllGather",
+            "ms_per_step": approx(0.35),
+            "share": approx(700 / 3250),
+            "calls_per_step": 0.5,
+            "category": "collective",
+        },
+        {
+            "name": "loop_add_fusion",
+            "ms_per_step": approx(0.175),
+            "share": approx(350 / 3250),
+            "calls_per_step": 1.0,
+            "category": "elementwise fusion",
+        },
+    ]
+
+
+def test_summarize_trace_cpu_threads_and_missing_trace(tmp_path):
+    # Without a device process (a CPU smoke run) XLA's Eigen worker threads are the timeline.
+    events = [
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": HOST,
+            "tid": 5,
+            "args": {"name": "tf_XLAEigen/5"},
+        },
+        {"ph": "M", "name": "thread_name", "pid": HOST, "tid": 6, "args": {"name": "python3"}},
+        _x(HOST, "loop_add_fusion.2", 0, 300, tid=5),
+        _x(HOST, "PjitFunction(train_step)", 0, 5000, tid=6),  # the Python thread: not an op
+    ]
+    _write_trace(tmp_path / "cpu", events, {HOST: "/host:CPU"})
+    s = kernel_profile.summarize_trace(str(tmp_path / "cpu"), steps=1, top=5)
+    assert s["timeline"] == "cpu threads"
+    assert s["kernel_ms_per_step"] == pytest.approx(0.3)
+    assert [(k["name"], k["calls_per_step"]) for k in s["top"]] == [("loop_add_fusion", 1.0)]
+    with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz"):
+        kernel_profile.summarize_trace(str(tmp_path / "empty"), steps=1, top=5)
+
+
+def test_parse_run():
+    assert step_bench.parse_run("gpt_1b3:O1") == ("gpt_1b3", "O1", [])
+    assert step_bench.parse_run("gpt_1b3:O1:model.scan_layers=False+plain") == (
+        "gpt_1b3",
+        "O1",
+        ["model.scan_layers=False", "plain"],
+    )
+    # A value may hold ':' (a path); it stays whole.
+    assert step_bench.parse_run("tiny:O0:data.path=/a:b")[2] == ["data.path=/a:b"]
+
+
+def test_apply_overrides():
+    c = train_lib.load_config("tiny")
+    assert (c.model.scan_layers, c.seq_len, c.model.dtype) == (True, 64, "float32")
+    opts = ["model.scan_layers=False", "plain", "seq_len=32", "model.dtype=bfloat16"]
+    step_bench.apply_overrides(c, opts)  # 'plain' is a flag, not an override: skipped
+    # Literals are parsed (a bool, not the string 'False'); a bare word stays a string.
+    assert c.model.scan_layers is False
+    assert c.seq_len == 32 and isinstance(c.seq_len, int)
+    assert c.model.dtype == "bfloat16"
+    with pytest.raises(KeyError, match="model.foo"):
+        step_bench.apply_overrides(c, ["model.foo=1"])
+    assert "foo" not in c.model  # a typo must not add a field
+    with pytest.raises(KeyError, match="unknown config field 'modl.dtype'"):
+        step_bench.apply_overrides(c, ["modl.dtype=float32"])  # a misspelled parent too
+
+
+def test_notebook_code_cells(tmp_path):
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "source": ["# Title\n"]},
+            {"cell_type": "code", "source": ["!pip install fp8jax\n", "import fp8jax\n"]},
+            {
+                "cell_type": "code",
+                "source": ["%matplotlib inline\n", "if True:\n", "    !nvidia-smi\n", "y = 7 % 3"],
+            },
+            {"cell_type": "markdown", "source": "text"},
+            {"cell_type": "code", "source": "print(y)"},
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path = tmp_path / "01_demo.ipynb"
+    path.write_text(json.dumps(nb))
+    cells = notebooks.code_cells(str(path))
+    # The install cell is skipped; indices count every cell; magics become `pass` at their
+    # indent (the `if` block stays valid) and `%` as an operator is left alone.
+    assert cells == [(2, "pass\nif True:\n    pass\ny = 7 % 3\n"), (4, "print(y)\n")]
+    namespace = {}
+    exec(compile(cells[0][1], "cell", "exec"), namespace)
+    assert namespace["y"] == 1
+
+
+def test_notebook_keys_and_numbers():
+    assert notebooks.nb_key("colab/01_fp8_in_your_flax_model.ipynb") == "nb01"
+    assert notebooks.nb_key("/x/scratch.ipynb") == "scratch"
+    rec = {
+        "notebook": "colab/01_fp8_in_your_flax_model.ipynb",
+        "results": {"final_loss": {"O0": 3.21, "O1": 3.25}, "compiled_fp8_gemms": 12},
+    }
+    assert notebooks.key_numbers(rec) == "final loss O0 3.21, O1 3.25; compiled FP8 GEMMs 12"
+    assert notebooks.key_numbers({"notebook": "colab/02_x.ipynb"}) == "(no results)"

@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.dtype = "float32"  # activation/compute dtype ('bfloat16' on GPU)
     m.param_dtype = "float32"  # parameter storage dtype
     m.scan_layers = True  # stack blocks with nn.scan (one compiled block)
+    m.fused_qkv = False  # one GEMM for Q, K and V (kernel [embed, kv_heads, group + 2, head_dim])
     m.remat_policy = "none"  # block recompute: 'none', 'full', or a jax.checkpoint_policies name
     m.fp8_lm_head = False  # also run the LM head in FP8
     m.tie_embeddings = False  # share the token embedding with the LM head

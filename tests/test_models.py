@@ -204,6 +204,40 @@ def test_fp8_gemms_in_hlo(style):
     assert counts["O1", True] == (block_gemms + 3, other_o1 - 3)
 
 
+def _fuse_qkv(attn, num_kv_heads):
+    """The fused layout's params from separate q [.., N, H] and kv [.., 2, K, H] params."""
+    out = {k: v for k, v in attn.items() if k not in ("q", "kv")}
+    out["qkv"] = {}
+    for leaf in attn["q"]:  # kernel, and bias in the GPT style
+        q, kv = attn["q"][leaf], attn["kv"][leaf]
+        q_KxGxH = q.reshape(*q.shape[:-2], num_kv_heads, -1, q.shape[-1])
+        kv_Kx2xH = jnp.moveaxis(kv, -3, -2)
+        out["qkv"][leaf] = jnp.concatenate([q_KxGxH, kv_Kx2xH], axis=-2)
+    return out
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_fused_qkv_is_the_same_attention(style):
+    """fused_qkv: one GEMM with q, k, v in [embed, kv_heads, group + 2, head_dim] order."""
+    model, variables = cached_init(style, "O0")
+    fused_config = tiny(style, "O0", fused_qkv=True)
+    fused_model, fused_abstract = init(fused_config, abstract=True)
+    params = dict(variables["params"])
+    blocks = dict(params["blocks"])
+    blocks["attn"] = _fuse_qkv(blocks["attn"], model.cfg.num_kv_heads)
+    params["blocks"] = blocks
+    shapes = lambda t: jax.tree.map(lambda x: x.shape, t)  # noqa: E731
+    assert shapes(params) == shapes(fused_abstract["params"])
+    a = tokens(3)
+    logits = model.apply(variables, a)
+    fused = fused_model.apply({"params": params, FP8: {}}, a)
+    np.testing.assert_allclose(fused, logits, rtol=1e-5, atol=1e-6)
+    # O1: 4 block linears (qkv, o, wi, wo), each 3 FP8 GEMMs, in each of the 2 layers.
+    o1_model, o1_vars = init(tiny(style, "O1", fused_qkv=True, scan_layers=False), abstract=True)
+    fp8_dots, _ = count_dots(loss_and_grads.lower(o1_model, o1_vars, a).as_text())
+    assert fp8_dots == 3 * (LINEARS_PER_LAYER - 1) * 2
+
+
 def test_partition_names():
     model = models.build_model(tiny("llama"))
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens())["params"]

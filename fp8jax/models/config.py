@@ -97,6 +97,7 @@ class ModelConfig:
     dtype: Any
     param_dtype: Any
     scan_layers: bool
+    fused_qkv: bool
     remat_policy: str
     fp8_lm_head: bool
     tie_embeddings: bool

@@ -86,12 +86,14 @@ class Attention(nn.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         c = self.cfg
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
-        q_BxLxNxH = dense(c, (n, h), ("embed", "heads", "head_dim"), name="q")(x_BxLxD)
-        # K and V share one GEMM: one quantization of x and a wider (faster) FP8 matmul.
-        kv_BxLx2xKxH = dense(c, (2, k, h), ("embed", None, "kv_heads", "head_dim"), name="kv")(
-            x_BxLxD
-        )
-        k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
+        if c.fused_qkv:
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD)
+        else:
+            q_BxLxNxH = dense(c, (n, h), ("embed", "heads", "head_dim"), name="q")(x_BxLxD)
+            # K and V share one GEMM: one quantization of x and a wider (faster) FP8 matmul.
+            kv_names = ("embed", None, "kv_heads", "head_dim")
+            kv_BxLx2xKxH = dense(c, (2, k, h), kv_names, name="kv")(x_BxLxD)
+            k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
         if c.style == "llama":
             positions_L = jnp.arange(x_BxLxD.shape[1])
             q_BxLxNxH, k_BxLxKxH = rope(q_BxLxNxH, positions_L), rope(k_BxLxKxH, positions_L)
@@ -112,6 +114,19 @@ class Attention(nn.Module):
             name="o",
         )
         return out(o_BxLxNxH)
+
+    def _qkv(self, x_BxLxD):
+        """Q, K and V from one GEMM: one quantization of x, one dgrad, no dx sum."""
+        c = self.cfg
+        k, g, h = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        # Per key/value head: its g query heads, then K, then V. Query head i = kv * g + j is
+        # the grouping dot_product_attention expects, and a 'tensor' split of the kv axis keeps
+        # each shard's queries with their keys (the flattened GEMM axis stays contiguous).
+        names = ("embed", "kv_heads", None, "head_dim")
+        qkv_BxLxKxG2xH = dense(c, (k, g + 2, h), names, name="qkv")(x_BxLxD)
+        batch, length = x_BxLxD.shape[:2]
+        q_BxLxNxH = qkv_BxLxKxG2xH[:, :, :, :g].reshape(batch, length, k * g, h)
+        return q_BxLxNxH, qkv_BxLxKxG2xH[:, :, :, g], qkv_BxLxKxG2xH[:, :, :, g + 1]
 
 
 class Mlp(nn.Module):

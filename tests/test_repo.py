@@ -1,8 +1,9 @@
 """Repository invariants: CI runs the README's test command; public API imports."""
 
-import os
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,16 +33,21 @@ def test_public_api_reexported():
         assert hasattr(fp8jax, name), name
 
 
-def test_train_py_turns_triton_gemms_off_unless_set(monkeypatch):
+def test_train_py_turns_triton_gemms_off_unless_set():
     """train.py adds --xla_gpu_enable_triton_gemm=false, keeping the user's flags and choice."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fp8jax_train_cli", ROOT / "train.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    cli._default_xla_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    cli._default_xla_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+    # A fresh process: train.py defines absl flags that other modules define too.
+    code = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); import train\n"
+        "for before in sys.argv[2:]:\n"
+        "    os.environ['XLA_FLAGS'] = before\n"
+        "    train._default_xla_flags()\n"
+        "    print(os.environ['XLA_FLAGS'])\n"
+    )
+    cases = ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_triton_gemm=true"]
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), *cases], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false",
+        "--xla_gpu_enable_triton_gemm=true",
+    ]

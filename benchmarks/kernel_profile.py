@@ -41,7 +41,7 @@ def category(name: str) -> str:
     # 'rqtst'/'qrtst' with an E5M2 ('r') operand.
     nvjet = re.match(r"nvjet_sm\d+_([a-z]+)_", n)
     if nvjet:
-        return "gemm_fp8" if nvjet.group(1)[:2].strip("qr") != nvjet.group(1)[:2] else "gemm_other"
+        return "gemm_fp8" if set(nvjet.group(1)[:2]) & set("qr") else "gemm_other"
     if any(t in n for t in ("e4m3", "e5m2", "f8f8", "qqtst", "_f8", "fp8")) and (
         "gemm" in n or "nvjet" in n or "xmma" in n or "cutlass" in n
     ):

@@ -86,7 +86,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
             f"every field with its default)"
         ) from e
-    if config.fp8.get("impl", "fp8jax") != "fp8jax":
+    if config.fp8.impl != "fp8jax":
         raise ValueError(
             f"fp8.impl={config.fp8.impl!r} is for benchmarks/step.py's comparison with flax's "
             f"own FP8 op; train with fp8.impl='fp8jax'"

@@ -45,7 +45,7 @@ def check_config(config) -> None:
     _check_choice(m.attention_impl or "", ATTENTION_IMPLS, "model.attention_impl")
     _check_choice(f.level, LEVELS, "fp8.level")
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
-    _check_choice(f.get("impl", "fp8jax"), FP8_IMPLS, "fp8.impl")
+    _check_choice(f.impl, FP8_IMPLS, "fp8.impl")
     _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
     for name in ("m_format", "v_format", "master_format"):
         _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
@@ -115,7 +115,7 @@ class ModelConfig:
         kw["attention_impl"] = kw["attention_impl"] or None  # '' -> JAX picks
         use_fp8 = config.fp8.level != "O0"
         recipe = recipe_from_config(config.fp8) if use_fp8 else None
-        return cls(**kw, recipe=recipe, fp8_impl=config.fp8.get("impl", "fp8jax"))
+        return cls(**kw, recipe=recipe, fp8_impl=config.fp8.impl)
 
     @property
     def head_dim(self) -> int:

@@ -32,6 +32,15 @@ def normal_init(names, std: float = INIT_STD):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 
+def fp8_cls(cfg: ModelConfig):
+    """The model's FP8 ``dot_general_cls`` (None at O0): fp8jax's, or flax's for comparison."""
+    if not cfg.recipe:
+        return None
+    if cfg.fp8_impl == "flax":
+        return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
+    return fp8_dot_general_cls(cfg.recipe)
+
+
 def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None):
     """A linear layer; FP8 when ``cfg.recipe`` is set, else a plain matmul in ``cfg.dtype``.
 
@@ -39,9 +48,6 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
     trailing ``len(features)`` names.
     """
     features = tuple(features)
-    dot_general_cls = fp8_dot_general_cls(cfg.recipe) if cfg.recipe else None
-    if cfg.recipe and cfg.fp8_impl == "flax":
-        dot_general_cls = nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -50,7 +56,7 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
         param_dtype=cfg.param_dtype,
         kernel_init=normal_init(names, std),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-len(features) :]),
-        dot_general_cls=dot_general_cls,
+        dot_general_cls=fp8_cls(cfg),
         name=name,
     )
 

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax.linen import fp8_dot_general_cls
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
-from fp8jax.models.layers import Block, constrain, norm, normal_init
+from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
 
 
@@ -76,7 +75,8 @@ class Transformer(nn.Module):
 
     def _head(self, x_BxLxD: jax.Array, embed: nn.Embed) -> jax.Array:
         c = self.cfg
-        fp8_cls = fp8_dot_general_cls(c.recipe) if c.fp8_lm_head and c.recipe else None
+        # The head's FP8 state must live where the blocks' does (flax's op: its own collection).
+        head_cls = fp8_cls(c) if c.fp8_lm_head else None
         if not c.tie_embeddings:
             head = nn.Dense(
                 c.vocab_size,
@@ -84,15 +84,15 @@ class Transformer(nn.Module):
                 dtype=c.dtype,
                 param_dtype=c.param_dtype,
                 kernel_init=normal_init(("embed", "vocab")),
-                dot_general_cls=fp8_cls,
+                dot_general_cls=head_cls,
                 name="head",
             )
             return head(x_BxLxD)
         # Tied: contract D with the embedding table [V, D] in place (no transposed copy).
         table_VxD = embed.embedding.astype(c.dtype)
         dims = (((x_BxLxD.ndim - 1,), (1,)), ((), ()))
-        if fp8_cls:
-            return fp8_cls(name="head")(x_BxLxD.astype(c.dtype), table_VxD, dims)
+        if head_cls:
+            return head_cls(name="head")(x_BxLxD.astype(c.dtype), table_VxD, dims)
         return jax.lax.dot_general(x_BxLxD.astype(c.dtype), table_VxD, dims)
 
 

@@ -101,11 +101,14 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
     t_build = time.perf_counter()
     c, env, state, batch = build(run, quick, batch, mesh)
     build_s = time.perf_counter() - t_build  # imports excluded: setup, init compile, init
+    # Progress on stderr: a run cut by --timeout still says which stage it reached.
+    print(f"{run}: built in {build_s:.1f} s, compiling", file=sys.stderr, flush=True)
     name, level, _ = parse_run(run)
     with env["mesh"]:
         t0 = time.perf_counter()
         compiled = env["train_step"].lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
+        print(f"{run}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
         hlo = compiled.as_text()
         ma = compiled.memory_analysis()
         for _ in range(2):  # warm-up
@@ -117,6 +120,14 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
             state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
+        # Pipelined: steps dispatched back to back, one wait at the end. The trainer's loop
+        # reads each step's metrics one step late, so this is the rate training runs at; the
+        # per-step figure above also counts the host's dispatch gap after every wait.
+        t = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        ms_pipe = (time.perf_counter() - t) * 1e3 / steps
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     ms = statistics.median(times) * 1e3
@@ -129,6 +140,8 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
         "seq": c.seq_len,
         "step_ms": ms,
         "tokens_per_s": tokens / (ms / 1e3),
+        "step_ms_pipelined": ms_pipe,
+        "tokens_per_s_pipelined": tokens / (ms_pipe / 1e3),
         "devices": env["mesh"].size,
         "tokens_per_s_per_device": tokens / (ms / 1e3) / env["mesh"].size,
         # Against the peak of every device the step runs on.
@@ -152,6 +165,7 @@ def main():
     p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
     p.add_argument("--child", default=None)
     a = p.parse_args()
     if a.child:
@@ -162,26 +176,31 @@ def main():
         cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
         cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}"]
         cmd += ["--quick"] if a.quick else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = proc.stdout.splitlines()
-        recs = [json.loads(ln[len(MARK) :]) for ln in lines if ln.startswith(MARK)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout or None)
+            out, err = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or ""  # noqa: E731
+            out, err = "", f"{as_text(e.stderr)}\ntimed out after {a.timeout} s"
+        recs = [json.loads(ln[len(MARK) :]) for ln in out.splitlines() if ln.startswith(MARK)]
         if recs:
             rows.append(recs[0])
         else:
-            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"run": run, "error": err[:300]})
+            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-2:] or ["?"]
+            rows.append({"run": run, "error": " | ".join(tail)[:400]})
         print(json.dumps(rows[-1]), flush=True)
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    head = ("run", "ms", "tok/s", "MFU", "peak GiB", "temp GiB", "f8 GEMMs")
-    print("\n{:40} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}".format(*head))
+    head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "temp GiB", "f8")
+    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4}".format(*head))
     for r in rows:
         if "error" in r:
             print(f"{r['run']:40} ERROR {r['error'][:80]}")
             continue
         print(
-            f"{r['run'][:40]:40} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
-            f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:8d}"
+            f"{r['run'][:40]:40} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
+            f"{r['step_ms_pipelined']:8.1f} {r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
+            f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d}"
         )
 
 

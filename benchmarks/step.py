@@ -96,7 +96,7 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
     """Compile and time one run (config:level[:options]) inside the child process."""
     import jax
 
-    from fp8jax import models
+    from fp8jax import comm, models
 
     t_build = time.perf_counter()
     c, env, state, batch = build(run, quick, batch, mesh)
@@ -149,6 +149,8 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
         "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
         "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
+        # Bytes each device sends per step under ring costs, by collective and element type.
+        "comm_bytes": comm.bytes_summary(comm.collectives(hlo, env["mesh"].size)),
         "compile_s": compile_s,
         "build_s": build_s,
         "loss": float(metrics["loss"]),

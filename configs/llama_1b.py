@@ -4,8 +4,9 @@ LLaMA-style 1.1B (TinyLlama shape): d_model 2048, 22 layers, 32 heads sharing 4 
 heads, SwiGLU d_ff 5632, RoPE, RMSNorm, no biases, seq 2048, vocabulary 32768, untied head:
 1.10B parameters. FP8 level O1, bf16 compute, one GPU, 16k tokens per step. Full train step
 with AdamW on one H200 (benchmarks/RESULTS.md, 2026-11-29, jax 0.11.2,
-XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 225 ms/step (72.7k tokens/s), O1 206 ms
-(79.6k); PyTorch compiled bf16 63.3k. Full-run time and loss: not measured yet. Set
+XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 227 ms/step (72.0k tokens/s), O1 197 ms
+(83.1k; 85.8k pipelined); PyTorch compiled bf16 64.8k, torchao float8 72.0k.
+Full-run time and loss: not measured yet. Set
 ``--config.data.path`` to a large corpus.
 """
 

@@ -4,11 +4,10 @@ LLaMA-2-7B shapes: d_model 4096, 32 layers, 32 heads (no grouping), SwiGLU d_ff 
 4096, vocabulary 32000, untied head: 6.74B parameters. Meant for 8 GPUs at FP8 level O3 (FP8
 Adam, optimizer state and master weights sharded over an fsdp axis of 8, weights all-gathered
 in FP8), full block remat, 64k tokens per step. Not run on 8 GPUs yet. One H200 at this
-config's per-GPU batch (2 x 4096), forward + backward only (jax 0.11.2, 2026-11-29): O1 564
-ms/step (14.5k tokens/s, 22.8 GiB XLA temp), O0 780 ms; full train step with nn.scan layers:
-O2 604 ms (13.6k tokens/s, 73 GiB peak), O0 out of memory (benchmarks/RESULTS.md). The
-unrolled layers now configured were not run at this size. Training time and loss: not
-measured yet. Set ``--config.data.path`` to a large corpus.
+config's batch (16 x 4096, unrolled layers, full train step, jax 0.11.2, 2026-11-29,
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): O0 5.91 s/step (11.1k tokens/s, 106 GiB peak), O2
+4.07 s (16.1k tokens/s, 79.6 GiB peak, 75% MFU; benchmarks/RESULTS.md). Training time and
+loss: not measured yet. Set ``--config.data.path`` to a large corpus.
 """
 
 import importlib.util

@@ -7,9 +7,9 @@ only: PyTorch bf16 68.0k tokens/s, torchao float8 76.5k, Flax bf16 50.7k). Full 
 with AdamW (benchmarks/RESULTS.md, night of 2026-11-29, jax 0.11.2,
 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false, pipelined steps): O0 256 ms/step (64.1k
 tokens/s, 50.7 GiB peak), O1 215 ms (76.3k, 48.8 GiB), O2 235 ms (69.8k, 41.7 GiB); PyTorch
-compiled bf16 61.4k, torchao float8 67.1k in the same run.
-Compiles in ~25 s (O0) / ~45 s (O1) / ~90 s (O2). Run time and loss of a full training run: not measured
-yet. Set ``--config.data.path`` to a large corpus.
+compiled bf16 61.4k, torchao float8 67.1k in the same run. Compiles in ~25 s (O0) / ~45 s
+(O1) / ~90 s (O2). Run time and loss of a full training run: not measured yet. Set
+``--config.data.path`` to a large corpus.
 """
 
 import importlib.util

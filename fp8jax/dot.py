@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from fp8jax import formats, scaling
+from fp8jax import formats, kernels, scaling
 from fp8jax.scaling import CurrentScaling, Recipe, ScaleState
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
@@ -68,6 +68,7 @@ class _Cfg(NamedTuple):
     w_dtype: jnp.dtype
     out_dtype: jnp.dtype
     batched: bool
+    cast: str = "xla"  # kernels.IMPLS: how operands are quantized (fused kernel or XLA ops)
 
 
 def _use_scale(state: ScaleState, amax: jax.Array) -> jax.Array:
@@ -90,7 +91,40 @@ def _acc_dtype(dtype):
     return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
 
 
+def _fused(cfg: _Cfg, meta: Fp8Meta) -> bool:
+    """Quantize with kernels.cast_transpose: 2-D GEMMs whose scales are known beforehand."""
+    delayed = not any(isinstance(s.recipe, CurrentScaling) for s in (meta.x, meta.w, meta.dy))
+    return cfg.cast != "xla" and not cfg.batched and delayed
+
+
+def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
+    """Forward with both layouts from one pass per operand; keeps x.T and w as residuals."""
+    sx, sw = meta.x.scale, meta.w.scale
+    # E4M3 for both forward operands, as in _fwd_impl. x [M, K] -> xq [M, K] for this GEMM and
+    # xq_t [K, M] for the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here.
+    xq, xq_t, amax_x = kernels.cast_transpose(x, sx, formats.E4M3, cfg.cast)
+    wq, wq_t, amax_w = kernels.cast_transpose(w, sw, formats.E4M3, cfg.cast)
+    y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
+    y = (y * (1.0 / (sx * sw)).astype(y.dtype)).astype(cfg.out_dtype)
+    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    return y, new_meta, (xq_t, wq, sx, sw)
+
+
+def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
+    """dgrad and wgrad from one pass over dy (E5M2, both layouts)."""
+    xq_t, wq, sx, sw = res
+    sg = meta.dy.scale
+    gq, gq_t, amax_g = kernels.cast_transpose(g, sg, formats.E5M2, cfg.cast)  # [M, N], [N, M]
+    dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
+    dx = (dx * (1.0 / (sg * sw)).astype(dx.dtype)).astype(cfg.x_dtype)
+    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
+    dw = (dw * (1.0 / (sx * sg)).astype(dw.dtype)).astype(cfg.w_dtype)
+    return dx, dw, amax_g
+
+
 def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
+    if _fused(cfg, meta):
+        return _fwd_fused(cfg, x, w, meta)
     amax_x, amax_w = formats.amax(x), formats.amax(w)
     sx, sw = _use_scale(meta.x, amax_x), _use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
@@ -115,8 +149,13 @@ def _fp8_matmul_fwd(cfg: _Cfg, x, w, meta: Fp8Meta):
 
 
 def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
-    xq, wq, sx, sw, meta = res
     g, ct_meta = cts  # g: [(B,) M, N] in the output dtype
+    meta = res[-1]
+    zeros = jax.tree.map(jnp.zeros_like, meta)
+    if _fused(cfg, meta):
+        dx, dw, amax_g = _bwd_fused(cfg, res[:-1], g, meta)
+        return dx, dw, zeros.replace(dy=scaling.record(ct_meta.dy, amax_g))
+    xq, wq, sx, sw, meta = res
     amax_g = formats.amax(g)
     sg = _use_scale(meta.dy, amax_g)
     # E5M2 for gradients: they span many decades and need range more than mantissa.
@@ -130,7 +169,6 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     dw = (dw * (1.0 / (sx * sg)).astype(dw.dtype)).astype(cfg.w_dtype)
     # The state cotangent carries amaxes, not derivatives: x/w were recorded in the forward
     # pass (zero here), dy's amax is max-merged into whatever later uses sent back.
-    zeros = jax.tree.map(jnp.zeros_like, meta)
     dy_ct = scaling.record(ct_meta.dy, amax_g)
     return dx, dw, zeros.replace(dy=dy_ct)
 
@@ -172,13 +210,16 @@ def dot_general(
     dimension_numbers: DimensionNumbers,
     meta: Fp8Meta,
     preferred_element_type=None,
+    cast_kernel: str = "xla",
 ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
 
     Any dimension numbers are reduced to one (optionally batched) GEMM by transposing and
     reshaping the high-precision operands before quantization, so XLA sees the single
-    contracting / single free axis layout cuBLASLt's FP8 GEMM needs.
+    contracting / single free axis layout cuBLASLt's FP8 GEMM needs. ``cast_kernel``
+    ('xla', 'pallas', 'interpret'; see fp8jax.kernels) picks how operands are quantized.
     """
+    kernels.check_impl(cast_kernel)
     check_operand("lhs", lhs)
     check_operand("rhs", rhs)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -199,7 +240,7 @@ def dot_general(
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched)
+    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel)
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
@@ -238,8 +279,10 @@ def einsum_dimension_numbers(eq: str, lhs_ndim: int, rhs_ndim: int):
     return dims, perm
 
 
-def fp8_einsum(eq: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None):
+def fp8_einsum(
+    eq: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None, cast_kernel: str = "xla"
+):
     """Functional FP8 einsum (two operands): returns (result, updated meta)."""
     dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)
-    out, new_meta = dot_general(lhs, rhs, dims, meta, preferred_element_type)
+    out, new_meta = dot_general(lhs, rhs, dims, meta, preferred_element_type, cast_kernel)
     return jnp.transpose(out, perm), new_meta

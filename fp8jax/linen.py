@@ -25,6 +25,7 @@ class _Fp8Op(nn.Module):
 
     recipe: scaling.Recipe = scaling.DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
+    cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.kernels' fused cast+transpose
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta) -> (out, new_meta)`` under this module's state; returns ``out``."""
@@ -64,7 +65,9 @@ class Fp8DotGeneral(_Fp8Op):
         return self._with_meta(
             lhs,
             rhs,
-            lambda meta: dot.dot_general(lhs, rhs, dimension_numbers, meta, preferred_element_type),
+            lambda meta: dot.dot_general(
+                lhs, rhs, dimension_numbers, meta, preferred_element_type, self.cast_kernel
+            ),
         )
 
 
@@ -74,7 +77,9 @@ class Fp8Einsum(_Fp8Op):
     @nn.compact
     def __call__(self, eq: str, lhs, rhs, preferred_element_type=None):
         return self._with_meta(
-            lhs, rhs, lambda meta: fp8_einsum(eq, lhs, rhs, meta, preferred_element_type)
+            lhs,
+            rhs,
+            lambda meta: fp8_einsum(eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel),
         )
 
 

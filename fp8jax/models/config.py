@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import scaling
+from fp8jax import kernels, scaling
 
 STYLES = ("gpt", "llama")
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -46,6 +46,7 @@ def check_config(config) -> None:
     _check_choice(f.level, LEVELS, "fp8.level")
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
     _check_choice(f.impl, FP8_IMPLS, "fp8.impl")
+    _check_choice(f.cast_kernel, kernels.IMPLS, "fp8.cast_kernel")
     _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
     for name in ("m_format", "v_format", "master_format"):
         _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
@@ -104,18 +105,21 @@ class ModelConfig:
     attention_impl: str | None
     recipe: scaling.Recipe | None
     fp8_impl: str = "fp8jax"
+    cast_kernel: str = "xla"
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
         """Validate ``config`` and take the fields the model needs."""
         check_config(config)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe", "fp8_impl"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe", "fp8_impl", "cast_kernel"}
         kw = {k: config.model[k] for k in fields}
         kw["dtype"], kw["param_dtype"] = jnp.dtype(kw["dtype"]), jnp.dtype(kw["param_dtype"])
         kw["attention_impl"] = kw["attention_impl"] or None  # '' -> JAX picks
         use_fp8 = config.fp8.level != "O0"
         recipe = recipe_from_config(config.fp8) if use_fp8 else None
-        return cls(**kw, recipe=recipe, fp8_impl=config.fp8.impl)
+        return cls(
+            **kw, recipe=recipe, fp8_impl=config.fp8.impl, cast_kernel=config.fp8.cast_kernel
+        )
 
     @property
     def head_dim(self) -> int:

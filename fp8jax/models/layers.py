@@ -38,7 +38,7 @@ def fp8_cls(cfg: ModelConfig):
         return None
     if cfg.fp8_impl == "flax":
         return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
-    return fp8_dot_general_cls(cfg.recipe)
+    return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel)
 
 
 def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None):

@@ -1,0 +1,103 @@
+"""FP8 quantize in both GEMM layouts plus amax: XLA's fusions vs fp8jax's Pallas kernel.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cast_transpose.py --out "$OUT"
+
+For each tensor that gpt_1b3's train step quantizes (the x and dy of its linears, the f32
+weights at O1), times ``fp8jax.kernels.cast_transpose`` with ``impl='xla'`` and ``'pallas'``
+under jit (median of ``--iters`` calls after a warm-up), checks that both give the same bits,
+and reports the effective bandwidth: bytes read once plus both FP8 layouts written, over time.
+``--quick`` uses small shapes (a CPU smoke test, where 'pallas' is XLA ops too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax import kernels
+
+# (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
+SHAPES = [
+    ("x of q/kv/o/wi (bf16)", (16384, 2048), jnp.bfloat16, "e4m3"),
+    ("x of mlp wo (bf16)", (16384, 8192), jnp.bfloat16, "e4m3"),
+    ("dy of mlp wi (bf16)", (16384, 8192), jnp.bfloat16, "e5m2"),
+    ("dy of kv (bf16)", (16384, 4096), jnp.bfloat16, "e5m2"),
+    ("w of mlp wi (f32, O1)", (2048, 8192), jnp.float32, "e4m3"),
+]
+
+
+def _time(fn, args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    a = p.parse_args()
+    rows = []
+    for name, shape, dtype, fmt in SHAPES:
+        if a.quick:
+            shape = (shape[0] // 128, shape[1] // 64)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+        scale = jnp.float32(8.0)
+        moved = x.size * jnp.dtype(dtype).itemsize + 2 * x.size  # read once, two FP8 writes
+        row = {"tensor": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name, "fmt": fmt}
+        outs = {}
+        for impl in ("xla", "pallas"):
+            fn = jax.jit(lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl))
+            try:
+                outs[impl] = jax.device_get(fn(x, scale))
+                sec = _time(fn, (x, scale), a.iters)
+                row[f"{impl}_us"] = sec * 1e6
+                row[f"{impl}_gb_s"] = moved / sec / 1e9
+            except Exception as e:  # a kernel that does not compile here is a result too
+                row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if len(outs) == 2:
+            bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
+            row["same_bits"] = bool(
+                all(
+                    np.array_equal(bits(u), bits(v))
+                    for u, v in zip(outs["xla"][:2], outs["pallas"][:2], strict=True)
+                )
+                and float(outs["xla"][2]) == float(outs["pallas"][2])
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(a.out, "cast_transpose.json"), "w") as f:
+        json.dump(
+            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
+            f,
+            indent=1,
+        )
+    print(
+        f"\n{'tensor':24} {'shape':>13} {'xla us':>8} {'GB/s':>6} {'pallas us':>9} {'GB/s':>6} same"
+    )
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "pallas_us" not in r or "xla_us" not in r:
+            err = r.get("pallas_error", r.get("xla_error", "?"))
+            print(f"{r['tensor']:24} {shape:>13} ERROR {err[:80]}")
+            continue
+        print(
+            f"{r['tensor']:24} {shape:>13} {r['xla_us']:8.1f} {r['xla_gb_s']:6.0f} "
+            f"{r['pallas_us']:9.1f} {r['pallas_gb_s']:6.0f} {r['same_bits']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Fused FP8 cast + transpose + amax: one read of a tensor, both GEMM layouts out.
+
+Hopper's FP8 GEMMs take both operands with the contracting axis innermost, so the forward
+pass's ``x`` [M, K] is also needed as [K, M] for the weight gradient, and ``dy`` [M, N] as
+[N, M]. XLA's fusion that writes both layouts ran at about a third of the H200's memory
+bandwidth, and the amax is a separate reduction pass over the same tensor
+(benchmarks/RESULTS.md, night of 2026-11-29). Under delayed scaling the scale is known before
+the pass, so a single kernel can read the tensor once and write the FP8 tensor, its transpose
+and the per-block amax.
+
+``cast_transpose`` runs a Pallas kernel (Triton backend) on GPUs and the same arithmetic as
+plain XLA ops elsewhere; ``impl='interpret'`` runs the kernel through Pallas' interpreter on
+any backend (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import formats
+
+IMPLS = ("xla", "pallas", "interpret")
+_BLOCKS = (128, 64, 32, 16)  # Triton blocks are powers of two; fp8jax pads GEMM dims to 16
+
+
+def check_impl(impl: str) -> str:
+    """Return ``impl`` if known; a clear error otherwise."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown FP8 cast kernel {impl!r}: use one of {IMPLS} (fp8.cast_kernel)")
+    return impl
+
+
+def _block(n: int) -> int | None:
+    return next((b for b in _BLOCKS if n % b == 0), None)
+
+
+def _reference(x, scale, dtype):
+    """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
+    q = formats.quantize(x, scale, dtype)  # [M, K]
+    return q, q.T, formats.amax(x)
+
+
+def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype):
+    x_bxk = x_ref[...].astype(jnp.float32)  # one [bm, bk] block, read once
+    amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(x_bxk)), jnp.float32)
+    # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
+    # values would otherwise become NaN (E4M3) or Inf (E5M2).
+    y_bxk = jnp.clip(x_bxk * scale_ref[0], -limit, limit)
+    q_ref[...] = y_bxk.astype(dtype)
+    qt_ref[...] = y_bxk.T.astype(dtype)  # the transpose happens in registers/shared memory
+
+
+def _pallas(x, scale, dtype, bm: int, bk: int, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    m, k = x.shape
+    gm, gk = m // bm, k // bk
+    kernel = functools.partial(_kernel, limit=formats.fmax(dtype), dtype=dtype)
+    q, qt, amax_GMxGK = pl.pallas_call(
+        kernel,
+        grid=(gm, gk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+            pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, k), dtype),
+            jax.ShapeDtypeStruct((k, m), dtype),
+            jax.ShapeDtypeStruct((gm, gk), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        name="fp8_cast_transpose",
+    )(jnp.reshape(scale, (1,)).astype(jnp.float32), x)
+    return q, qt, jnp.max(amax_GMxGK)
+
+
+def cast_transpose(x: jax.Array, scale: jax.Array, fmt, impl: str = "pallas"):
+    """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
+
+    ``impl``: 'pallas' (the fused kernel on GPUs, XLA ops elsewhere), 'interpret' (the kernel
+    through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
+    16 take the XLA path.
+    """
+    dtype = formats.as_dtype(fmt)
+    check_impl(impl)
+    m, k = x.shape
+    bm, bk = _block(m), _block(k)
+    if impl == "xla" or bm is None or bk is None:
+        return _reference(x, scale, dtype)
+    if impl == "interpret":
+        return _pallas(x, scale, dtype, bm, bk, interpret=True)
+    # Chosen when lowering, per platform: the Triton kernel for CUDA, XLA ops anywhere else.
+    return jax.lax.platform_dependent(
+        x,
+        scale,
+        cuda=lambda x, s: _pallas(x, s, dtype, bm, bk, interpret=False),
+        default=lambda x, s: _reference(x, s, dtype),
+    )

@@ -1,0 +1,124 @@
+"""The fused FP8 cast+transpose+amax kernel: same bits as XLA's quantize, lowering per platform."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax import dot, kernels
+from fp8jax import train as train_lib
+
+DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_matches_xla_quantize_bit_for_bit(fmt, dtype):
+    # [48, 272]: 16-wide blocks on the first axis and 16 on the second (272 = 17 x 16), values
+    # far above the format's max (saturate), tiny ones (flush) and negative zero.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 272)).astype(np.float32) * 40
+    x[0, :8] = [1e9, -1e9, 1e-30, -0.0, 0.0, 3e4, -6e4, 7e-3]
+    x = jnp.asarray(x, dtype)
+    scale = jnp.float32(1.7)
+    q, q_t, amax = jax.jit(lambda x, s: kernels.cast_transpose(x, s, fmt, "interpret"))(x, scale)
+    ref_q, ref_t, ref_amax = kernels.cast_transpose(x, scale, fmt, "xla")
+    assert q.dtype == fp8jax.formats.as_dtype(fmt) and q.shape == (48, 272)
+    assert q_t.shape == (272, 48)
+    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
+    np.testing.assert_array_equal(_bits(q_t), _bits(ref_t))
+    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    assert float(amax) == float(ref_amax) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    assert np.all(np.isfinite(np.asarray(q, np.float32)))  # saturated, never Inf/NaN
+
+
+def test_unaligned_shapes_take_the_xla_path():
+    x = jnp.ones((20, 24), jnp.float32)  # neither side a multiple of 16
+    lowered = jax.jit(lambda x: kernels.cast_transpose(x, jnp.float32(1.0), "e4m3", "pallas"))
+    text = lowered.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert TRITON not in text
+
+
+def test_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown FP8 cast kernel 'triton'.*fp8.cast_kernel"):
+        dot.dot_general(
+            jnp.ones((16, 16)), jnp.ones((16, 16)), DENSE, dot.init_meta(), None, "triton"
+        )
+
+
+def _step(impl, recipe=None):
+    """jit(loss, new meta and grads of an FP8 linear) with the given cast kernel."""
+
+    def loss(x, w, meta):
+        y, new_meta = dot.dot_general(x, w, DENSE, meta, cast_kernel=impl)
+        weights = jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape) / y.size - 0.5
+        return jnp.sum(y.astype(jnp.float32) * weights), (y, new_meta)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _linear_inputs():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)  # [M, K]
+    w = jnp.asarray(rng.standard_normal((48, 80)) * 0.1, jnp.float32)  # [K, N]
+    # A meta after one step, so the scales in use are not all 1.
+    (_, (_, m)), (_, _, dm) = _step("xla")(x, w, dot.init_meta())
+    return x, w, fp8jax.update_state(m, dm)
+
+
+def test_fp8_linear_with_kernel_equals_xla_path():
+    """Output, dx and every amax exactly; dw to f32 rounding (its GEMM sums in another order)."""
+    x, w, meta = _linear_inputs()
+    (loss_a, (y_a, m_a)), (dx_a, dw_a, dm_a) = _step("xla")(x, w, meta)
+    (loss_b, (y_b, m_b)), (dx_b, dw_b, dm_b) = _step("interpret")(x, w, meta)
+    np.testing.assert_array_equal(np.asarray(y_a, np.float32), np.asarray(y_b, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx_a, np.float32), np.asarray(dx_b, np.float32))
+    np.testing.assert_allclose(np.asarray(dw_b), np.asarray(dw_a), rtol=1e-6, atol=1e-6)
+    assert float(loss_a) == float(loss_b)
+    for a, b in zip(jax.tree.leaves((m_a, dm_a)), jax.tree.leaves((m_b, dm_b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(dm_b.dy.amax_history[0]) > 0  # the backward pass recorded dy's amax
+
+
+def _cuda_text(impl, recipe=None):
+    x, w, _ = _linear_inputs()
+    meta = dot.init_meta(recipe) if recipe else dot.init_meta()
+    return _step(impl).trace(x, w, meta).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernel_lowers_to_triton_on_cuda_and_xla_on_cpu():
+    text = _cuda_text("pallas")
+    # x and w in the forward pass, dy in the backward: three fused kernels, three FP8 GEMMs.
+    assert text.count(TRITON) == 3
+    f8_dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln and "f8E" in ln]
+    assert len(f8_dots) == 3
+    x, w, meta = _linear_inputs()
+    assert TRITON not in _step("pallas").lower(x, w, meta).as_text()  # this (CPU) machine
+    assert TRITON not in _cuda_text("xla")
+
+
+def test_current_scaling_keeps_the_xla_path():
+    # The scale depends on this call's amax, so the kernel (one pass, scale known) cannot apply.
+    assert TRITON not in _cuda_text("pallas", fp8jax.scaling.CurrentScaling())
+
+
+def test_config_field_reaches_every_fp8_linear():
+    c = train_lib.load_config("tiny")
+    c.fp8.level, c.fp8.cast_kernel = "O1", "pallas"
+    c.model.num_layers = 1
+    env = train_lib.setup(c, donate=False)
+    state = jax.eval_shape(env["init"], jax.random.PRNGKey(0))
+    tok = jax.ShapeDtypeStruct((c.batch_size, c.seq_len), jnp.int32)
+    lowered = env["train_step"].trace(state, {"inputs": tok, "targets": tok})
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    # tiny's GPT block: q, kv, o, mlp wi, mlp wo; 3 kernels each (x, w, dy).
+    assert text.count(TRITON) == 5 * 3
+    c.fp8.cast_kernel = "fused"
+    with pytest.raises(ValueError, match="unknown fp8.cast_kernel 'fused'"):
+        train_lib.setup(c)

@@ -1,9 +1,10 @@
 """fp8jax: FP8 mixed-precision training (FP8-LM levels O1/O2/O3) for JAX and Flax."""
 
-from fp8jax import formats, nnx, scaling
+from fp8jax import formats, kernels, nnx, scaling
 from fp8jax.coverage import CoverageReport, coverage_report
 from fp8jax.dot import Fp8Meta, dot_general, init_meta
 from fp8jax.formats import E4M3, E5M2, amax, dequantize, quantize
+from fp8jax.kernels import cast_transpose
 from fp8jax.linen import (
     Einsum,
     Fp8DotGeneral,
@@ -39,6 +40,7 @@ __all__ = [
     "Fp8Meta",
     "ScaleState",
     "amax",
+    "cast_transpose",
     "commit",
     "coverage_report",
     "dequantize",
@@ -49,6 +51,7 @@ __all__ = [
     "fp8_scan",
     "init_meta",
     "keep_if_finite",
+    "kernels",
     "make_recipe",
     "merge_grads",
     "nnx",

@@ -205,3 +205,27 @@ def test_bad_einsum_equations_raise_value_error():
     ]:
         with pytest.raises(ValueError, match=msg):
             dot.fp8_einsum(eq, x, w, fp8jax.init_meta())
+
+
+def test_bf16_output_carries_no_scale_rounding_bias():
+    """The inverse scale multiplies in f32: bf16 outputs are unbiased, only rounded per element.
+
+    Scales 3.0 and 1.1 give 1/(sx*sw) = 0.30303..., which bf16 holds as 0.30273 (-0.1%): applied
+    in bf16, every output would be 0.1% small. The reference is the exact product of the same
+    FP8 operands, divided by the scales in float64.
+    """
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((48, 80)) * 0.1, jnp.bfloat16)
+    meta = dot.init_meta()
+    sx, sw = jnp.float32(3.0), jnp.float32(1.1)
+    meta = meta.replace(x=meta.x.replace(scale=sx), w=meta.w.replace(scale=sw))
+    y, _ = _dot(x, w, DENSE, meta)
+    assert y.dtype == jnp.bfloat16
+    xq = np.asarray(fp8jax.quantize(x, sx, fp8jax.E4M3), np.float64)
+    wq = np.asarray(fp8jax.quantize(w, sw, fp8jax.E4M3), np.float64)
+    y_ref = (xq @ wq) / (float(sx) * float(sw))
+    big = np.abs(y_ref) > 1e-2
+    ratio = np.asarray(y, np.float64)[big] / y_ref[big] - 1.0
+    assert np.max(np.abs(ratio)) < 2.0**-8  # one bf16 rounding (plus the GEMM's own)
+    assert abs(np.mean(ratio)) < 2e-4  # no shared bias (bf16-rounded 1/scale: -1e-3)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from fp8jax import dot, scaling, state
+from fp8jax import dot, kernels, scaling, state
 
 
 class Fp8State(nnx.Variable):
@@ -35,8 +35,11 @@ class _Fp8Op(nnx.Module):
         w_recipe: scaling.Recipe | None = None,
         *,
         use_running_average: bool = False,
+        cast_kernel: str = "xla",
     ):
         self.meta = Fp8State(dot.init_meta(recipe, w_recipe))
+        # How operands are quantized: 'xla' or fp8jax.kernels' fused cast+transpose ('pallas').
+        self.cast_kernel = kernels.check_impl(cast_kernel)
         # True (set by model.eval()): use the stored scales and record no amax, so evaluation
         # batches never leak into the next training step's scales.
         self.use_running_average = use_running_average
@@ -60,7 +63,12 @@ class Fp8DotGeneral(_Fp8Op):
     ):
         del precision, kwargs  # FP8 GEMMs have one precision; out_sharding follows the inputs
         out, new_meta = dot.dot_general(
-            lhs, rhs, dimension_numbers, self.meta.get_value(), preferred_element_type
+            lhs,
+            rhs,
+            dimension_numbers,
+            self.meta.get_value(),
+            preferred_element_type,
+            self.cast_kernel,
         )
         self._write(new_meta)
         return out
@@ -71,7 +79,8 @@ class Fp8Einsum(_Fp8Op):
 
     def __call__(self, eq: str, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         del precision, kwargs
-        out, new_meta = dot.fp8_einsum(eq, lhs, rhs, self.meta.get_value(), preferred_element_type)
+        meta = self.meta.get_value()
+        out, new_meta = dot.fp8_einsum(eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel)
         self._write(new_meta)
         return out
 

@@ -122,3 +122,18 @@ def test_config_field_reaches_every_fp8_linear():
     c.fp8.cast_kernel = "fused"
     with pytest.raises(ValueError, match="unknown fp8.cast_kernel 'fused'"):
         train_lib.setup(c)
+
+
+def test_nnx_linear_with_kernel_equals_xla_path():
+    from flax import nnx
+
+    def run(impl):
+        layer = nnx.Linear(
+            48, 80, dot_general=fp8jax.nnx.Fp8DotGeneral(cast_kernel=impl), rngs=nnx.Rngs(0)
+        )
+        x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 48)), jnp.float32)
+        return np.asarray(nnx.jit(lambda m, x: m(x))(layer, x))
+
+    np.testing.assert_array_equal(run("xla"), run("interpret"))
+    with pytest.raises(ValueError, match="unknown FP8 cast kernel"):
+        fp8jax.nnx.Fp8DotGeneral(cast_kernel="cuda")

@@ -267,4 +267,16 @@ def apply_updates(params, updates) -> Any:
             return quantize_scaled(new, p.scale, p.data.dtype)
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
-    return jax.tree.map(add, params, updates, is_leaf=lambda x: is_scaled(x) or x is None)
+    is_leaf = lambda x: is_scaled(x) or x is None  # noqa: E731
+    p_leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)
+    u_leaves = treedef.flatten_up_to(updates)
+    out, last = [], None
+    for p, u in zip(p_leaves, u_leaves, strict=True):
+        if is_scaled(p) and u is not None and last is not None:
+            # Masters one at a time: each re-quantization needs its f32 value twice (amax,
+            # then the cast), and XLA kept every leaf's f32 value alive at once otherwise.
+            p, u, _ = jax.lax.optimization_barrier((p, u, last))
+        out.append(add(p, u))
+        if is_scaled(out[-1]):
+            last = out[-1]
+    return treedef.unflatten(out)

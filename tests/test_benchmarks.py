@@ -13,6 +13,7 @@ from fp8jax import train as train_lib
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import kernel_profile  # noqa: E402
+import memory_peak  # noqa: E402
 import notebooks  # noqa: E402
 import step as step_bench  # noqa: E402
 
@@ -203,3 +204,30 @@ def test_notebook_keys_and_numbers():
     }
     assert notebooks.key_numbers(rec) == "final loss O0 3.21, O1 3.25; compiled FP8 GEMMs 12"
     assert notebooks.key_numbers({"notebook": "colab/02_x.ipynb"}) == "(no results)"
+
+
+# The shape of XLA's *-live-range.txt (jaxlib 0.10.2, CPU), trimmed.
+LIVE_RANGE = """HloLiveRange (max 12):
+  Live ranges at 9 (peak):
+    multiply_add_fusion.14{}: 360710144 bytes (cumulative: 360710144 bytes)
+    copy.3{}: 1024 bytes (cumulative: 360711168 bytes)
+    divide_fusion{}: 180355072 bytes (cumulative: 541066240 bytes)
+  Stack trace breakdown for peak usage: 10 165 479 754 bytes
+    main.350 (100.0%, total: 10 165 479 754 bytes, current: 0 bytes, remaining: 1 bytes)
+      ├── jit(train_step)/add (33.2%, total: 3 372 220 424 bytes, current: 3 bytes)
+      ├── state (9.0%, total: 910 245 892 bytes, current: 0 bytes, remaining: 1 bytes)
+      │   ├── params (9.0%, total: 910 245 888 bytes, current: 0 bytes, remaining: 1 bytes)
+      └── jit(train_step)/div (17.9%, total: 1 820 491 780 bytes, current: 1 bytes)
+  Other section
+"""
+
+
+def test_parse_live_range():
+    out = memory_peak.parse_live_range(LIVE_RANGE, top=2)
+    assert out["peak_bytes"] == 10165479754
+    assert [b["buffer"] for b in out["peak_buffers"]] == ["multiply_add_fusion.14", "divide_fusion"]
+    # First-level entries only (params is inside state), largest first.
+    assert [(b["op"], b["bytes"]) for b in out["breakdown"]] == [
+        ("jit(train_step)/add", 3372220424),
+        ("jit(train_step)/div", 1820491780),
+    ]

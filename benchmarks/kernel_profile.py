@@ -21,7 +21,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,11 +164,7 @@ def main():
         cmd += ["--top", str(a.top), "--out", a.out]
         cmd += ["--keep-hlo"] if a.keep_hlo else []
         cmd += ["--quick"] if a.quick else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        recs = [
-            json.loads(ln[len(MARK) :]) for ln in proc.stdout.splitlines() if ln.startswith(MARK)
-        ]
-        rows.append(recs[0] if recs else {"run": run, "error": proc.stderr.strip()[-600:]})
+        rows.append(step_bench.run_child(cmd, MARK, run))
         with open(os.path.join(a.out, "kernel_profile.json"), "w") as f:
             json.dump(rows, f, indent=1)
     for r in rows:

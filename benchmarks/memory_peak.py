@@ -19,11 +19,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step as step_bench  # noqa: E402
 
 MARK = "@@MEMPEAK "
 
@@ -57,8 +57,6 @@ def parse_live_range(text: str, top: int) -> dict:
 
 def child(run: str, quick: bool, top: int) -> dict:
     """Build and compile one run with XLA dumping its buffer assignment (child process)."""
-    import step as step_bench
-
     c, env, state, batch = step_bench.build(run, quick)
     with env["mesh"]:
         compiled = env["train_step"].lower(state, batch).compile()
@@ -96,12 +94,8 @@ def main():
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
         cmd = [sys.executable, __file__, "--child", run, "--top", str(a.top)]
         cmd += ["--quick"] if a.quick else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        rows.append(step_bench.run_child(cmd, MARK, run, env=env))
         shutil.rmtree(dump, ignore_errors=True)
-        recs = [
-            json.loads(ln[len(MARK) :]) for ln in proc.stdout.splitlines() if ln.startswith(MARK)
-        ]
-        rows.append(recs[0] if recs else {"run": run, "error": proc.stderr.strip()[-600:]})
         with open(os.path.join(a.out, "memory_peak.json"), "w") as f:
             json.dump(rows, f, indent=1)
     for r in rows:

@@ -159,6 +159,24 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
     }
 
 
+def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
+    """Run one benchmark child process: its ``mark``-prefixed JSON record, or an error row.
+
+    A child cut by ``timeout`` reports the last lines it wrote to stderr (its progress).
+    """
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        out, err = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or ""  # noqa: E731
+        out, err = "", f"{as_text(e.stderr)}\ntimed out after {timeout} s"
+    recs = [json.loads(ln[len(mark) :]) for ln in out.splitlines() if ln.startswith(mark)]
+    if recs:
+        return recs[0]
+    tail = [ln for ln in err.strip().splitlines() if ln.strip()][-2:] or ["?"]
+    return {"run": run, "error": " | ".join(tail)[:400]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1")
@@ -178,18 +196,7 @@ def main():
         cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
         cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}"]
         cmd += ["--quick"] if a.quick else []
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout or None)
-            out, err = proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or ""  # noqa: E731
-            out, err = "", f"{as_text(e.stderr)}\ntimed out after {a.timeout} s"
-        recs = [json.loads(ln[len(MARK) :]) for ln in out.splitlines() if ln.startswith(MARK)]
-        if recs:
-            rows.append(recs[0])
-        else:
-            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-2:] or ["?"]
-            rows.append({"run": run, "error": " | ".join(tail)[:400]})
+        rows.append(run_child(cmd, MARK, run, timeout=a.timeout or None))
         print(json.dumps(rows[-1]), flush=True)
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)

@@ -231,3 +231,16 @@ def test_parse_live_range():
         ("jit(train_step)/add", 3372220424),
         ("jit(train_step)/div", 1820491780),
     ]
+
+
+def test_memory_peak_script_reads_xla_report(tmp_path):
+    """End to end on CPU: the compiled tiny O2 step's peak, broken down by JAX operation."""
+    import subprocess
+
+    cmd = [sys.executable, str(BENCH / "memory_peak.py"), "--quick", "--runs", "tiny:O2"]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    (row,) = json.loads((tmp_path / "memory_peak.json").read_text())
+    assert "error" not in row, row
+    assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
+    assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]

@@ -22,6 +22,13 @@ GOLDEN = {
     "O2": [4.8571672439575195, 4.857404708862305, 4.837024211883545],
 }
 
+# The same with bf16 activations, as on GPUs (model.dtype='bfloat16'): the f32 table above
+# cannot see changes that only touch bf16 paths (such as how a bf16 GEMM output is unscaled).
+GOLDEN_BF16 = {
+    "O0": [4.857767105102539, 4.857767105102539, 4.83690881729126],
+    "O1": [4.857754707336426, 4.857549667358398, 4.836909770965576],
+}
+
 
 def load_config(name="tiny", arg=None):
     """Load ``configs/<name>.py`` by path, as train.py does."""
@@ -56,12 +63,20 @@ def _run(c, steps, tmp_path):
     return env, state, losses
 
 
+def _bf16_config(level):
+    c = _micro_config(level)
+    c.model.dtype = "bfloat16"
+    return c
+
+
 def print_golden():
-    """Print the GOLDEN table for the current code."""
+    """Print the GOLDEN and GOLDEN_BF16 tables for the current code."""
     import tempfile
 
     for level in GOLDEN:
         print(level, _run(_micro_config(level), 3, tempfile.mkdtemp())[2])
+    for level in GOLDEN_BF16:
+        print("bf16", level, _run(_bf16_config(level), 3, tempfile.mkdtemp())[2])
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
@@ -72,6 +87,14 @@ def test_golden_losses(level, tmp_path):
     )
     # One compile for all three steps: the step is traced once per shape.
     assert env["train_step"]._cache_size() == 1
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_golden_losses_bf16(level, tmp_path):
+    _, _, losses = _run(_bf16_config(level), 3, tmp_path)
+    np.testing.assert_allclose(
+        losses, GOLDEN_BF16[level], rtol=2e-6, err_msg="golden losses moved: see GOLDEN's comment"
+    )
 
 
 def test_fp8_levels_track_o0():

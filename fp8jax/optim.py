@@ -187,10 +187,10 @@ def scale_by_fp8_adam(
         out_u, out_m, out_v = [], [], []
         for i, (g, mu, nu) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, strict=True)):
             if out_m:
-                # Leaves in order: this leaf's inputs are released only once the previous
-                # leaf's update and new state exist, which bounds how many leaves' f32 moments
-                # XLA keeps alive together (with master.apply_updates' chain: the O2 step's
-                # temp memory fell from 7.6 to 5.4 GiB in the CPU proxy of RESULTS.md).
+                # Leaves in order: this leaf's inputs wait for the previous leaf's update and
+                # new state, so XLA need not keep every leaf's f32 moments alive at once (with
+                # master.apply_updates' chain the O2 step's temp fell from 7.6 to 5.4 GiB in
+                # the CPU proxy of RESULTS.md; not yet measured on a GPU).
                 prev = (out_u[-1], out_m[-1], out_v[-1])
                 g, mu, nu, _ = jax.lax.optimization_barrier((g, mu, nu, prev))
             salt = base + jnp.uint32((2 * i + 1) * 0x632BE5AB % 2**32)

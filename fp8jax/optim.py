@@ -178,7 +178,7 @@ def scale_by_fp8_adam(
         # gradient and every square (hence every new m and v, stored moments reading as finite)
         # is finite. Deciding first lets each leaf's moments be computed, used and re-quantized
         # in one place: no f32 m/v of every leaf alive at once (8 bytes/param of transient
-        # memory) and a graph XLA compiles 4-5x faster than the two-pass form.
+        # memory), and a smaller graph: the CPU compile of a 4-layer O2 step fell from 21 to 15 s.
         sq = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in g_leaves]
         ok = jnp.isfinite(sum(sq)) if sq else jnp.array(True)
 

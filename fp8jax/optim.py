@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp8jax import formats
 from fp8jax.master import (
     ScaledTensor,
     apply_updates,
@@ -116,7 +115,7 @@ def _read(x) -> jax.Array:
     return jnp.where(jnp.isfinite(v), v, 0.0)
 
 
-def _write(new: jax.Array, amax: jax.Array, old, ok: jax.Array, seed) -> Any:
+def _write(new: jax.Array, old, ok: jax.Array, seed) -> Any:
     """Store ``new`` like ``old`` (fresh scale for a ``ScaledTensor``); keep ``old`` if not ``ok``.
 
     ``seed`` None rounds to nearest; otherwise the narrow cast rounds stochastically.
@@ -125,7 +124,7 @@ def _write(new: jax.Array, amax: jax.Array, old, ok: jax.Array, seed) -> Any:
         narrow = old.data.dtype != jnp.float32
         noise = hash_bits(new.shape, seed) if narrow and seed is not None else None
         # Cast to old.data.dtype (E4M3/E5M2/FP16/BF16 per config) with a scale from new's amax.
-        fresh = quantize_scaled(new, old.scale, old.data.dtype, noise, amax)
+        fresh = quantize_scaled(new, old.scale, old.data.dtype, noise)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), fresh, old)
     return jnp.where(ok, new, old)
 
@@ -204,8 +203,8 @@ def scale_by_fp8_adam(
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
             u = jnp.clip(jnp.where(jnp.isfinite(u), u, 0.0), -limit, limit)
             out_u.append(jnp.where(ok, u, 0.0).astype(g.dtype))
-            out_m.append(_write(m, formats.amax(m), mu, ok, m_seed))
-            out_v.append(_write(v, formats.amax(v), nu, ok, v_seed))
+            out_m.append(_write(m, mu, ok, m_seed))
+            out_v.append(_write(v, nu, ok, v_seed))
         new_state = Fp8AdamState(
             count=jnp.where(ok, count, state.count),
             mu=treedef.unflatten(out_m),

@@ -26,13 +26,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step as step_bench  # noqa: E402  (run_child only; step.py imports jax lazily)
 
 MARK = "@@TORCH "
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, as benchmarks/step.py
@@ -294,14 +296,7 @@ def main():
         for optim in ("optim", "fwdbwd") if a.no_optim else ("optim",):
             name, level = run.split(":")
             cmd = [sys.executable, __file__, f"--child={run}:{optim}", *flags]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-                lines = proc.stdout.splitlines()
-                recs = [json.loads(ln[len(MARK) :]) for ln in lines if ln.startswith(MARK)]
-                err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            except subprocess.TimeoutExpired:
-                recs, err = [], f"timed out after {a.timeout} s"
-            row = recs[0] if recs else {"error": err[:300]}
+            row = step_bench.run_child(cmd, MARK, f"{run}:{optim}", timeout=a.timeout)
             rows.append({"config": name, "level": level, "optimizer": optim == "optim", **row})
             print(json.dumps(rows[-1]), flush=True)
             with open(os.path.join(a.out, "torch_reference.json"), "w") as f:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import dot, formats, scaling
+from fp8jax import dot, formats, master, scaling
 from fp8jax.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.state import FP8, FP8_STATS
 
@@ -28,12 +28,15 @@ class _Fp8Op(nn.Module):
     cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.kernels' fused cast+transpose
 
     def _with_meta(self, lhs, rhs, matmul):
-        """``matmul(meta) -> (out, new_meta)`` under this module's state; returns ``out``."""
+        """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
+        # O2+ train step: the kernel may arrive as its FP16 master's bits (master.carry_masters),
+        # dequantized here, inside the layer (and its remat), not kept alive outside it.
+        rhs = master.dequantize_in_layer(self, rhs)
         meta_var = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe)
         meta = meta_var.value
         if self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
             self._sow_stats(lhs, rhs, meta)
-        out, new_meta = matmul(meta)
+        out, new_meta = matmul(meta, rhs)
         if self.is_mutable_collection(FP8) and not self.is_initializing():
             meta_var.value = new_meta
         return out
@@ -65,7 +68,7 @@ class Fp8DotGeneral(_Fp8Op):
         return self._with_meta(
             lhs,
             rhs,
-            lambda meta: dot.dot_general(
+            lambda meta, rhs: dot.dot_general(
                 lhs, rhs, dimension_numbers, meta, preferred_element_type, self.cast_kernel
             ),
         )
@@ -79,7 +82,9 @@ class Fp8Einsum(_Fp8Op):
         return self._with_meta(
             lhs,
             rhs,
-            lambda meta: fp8_einsum(eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel),
+            lambda meta, rhs: fp8_einsum(
+                eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel
+            ),
         )
 
 

@@ -20,13 +20,16 @@ scale, so an all-zero or broken tensor never poisons the scale.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import struct, traverse_util
 
 from fp8jax import formats
+from fp8jax.state import MASTER_SCALE
 
 # Accepted spellings of the storage formats (lower-cased before lookup).
 STORAGE_FORMATS = {
@@ -280,3 +283,75 @@ def apply_updates(params, updates) -> Any:
         if is_scaled(out[-1]):
             last = out[-1]
     return treedef.unflatten(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dequantize_carrier(carrier: jax.Array, scale: jax.Array, storage) -> jax.Array:
+    """A master's ``data`` carried bit-cast in the compute dtype, as a weight in that dtype.
+
+    The gradient passes straight through to ``carrier``: it is d loss / d weight (what the
+    optimizer wants), not d loss / d data, which would underflow in FP16.
+    """
+    data = jax.lax.bitcast_convert_type(carrier, jnp.dtype(storage))
+    return (data.astype(jnp.float32) / scale).astype(carrier.dtype)
+
+
+def _carrier_fwd(carrier, scale, storage):
+    return dequantize_carrier(carrier, scale, storage), jnp.zeros_like(scale)
+
+
+def _carrier_bwd(storage, zero_scale, g):
+    del storage
+    return g, zero_scale
+
+
+dequantize_carrier.defvjp(_carrier_fwd, _carrier_bwd)
+
+
+def _fp8_op_name(fp8_state, module_path: tuple[str, ...]) -> str | None:
+    """Name of the fp8jax FP8 matmul (a child holding ``meta``) of the module at this path."""
+    node = fp8_state
+    for k in module_path:
+        if not isinstance(node, Mapping) or k not in node:
+            return None
+        node = node[k]
+    if not isinstance(node, Mapping):
+        return None
+    ops = [k for k, v in node.items() if isinstance(v, Mapping) and "meta" in v]
+    return ops[0] if len(ops) == 1 else None
+
+
+def carry_masters(params, fp8_state, dtype):
+    """``(params, master scales)`` for ``model.apply``, masters dequantized inside their layers.
+
+    A master kernel whose layer runs an fp8jax FP8 matmul is handed over as its ``data`` bit-cast
+    to the compute ``dtype`` (same width: no copy), with its scale in the ``master_scale``
+    collection at the matmul's path; the matmul dequantizes it (``dequantize_carrier``). Under
+    remat this keeps a dequantized copy of every weight from living between the forward pass
+    and each layer's backward pass (~2 bytes/param at 7B, measured on the GPU). Other masters
+    are dequantized here; the gradient tree is the one ``materialize(params, dtype)`` gives.
+    """
+    dtype = jnp.dtype(dtype)
+    flat = traverse_util.flatten_dict(params)
+    out, scales = {}, {}
+    for path, p in flat.items():
+        if not is_scaled(p):
+            out[path] = p
+            continue
+        op = _fp8_op_name(fp8_state, path[:-1])
+        data = p.data
+        if op is not None and data.dtype.itemsize == dtype.itemsize:
+            out[path] = jax.lax.bitcast_convert_type(data, dtype)
+            scales[(*path[:-1], op, jnp.dtype(data.dtype).name)] = p.scale
+        else:
+            out[path] = p.dequantize(dtype)
+    return traverse_util.unflatten_dict(out), traverse_util.unflatten_dict(scales)
+
+
+def dequantize_in_layer(module, rhs: jax.Array) -> jax.Array:
+    """``rhs``, or the weight it carries when ``carry_masters`` left ``module`` a scale."""
+    entry = module.variables.get(MASTER_SCALE, {}) if not module.is_initializing() else {}
+    if not entry:
+        return rhs
+    ((storage, scale),) = entry.items()
+    return dequantize_carrier(rhs, scale, storage)

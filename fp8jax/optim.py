@@ -36,6 +36,8 @@ import optax
 from fp8jax.master import (
     ScaledTensor,
     apply_updates,
+    carry_masters,
+    dequantize_carrier,
     hash_bits,
     is_matmul_weight,
     is_scaled,
@@ -52,6 +54,8 @@ __all__ = [
     "Fp8AdamState",
     "ScaledTensor",
     "apply_updates",
+    "carry_masters",
+    "dequantize_carrier",
     "fp8_adamw",
     "is_matmul_weight",
     "materialize",

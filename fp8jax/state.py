@@ -25,6 +25,9 @@ FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's sca
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
 # flax's own FP8 ops keep their scales here; the gradient of these variables is their new value.
 FLAX_FP8 = "_overwrite_with_gradient"
+# O2+ train step: FP16 master scales of the kernels handed to FP8 matmuls still encoded
+# (fp8jax.master.carry_masters); read-only, at the matmul's path, keyed by storage dtype.
+MASTER_SCALE = "master_scale"
 
 
 def _is_state(x) -> bool:

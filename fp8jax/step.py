@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fp8jax import comm, gather, optim
 from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
-from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
+from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -116,15 +116,19 @@ def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
     return jnp.mean(losses)
 
 
-def _micro_grads(model, params, fp8, batch, weight=1.0):
-    """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state."""
+def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
+    """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state.
+
+    ``masters``: the ``master_scale`` collection of ``master.carry_masters`` (O2+), if any.
+    """
     # ``weight`` scales the loss: 1/N for one of N data-parallel replicas, so the replicas'
     # gradients sum to the global batch's and dy (hence its FP8 amax) equals the unsharded one.
 
     coll = state_collection(model)
 
     def loss_fn(p, s):
-        logits, mutated = model.apply({"params": p, coll: s}, batch["inputs"], mutable=[FP8])
+        variables = {"params": p, coll: s, **({MASTER_SCALE: masters} if masters else {})}
+        logits, mutated = model.apply(variables, batch["inputs"], mutable=[FP8])
         return weight * cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
 
     (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
@@ -135,15 +139,15 @@ def _micro_grads(model, params, fp8, batch, weight=1.0):
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
 
 
-def _accumulate(model, params, fp8, batch, accum: int, weight=1.0):
+def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None):
     """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches."""
     if accum == 1:
-        return _micro_grads(model, params, fp8, batch, weight)
+        return _micro_grads(model, params, fp8, batch, weight, masters)
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
 
     def body(carry, mb):
         loss_sum, g_sum, fp8 = carry
-        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight)
+        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters)
         return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), fp8), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -151,7 +155,7 @@ def _accumulate(model, params, fp8, batch, accum: int, weight=1.0):
     return loss / accum, fp8, jax.tree.map(lambda g: g / accum, grads)
 
 
-def _replica_grads(model, params, state, batch, accum: int, plan):
+def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
     """(loss, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
     # The batch is viewed as [N, B/N, ...] with N split over data x fsdp and the step vmapped
     # over it: each device computes its own replica's gradients, which comm.reduce_gradients
@@ -171,7 +175,7 @@ def _replica_grads(model, params, state, batch, accum: int, plan):
     full, w_amax = gather.gather_params(params, state.fp8, plan)
 
     def one(b):
-        return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n)
+        return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n, masters=masters)
 
     # The model's activation constraints name 'batch', which the vmapped replica axis already
     # splits over data x fsdp: keep them inert inside a replica.
@@ -204,15 +208,22 @@ def make_train_step(model, tx, config, mesh=None):
     if plan is not None and state_collection(model) != FP8:
         raise ValueError("fp8.impl='flax' runs on one data-parallel replica only (benchmarks)")
 
+    carry = level >= 2 and state_collection(model) == FP8
+
     def train_step(state: TrainState, batch):
         # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
-        # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B).
-        params = optim.materialize(state.params, dtype=jnp.dtype(config.model.dtype))
+        # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B). The
+        # FP8 layers' masters go in still encoded and are dequantized inside each layer, so no
+        # bf16 copy lives across remat (unless fsdp gathers them: gather.py wants weights).
+        dtype = jnp.dtype(config.model.dtype)
+        params, masters = optim.materialize(state.params, dtype=dtype), None
+        if carry and (plan is None or int(plan.mesh.shape["fsdp"]) == 1):
+            params, masters = optim.carry_masters(state.params, state.fp8, dtype)
         comm_state, comm_metrics = state.comm, {}
         if plan is None:
-            loss, fp8, grads = _accumulate(model, params, state.fp8, batch, accum)
+            loss, fp8, grads = _accumulate(model, params, state.fp8, batch, accum, masters=masters)
         else:
-            loss, fp8, grads_N = _replica_grads(model, params, state, batch, accum, plan)
+            loss, fp8, grads_N = _replica_grads(model, params, state, batch, accum, plan, masters)
             mu = state.comm["mu"]
             grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
@@ -226,7 +237,10 @@ def make_train_step(model, tx, config, mesh=None):
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
+        # The weights for decay: the same bf16 view as before carry_masters (bit-identical
+        # updates); XLA fuses each leaf's dequantization into its update.
+        decay_params = optim.materialize(state.params, dtype=dtype)
+        updates, opt_state = tx.update(grads, state.opt_state, decay_params)
         new_params = optim.apply_updates(state.params, updates)
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(

@@ -105,7 +105,7 @@ class ModelConfig:
     attention_impl: str | None
     recipe: scaling.Recipe | None
     fp8_impl: str = "fp8jax"
-    cast_kernel: str = "xla"
+    cast_kernel: str = "pallas"
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
 from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init
-from fp8jax.state import FLAX_FP8, FP8, FP8_STATS
+from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
 
 class Transformer(nn.Module):
@@ -63,6 +63,8 @@ class Transformer(nn.Module):
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0},
+                # One scale per stacked master (per-tensor over all layers): the same each layer.
+                variable_broadcast=MASTER_SCALE,
                 split_rngs={"params": True},
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},

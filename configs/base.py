@@ -49,6 +49,9 @@ def get_config() -> ml_collections.ConfigDict:
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)
     f.master_format = "float16"  # master copy of the matmul weights (with a per-tensor scale)
+    # 'stochastic': narrow masters round up with probability equal to the remainder, so updates
+    # below half an FP16 step (warm-up at 7B) still move the weights; 'nearest': FP8-LM's rule.
+    f.master_rounding = "stochastic"  # how O2+ masters are re-quantized after each update
 
     # --- data ---
     c.data = d = ml_collections.ConfigDict()

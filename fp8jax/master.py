@@ -253,33 +253,46 @@ def materialize(params, dtype=jnp.float32):
     )
 
 
-def apply_updates(params, updates) -> Any:
+def apply_updates(params, updates, seed=None) -> Any:
     """``params + updates``; ``ScaledTensor`` leaves add in f32 and re-quantize with a fresh scale.
 
     An element whose new value is not finite keeps its old value, so one bad update cannot turn a
-    master weight into NaN. Plain leaves behave as in ``optax.apply_updates``.
+    master weight into NaN. Plain leaves behave as in ``optax.apply_updates``. ``seed`` (an int
+    or uint32 array, e.g. from the step count) rounds the narrow masters stochastically.
     """
 
-    def add(p, u):
+    def add(p, u, salt):
         if u is None:
             return p
         if is_scaled(p):
             old = p.dequantize()
             new = old + u.astype(jnp.float32)  # the update is applied in f32
             new = jnp.where(jnp.isfinite(new), new, old)
-            return quantize_scaled(new, p.scale, p.data.dtype)
+            # An update below half a storage step (FP16: 2**-11 of the weight; warm-up learning
+            # rates at 7B) is lost to round-to-nearest; rounding stochastically keeps it in
+            # expectation, as FP32 masters would.
+            narrow = p.data.dtype != jnp.dtype(jnp.float32)
+            noise = hash_bits(p.shape, salt) if salt is not None and narrow else None
+            return quantize_scaled(new, p.scale, p.data.dtype, noise)
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
     is_leaf = lambda x: is_scaled(x) or x is None  # noqa: E731
     p_leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)
     u_leaves = treedef.flatten_up_to(updates)
+    base = None if seed is None else jnp.asarray(seed).astype(jnp.uint32)
     out, last = [], None
-    for p, u in zip(p_leaves, u_leaves, strict=True):
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True)):
         if is_scaled(p) and u is not None and last is not None:
             # Masters one at a time: each re-quantization needs its f32 value twice (amax,
             # then the cast), and XLA kept every leaf's f32 value alive at once otherwise.
             p, u, _ = jax.lax.optimization_barrier((p, u, last))
-        out.append(add(p, u))
+        # Noise differs per leaf (odd multiplier: distinct salts) and per seed.
+        salt = (
+            None
+            if base is None
+            else base * jnp.uint32(0x9E3779B1) + jnp.uint32((i * 0x632BE5AB) & 0xFFFFFFFF)
+        )
+        out.append(add(p, u, salt))
         if is_scaled(out[-1]):
             last = out[-1]
     return treedef.unflatten(out)

@@ -209,6 +209,13 @@ def make_train_step(model, tx, config, mesh=None):
         raise ValueError("fp8.impl='flax' runs on one data-parallel replica only (benchmarks)")
 
     carry = level >= 2 and state_collection(model) == FP8
+    stochastic = config.fp8.get("master_rounding", "nearest") == "stochastic"
+
+    def master_seed(step):
+        # Fixed by (config.seed, step): a resumed run rounds exactly as an uninterrupted one.
+        return (
+            step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + config.seed if stochastic else None
+        )
 
     def train_step(state: TrainState, batch):
         # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
@@ -241,7 +248,7 @@ def make_train_step(model, tx, config, mesh=None):
         # updates); XLA fuses each leaf's dequantization into its update.
         decay_params = optim.materialize(state.params, dtype=dtype)
         updates, opt_state = tx.update(grads, state.opt_state, decay_params)
-        new_params = optim.apply_updates(state.params, updates)
+        new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(
             step=state.step + jnp.where(ok, 1, 0),

@@ -422,3 +422,22 @@ def test_orbax_roundtrip_is_bit_exact(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_master_updates_below_half_a_step_survive_stochastic_rounding():
+    """FP16 masters: an update far below a storage step is lost rounding to nearest, kept
+    in expectation when rounding stochastically (the warm-up learning rates of a 7B model)."""
+    w = jnp.full((256, 256), 0.02, jnp.float32).at[0, 0].set(0.1)  # amax sets the scale
+    master = optim.to_master({"kernel": w})
+    # Scale 2**19 (amax 0.1 -> 52429), so 0.02 sits in [8192, 16384) where FP16's spacing is 8:
+    # 1.5e-5 in weight units. The update is 1e-6, a fifteenth of that.
+    delta = 1e-6
+    upd = {"kernel": jnp.full_like(w, delta)}
+    near = optim.materialize(optim.apply_updates(master, upd))["kernel"]
+    np.testing.assert_array_equal(near, optim.materialize(master)["kernel"])
+    moved = []
+    for seed in range(4):  # a different seed rounds differently
+        new = optim.materialize(optim.apply_updates(master, upd, seed=seed))["kernel"]
+        moved.append(np.asarray(new - optim.materialize(master)["kernel"])[1:, :])
+    np.testing.assert_allclose(np.mean(moved), delta, rtol=0.1)
+    assert not np.array_equal(moved[0], moved[1])

@@ -16,6 +16,7 @@ STYLES = ("gpt", "llama")
 LEVELS = ("O0", "O1", "O2", "O3")
 # Storage formats the O2+ optimizer may use for Adam moments and master weights.
 STATE_FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
+MASTER_ROUNDING = ("stochastic", "nearest")  # how O2+ masters are re-quantized
 ATTENTION_IMPLS = ("", "xla", "cudnn")
 # 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for benchmarks/step.py.
 FP8_IMPLS = ("fp8jax", "flax")
@@ -48,6 +49,7 @@ def check_config(config) -> None:
     _check_choice(f.impl, FP8_IMPLS, "fp8.impl")
     _check_choice(f.cast_kernel, kernels.IMPLS, "fp8.cast_kernel")
     _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
+    _check_choice(f.get("master_rounding", "nearest"), MASTER_ROUNDING, "fp8.master_rounding")
     for name in ("m_format", "v_format", "master_format"):
         _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
     if m.d_model % m.num_heads:

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import pathlib
 import sys
 
@@ -244,3 +245,18 @@ def test_memory_peak_script_reads_xla_report(tmp_path):
     assert "error" not in row, row
     assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
     assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
+
+
+def test_state_per_device_o3_shards_o2_state(tmp_path):
+    """tiny on 4 simulated devices: O3's train state per device is O2's over 4 (+ scalars)."""
+    import subprocess
+
+    cmd = [sys.executable, str(BENCH / "state_per_device.py"), "--config", "tiny", "--devices", "4"]
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    r = json.loads((tmp_path / "state_per_device.json").read_text())
+    o2, o3 = r["O2"], r["O3"]
+    assert o2["opt_state"] > o2["params"] > 0 and o3["matmul_params"] == o2["matmul_params"]
+    # Replicated per-tensor scales, norms and biases are all that O3 does not divide by 4.
+    assert o2["state"] / 4 <= o3["state"] <= 1.05 * o2["state"] / 4

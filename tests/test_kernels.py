@@ -137,3 +137,23 @@ def test_nnx_linear_with_kernel_equals_xla_path():
     np.testing.assert_array_equal(run("xla"), run("interpret"))
     with pytest.raises(ValueError, match="unknown FP8 cast kernel"):
         fp8jax.nnx.Fp8DotGeneral(cast_kernel="cuda")
+
+
+def test_kernel_under_vmap_as_the_data_parallel_step_runs_it():
+    """The multi-replica step vmaps the model over replicas: same results, still Triton."""
+    x, w, meta = _linear_inputs()
+    x_2 = jnp.stack([x, -x])  # [replicas, M, K]
+
+    def replicas(impl):
+        def one(xr):
+            y, new_meta = dot.dot_general(xr, w, DENSE, meta, cast_kernel=impl)
+            return y, new_meta.x.amax_history[0]
+
+        return jax.jit(jax.vmap(one))
+
+    y_a, amax_a = replicas("xla")(x_2)
+    y_b, amax_b = replicas("interpret")(x_2)
+    np.testing.assert_array_equal(np.asarray(y_a, np.float32), np.asarray(y_b, np.float32))
+    np.testing.assert_array_equal(np.asarray(amax_a), np.asarray(amax_b))
+    cuda = replicas("pallas").trace(x_2).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(TRITON) == 2  # x and w, batched over replicas by Pallas' vmap rule

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from fp8jax import formats, scaling
 from fp8jax import sharding as sharding_lib
 from fp8jax.comm import Plan, _amax_stacked, _bcast, _recv, _send, _wire
+from fp8jax.master import fp8_op_name
 from fp8jax.sharding import MESH_AXES
 
 P = PartitionSpec
@@ -25,17 +26,13 @@ P = PartitionSpec
 
 def _find_meta(fp8_state, path: tuple[str, ...]):
     """The ``Fp8Meta`` of the FP8 matmul owning kernel ``path`` (None if it is not FP8)."""
-    node = fp8_state
-    for k in path[:-1]:
-        if not isinstance(node, Mapping) or k not in node:
-            return None
-        node = node[k]
-    if not isinstance(node, Mapping):
+    op = fp8_op_name(fp8_state, path[:-1])
+    if op is None:
         return None
-    for name, child in node.items():
-        if name.startswith("Fp8DotGeneral") and isinstance(child, Mapping) and "meta" in child:
-            return child["meta"]
-    return None
+    node = fp8_state
+    for k in (*path[:-1], op):
+        node = node[k]
+    return node["meta"]
 
 
 def _weight_scale(w_state, amax: jax.Array) -> jax.Array:
@@ -124,7 +121,7 @@ def set_weight_amax(fp8_state, w_amax: dict):
         for kernel_path, amax in w_amax.items():
             if kernel_path[:-1] == prefix:
                 for name, child in out.items():
-                    if name.startswith("Fp8DotGeneral") and "meta" in child:
+                    if isinstance(child, Mapping) and "meta" in child:
                         meta = child["meta"]
                         hist = meta.w.amax_history.at[..., 0].set(amax)
                         w = meta.w.replace(amax_history=hist)

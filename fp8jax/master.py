@@ -321,7 +321,7 @@ def _carrier_bwd(storage, zero_scale, g):
 dequantize_carrier.defvjp(_carrier_fwd, _carrier_bwd)
 
 
-def _fp8_op_name(fp8_state, module_path: tuple[str, ...]) -> str | None:
+def fp8_op_name(fp8_state, module_path: tuple[str, ...]) -> str | None:
     """Name of the fp8jax FP8 matmul (a child holding ``meta``) of the module at this path."""
     node = fp8_state
     for k in module_path:
@@ -351,7 +351,7 @@ def carry_masters(params, fp8_state, dtype):
         if not is_scaled(p):
             out[path] = p
             continue
-        op = _fp8_op_name(fp8_state, path[:-1])
+        op = fp8_op_name(fp8_state, path[:-1])
         data = p.data
         if op is not None and data.dtype.itemsize == dtype.itemsize:
             out[path] = jax.lax.bitcast_convert_type(data, dtype)

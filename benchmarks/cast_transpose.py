@@ -49,6 +49,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
     rows = []
     for name, shape, dtype, fmt in SHAPES:
         if a.quick:

@@ -154,6 +154,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--child", default=None)
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
     if a.child:
         rec = child(a.child, a.steps, a.top, a.out, a.keep_hlo, a.quick)
         print(MARK + json.dumps(rec), flush=True)

@@ -83,6 +83,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--child", default=None)
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
     if a.child:
         print(MARK + json.dumps(child(a.child, a.quick, a.top)), flush=True)
         return

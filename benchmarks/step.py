@@ -188,6 +188,7 @@ def main():
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
     p.add_argument("--child", default=None)
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
     if a.child:
         print(MARK + json.dumps(child(a.child, a.quick, a.steps, a.batch, a.mesh)), flush=True)
         return

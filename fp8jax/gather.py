@@ -119,13 +119,13 @@ def set_weight_amax(fp8_state, w_amax: dict):
         for k, v in node.items():
             out[k] = rebuild(v, prefix + (k,))
         for kernel_path, amax in w_amax.items():
-            if kernel_path[:-1] == prefix:
-                for name, child in out.items():
-                    if isinstance(child, Mapping) and "meta" in child:
-                        meta = child["meta"]
-                        hist = meta.w.amax_history.at[..., 0].set(amax)
-                        w = meta.w.replace(amax_history=hist)
-                        out[name] = {**child, "meta": meta.replace(w=w)}
+            # w_amax holds only kernels _find_meta found an FP8 matmul for, so name is set.
+            name = fp8_op_name(out, ()) if kernel_path[:-1] == prefix else None
+            if name is not None:
+                meta = out[name]["meta"]
+                hist = meta.w.amax_history.at[..., 0].set(amax)
+                w = meta.w.replace(amax_history=hist)
+                out[name] = {**out[name], "meta": meta.replace(w=w)}
         return out
 
     return rebuild(fp8_state, ())

@@ -306,7 +306,7 @@ def dequantize_carrier(carrier: jax.Array, scale: jax.Array, storage) -> jax.Arr
     optimizer wants), not d loss / d data, which would underflow in FP16.
     """
     data = jax.lax.bitcast_convert_type(carrier, jnp.dtype(storage))
-    return (data.astype(jnp.float32) / scale).astype(carrier.dtype)
+    return ScaledTensor(data, scale).dequantize(carrier.dtype)
 
 
 def _carrier_fwd(carrier, scale, storage):

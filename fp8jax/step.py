@@ -223,7 +223,8 @@ def make_train_step(model, tx, config, mesh=None):
         # FP8 layers' masters go in still encoded and are dequantized inside each layer, so no
         # bf16 copy lives across remat (unless fsdp gathers them: gather.py wants weights).
         dtype = jnp.dtype(config.model.dtype)
-        params, masters = optim.materialize(state.params, dtype=dtype), None
+        view = optim.materialize(state.params, dtype=dtype)  # also the weights decay reads
+        params, masters = view, None
         if carry and (plan is None or int(plan.mesh.shape["fsdp"]) == 1):
             params, masters = optim.carry_masters(state.params, state.fp8, dtype)
         comm_state, comm_metrics = state.comm, {}
@@ -244,10 +245,9 @@ def make_train_step(model, tx, config, mesh=None):
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # The weights for decay: the same bf16 view as before carry_masters (bit-identical
-        # updates); XLA fuses each leaf's dequantization into its update.
-        decay_params = optim.materialize(state.params, dtype=dtype)
-        updates, opt_state = tx.update(grads, state.opt_state, decay_params)
+        # Decay reads the compute-dtype view even when the model got carried masters (the
+        # same updates either way); XLA fuses each leaf's dequantization into its update.
+        updates, opt_state = tx.update(grads, state.opt_state, view)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(

@@ -151,10 +151,7 @@ def main():
     p.add_argument("--top", type=int, default=15, help="kernels listed per run")
     p.add_argument("--keep-hlo", action="store_true", help="also write each step's HLO (gz)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke test")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--child", default=None)
-    a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    a = step_bench.parse_bench_args(p)
     if a.child:
         rec = child(a.child, a.steps, a.top, a.out, a.keep_hlo, a.quick)
         print(MARK + json.dumps(rec), flush=True)

@@ -80,10 +80,7 @@ def main():
     p.add_argument("--runs", default="llama_7b:O0,llama_7b:O2")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke test")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--child", default=None)
-    a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    a = step_bench.parse_bench_args(p)
     if a.child:
         print(MARK + json.dumps(child(a.child, a.quick, a.top)), flush=True)
         return

@@ -177,6 +177,16 @@ def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
     return {"run": run, "error": " | ".join(tail)[:400]}
 
 
+def parse_bench_args(p: argparse.ArgumentParser, child: bool = True) -> argparse.Namespace:
+    """Add the flags every benchmark shares (``--out``, ``--child``), parse, create ``--out``."""
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    if child:  # set by the parent on the child processes it starts
+        p.add_argument("--child", default=None)
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    return a
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1")
@@ -184,11 +194,8 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
-    p.add_argument("--child", default=None)
-    a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    a = parse_bench_args(p)
     if a.child:
         print(MARK + json.dumps(child(a.child, a.quick, a.steps, a.batch, a.mesh)), flush=True)
         return

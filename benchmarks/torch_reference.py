@@ -280,14 +280,11 @@ def main():
     p.add_argument(
         "--timeout", type=int, default=540, help="seconds per run (device: 600 per call)"
     )
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--child", default=None)
-    a = p.parse_args()
+    a = step_bench.parse_bench_args(p)
     if a.child:
         name, level, optim = a.child.split(":")
         print(MARK + json.dumps(child(name, level, optim == "optim", a)), flush=True)
         return
-    os.makedirs(a.out, exist_ok=True)
     flags = [f"--steps={a.steps}", f"--attn={a.attn}"]
     flags += [f for f, on in (("--quick", a.quick), ("--no-compile", a.no_compile),
                               ("--bf16-params", a.bf16_params)) if on]  # fmt: skip

@@ -79,21 +79,33 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
         m.dtype, m.attention_impl = "float32", "xla"
     apply_overrides(c, options)
     # The trainer's own jitted init and step: explicit shardings over the mesh and donation.
+    t0 = time.perf_counter()
     env = train_lib.setup(c)
+    print(f"{run}: setup (trace) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if "plain" in options:
         # The unsharded reference: the same pure step under a bare jit (no shardings, no mesh).
         env["train_step"] = jax.jit(
             step_lib.make_train_step(env["model"], env["tx"], c, mesh=None), donate_argnums=0
         )
+    t0 = time.perf_counter()
     state = env["init"](jax.random.PRNGKey(0))
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    print(f"{run}: init (compile + run) {init_s:.1f} s", file=sys.stderr, flush=True)
     tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
     tok = jnp.asarray(tok, jnp.int32)
     batch = jax.device_put({"inputs": tok, "targets": tok}, env["batch_sharding"])
     return c, env, state, batch
 
 
-def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> dict:
-    """Compile and time one run (config:level[:options]) inside the child process."""
+def child(
+    run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1", profile: int = 0
+) -> dict:
+    """Compile and time one run (config:level[:options]) inside the child process.
+
+    ``profile`` > 0 also traces that many steps after the timed ones and adds the kernel
+    summary of ``kernel_profile.py`` (one build and compile serve both).
+    """
     import jax
 
     from fp8jax import comm, models
@@ -128,6 +140,7 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         ms_pipe = (time.perf_counter() - t) * 1e3 / steps
+        kernels = _profile(compiled, state, batch, profile) if profile else None
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     ms = statistics.median(times) * 1e3
@@ -156,7 +169,23 @@ def child(run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1") -> d
         "loss": float(metrics["loss"]),
         "jax": jax.__version__,
         "device": str(dev.device_kind),
+        "profile": kernels,
     }
+
+
+def _profile(compiled, state, batch, steps: int, top: int = 10) -> dict:
+    """Trace ``steps`` more steps and summarise the device kernels (``kernel_profile.py``)."""
+    import tempfile
+
+    import jax
+    import kernel_profile  # beside this file; imported late, it imports this module
+
+    trace_dir = tempfile.mkdtemp(prefix="fp8jax_trace_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+    return kernel_profile.summarize_trace(trace_dir, steps, top)
 
 
 def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
@@ -195,14 +224,16 @@ def main():
     p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
+    p.add_argument("--profile", type=int, default=0, help="also trace N steps: top kernels")
     a = parse_bench_args(p)
     if a.child:
-        print(MARK + json.dumps(child(a.child, a.quick, a.steps, a.batch, a.mesh)), flush=True)
+        rec = child(a.child, a.quick, a.steps, a.batch, a.mesh, a.profile)
+        print(MARK + json.dumps(rec), flush=True)
         return
     rows = []
     for run in a.runs.split(","):
         cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
-        cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}"]
+        cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}", "--profile", str(a.profile)]
         cmd += ["--quick"] if a.quick else []
         rows.append(run_child(cmd, MARK, run, timeout=a.timeout or None))
         print(json.dumps(rows[-1]), flush=True)
@@ -219,6 +250,13 @@ def main():
             f"{r['step_ms_pipelined']:8.1f} {r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
             f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d}"
         )
+    for r in rows:
+        prof = r.get("profile")
+        if prof:
+            cats = ", ".join(f"{k} {v:.1f}" for k, v in prof["categories"].items())
+            print(f"\n{r['run']}: GPU busy {prof['busy_ms_per_step']:.1f} ms/step; {cats}")
+            for k in prof["top"]:
+                print(f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:<5g} {k['name'][:80]}")
 
 
 if __name__ == "__main__":

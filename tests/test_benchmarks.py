@@ -260,3 +260,13 @@ def test_state_per_device_o3_shards_o2_state(tmp_path):
     assert o2["opt_state"] > o2["params"] > 0 and o3["matmul_params"] == o2["matmul_params"]
     # Replicated per-tensor scales, norms and biases are all that O3 does not divide by 4.
     assert o2["state"] / 4 <= o3["state"] <= 1.05 * o2["state"] / 4
+
+
+def test_step_child_times_and_profiles_one_run():
+    """One quick run of benchmarks/step.py's child: timings, loss and the kernel summary."""
+    rec = step_bench.child("tiny:O1", quick=True, steps=1, profile=1)
+    assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
+    assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
+    prof = rec["profile"]
+    assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 10
+    assert sum(prof["categories"].values()) == pytest.approx(prof["kernel_ms_per_step"])

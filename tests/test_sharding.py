@@ -47,6 +47,20 @@ def mesh_config(data=-1, fsdp=1, tensor=1):
 # ---------------------------------------------------------------------------- mesh and specs
 
 
+def test_pallas_casts_only_on_one_device():
+    """A step spanning devices uses XLA's casts: SPMD cannot split the Pallas custom call."""
+    from fp8jax import train as train_lib
+
+    c = tiny_config("O1")
+    c.fp8.cast_kernel = "pallas"
+    assert train_lib.partitionable(c, 1) is c
+    multi = train_lib.partitionable(c, 2)
+    assert multi.fp8.cast_kernel == "xla" and c.fp8.cast_kernel == "pallas"  # a copy
+    assert models.build_model(multi).cfg.cast_kernel == "xla"
+    c.fp8.cast_kernel = "interpret"  # any other choice is the user's and stays
+    assert train_lib.partitionable(c, 8) is c
+
+
 def test_make_mesh_resolves_rest_and_rejects_bad_sizes():
     devices = [object()] * 8
     mesh = sharding.make_mesh(mesh_config(data=-1, fsdp=2, tensor=2), devices=devices)

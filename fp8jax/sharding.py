@@ -8,6 +8,8 @@ which gradients are reduced (in FP8 at O1+, see ``fp8jax.comm``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import jax
@@ -37,6 +39,45 @@ RULES = (
     ("layers", None),
     ("norm", None),
 )
+
+
+# Activations: the batch is split over data x fsdp, and 'embed' (fsdp for parameters) is not
+# split again: fsdp already splits the rows.
+ACTIVATION_RULES = tuple((name, None if name == "embed" else axes) for name, axes in RULES)
+
+# The mesh and rules the model's activation constraints bind to while a step is traced; None
+# (the default: init, sampling, tests of the bare model) leaves them inert.
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("fp8jax_activations", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None, rules=ACTIVATION_RULES):
+    """Bind the model's activation constraints (``constrain``) to ``mesh`` with ``rules``."""
+    token = _ACTIVATIONS.set(None if mesh is None or mesh.size == 1 else (mesh, tuple(rules)))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def within_replica(rules=ACTIVATION_RULES):
+    """``rules`` for inside a vmapped replica: its own batch rows are not split again."""
+    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
+
+
+def constrain(x: jax.Array, names: tuple) -> jax.Array:
+    """Constrain an activation's layout by logical axis names (inert outside a bound step).
+
+    Without it XLA propagates the weights' fsdp shardings into activations as it likes: on
+    GPUs q, k and v then reach cuDNN attention with different shardings, which its partitioner
+    rejects (gpt2_125m at fsdp = 2, benchmarks/RESULTS.md).
+    """
+    bound = _ACTIVATIONS.get()
+    if bound is None:
+        return x
+    mesh, rules = bound
+    spec = fit_spec(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:

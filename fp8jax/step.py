@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from flax import linen as nn
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -179,8 +178,10 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
 
     # The model's activation constraints name 'batch', which the vmapped replica axis already
     # splits over data x fsdp: keep them inert inside a replica.
-    with nn.logical_axis_rules(()):
-        loss_N, fp8_N, grads_N = jax.vmap(one)(batch_N)
+    # Inside a replica the activation constraints keep its rows whole; spmd_axis_name splits
+    # the replica axis itself over data x fsdp, as batch_N is.
+    with sharding_lib.activation_sharding(mesh, sharding_lib.within_replica()):
+        loss_N, fp8_N, grads_N = jax.vmap(one, spmd_axis_name=sharding_lib.DP_AXES)(batch_N)
     grads_N = jax.tree.map(
         lambda g, spec: jax.lax.with_sharding_constraint(
             g, NamedSharding(mesh, plan.replica_spec(spec))
@@ -218,6 +219,10 @@ def make_train_step(model, tx, config, mesh=None):
         )
 
     def train_step(state: TrainState, batch):
+        with sharding_lib.activation_sharding(mesh):
+            return _train_step(state, batch)
+
+    def _train_step(state: TrainState, batch):
         # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
         # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B). The
         # FP8 layers' masters go in still encoded and are dequantized inside each layer, so no
@@ -272,25 +277,27 @@ def make_train_step(model, tx, config, mesh=None):
     return train_step
 
 
-def make_eval_step(model):
+def make_eval_step(model, mesh=None):
     """``eval_step(state, batch) -> summed loss`` (no FP8 state update)."""
 
     def eval_step(state: TrainState, batch):
         params = optim.materialize(state.params)
         coll = state_collection(model)
-        logits = model.apply({"params": params, coll: state.fp8}, batch["inputs"])
+        with sharding_lib.activation_sharding(mesh):
+            logits = model.apply({"params": params, coll: state.fp8}, batch["inputs"])
         return cross_entropy(logits, batch["targets"])
 
     return eval_step
 
 
-def make_stats_step(model):
+def make_stats_step(model, mesh=None):
     """Per-layer FP8 health on one batch: saturation / flush shares under the current scales."""
 
     def stats_step(state: TrainState, batch):
         params = optim.materialize(state.params)
         variables = {"params": params, state_collection(model): state.fp8}
-        _, mutated = model.apply(variables, batch["inputs"], mutable=[FP8_STATS])
+        with sharding_lib.activation_sharding(mesh):
+            _, mutated = model.apply(variables, batch["inputs"], mutable=[FP8_STATS])
         return mutated.get(FP8_STATS, {})
 
     return stats_step

@@ -153,7 +153,7 @@ def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
         out_shardings=(state_sh, sharding_lib.replicated(mesh)),
         donate_argnums=0 if donate else (),
     )
-    eval_step = jax.jit(step_lib.make_eval_step(model), in_shardings=(state_sh, batch_sh))
+    eval_step = jax.jit(step_lib.make_eval_step(model, mesh), in_shardings=(state_sh, batch_sh))
     return dict(
         mesh=mesh,
         model=model,
@@ -164,7 +164,7 @@ def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
         batch_sharding=batch_sh,
         train_step=train_step,
         eval_step=eval_step,
-        stats_step=jax.jit(step_lib.make_stats_step(model)),
+        stats_step=jax.jit(step_lib.make_stats_step(model, mesh)),
     )
 
 

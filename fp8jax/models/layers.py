@@ -19,12 +19,11 @@ from flax import linen as nn
 
 from fp8jax.linen import fp8_dot_general_cls
 from fp8jax.models.config import ModelConfig
+from fp8jax.sharding import constrain  # inert unless a step binds a mesh
 
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
 NORM_EPS = 1e-5
 ROPE_THETA = 10_000.0  # LLaMA/LLaMA-2 RoPE base
-
-constrain = nn.with_logical_constraint  # no-op unless a mesh and logical axis rules are active
 
 
 def normal_init(names, std: float = INIT_STD):

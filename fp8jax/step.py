@@ -154,12 +154,39 @@ def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None)
     return loss / accum, fp8, jax.tree.map(lambda g: g / accum, grads)
 
 
+def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters):
+    """``(loss_N, fp8_N, grads_N)`` with one replica per device, written per device (shard_map).
+
+    Each device runs the unpartitioned model on its own rows, so nothing depends on how XLA's
+    SPMD partitioner would split the model's ops: custom calls such as the Pallas FP8 cast or
+    cuDNN attention run as on one device (partitioned, the cast kernel's operands were
+    all-gathered; cuDNN attention rejected q, k and v with different shardings).
+    """
+    n, dp = plan.num_replicas, sharding_lib.DP_AXES
+
+    def local(full, fp8, masters, b_1xBxL):
+        b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
+        with sharding_lib.activation_sharding(None):  # local arrays: nothing to constrain
+            loss, fp8, g = _accumulate(model, full, fp8, b, accum, 1.0 / n, masters)
+        return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
+
+    rep = PartitionSpec()
+    fn = jax.shard_map(
+        local,
+        mesh=plan.mesh,
+        in_specs=(rep, rep, rep, PartitionSpec(dp)),
+        out_specs=PartitionSpec(dp),
+        axis_names=frozenset(dp),
+        check_vma=False,
+    )
+    return fn(full, fp8, masters, batch_N)
+
+
 def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
     """(loss, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
-    # The batch is viewed as [N, B/N, ...] with N split over data x fsdp and the step vmapped
-    # over it: each device computes its own replica's gradients, which comm.reduce_gradients
-    # sums in FP8. Tensor parallelism stays with XLA's SPMD partitioner (the parameters keep
-    # their 'tensor' shardings inside).
+    # The batch is viewed as [N, B/N, ...] with N split over data x fsdp: each device computes
+    # its own replica's gradients (per device under shard_map, or vmapped with tensor
+    # parallelism), which comm.reduce_gradients sums in FP8.
     mesh, n = plan.mesh, plan.num_replicas
     batch_size = batch["inputs"].shape[0]
     if batch_size % (n * accum):
@@ -172,16 +199,20 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
         lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
     )
     full, w_amax = gather.gather_params(params, state.fp8, plan)
+    if int(mesh.shape["tensor"]) == 1:
+        loss_N, fp8_N, grads_N = _manual_replicas(
+            model, full, state.fp8, batch_N, accum, plan, masters
+        )
+    else:
 
-    def one(b):
-        return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n, masters=masters)
+        def one(b):
+            return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n, masters=masters)
 
-    # The model's activation constraints name 'batch', which the vmapped replica axis already
-    # splits over data x fsdp: keep them inert inside a replica.
-    # Inside a replica the activation constraints keep its rows whole; spmd_axis_name splits
-    # the replica axis itself over data x fsdp, as batch_N is.
-    with sharding_lib.activation_sharding(mesh, sharding_lib.within_replica()):
-        loss_N, fp8_N, grads_N = jax.vmap(one, spmd_axis_name=sharding_lib.DP_AXES)(batch_N)
+        # Tensor parallelism stays with XLA's SPMD partitioner. Inside a replica the activation
+        # constraints keep its rows whole; spmd_axis_name splits the replica axis itself over
+        # data x fsdp, as batch_N is.
+        with sharding_lib.activation_sharding(mesh, sharding_lib.within_replica()):
+            loss_N, fp8_N, grads_N = jax.vmap(one, spmd_axis_name=sharding_lib.DP_AXES)(batch_N)
     grads_N = jax.tree.map(
         lambda g, spec: jax.lax.with_sharding_constraint(
             g, NamedSharding(mesh, plan.replica_spec(spec))

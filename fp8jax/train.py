@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fp8jax import errors, models
+from fp8jax import comm, errors, models
 from fp8jax import metrics as metrics_lib
 from fp8jax import sharding as sharding_lib
 from fp8jax import step as step_lib
@@ -116,20 +116,30 @@ def load_config(name_or_path: str, arg: str | None = None) -> ml_collections.Con
     return module.get_config() if arg is None else module.get_config(arg)
 
 
-def partitionable(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
-    """``config``, with XLA's FP8 casts instead of the Pallas kernel when the step spans devices.
+def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.ConfigDict:
+    """``config``, with XLA's FP8 casts instead of the Pallas kernel where SPMD would split it.
 
     XLA's SPMD partitioner cannot split a Pallas custom call: it all-gathers the operand and
     casts the global tensor on every device. On two H200s (gpt_1b3 O1, data = 2) that was 13.7
     GB of bf16 all-gathers per device per step and 38.5k tokens/s per GPU, against 75k on one
-    (benchmarks/RESULTS.md). XLA's own casts are partitioned along with the batch.
+    (benchmarks/RESULTS.md). Data-parallel replicas at O1+ run per device under shard_map
+    (``step._manual_replicas``), where the kernel sees local arrays; tensor parallelism, or a
+    step without FP8 communication, leaves the split to SPMD, so those use XLA's casts.
     """
-    if num_devices <= 1 or config.fp8.get("cast_kernel", "xla") != "pallas":
+    if mesh.size <= 1 or config.fp8.get("cast_kernel", "xla") != "pallas":
+        return config
+    per_device = (
+        int(mesh.shape["tensor"]) == 1
+        and step_lib.level_index(config.fp8.level) >= 1
+        and comm.CommConfig.from_config(config).enabled
+    )
+    if per_device:
         return config
     logging.warning(
-        "fp8.cast_kernel='pallas' runs on one device only; the step spans %d devices, so it "
-        "uses XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
-        num_devices,
+        "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
+        "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
+        dict(mesh.shape),
+        "on" if comm.CommConfig.from_config(config).enabled else "off",
     )
     config = config.copy_and_resolve_references()
     config.fp8.cast_kernel = "xla"
@@ -140,7 +150,7 @@ def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
     """Build model, optimizer, mesh and the jitted steps (shared with inspect/benchmarks/tests)."""
     models.check_config(config)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
-    config = partitionable(config, mesh.size)
+    config = partitionable(config, mesh)
     model = models.build_model(config)
     tx = step_lib.make_optimizer(config)
     init_fn = functools.partial(step_lib.init_state, model, tx, config)

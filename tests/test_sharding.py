@@ -47,18 +47,25 @@ def mesh_config(data=-1, fsdp=1, tensor=1):
 # ---------------------------------------------------------------------------- mesh and specs
 
 
-def test_pallas_casts_only_on_one_device():
-    """A step spanning devices uses XLA's casts: SPMD cannot split the Pallas custom call."""
+def test_pallas_casts_only_where_spmd_does_not_split_them():
+    """Pallas casts run on one device or per-device replicas; TP and O0-style SPMD get XLA's."""
     from fp8jax import train as train_lib
 
+    devices = [object()] * 4
     c = tiny_config("O1")
     c.fp8.cast_kernel = "pallas"
-    assert train_lib.partitionable(c, 1) is c
-    multi = train_lib.partitionable(c, 2)
-    assert multi.fp8.cast_kernel == "xla" and c.fp8.cast_kernel == "pallas"  # a copy
-    assert models.build_model(multi).cfg.cast_kernel == "xla"
+    for sizes in ((1, 1, 1), (4, 1, 1), (2, 2, 1)):  # one device; replicas under shard_map
+        mesh = sharding.make_mesh(mesh_config(*sizes), devices=devices[: int(np.prod(sizes))])
+        assert train_lib.partitionable(c, mesh) is c
+    tp = sharding.make_mesh(mesh_config(2, 1, 2), devices=devices)
+    split = train_lib.partitionable(c, tp)
+    assert split.fp8.cast_kernel == "xla" and c.fp8.cast_kernel == "pallas"  # a copy
+    assert models.build_model(split).cfg.cast_kernel == "xla"
+    c.comm = ml_collections.ConfigDict(dict(enabled=False))  # plain SPMD data parallelism
+    dp = sharding.make_mesh(mesh_config(4, 1, 1), devices=devices)
+    assert train_lib.partitionable(c, dp).fp8.cast_kernel == "xla"
     c.fp8.cast_kernel = "interpret"  # any other choice is the user's and stays
-    assert train_lib.partitionable(c, 8) is c
+    assert train_lib.partitionable(c, tp) is c
 
 
 def test_make_mesh_resolves_rest_and_rejects_bad_sizes():

@@ -79,6 +79,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
             m_format=config.fp8.m_format,
             v_format=config.fp8.v_format,
+            assume_finite=True,  # the train step keeps the old state on a non-finite gradient
         )
     else:
         adam = optax.adamw(

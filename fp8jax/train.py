@@ -126,15 +126,11 @@ def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.Con
     (``step._manual_replicas``), where the kernel sees local arrays; tensor parallelism, or a
     step without FP8 communication, leaves the split to SPMD, so those use XLA's casts.
     """
-    if mesh.size <= 1 or config.fp8.get("cast_kernel", "xla") != "pallas":
-        return config
-    per_device = (
-        int(mesh.shape["tensor"]) == 1
-        and step_lib.level_index(config.fp8.level) >= 1
-        and comm.CommConfig.from_config(config).enabled
-    )
-    if per_device:
-        return config
+    level = step_lib.level_index(config.fp8.level)
+    if mesh.size <= 1 or level == 0 or config.fp8.get("cast_kernel", "xla") != "pallas":
+        return config  # (O0 has no FP8 casts)
+    if int(mesh.shape["tensor"]) == 1 and comm.CommConfig.from_config(config).enabled:
+        return config  # replicas run per device
     logging.warning(
         "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
         "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",

@@ -64,7 +64,9 @@ def test_pallas_casts_only_where_spmd_does_not_split_them():
     c.comm = ml_collections.ConfigDict(dict(enabled=False))  # plain SPMD data parallelism
     dp = sharding.make_mesh(mesh_config(4, 1, 1), devices=devices)
     assert train_lib.partitionable(c, dp).fp8.cast_kernel == "xla"
-    c.fp8.cast_kernel = "interpret"  # any other choice is the user's and stays
+    c.fp8.level = "O0"  # no FP8 casts to split
+    assert train_lib.partitionable(c, tp) is c
+    c.fp8.level, c.fp8.cast_kernel = "O1", "interpret"  # any other choice is the user's
     assert train_lib.partitionable(c, tp) is c
 
 

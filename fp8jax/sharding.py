@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 
 import jax
@@ -193,7 +194,13 @@ def axis_dim(spec: PartitionSpec, axis: str) -> int | None:
 
 def boxed_params(model, config):
     """Abstract params with their logical-axis boxes (no allocation)."""
-    tokens_BxL = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    return _boxed_params(model, int(config.seq_len))
+
+
+@functools.lru_cache(maxsize=8)
+def _boxed_params(model, seq_len: int):
+    # Tracing a 1B model's init takes seconds; setup and the step's plan ask for it 4 times.
+    tokens_BxL = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens_BxL)["params"]
 
 

@@ -229,6 +229,14 @@ def stablehlo_fp8(config) -> dict:
     return comm.fp8_collectives_in_stablehlo(text)
 
 
+def activation_constraints(config) -> int:
+    """Sharding constraints in the lowered step (the model's ``constrain`` calls, if bound)."""
+    _, init, train_step, _, _ = build(config, jax.devices())
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+    text = train_step.lower(abstract, abstract_batch(config)).as_text()
+    return text.count("sdy.sharding_constraint") + text.count("@Sharding")  # Shardy / GSPMD
+
+
 def _with(c: ml_collections.ConfigDict, **fp8_fields) -> ml_collections.ConfigDict:
     c.fp8.update(fp8_fields)
     return c
@@ -283,6 +291,7 @@ def main() -> dict:
         overflow=overflow_check(),
         stablehlo_O1=stablehlo_fp8(tiny_config("O1", data=8)),
         stablehlo_O3=stablehlo_fp8(tiny_config("O3", data=2, fsdp=4)),
+        constraints_O0_FSDP=activation_constraints(tiny_config("O0", data=2, fsdp=4)),
         compiled_O1_has_u8=[
             k for k in next(t for t in table if t["run"] == "O1 DP")["by_op"] if " u8 " in k
         ],

@@ -254,6 +254,15 @@ def test_sharded_steps_match_one_device(checks):
 
 
 @pytest.mark.slow
+def test_activation_constraints_are_bound(checks):
+    # Inert constraints let XLA give q, k and v different fsdp layouts, which cuDNN attention's
+    # partitioner rejects (two H200s, gpt2_125m at fsdp=2). 7 per block (q, k, v, o, MLP hidden,
+    # two residuals), the embedding and the logits.
+    layers = tiny_config("O0").model.num_layers
+    assert checks["constraints_O0_FSDP"] >= 7 * layers + 2, checks["constraints_O0_FSDP"]
+
+
+@pytest.mark.slow
 def test_fp8_on_the_wire(checks):
     # Lowered with wire='fp8' (what XLA:GPU compiles and keeps): FP8 element types.
     assert checks["stablehlo_O1"]["all_to_all"] == ["f8E5M2"]

@@ -131,9 +131,11 @@ def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.Con
         return config  # (O0 has no FP8 casts)
     if int(mesh.shape["tensor"]) == 1 and comm.CommConfig.from_config(config).enabled:
         return config  # replicas run per device
-    logging.warning(
+    logging.log_first_n(
+        logging.WARNING,
         "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
         "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
+        1,
         dict(mesh.shape),
         "on" if comm.CommConfig.from_config(config).enabled else "off",
     )

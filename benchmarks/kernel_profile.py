@@ -137,10 +137,8 @@ def child(run: str, steps: int, top: int, out: str, keep_hlo: bool, quick: bool)
             jax.block_until_ready(metrics)
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     summary = summarize_trace(trace_dir, steps, top)
-    safe = run.replace(":", "_").replace("=", "-").replace("+", "_").replace(".", "-")
     if keep_hlo:
-        with gzip.open(os.path.join(out, f"hlo_{safe}.txt.gz"), "wt") as f:
-            f.write(compiled.as_text())
+        step_bench.save_hlo(out, run, compiled.as_text())
     return {"run": run, "traced_wall_ms_per_step": wall_ms, **summary}
 
 

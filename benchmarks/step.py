@@ -99,7 +99,13 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
 
 
 def child(
-    run: str, quick: bool, steps: int, batch: int = 0, mesh="-1,1,1", profile: int = 0
+    run: str,
+    quick: bool,
+    steps: int,
+    batch: int = 0,
+    mesh="-1,1,1",
+    profile: int = 0,
+    hlo_dir: str | None = None,
 ) -> dict:
     """Compile and time one run (config:level[:options]) inside the child process.
 
@@ -122,6 +128,8 @@ def child(
         compile_s = time.perf_counter() - t0
         print(f"{run}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
         hlo = compiled.as_text()
+        if hlo_dir:  # to look up fusions and collectives of the table later
+            save_hlo(hlo_dir, run, hlo)
         ma = compiled.memory_analysis()
         for _ in range(2):  # warm-up
             state, metrics = compiled(state, batch)
@@ -206,6 +214,17 @@ def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
     return {"run": run, "error": " | ".join(tail)[:400]}
 
 
+def save_hlo(out: str, run: str, text: str) -> str:
+    """Write a compiled step's HLO, gzipped, as ``<out>/hlo_<run>.txt.gz``; return the path."""
+    import gzip
+
+    safe = run.replace(":", "_").replace("=", "-").replace("+", "_").replace(".", "-")
+    path = os.path.join(out, f"hlo_{safe}.txt.gz")
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    return path
+
+
 def parse_bench_args(p: argparse.ArgumentParser, child: bool = True) -> argparse.Namespace:
     """Add the flags every benchmark shares (``--out``, ``--child``), parse, create ``--out``."""
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -225,15 +244,18 @@ def main():
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
     p.add_argument("--profile", type=int, default=0, help="also trace N steps: top kernels")
+    p.add_argument("--keep-hlo", action="store_true", help="also write each step's HLO (gz)")
     a = parse_bench_args(p)
     if a.child:
-        rec = child(a.child, a.quick, a.steps, a.batch, a.mesh, a.profile)
+        hlo_dir = a.out if a.keep_hlo else None
+        rec = child(a.child, a.quick, a.steps, a.batch, a.mesh, a.profile, hlo_dir)
         print(MARK + json.dumps(rec), flush=True)
         return
     rows = []
     for run in a.runs.split(","):
         cmd = [sys.executable, __file__, "--child", run, "--steps", str(a.steps)]
         cmd += ["--batch", str(a.batch), f"--mesh={a.mesh}", "--profile", str(a.profile)]
+        cmd += ["--out", a.out] + (["--keep-hlo"] if a.keep_hlo else [])
         cmd += ["--quick"] if a.quick else []
         rows.append(run_child(cmd, MARK, run, timeout=a.timeout or None))
         print(json.dumps(rows[-1]), flush=True)

@@ -262,9 +262,11 @@ def test_state_per_device_o3_shards_o2_state(tmp_path):
     assert o2["state"] / 4 <= o3["state"] <= 1.05 * o2["state"] / 4
 
 
-def test_step_child_times_and_profiles_one_run():
-    """One quick run of benchmarks/step.py's child: timings, loss and the kernel summary."""
-    rec = step_bench.child("tiny:O1", quick=True, steps=1, profile=1)
+def test_step_child_times_and_profiles_one_run(tmp_path):
+    """One quick run of benchmarks/step.py's child: timings, loss, kernel summary, HLO file."""
+    rec = step_bench.child("tiny:O1", quick=True, steps=1, profile=1, hlo_dir=str(tmp_path))
+    with gzip.open(tmp_path / "hlo_tiny_O1.txt.gz", "rt") as f:
+        assert "HloModule" in f.read()
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
     prof = rec["profile"]

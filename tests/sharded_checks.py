@@ -6,9 +6,11 @@ bytes communicated per step:
 
     python tests/sharded_checks.py
 
-Checks: two train steps of a shrunk configs/tiny.py under DP, FSDP, TP, DP x TP and O3 against
-the single-device steps; FP8 element types in the collectives; bytes per step from the compiled
-HLO; an FP8 gradient sum that would overflow naively; the mu auto-scaling rule.
+Checks: two train steps of a shrunk configs/tiny.py under DP, FSDP, TP, DP x TP, O2 DP and O3
+against the single-device steps (and the Pallas cast kernel inside the replicas against XLA's
+casts); FP8 element types in the collectives; bytes per step from the compiled HLO; the
+activation constraints in the lowered step; an FP8 gradient sum that would overflow naively;
+the mu auto-scaling rule.
 """
 
 from __future__ import annotations
@@ -257,12 +259,15 @@ def main() -> dict:
     runs = {
         "base O1": (o1(), one, None),
         "base O3": (tiny_config("O3"), one, None),
+        "base O2": (tiny_config("O2"), one, None),
         "O0 DP": (tiny_config("O0", data=8), devs, None),
         "O1 DP": (o1(data=8), devs, "base O1"),
         "O1 FSDP": (o1(data=2, fsdp=4), devs, "base O1"),
         "O1 TP": (o1(data=1, tensor=4), devs[:4], "base O1"),
         "O1 DPxTP": (o1(data=2, tensor=4), devs, "base O1"),
         "O3 FSDP": (tiny_config("O3", data=2, fsdp=4), devs, "base O3"),
+        # O2's masters reach the per-device replicas still encoded (master.carry_masters).
+        "O2 DP": (tiny_config("O2", data=8), devs, "base O2"),
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,
         # against XLA's casts on the same mesh: the same arithmetic, so the same numbers.
         "O1 DP Pallas": (_with(o1(data=8), cast_kernel="interpret"), devs, "O1 DP"),

@@ -81,7 +81,8 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
     # The trainer's own jitted init and step: explicit shardings over the mesh and donation.
     t0 = time.perf_counter()
     env = train_lib.setup(c)
-    print(f"{run}: setup (trace) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    setup_s = time.perf_counter() - t0
+    print(f"{run}: setup (trace) {setup_s:.1f} s", file=sys.stderr, flush=True)
     if "plain" in options:
         # The unsharded reference: the same pure step under a bare jit (no shardings, no mesh).
         env["train_step"] = jax.jit(
@@ -92,6 +93,7 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     print(f"{run}: init (compile + run) {init_s:.1f} s", file=sys.stderr, flush=True)
+    env["build_times"] = {"setup_s": setup_s, "init_s": init_s}  # where GPU minutes go
     tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len))
     tok = jnp.asarray(tok, jnp.int32)
     batch = jax.device_put({"inputs": tok, "targets": tok}, env["batch_sharding"])
@@ -174,6 +176,7 @@ def child(
         "comm_bytes": comm.bytes_summary(comm.collectives(hlo, env["mesh"].size)),
         "compile_s": compile_s,
         "build_s": build_s,
+        **env["build_times"],
         "loss": float(metrics["loss"]),
         "jax": jax.__version__,
         "device": str(dev.device_kind),

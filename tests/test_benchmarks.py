@@ -268,6 +268,7 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     with gzip.open(tmp_path / "hlo_tiny_O1.txt.gz", "rt") as f:
         assert "HloModule" in f.read()
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
+    assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
     prof = rec["profile"]
     assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 10

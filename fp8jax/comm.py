@@ -136,11 +136,27 @@ class Plan:
         """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp, split over N)."""
         return P(DP_AXES, *sharding_lib.drop_axis(spec, "fsdp"))
 
+    @property
+    def per_device(self) -> bool:
+        """Whether the replicas run one per device under shard_map (see ``per_device``)."""
+        return per_device(self.level, self.cfg, self.mesh)
+
+
+def has_replicas(level: int, cfg: CommConfig, mesh: Mesh) -> bool:
+    """Whether the step reduces several data-parallel replicas' gradients itself (in FP8)."""
+    return level >= 1 and cfg.enabled and sharding_lib.dp_size(mesh) > 1
+
+
+def per_device(level: int, cfg: CommConfig, mesh: Mesh) -> bool:
+    """Whether those replicas run one per device under shard_map: no tensor parallelism, so
+    the model needs no partitioning (the train step's ``_manual_replicas``)."""
+    return has_replicas(level, cfg, mesh) and int(mesh.shape["tensor"]) == 1
+
 
 def make_plan(model, config, mesh: Mesh, level: int) -> Plan | None:
     """The plan of FP8 communication, or None when there is none (O0, one replica, disabled)."""
     cfg = CommConfig.from_config(config)
-    if level < 1 or not cfg.enabled or sharding_lib.dp_size(mesh) == 1:
+    if not has_replicas(level, cfg, mesh):
         return None
     specs = sharding_lib.param_specs(model, config, mesh)
     names = sharding_lib.param_logical_names(model, config)
@@ -418,8 +434,10 @@ __all__ = [
     "Plan",
     "bytes_summary",
     "collectives",
+    "has_replicas",
     "init_state",
     "make_plan",
     "next_mu",
+    "per_device",
     "reduce_gradients",
 ]

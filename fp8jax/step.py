@@ -200,7 +200,7 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
         lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
     )
     full, w_amax = gather.gather_params(params, state.fp8, plan)
-    if int(mesh.shape["tensor"]) == 1:
+    if plan.per_device:
         loss_N, fp8_N, grads_N = _manual_replicas(
             model, full, state.fp8, batch_N, accum, plan, masters
         )

@@ -129,15 +129,16 @@ def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.Con
     level = step_lib.level_index(config.fp8.level)
     if mesh.size <= 1 or level == 0 or config.fp8.get("cast_kernel", "xla") != "pallas":
         return config  # (O0 has no FP8 casts)
-    if int(mesh.shape["tensor"]) == 1 and comm.CommConfig.from_config(config).enabled:
-        return config  # replicas run per device
+    cfg = comm.CommConfig.from_config(config)
+    if comm.per_device(level, cfg, mesh):
+        return config
     logging.log_first_n(
         logging.WARNING,
         "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
         "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
         1,
         dict(mesh.shape),
-        "on" if comm.CommConfig.from_config(config).enabled else "off",
+        "on" if cfg.enabled else "off",
     )
     config = config.copy_and_resolve_references()
     config.fp8.cast_kernel = "xla"

@@ -129,17 +129,24 @@ def child(run: str, steps: int, top: int, out: str, keep_hlo: bool, quick: bool)
         for _ in range(3):  # warm-up: autotuning and allocation outside the trace
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-        trace_dir = tempfile.mkdtemp(prefix="fp8jax_trace_")
-        t0 = time.perf_counter()
-        with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
-                state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    summary = summarize_trace(trace_dir, steps, top)
+        summary = trace_steps(compiled, state, batch, steps, top)
     if keep_hlo:
         step_bench.save_hlo(out, run, compiled.as_text())
-    return {"run": run, "traced_wall_ms_per_step": wall_ms, **summary}
+    return {"run": run, **summary}
+
+
+def trace_steps(compiled, state, batch, steps: int, top: int) -> dict:
+    """Run ``steps`` more steps under ``jax.profiler`` and summarise their device kernels."""
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="fp8jax_trace_")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    return {"traced_wall_ms_per_step": wall_ms, **summarize_trace(trace_dir, steps, top)}
 
 
 def main():

@@ -186,17 +186,9 @@ def child(
 
 def _profile(compiled, state, batch, steps: int, top: int = 10) -> dict:
     """Trace ``steps`` more steps and summarise the device kernels (``kernel_profile.py``)."""
-    import tempfile
-
-    import jax
     import kernel_profile  # beside this file; imported late, it imports this module
 
-    trace_dir = tempfile.mkdtemp(prefix="fp8jax_trace_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(steps):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-    return kernel_profile.summarize_trace(trace_dir, steps, top)
+    return kernel_profile.trace_steps(compiled, state, batch, steps, top)
 
 
 def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:

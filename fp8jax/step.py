@@ -177,7 +177,10 @@ def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters):
         mesh=plan.mesh,
         in_specs=(rep, rep, rep, PartitionSpec(dp)),
         out_specs=PartitionSpec(dp),
-        axis_names=frozenset(dp),
+        # Manual over every mesh axis (tensor is 1 here), not just data x fsdp: inside a partly
+        # manual region JAX still hands custom-partitioned ops (cuDNN attention) to their
+        # partitioner, which fails on the manual axes; fully manual, they lower as on one device.
+        axis_names=frozenset(plan.mesh.axis_names),
         check_vma=False,
     )
     return fn(full, fp8, masters, batch_N)

@@ -254,6 +254,16 @@ def test_sharded_steps_match_one_device(checks):
 
 
 @pytest.mark.slow
+def test_replicas_compile_custom_partitioned_attention(checks):
+    # cuDNN attention is a custom-partitioned op. In replicas manual over data x fsdp only, JAX
+    # still called its partitioner, which failed on the manual axes (two H200s: O1 at data=2,
+    # O3 at fsdp=2). A stand-in with the same mechanism reproduces that on CPU.
+    assert checks["custom_partitioned_attention_O1_FSDP"] == "compiled", checks[
+        "custom_partitioned_attention_O1_FSDP"
+    ]
+
+
+@pytest.mark.slow
 def test_activation_constraints_are_bound(checks):
     # Inert constraints let XLA give q, k and v different fsdp layouts, which cuDNN attention's
     # partitioner rejects (two H200s, gpt2_125m at fsdp=2). 7 per block (q, k, v, o, MLP hidden,

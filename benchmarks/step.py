@@ -205,8 +205,11 @@ def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
     recs = [json.loads(ln[len(mark) :]) for ln in out.splitlines() if ln.startswith(mark)]
     if recs:
         return recs[0]
-    tail = [ln for ln in err.strip().splitlines() if ln.strip()][-2:] or ["?"]
-    return {"run": run, "error": " | ".join(tail)[:400]}
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    # The exception's own line (XLA appends stack locations after it), then the last lines.
+    raised = [ln for ln in lines if ln.split(":")[0].rsplit(".", 1)[-1].endswith("Error")][:1]
+    tail = raised + [ln for ln in lines[-2:] if ln not in raised] or ["?"]
+    return {"run": run, "error": " | ".join(tail)[:600]}
 
 
 def save_hlo(out: str, run: str, text: str) -> str:

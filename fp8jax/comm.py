@@ -388,8 +388,10 @@ def collectives(hlo_text: str, num_devices: int) -> list[dict]:
             if not m:
                 continue
             op, types = m.group("op"), _SHAPE_RE.findall(m.group("type"))
-            if m.group("start") and op != "all-reduce":
-                types = types[len(types) // 2 :]  # async start ops return (operands, results)
+            # Async starts return (operands, results); an all-reduce-start may return only its
+            # results (a flat tuple), and on the GPU returns ((operands), results) like the rest.
+            if m.group("start") and (op != "all-reduce" or m.group("type").startswith("((")):
+                types = types[len(types) // 2 :]
             n = _group_size(line, num_devices)
             times = runs.get(comp, 1)
             for dtype, dims in types:

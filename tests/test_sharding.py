@@ -188,6 +188,8 @@ ENTRY %main (a: f32[64]) -> f32[64] {
   %a2a = (u8[2,16]{1,0}, u8[2,16]{1,0}) all-to-all(%q, %r), channel_id=2, replica_groups=[1,2]<=[2], dimensions={0}
   %ag = f8e4m3fn[128]{0} all-gather(f8e4m3fn[32]{0} %y), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
   %ar2 = f32[8]{0} all-reduce(%z), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %ars = ((bf16[40]{0}), bf16[40]{0}) all-reduce-start(%g), channel_id=5, replica_groups=mesh['axis_0'=2] {'axis_0'}, to_apply=%add
+  %arf = (bf16[6]{0}, bf16[10]{0}) all-reduce-start(%h, %i), channel_id=6, replica_groups=mesh['axis_0'=2] {'axis_0'}, to_apply=%add
 }
 """  # noqa: E501
 
@@ -202,6 +204,13 @@ def test_hlo_collective_bytes_count_loops_and_groups():
     ag = by_op[("all-gather", "f8e4m3fn")]
     assert (ag["group"], ag["sent"]) == (4, 128 * 3 / 4)
     assert [r["group"] for r in rows if r["bytes"] == 32 and r["op"] == "all-reduce"] == [4]
+    # Async all-reduces, as the GPU writes them ((operands), results) and as a flat tuple of
+    # results: each result counted once (the GPU form was counted twice, doubling O0's bytes).
+    assert [(r["bytes"], r["sent"]) for r in rows if r["dtype"] == "bf16"] == [
+        (80, 80.0),
+        (12, 12.0),
+        (20, 20.0),
+    ]
     assert comm.bytes_summary(rows)["total"] == pytest.approx(sum(r["sent"] for r in rows))
     stablehlo = (
         '%3 = "stablehlo.all_to_all"(%2) <{split_dimension = 0 : i64}> : '

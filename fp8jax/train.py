@@ -126,12 +126,9 @@ def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.Con
     (``step._manual_replicas``), where the kernel sees local arrays; tensor parallelism, or a
     step without FP8 communication, leaves the split to SPMD, so those use XLA's casts.
     """
-    level = step_lib.level_index(config.fp8.level)
-    if mesh.size <= 1 or level == 0 or config.fp8.get("cast_kernel", "xla") != "pallas":
-        return config  # (O0 has no FP8 casts)
-    cfg = comm.CommConfig.from_config(config)
-    if comm.per_device(level, cfg, mesh):
+    if not step_lib.splits_pallas_casts(config, mesh):
         return config
+    cfg = comm.CommConfig.from_config(config)
     logging.log_first_n(
         logging.WARNING,
         "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "

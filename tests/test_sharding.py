@@ -70,6 +70,21 @@ def test_pallas_casts_only_where_spmd_does_not_split_them():
     assert train_lib.partitionable(c, tp) is c
 
 
+def test_step_rejects_pallas_casts_that_spmd_would_split(monkeypatch):
+    """Built without train.setup's fallback, a TP step with Pallas casts fails with the fix."""
+    from fp8jax import train as train_lib
+
+    c = tiny_config("O1", data=2, tensor=2)
+    c.fp8.cast_kernel = "pallas"
+    tp = sharding.make_mesh(c.mesh, devices=[object()] * 4)
+    tx = step.make_optimizer(c)
+    monkeypatch.setattr(step, "_on_gpu", lambda mesh: True)
+    with pytest.raises(ValueError, match="partitionable"):
+        step.make_train_step(models.build_model(c), tx, c, mesh=tp)
+    model = models.build_model(train_lib.partitionable(c, tp))  # XLA's casts: accepted
+    step.make_train_step(model, tx, c, mesh=tp)
+
+
 def test_make_mesh_resolves_rest_and_rejects_bad_sizes():
     devices = [object()] * 8
     mesh = sharding.make_mesh(mesh_config(data=-1, fsdp=2, tensor=2), devices=devices)

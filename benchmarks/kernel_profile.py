@@ -124,7 +124,7 @@ def child(run: str, steps: int, top: int, out: str, keep_hlo: bool, quick: bool)
     import jax
 
     c, env, state, batch = step_bench.build(run, quick)
-    with env["mesh"]:
+    with step_bench.mesh_context(c, env):
         compiled = env["train_step"].lower(state, batch).compile()
         for _ in range(3):  # warm-up: autotuning and allocation outside the trace
             state, metrics = compiled(state, batch)

@@ -58,7 +58,7 @@ def parse_live_range(text: str, top: int) -> dict:
 def child(run: str, quick: bool, top: int) -> dict:
     """Build and compile one run with XLA dumping its buffer assignment (child process)."""
     c, env, state, batch = step_bench.build(run, quick)
-    with env["mesh"]:
+    with step_bench.mesh_context(c, env):
         compiled = env["train_step"].lower(state, batch).compile()
     ma = compiled.memory_analysis()
     files = glob.glob(os.path.join(os.environ["FP8JAX_DUMP"], "*train_step*live-range.txt"))

@@ -7,6 +7,10 @@ weights at O1), times ``fp8jax.kernels.cast_transpose`` with ``impl='xla'`` and 
 under jit (median of ``--iters`` calls after a warm-up), checks that both give the same bits,
 and reports the effective bandwidth: bytes read once plus both FP8 layouts written, over time.
 ``--quick`` uses small shapes (a CPU smoke test, where 'pallas' is XLA ops too).
+
+``--sweep`` also times the kernel's tunings (block rows x columns, Triton warps and stages) on
+each shape, checks each against XLA's bits, and names the fastest (on CPUs through Pallas'
+interpreter: a check of the sweep, not a timing).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import kernels
+from fp8jax import formats, kernels
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
 SHAPES = [
@@ -43,11 +47,50 @@ def _time(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
+# (block rows, block columns, warps, stages); the kernel's default is (128, 128, 8, 1).
+TUNINGS = [
+    (bm, bk, w, 1)
+    for bm, bk in ((64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256))
+    for w in (4, 8)
+] + [(128, 128, 8, 2), (128, 128, 4, 2), (256, 128, 8, 1)]
+
+
+def _same(a, b) -> bool:
+    """Both FP8 layouts bit-identical and the same amax."""
+    bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
+    layouts = all(np.array_equal(bits(u), bits(v)) for u, v in zip(a[:2], b[:2], strict=True))
+    return bool(layouts and float(a[2]) == float(b[2]))
+
+
+def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool) -> list[dict]:
+    """One row per tuning that fits the shape: microseconds, GB/s, bits equal to ``ref``."""
+    dtype = formats.as_dtype(fmt)
+    rows = []
+    for bm, bk, warps, stages in TUNINGS:
+        if x.shape[0] % bm or x.shape[1] % bk:
+            continue
+        row = {"bm": bm, "bk": bk, "warps": warps, "stages": stages}
+        fn = jax.jit(
+            lambda x, s, bm=bm, bk=bk, w=warps, st=stages: kernels._pallas(
+                x, s, dtype, bm, bk, interpret, num_warps=w, num_stages=st
+            )
+        )
+        try:
+            row["same_bits"] = _same(jax.device_get(fn(x, scale)), ref)
+            sec = _time(fn, (x, scale), iters)
+            row.update(us=sec * 1e6, gb_s=moved / sec / 1e9)
+        except Exception as e:  # a tuning that does not compile (registers, shared memory)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--sweep", action="store_true", help="also time the kernel's tunings")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
     rows = []
@@ -69,14 +112,13 @@ def main():
             except Exception as e:  # a kernel that does not compile here is a result too
                 row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if len(outs) == 2:
-            bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
-            row["same_bits"] = bool(
-                all(
-                    np.array_equal(bits(u), bits(v))
-                    for u, v in zip(outs["xla"][:2], outs["pallas"][:2], strict=True)
-                )
-                and float(outs["xla"][2]) == float(outs["pallas"][2])
-            )
+            row["same_bits"] = _same(outs["xla"], outs["pallas"])
+        if a.sweep and "xla" in outs:
+            on_gpu = jax.devices()[0].platform == "gpu"
+            iters = a.iters if on_gpu else 1
+            row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, iters, not on_gpu)
+            timed = [t for t in row["sweep"] if "us" in t]
+            row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(os.path.join(a.out, "cast_transpose.json"), "w") as f:
@@ -98,6 +140,16 @@ def main():
             f"{r['tensor']:24} {shape:>13} {r['xla_us']:8.1f} {r['xla_gb_s']:6.0f} "
             f"{r['pallas_us']:9.1f} {r['pallas_gb_s']:6.0f} {r['same_bits']}"
         )
+    if a.sweep:
+        print(f"\n{'tensor':24} best tuning (bm, bk, warps, stages)      us   GB/s  same  errors")
+        for r in rows:
+            b, errors = r.get("best"), sum("error" in t for t in r.get("sweep", []))
+            if b:
+                tuning = (b["bm"], b["bk"], b["warps"], b["stages"])
+                print(
+                    f"{r['tensor']:24} {str(tuning):34} {b['us']:7.1f} {b['gb_s']:6.0f} "
+                    f"{str(b['same_bits']):5} {errors}"
+                )
 
 
 if __name__ == "__main__":

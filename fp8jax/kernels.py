@@ -53,7 +53,7 @@ def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype):
     qt_ref[...] = y_bxk.T.astype(dtype)  # the transpose happens in registers/shared memory
 
 
-def _pallas(x, scale, dtype, bm: int, bk: int, interpret: bool):
+def _pallas(x, scale, dtype, bm: int, bk: int, interpret: bool, num_warps=8, num_stages=1):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -78,7 +78,7 @@ def _pallas(x, scale, dtype, bm: int, bk: int, interpret: bool):
             jax.ShapeDtypeStruct((gm, gk), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_cast_transpose",
     )(jnp.reshape(scale, (1,)).astype(jnp.float32), x)
     return q, qt, jnp.max(amax_GMxGK)

@@ -13,6 +13,7 @@ from fp8jax import train as train_lib
 # The benchmarks are scripts, not a package: import them as kernel_profile.py imports step.py.
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
+import cast_transpose  # noqa: E402
 import kernel_profile  # noqa: E402
 import memory_peak  # noqa: E402
 import notebooks  # noqa: E402
@@ -273,3 +274,18 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     prof = rec["profile"]
     assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 10
     assert sum(prof["categories"].values()) == pytest.approx(prof["kernel_ms_per_step"])
+
+
+def test_cast_transpose_sweep_checks_each_tuning_against_xla():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8jax import kernels
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((128, 64)) * 300, jnp.bfloat16)
+    scale = jnp.float32(2.0)  # some values saturate at E4M3's 448
+    ref = kernels.cast_transpose(x, scale, "e4m3", "xla")
+    rows = cast_transpose.sweep(x, scale, "e4m3", ref, moved=4 * x.size, iters=1, interpret=True)
+    fits = [t for t in cast_transpose.TUNINGS if 128 % t[0] == 0 and 64 % t[1] == 0]
+    assert [(r["bm"], r["bk"], r["warps"], r["stages"]) for r in rows] == fits
+    assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows

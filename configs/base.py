@@ -99,4 +99,5 @@ def get_config() -> ml_collections.ConfigDict:
     cm.mu_init = 1.0  # FP8-LM auto-scaling factor mu at step 0
     cm.mu_growth = 2.0 ** (1.0 / 1000)  # mu's growth per step without saturation
     cm.saturation_limit = 1e-5  # halve mu when more than this share (0.001%) of values clips
+    cm.bucket_by_layer = True  # one FP8 collective per layer (overlaps the backward) or one for all
     return c

@@ -4,11 +4,12 @@ Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (
 
 1. Each replica holds its own gradient ``g_i`` (its loss carries a 1/N weight, so the reduced
    gradient is the sum ``sum_i g_i``).
-2. One ``pmax`` gives every tensor's global amax (one per layer for ``nn.scan`` stacks) and the
+2. A ``pmax`` gives every tensor's global amax (one per layer for ``nn.scan`` stacks) and the
    shared scale ``s = mu * fmax / amax``; every replica quantizes ``g_i * s`` with it (E5M2 by
    default). ``mu`` is FP8-LM's automatic pre-scale factor (below).
-3. The FP8 bytes of all gradients travel in one ``all_to_all``: replica r receives every
-   replica's r-th chunk and adds them in f32. An FP8 sum of N full-range values could overflow
+3. The FP8 bytes travel in one ``all_to_all`` per bucket (per layer with unrolled layers,
+   ``bucket_by_layer``; one for all otherwise): replica r receives every replica's r-th chunk
+   and adds them in f32. An FP8 sum of N full-range values could overflow
    (MS-AMP issue #41); the f32 sum cannot, and ``sum / N`` is again within the format's range.
 4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data``
    only for parameters sharded over ``fsdp``, which keep just their shard: a reduce-scatter).
@@ -59,6 +60,7 @@ class CommConfig:
     mu_init: float = 1.0  # FP8-LM auto-scaling factor at step 0
     mu_growth: float = 2.0 ** (1.0 / 1000)  # growth per step without saturation
     saturation_limit: float = 1e-5  # halve mu when more than this share of values clips
+    bucket_by_layer: bool = True  # one collective per layer (overlaps the backward) or one in all
 
     def __post_init__(self):
         formats.as_dtype(self.grad_format)
@@ -196,6 +198,17 @@ def _unarrange_sharded(rows_AxK, m: int, local_shape, fsdp_dim: int, f: int):
     return jnp.moveaxis(flat.reshape(moved), 0, fsdp_dim)
 
 
+def _layer_groups(tree) -> list[list[int]]:
+    """Leaf indices grouped by layer: the first ``<name>_<int>`` key of each leaf's path (one
+    group for leaves without one: embeddings, final norm, head; and nn.scan's stacked layers)."""
+    groups: dict[str, list[int]] = {}
+    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        layer = next((k for k in keys if re.fullmatch(r".+_\d+", k)), "")
+        groups.setdefault(layer, []).append(i)
+    return list(groups.values())
+
+
 def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     """Sum replica gradients ``[N, *param]`` in FP8: (f32 grads like the params, clipped share)."""
     # fsdp-sharded parameters get only their shard back (a reduce-scatter). A non-finite
@@ -212,30 +225,23 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     fsdp_dims = [sharding_lib.axis_dim(s, "fsdp") for s in specs]
     # Full (global) element counts decide FP8 vs f32 identically on every device.
     use_fp8 = [math.prod(x.shape[1:]) >= cfg.min_fp8_size for x in leaves]
+    groups = _layer_groups(grads_N) if cfg.bucket_by_layer else [list(range(len(leaves)))]
 
-    def body(mu, *g_leaves):
-        g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
-        fp8_ids = [i for i, u in enumerate(use_fp8) if u]
-        out = [None] * len(g_leaves)
-
-        # Shared per-tensor (per-layer) scale from the global amax: one pmax for all tensors.
-        amaxes = [_amax_stacked(g_leaves[i], stacks[i]) for i in fp8_ids]
-        sizes = [x.size for x in amaxes]
-        if fp8_ids:
-            flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
-            splits = np.cumsum(sizes)[:-1].tolist()
-            amaxes = [
-                x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)
-            ]
+    def bucket(ids, g_leaves, mu, out):
+        """Reduce FP8 leaves ``ids`` (one bucket); fills ``out``; returns clipped values."""
+        # Shared per-tensor (per-layer) scale from the global amax: one pmax per bucket.
+        amaxes = [_amax_stacked(g_leaves[i], stacks[i]) for i in ids]
+        flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
+        splits = np.cumsum([x.size for x in amaxes])[:-1].tolist()
+        amaxes = [x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)]
         scales = {
-            i: jnp.where(am > 0, mu * fmax / am, 1.0) for i, am in zip(fp8_ids, amaxes, strict=True)
+            i: jnp.where(am > 0, mu * fmax / am, 1.0) for i, am in zip(ids, amaxes, strict=True)
         }
-
         # Clipped values: beyond fmax by more than half a step, since anything closer would
         # round to fmax anyway (and amax * (fmax / amax) lands a hair above fmax in f32).
         limit = fmax * (1.0 + 2.0 ** -(jnp.finfo(fmt).nmant + 1))
-        # Bucket: parameters sharded over fsdp first (gathered over 'data' only), then the rest.
-        order = sorted(fp8_ids, key=lambda i: fsdp_dims[i] is None)
+        # Parameters sharded over fsdp first (gathered over 'data' only), then the rest.
+        order = sorted(ids, key=lambda i: fsdp_dims[i] is None)
         rows, meta, clipped = [], [], []
         for i in order:
             g = g_leaves[i].astype(jnp.float32)
@@ -249,44 +255,50 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
             r, m = _arrange(q, fsdp_dims[i], a, f)
             rows.append(r)
             meta.append((i, r.shape[1], m))
-        if rows:
-            q_NxC = jnp.concatenate(rows, axis=1)
-            saturated = sum(clipped).astype(jnp.float32)
-            count = jnp.asarray(sum(g_leaves[i].size for i in fp8_ids), jnp.float32)
-            recv_NxC = lax.all_to_all(_send(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
-            # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
-            acc_C = _recv(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
-            # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
-            # N moves into the inverse scale below.
-            q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
-            n_sharded = sum(1 for i, _, _ in meta if fsdp_dims[i] is not None)
-            c_sharded = sum(k for _, k, _ in meta[:n_sharded])
-            parts = {}
-            if n_sharded:
-                part = q_C[:c_sharded]
-                if a > 1:
-                    got = lax.all_gather(_send(part, wire), "data", axis=0, tiled=False)
-                    parts["sharded"] = _recv(got, fmt, wire)  # [A, c_sharded]
-                else:
-                    parts["sharded"] = part[None]
-            if n_sharded < len(meta):
-                got = lax.all_gather(_send(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
-                parts["replicated"] = _recv(got, fmt, wire)  # [N, c_replicated]
-            off = {"sharded": 0, "replicated": 0}
-            for i, k, m in meta:
-                key = "sharded" if fsdp_dims[i] is not None else "replicated"
-                piece = parts[key][:, off[key] : off[key] + k]
-                off[key] += k
-                g = g_leaves[i]
-                if fsdp_dims[i] is None:
-                    q = piece.reshape(-1)[:m].reshape(g.shape)
-                else:
-                    local = list(g.shape)
-                    local[fsdp_dims[i]] //= f
-                    q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
-                out[i] = q.astype(jnp.float32) * _bcast(n / scales[i], q.ndim)
-        else:
-            saturated = count = jnp.zeros((), jnp.float32)
+        q_NxC = jnp.concatenate(rows, axis=1)
+        recv_NxC = lax.all_to_all(_send(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
+        # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
+        acc_C = _recv(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
+        # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
+        # N moves into the inverse scale below.
+        q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
+        n_sharded = sum(1 for i, _, _ in meta if fsdp_dims[i] is not None)
+        c_sharded = sum(k for _, k, _ in meta[:n_sharded])
+        parts = {}
+        if n_sharded:
+            part = q_C[:c_sharded]
+            if a > 1:
+                got = lax.all_gather(_send(part, wire), "data", axis=0, tiled=False)
+                parts["sharded"] = _recv(got, fmt, wire)  # [A, c_sharded]
+            else:
+                parts["sharded"] = part[None]
+        if n_sharded < len(meta):
+            got = lax.all_gather(_send(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
+            parts["replicated"] = _recv(got, fmt, wire)  # [N, c_replicated]
+        off = {"sharded": 0, "replicated": 0}
+        for i, k, m in meta:
+            key = "sharded" if fsdp_dims[i] is not None else "replicated"
+            piece = parts[key][:, off[key] : off[key] + k]
+            off[key] += k
+            g = g_leaves[i]
+            if fsdp_dims[i] is None:
+                q = piece.reshape(-1)[:m].reshape(g.shape)
+            else:
+                local = list(g.shape)
+                local[fsdp_dims[i]] //= f
+                q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
+            out[i] = q.astype(jnp.float32) * _bcast(n / scales[i], q.ndim)
+        return sum(clipped)
+
+    def body(mu, *g_leaves):
+        g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
+        out = [None] * len(g_leaves)
+        # One bucket per layer (cfg.bucket_by_layer): a layer's gradients can travel while the
+        # backward pass still works on the layers below it; the scales are per tensor either way.
+        fp8_groups = [[i for i in ids if use_fp8[i]] for ids in groups]
+        clipped = [bucket(ids, g_leaves, mu, out) for ids in fp8_groups if ids]
+        saturated = sum(clipped).astype(jnp.float32) if clipped else jnp.zeros((), jnp.float32)
+        count = jnp.asarray(sum(g_leaves[i].size for i, u in enumerate(use_fp8) if u), jnp.float32)
 
         # Small gradients (norms, biases) in f32.
         for i, g in enumerate(g_leaves):

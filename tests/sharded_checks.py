@@ -282,6 +282,11 @@ def custom_partitioned_attention(config) -> str:
         jax.nn.dot_product_attention = xla_attention
 
 
+def _unrolled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    c.model.scan_layers = False
+    return c
+
+
 def _with(c: ml_collections.ConfigDict, **fp8_fields) -> ml_collections.ConfigDict:
     c.fp8.update(fp8_fields)
     return c
@@ -294,8 +299,8 @@ def main() -> dict:
     one = devs[:1]
     t0 = time.perf_counter()
 
-    def o1(**mesh):
-        c = tiny_config("O1", **mesh)
+    def o1(**mesh_and_comm):
+        c = tiny_config("O1", **mesh_and_comm)
         c.grad_accum_steps = 2  # O1 runs also cover micro-batches (inside each replica)
         return c
 
@@ -314,7 +319,12 @@ def main() -> dict:
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,
         # against XLA's casts on the same mesh: the same arithmetic, so the same numbers.
         "O1 DP Pallas": (_with(o1(data=8), cast_kernel="interpret"), devs, "O1 DP"),
+        # Unrolled layers: one FP8 gradient bucket per layer (the default) against one bucket
+        # for all; per-tensor scales either way, so the same bits, in 3 all-to-alls against 1.
+        "O1 DP one bucket": (_unrolled(o1(data=8, bucket_by_layer=False)), devs, None),
+        "O1 DP by layer": (_unrolled(o1(data=8)), devs, "O1 DP one bucket"),
     }
+    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer"}  # other programs, same math
     # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
     # one program at a time, so no two programs' collectives interleave on the devices.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -325,7 +335,7 @@ def main() -> dict:
     for name, (_, devices, base_name) in runs.items():
         if base_name:
             compared[name] = compare(results[base_name], results[name])
-        if not name.startswith("base") and "Pallas" not in name:
+        if not name.startswith("base") and name not in variants:  # one column per layout
             table.append(bytes_rows(name, results[name], len(devices)))
     # train.setup initialises directly into the shardings: same values as on one device?
     o3 = runs["O3 FSDP"][0]
@@ -343,6 +353,11 @@ def main() -> dict:
             tiny_config("O1", data=2, fsdp=4)
         ),
         constraints_O0_FSDP=activation_constraints(tiny_config("O0", data=2, fsdp=4)),
+        all_to_alls={
+            name: results[name]["hlo"].count("all-to-all-start")
+            + results[name]["hlo"].count(" all-to-all(")
+            for name in ("O1 DP one bucket", "O1 DP by layer")
+        },
         compiled_O1_has_u8=[
             k for k in next(t for t in table if t["run"] == "O1 DP")["by_op"] if " u8 " in k
         ],

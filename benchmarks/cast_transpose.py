@@ -47,12 +47,14 @@ def _time(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
-# (block rows, block columns, warps, stages); the kernel's default is (128, 128, 8, 1).
+# (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one);
+# the kernel's default is (128, 128, 8, 1, False).
 TUNINGS = [
-    (bm, bk, w, 1)
+    (bm, bk, w, 1, cast_first)
     for bm, bk in ((64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256))
     for w in (4, 8)
-] + [(128, 128, 8, 2), (128, 128, 4, 2), (256, 128, 8, 1)]
+    for cast_first in (False, True)
+] + [(128, 128, 8, 2, False), (128, 128, 8, 2, True), (256, 128, 8, 1, True)]
 
 
 def _same(a, b) -> bool:
@@ -66,13 +68,13 @@ def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool) -> list[d
     """One row per tuning that fits the shape: microseconds, GB/s, bits equal to ``ref``."""
     dtype = formats.as_dtype(fmt)
     rows = []
-    for bm, bk, warps, stages in TUNINGS:
+    for bm, bk, warps, stages, cast_first in TUNINGS:
         if x.shape[0] % bm or x.shape[1] % bk:
             continue
-        row = {"bm": bm, "bk": bk, "warps": warps, "stages": stages}
+        row = {"bm": bm, "bk": bk, "warps": warps, "stages": stages, "cast_first": cast_first}
         fn = jax.jit(
-            lambda x, s, bm=bm, bk=bk, w=warps, st=stages: kernels._pallas(
-                x, s, dtype, bm, bk, interpret, num_warps=w, num_stages=st
+            lambda x, s, bm=bm, bk=bk, w=warps, st=stages, cf=cast_first: kernels._pallas(
+                x, s, dtype, bm, bk, interpret, num_warps=w, num_stages=st, cast_first=cf
             )
         )
         try:
@@ -141,11 +143,11 @@ def main():
             f"{r['pallas_us']:9.1f} {r['pallas_gb_s']:6.0f} {r['same_bits']}"
         )
     if a.sweep:
-        print(f"\n{'tensor':24} best tuning (bm, bk, warps, stages)      us   GB/s  same  errors")
+        print(f"\n{'tensor':24} best (bm, bk, warps, stages, cast first)  us   GB/s  same  errors")
         for r in rows:
             b, errors = r.get("best"), sum("error" in t for t in r.get("sweep", []))
             if b:
-                tuning = (b["bm"], b["bk"], b["warps"], b["stages"])
+                tuning = (b["bm"], b["bk"], b["warps"], b["stages"], b["cast_first"])
                 print(
                     f"{r['tensor']:24} {str(tuning):34} {b['us']:7.1f} {b['gb_s']:6.0f} "
                     f"{str(b['same_bits']):5} {errors}"

@@ -43,23 +43,31 @@ def _reference(x, scale, dtype):
     return q, q.T, formats.amax(x)
 
 
-def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype):
+def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype, cast_first):
     x_bxk = x_ref[...].astype(jnp.float32)  # one [bm, bk] block, read once
     amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(x_bxk)), jnp.float32)
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2).
     y_bxk = jnp.clip(x_bxk * scale_ref[0], -limit, limit)
-    q_ref[...] = y_bxk.astype(dtype)
-    qt_ref[...] = y_bxk.T.astype(dtype)  # the transpose happens in registers/shared memory
+    q_bxk = y_bxk.astype(dtype)
+    q_ref[...] = q_bxk
+    # The transpose goes through shared memory: of the FP8 block (cast_first, a quarter of the
+    # bytes) or of the f32 one. The same bits either way; which is faster is the GPU's call
+    # (benchmarks/cast_transpose.py --sweep).
+    qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
 
 
-def _pallas(x, scale, dtype, bm: int, bk: int, interpret: bool, num_warps=8, num_stages=1):
+def _pallas(
+    x, scale, dtype, bm: int, bk: int, interpret: bool, num_warps=8, num_stages=1, cast_first=False
+):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     m, k = x.shape
     gm, gk = m // bm, k // bk
-    kernel = functools.partial(_kernel, limit=formats.fmax(dtype), dtype=dtype)
+    kernel = functools.partial(
+        _kernel, limit=formats.fmax(dtype), dtype=dtype, cast_first=cast_first
+    )
     q, qt, amax_GMxGK = pl.pallas_call(
         kernel,
         grid=(gm, gk),

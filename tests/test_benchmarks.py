@@ -287,5 +287,6 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     ref = kernels.cast_transpose(x, scale, "e4m3", "xla")
     rows = cast_transpose.sweep(x, scale, "e4m3", ref, moved=4 * x.size, iters=1, interpret=True)
     fits = [t for t in cast_transpose.TUNINGS if 128 % t[0] == 0 and 64 % t[1] == 0]
-    assert [(r["bm"], r["bk"], r["warps"], r["stages"]) for r in rows] == fits
+    keys = ("bm", "bk", "warps", "stages", "cast_first")
+    assert [tuple(r[k] for k in keys) for r in rows] == fits
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows

@@ -47,6 +47,22 @@ def _time(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
+def _in_loop(cast, reps: int):
+    """``cast`` called ``reps`` times inside one program, each call depending on the last (a
+    per-call timing from it has no host dispatch in it, unlike ``_time`` of one call)."""
+
+    def many(x, s):
+        def body(_, carry):
+            s_i = jnp.where(carry[2] >= 0, s, -s)  # always s, but not provably: no hoisting
+            return cast(x, s_i)
+
+        q, qt, amax = jax.eval_shape(cast, x, s)
+        zeros = tuple(jnp.zeros(a.shape, a.dtype) for a in (q, qt, amax))
+        return jax.lax.fori_loop(0, reps, body, zeros)
+
+    return jax.jit(many)
+
+
 # (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one);
 # the kernel's default is (128, 128, 8, 1, False).
 TUNINGS = [
@@ -64,22 +80,24 @@ def _same(a, b) -> bool:
     return bool(layouts and float(a[2]) == float(b[2]))
 
 
-def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool) -> list[dict]:
-    """One row per tuning that fits the shape: microseconds, GB/s, bits equal to ``ref``."""
+def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool, reps=20) -> list[dict]:
+    """One row per tuning that fits the shape: microseconds per call (``reps`` calls in one
+    program), GB/s, bits equal to ``ref``."""
     dtype = formats.as_dtype(fmt)
     rows = []
     for bm, bk, warps, stages, cast_first in TUNINGS:
         if x.shape[0] % bm or x.shape[1] % bk:
             continue
         row = {"bm": bm, "bk": bk, "warps": warps, "stages": stages, "cast_first": cast_first}
-        fn = jax.jit(
-            lambda x, s, bm=bm, bk=bk, w=warps, st=stages, cf=cast_first: kernels._pallas(
+
+        def cast(x, s, bm=bm, bk=bk, w=warps, st=stages, cf=cast_first):
+            return kernels._pallas(
                 x, s, dtype, bm, bk, interpret, num_warps=w, num_stages=st, cast_first=cf
             )
-        )
+
         try:
-            row["same_bits"] = _same(jax.device_get(fn(x, scale)), ref)
-            sec = _time(fn, (x, scale), iters)
+            row["same_bits"] = _same(jax.device_get(jax.jit(cast)(x, scale)), ref)
+            sec = _time(_in_loop(cast, reps), (x, scale), iters) / reps
             row.update(us=sec * 1e6, gb_s=moved / sec / 1e9)
         except Exception as e:  # a tuning that does not compile (registers, shared memory)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -111,6 +129,12 @@ def main():
                 sec = _time(fn, (x, scale), a.iters)
                 row[f"{impl}_us"] = sec * 1e6
                 row[f"{impl}_gb_s"] = moved / sec / 1e9
+                if a.sweep:  # the same without host dispatch, as the sweep times its tunings
+                    cast = lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl)  # noqa: E731
+                    reps = 20 if jax.devices()[0].platform == "gpu" else 2
+                    sec = _time(_in_loop(cast, reps), (x, scale), a.iters) / reps
+                    row[f"{impl}_loop_us"] = sec * 1e6
+                    row[f"{impl}_loop_gb_s"] = moved / sec / 1e9
             except Exception as e:  # a kernel that does not compile here is a result too
                 row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if len(outs) == 2:
@@ -118,7 +142,8 @@ def main():
         if a.sweep and "xla" in outs:
             on_gpu = jax.devices()[0].platform == "gpu"
             iters = a.iters if on_gpu else 1
-            row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, iters, not on_gpu)
+            reps = 20 if on_gpu else 2
+            row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, iters, not on_gpu, reps)
             timed = [t for t in row["sweep"] if "us" in t]
             row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
         rows.append(row)
@@ -143,6 +168,13 @@ def main():
             f"{r['pallas_us']:9.1f} {r['pallas_gb_s']:6.0f} {r['same_bits']}"
         )
     if a.sweep:
+        print(f"\n{'tensor':24} in one program: xla us  GB/s  pallas us  GB/s")
+        for r in rows:
+            if "pallas_loop_us" in r and "xla_loop_us" in r:
+                print(
+                    f"{r['tensor']:24} {r['xla_loop_us']:22.1f} {r['xla_loop_gb_s']:5.0f} "
+                    f"{r['pallas_loop_us']:10.1f} {r['pallas_loop_gb_s']:5.0f}"
+                )
         print(f"\n{'tensor':24} best (bm, bk, warps, stages, cast first)  us   GB/s  same  errors")
         for r in rows:
             b, errors = r.get("best"), sum("error" in t for t in r.get("sweep", []))

@@ -209,6 +209,17 @@ ENTRY %main (a: f32[64]) -> f32[64] {
 """  # noqa: E501
 
 
+def test_gradient_buckets_follow_layers():
+    tree = {
+        "block_0": {"mlp": {"kernel": 0, "bias": 1}},
+        "block_1": {"mlp": {"kernel": 2}},
+        "embed": {"embedding": 3},
+        "final_norm": {"scale": 4},
+    }
+    assert comm._layer_groups(tree) == [[0, 1], [2], [3, 4]]  # per block; the rest together
+    assert comm._layer_groups({"blocks": {"kernel": 0}, "embed": {"embedding": 1}}) == [[0, 1]]
+
+
 def test_hlo_collective_bytes_count_loops_and_groups():
     rows = comm.collectives(_HLO, num_devices=8)
     by_op = {(r["op"], r["dtype"]): r for r in rows}

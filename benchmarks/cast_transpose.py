@@ -114,6 +114,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time the kernel's tunings")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    on_gpu = jax.devices()[0].platform == "gpu"
+    reps = 20 if on_gpu else 2  # calls per in-loop program (CPU: a check, not a timing)
     rows = []
     for name, shape, dtype, fmt in SHAPES:
         if a.quick:
@@ -124,15 +126,14 @@ def main():
         row = {"tensor": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name, "fmt": fmt}
         outs = {}
         for impl in ("xla", "pallas"):
-            fn = jax.jit(lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl))
+            cast = lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl)  # noqa: E731
+            fn = jax.jit(cast)
             try:
                 outs[impl] = jax.device_get(fn(x, scale))
                 sec = _time(fn, (x, scale), a.iters)
                 row[f"{impl}_us"] = sec * 1e6
                 row[f"{impl}_gb_s"] = moved / sec / 1e9
                 if a.sweep:  # the same without host dispatch, as the sweep times its tunings
-                    cast = lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl)  # noqa: E731
-                    reps = 20 if jax.devices()[0].platform == "gpu" else 2
                     sec = _time(_in_loop(cast, reps), (x, scale), a.iters) / reps
                     row[f"{impl}_loop_us"] = sec * 1e6
                     row[f"{impl}_loop_gb_s"] = moved / sec / 1e9
@@ -141,9 +142,7 @@ def main():
         if len(outs) == 2:
             row["same_bits"] = _same(outs["xla"], outs["pallas"])
         if a.sweep and "xla" in outs:
-            on_gpu = jax.devices()[0].platform == "gpu"
             iters = a.iters if on_gpu else 1
-            reps = 20 if on_gpu else 2
             row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, iters, not on_gpu, reps)
             timed = [t for t in row["sweep"] if "us" in t]
             row["best"] = min(timed, key=lambda t: t["us"]) if timed else None

@@ -226,6 +226,9 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     # Full (global) element counts decide FP8 vs f32 identically on every device.
     use_fp8 = [math.prod(x.shape[1:]) >= cfg.min_fp8_size for x in leaves]
     groups = _layer_groups(grads_N) if cfg.bucket_by_layer else [list(range(len(leaves)))]
+    # One bucket per layer (cfg.bucket_by_layer): a layer's gradients can travel while the
+    # backward pass still works on the layers below it; the scales are per tensor either way.
+    fp8_buckets = [b for b in ([i for i in ids if use_fp8[i]] for ids in groups) if b]
 
     def bucket(ids, g_leaves, mu, out):
         """Reduce FP8 leaves ``ids`` (one bucket); fills ``out``; returns clipped values."""
@@ -293,10 +296,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     def body(mu, *g_leaves):
         g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
         out = [None] * len(g_leaves)
-        # One bucket per layer (cfg.bucket_by_layer): a layer's gradients can travel while the
-        # backward pass still works on the layers below it; the scales are per tensor either way.
-        fp8_groups = [[i for i in ids if use_fp8[i]] for ids in groups]
-        clipped = [bucket(ids, g_leaves, mu, out) for ids in fp8_groups if ids]
+        clipped = [bucket(ids, g_leaves, mu, out) for ids in fp8_buckets]
         saturated = sum(clipped).astype(jnp.float32) if clipped else jnp.zeros((), jnp.float32)
         count = jnp.asarray(sum(g_leaves[i].size for i, u in enumerate(use_fp8) if u), jnp.float32)
 

@@ -221,21 +221,23 @@ def overflow_check() -> dict:
     )
 
 
+def lowered_step(config):
+    """The step as train.setup jits it on all devices, lowered for abstract state and batch."""
+    _, init, train_step, _, _ = build(config, jax.devices())
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+    return train_step.lower(abstract, abstract_batch(config))
+
+
 def stablehlo_fp8(config) -> dict:
     """Element types of all_to_all / all_gather in the lowered step with ``wire='fp8'``."""
     c = copy.deepcopy(config)
     c.comm = ml_collections.ConfigDict(dict(wire="fp8"))
-    _, init, train_step, _, _ = build(c, jax.devices())
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-    text = train_step.lower(abstract, abstract_batch(c)).as_text()
-    return comm.fp8_collectives_in_stablehlo(text)
+    return comm.fp8_collectives_in_stablehlo(lowered_step(c).as_text())
 
 
 def activation_constraints(config) -> int:
     """Sharding constraints in the lowered step (the model's ``constrain`` calls, if bound)."""
-    _, init, train_step, _, _ = build(config, jax.devices())
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-    text = train_step.lower(abstract, abstract_batch(config)).as_text()
+    text = lowered_step(config).as_text()
     return text.count("sdy.sharding_constraint") + text.count("@Sharding")  # Shardy / GSPMD
 
 
@@ -272,9 +274,7 @@ def custom_partitioned_attention(config) -> str:
     forward_custom.defvjp(lambda q, k, v: (attention(q, k, v), (q, k, v)), backward)
     jax.nn.dot_product_attention = lambda q, k, v, **_: forward_custom(q, k, v)
     try:
-        _, init, train_step, _, _ = build(config, jax.devices())
-        abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-        train_step.lower(abstract, abstract_batch(config)).compile()
+        lowered_step(config).compile()
         return "compiled"
     except Exception as e:  # noqa: BLE001 (the test shows what failed)
         return f"{type(e).__name__}: {e}"[:2000]

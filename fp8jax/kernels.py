@@ -23,7 +23,11 @@ import jax.numpy as jnp
 from fp8jax import formats
 
 IMPLS = ("xla", "pallas", "interpret")
-_BLOCKS = (128, 64, 32, 16)  # Triton blocks are powers of two; fp8jax pads GEMM dims to 16
+# Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4
+# warps was the fastest tuning summed over gpt_1b3's five operand shapes on the H200 (616 vs
+# 683 us for the former 128 x 128 with 8 warps; benchmarks/RESULTS.md, 2026-11-30, second).
+_ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
+_WARPS = 4
 
 
 def check_impl(impl: str) -> str:
@@ -33,8 +37,8 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def _block(n: int) -> int | None:
-    return next((b for b in _BLOCKS if n % b == 0), None)
+def _block(n: int, blocks) -> int | None:
+    return next((b for b in blocks if n % b == 0), None)
 
 
 def _reference(x, scale, dtype):
@@ -58,7 +62,15 @@ def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype, c
 
 
 def _pallas(
-    x, scale, dtype, bm: int, bk: int, interpret: bool, num_warps=8, num_stages=1, cast_first=False
+    x,
+    scale,
+    dtype,
+    bm: int,
+    bk: int,
+    interpret: bool,
+    num_warps=_WARPS,
+    num_stages=1,
+    cast_first=False,
 ):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -102,7 +114,7 @@ def cast_transpose(x: jax.Array, scale: jax.Array, fmt, impl: str = "pallas"):
     dtype = formats.as_dtype(fmt)
     check_impl(impl)
     m, k = x.shape
-    bm, bk = _block(m), _block(k)
+    bm, bk = _block(m, _ROW_BLOCKS), _block(k, _COL_BLOCKS)
     if impl == "xla" or bm is None or bk is None:
         return _reference(x, scale, dtype)
     if impl == "interpret":

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import scaling
+from fp8jax.dot import Fp8Meta
 from fp8jax.scaling import ScaleState
 
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
@@ -34,16 +35,25 @@ def _is_state(x) -> bool:
     return isinstance(x, ScaleState)
 
 
+def _is_meta_or_state(x) -> bool:
+    return isinstance(x, (Fp8Meta, ScaleState))
+
+
 def merge_grads(state, state_grads):
     """Fold the backward pass's dy amaxes (the state's 'gradient') into the pending slots by max.
 
     Call once per micro-batch when accumulating gradients; the amax stays the max over them.
+    Of an ``Fp8Meta`` only dy is merged: x and w were recorded in the forward pass and their
+    cotangents are zero (``dot``'s backward), so merging them changed nothing but cost about
+    four tiny GPU kernels per tensor per step (benchmarks/RESULTS.md, 2026-11-30, second).
     """
 
-    def merge(s: ScaleState, g: ScaleState) -> ScaleState:
+    def merge(s, g):
+        if isinstance(s, Fp8Meta):
+            return s.replace(dy=scaling.record(s.dy, g.dy.amax_history[..., 0]))
         return scaling.record(s, g.amax_history[..., 0])
 
-    return jax.tree.map(merge, state, state_grads, is_leaf=_is_state)
+    return jax.tree.map(merge, state, state_grads, is_leaf=_is_meta_or_state)
 
 
 def commit(state):

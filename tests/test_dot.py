@@ -229,3 +229,26 @@ def test_bf16_output_carries_no_scale_rounding_bias():
     ratio = np.asarray(y, np.float64)[big] / y_ref[big] - 1.0
     assert np.max(np.abs(ratio)) < 2.0**-8  # one bf16 rounding (plus the GEMM's own)
     assert abs(np.mean(ratio)) < 2e-4  # no shared bias (bf16-rounded 1/scale: -1e-3)
+
+
+@pytest.mark.parametrize("cast", ["xla", "interpret"])
+def test_meta_cotangent_is_the_dy_amax_only(cast):
+    """x and w amaxes are recorded in the forward pass: their cotangents are exactly zero, and
+    dy's carries amax(dy) in its pending slot only (what merge_grads relies on to skip x, w)."""
+    x, w, r = _inputs(3, (32, 64), (64, 16), (32, 16), dy_scale=10.0)
+    meta = fp8jax.init_meta()
+    # A used meta: nonzero scales and histories, so a leak of them into the cotangent shows.
+    meta = jax.tree.map(lambda a: a + 1.5, meta)
+
+    def loss(meta):
+        y, _ = dot.dot_general(x, w, DENSE, meta, cast_kernel=cast)
+        return jnp.sum(y * r)
+
+    g = jax.jit(jax.grad(loss))(meta)
+    for s in (g.x, g.w):
+        assert not np.any(np.asarray(s.amax_history)) and float(s.scale) == 0.0
+    assert float(g.dy.scale) == 0.0 and not np.any(np.asarray(g.dy.amax_history[1:]))
+    assert float(g.dy.amax_history[0]) == float(jnp.max(jnp.abs(r)))
+    merged = fp8jax.merge_grads(meta, g)
+    assert merged.x is meta.x and merged.w is meta.w  # untouched
+    assert float(merged.dy.amax_history[0]) == float(jnp.max(jnp.abs(r)))  # > the 1.5 before

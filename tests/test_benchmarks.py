@@ -290,3 +290,29 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     keys = ("bm", "bk", "warps", "stages", "cast_first")
     assert [tuple(r[k] for k in keys) for r in rows] == fits
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
+
+
+def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
+    """XLA's amax depends on x alone: without vary_input, XLA hoists it out of the timed loop."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from fp8jax import kernels
+
+    x, scale = jnp.ones((64, 32), jnp.bfloat16), jnp.float32(8.0)
+    cast = lambda x, s: kernels.cast_transpose(x, s, "e4m3", "xla")  # noqa: E731
+
+    def reduces_in_body(vary):
+        loop = cast_transpose._in_loop(cast, 3, vary_input=vary)
+        hlo = loop.lower(x, scale).compile().as_text()
+        body = re.search(r"while\(.*?body=%([\w.]+)", hlo).group(1)
+        start = hlo.index(f"%{body} ")
+        text = hlo[start : hlo.index("\n}\n", start)]
+        out = jax.device_get(loop(x, scale))
+        assert all((a == b).all() for a, b in zip(out, jax.device_get(cast(x, scale)), strict=True))
+        return "reduce" in text
+
+    assert not reduces_in_body(False)  # the hoisting the flag exists for
+    assert reduces_in_body(True)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -179,6 +181,8 @@ def child(
         "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
         "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
+        # gpt_1b3 O1 at data=2 (2026-11-30, second, call 1): 7,118 ops, 5,471 of them tiny.
+        "hlo_ops_and_small": launches(hlo),
         # Bytes each device sends per step under ring costs, by collective and element type.
         "comm_bytes": comm.bytes_summary(comm.collectives(hlo, env["mesh"].size)),
         "compile_s": compile_s,
@@ -196,6 +200,30 @@ def _profile(compiled, state, batch, steps: int, top: int = 10) -> dict:
     import kernel_profile  # beside this file; imported late, it imports this module
 
     return kernel_profile.trace_steps(compiled, state, batch, steps, top)
+
+
+# Instructions that launch nothing: views, tuples, constants, and the second half of async pairs.
+_NO_LAUNCH = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"}
+_SMALL = 4096  # elements: the scale states' histories, scalars, norms' vectors
+
+
+def launches(hlo: str) -> tuple[int, int]:
+    """``(ops, small)``: instructions of the compiled step's entry computation that run on the
+    device (an upper bound on kernel launches per step outside loops), and how many of them
+    write at most ``_SMALL`` elements (the tiny kernels of the FP8 scale state)."""
+    start = hlo.index("ENTRY")
+    ops = small = 0
+    for line in hlo[start : hlo.index("\n}\n", start)].splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)
+        if not m or m.group(2) in _NO_LAUNCH or m.group(2).endswith("-done"):
+            continue
+        ops += 1
+        sizes = [
+            math.prod(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"\[([\d,]*)\]", m.group(1))
+        ]
+        small += max(sizes, default=0) <= _SMALL
+    return ops, small
 
 
 def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
@@ -272,7 +300,8 @@ def main():
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
     head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "temp GiB", "f8")
-    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4}".format(*head))
+    head += ("ops/tiny",)
+    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11}".format(*head))
     for r in rows:
         if "error" in r:
             print(f"{r['run']:40} ERROR {r['error'][:80]}")
@@ -280,7 +309,8 @@ def main():
         print(
             f"{r['run'][:40]:40} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
             f"{r['step_ms_pipelined']:8.1f} {r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
-            f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d}"
+            f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d} "
+            f"{'/'.join(map(str, r.get('hlo_ops_and_small', ()))):>11}"
         )
     for r in rows:
         prof = r.get("profile")

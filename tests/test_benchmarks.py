@@ -271,6 +271,8 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
+    ops, small = rec["hlo_ops_and_small"]
+    assert 0 < small < ops  # tiny's O1 step has both scale-state scalars and real tensors
     prof = rec["profile"]
     assert prof["kernel_ms_per_step"] > 0 and 0 < len(prof["top"]) <= 10
     assert sum(prof["categories"].values()) == pytest.approx(prof["kernel_ms_per_step"])

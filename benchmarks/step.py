@@ -211,7 +211,7 @@ def launches(hlo: str) -> tuple[int, int]:
     """``(ops, small)``: instructions of the compiled step's entry computation that run on the
     device (an upper bound on kernel launches per step outside loops), and how many of them
     write at most ``_SMALL`` elements (the tiny kernels of the FP8 scale state)."""
-    start = hlo.index("ENTRY")
+    start = hlo.index("\nENTRY ")
     ops = small = 0
     for line in hlo[start : hlo.index("\n}\n", start)].splitlines():
         m = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)

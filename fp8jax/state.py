@@ -56,6 +56,17 @@ def merge_grads(state, state_grads):
     return jax.tree.map(merge, state, state_grads, is_leaf=_is_meta_or_state)
 
 
+def max_over_replicas(state_N, state):
+    """The replicas' ``[N, ...]`` states merged: amax histories by ``max`` over N (the global
+    amax); scales from ``state``, the step's input, which no replica changes (reducing them
+    too cost one tiny GPU kernel per tensor)."""
+
+    def merge(s_N: ScaleState, s: ScaleState) -> ScaleState:
+        return s.replace(amax_history=jnp.max(s_N.amax_history, axis=0))
+
+    return jax.tree.map(merge, state_N, state, is_leaf=_is_state)
+
+
 def commit(state):
     """End a training step: roll every amax history and recompute every scale."""
     return jax.tree.map(scaling.commit, state, is_leaf=_is_state)

@@ -145,6 +145,11 @@ def partitionable(config: ml_collections.ConfigDict, mesh) -> ml_collections.Con
 def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
     """Build model, optimizer, mesh and the jitted steps (shared with inspect/benchmarks/tests)."""
     models.check_config(config)
+    if "JAX_THREEFRY_GPU_KERNEL_LOWERING" not in os.environ:  # the user's own choice wins
+        # The init draws every weight with threefry. Lowered to JAX's GPU kernel rather than
+        # unrolled into XLA ops, gpt_1b3's init compiles in 6 s instead of 35 s on an H200
+        # (benchmarks/RESULTS.md, 2026-11-30, third); other platforms ignore the flag.
+        jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     config = partitionable(config, mesh)
     model = models.build_model(config)

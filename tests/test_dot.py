@@ -252,3 +252,20 @@ def test_meta_cotangent_is_the_dy_amax_only(cast):
     merged = fp8jax.merge_grads(meta, g)
     assert merged.x is meta.x and merged.w is meta.w  # untouched
     assert float(merged.dy.amax_history[0]) == float(jnp.max(jnp.abs(r)))  # > the 1.5 before
+
+
+@pytest.mark.parametrize("cast", ["xla", "interpret"])
+def test_one_inverse_scale_division_serves_the_three_gemms(cast):
+    """Delayed scaling: 1/(s_a*s_b) of the forward, dgrad and wgrad GEMMs is one f32[3] divide
+    (three scalar divides were three tiny GPU kernels per layer)."""
+    x, w, r = _inputs(4, (32, 64), (64, 16), (32, 16))
+
+    def divides(meta):
+        def loss(x, w, meta):
+            y, _ = dot.dot_general(x, w, DENSE, meta, cast_kernel=cast)
+            return jnp.sum(y * r)
+
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, w, meta).as_text()
+        return [ln.rsplit(":", 1)[-1].strip() for ln in text.splitlines() if "divide" in ln]
+
+    assert divides(fp8jax.init_meta()) == ["tensor<3xf32>"]

@@ -28,6 +28,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.scan_layers = True  # stack blocks with nn.scan (one compiled block)
     m.fused_qkv = False  # one GEMM for Q, K and V (kernel [embed, kv_heads, group + 2, head_dim])
     m.remat_policy = "none"  # block recompute: 'none', 'full', or a jax.checkpoint_policies name
+    # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
+    m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients
     m.fp8_lm_head = False  # also run the LM head in FP8
     m.tie_embeddings = False  # share the token embedding with the LM head
     m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)

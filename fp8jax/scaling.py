@@ -9,6 +9,7 @@ moves the pending amax into the history, recomputes the scale and clears slot 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -113,12 +114,24 @@ def record(state: ScaleState, amax: jax.Array) -> ScaleState:
     return state.replace(amax_history=state.amax_history.at[..., 0].set(pending))
 
 
+def _window_max(hist: jax.Array) -> jax.Array:
+    """Max over the last axis; short windows as a chain of elementwise maxima.
+
+    A reduce is a GPU kernel of its own, and the scale computed from it another (360 of each
+    per gpt_1b3 step); elementwise, XLA can fuse both into one. Max is exact: same bits.
+    """
+    n = hist.shape[-1]
+    if n > 64:
+        return jnp.max(hist, axis=-1)
+    return functools.reduce(jnp.maximum, [hist[..., i] for i in range(n)])
+
+
 def commit(state: ScaleState) -> ScaleState:
     """End a step: push the pending amax into the history and recompute the scale."""
     hist = state.amax_history
     completed = jnp.concatenate([hist[..., :1], hist[..., 1:-1]], axis=-1)
     if state.recipe.amax_compute_algo == "max":
-        amax = jnp.max(completed, axis=-1)
+        amax = _window_max(completed)
     else:
         amax = completed[..., 0]
     scale = scale_from_amax(amax, state.scale, state.fmt, state.recipe)

@@ -102,6 +102,7 @@ class ModelConfig:
     scan_layers: bool
     fused_qkv: bool
     remat_policy: str
+    tie_block_grads: bool
     fp8_lm_head: bool
     tie_embeddings: bool
     attention_impl: str | None

@@ -162,6 +162,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, None]:
         c = self.cfg
+        if isinstance(x_BxLxD, list):  # Transformer._blocks' tied input
+            (x_BxLxD,) = x_BxLxD
         x_BxLxD = x_BxLxD + Attention(c, name="attn")(norm(c, "attn_norm")(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))

@@ -18,6 +18,29 @@ from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
 
+@jax.custom_vjp
+def tie_grads(x, params):
+    """Identity on ``(x, params)``; its backward releases both cotangents together."""
+    return x, params
+
+
+def _tie_fwd(x, params):
+    return (x, params), None
+
+
+def _tie_bwd(_, cts):
+    # A block's input gradient (what the block below needs) leaves only together with the
+    # block's weight gradients. Beside collectives, XLA:GPU's latency-hiding scheduler moved
+    # every weight-gradient GEMM to the end of the backward pass (gpt_1b3's HLO: 120 of 120),
+    # which under remat keeps each block's recomputed activations and output gradient alive:
+    # llama_7b on two H200s asked for 97-101 GiB of temp where one H200 needed 31-34
+    # (benchmarks/RESULTS.md, 2026-11-30, third).
+    return jax.lax.optimization_barrier(cts)
+
+
+tie_grads.defvjp(_tie_fwd, _tie_bwd)
+
+
 class Transformer(nn.Module):
     """``tokens [B, L] int32 -> logits [B, L, V] float32``."""
 
@@ -71,8 +94,21 @@ class Transformer(nn.Module):
             )
             x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD)
             return x_BxLxD
+        tie = c.tie_block_grads and c.remat_policy != "none" and not self.is_initializing()
         for i in range(c.num_layers):
-            x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD)
+            if not tie:
+                x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD)
+                continue
+            # map_variables hands the block's params to tie_in before the block runs; tie_in
+            # ties them to the block's input, which the block then reads from the box (a
+            # one-element list, a pytree the lifted call passes through).
+            box = [x_BxLxD]
+
+            def tie_in(params, box=box):
+                box[0], params = tie_grads(box[0], params)
+                return params
+
+            x_BxLxD, _ = nn.map_variables(block, "params", tie_in)(c, name=f"block_{i}")(box)
         return x_BxLxD
 
     def _head(self, x_BxLxD: jax.Array, embed: nn.Embed) -> jax.Array:

@@ -62,6 +62,20 @@ def test_max_vs_most_recent_and_window():
     assert float(mx.scale) == E4M3_MAX / 1.0
 
 
+@pytest.mark.parametrize("history_len", [16, 1024])  # elementwise maxima / one reduce
+def test_window_max_over_every_slot(history_len):
+    """The scale comes from the largest amax anywhere in the window, newest or oldest."""
+    for peak_at in (0, history_len // 2, history_len - 1):
+        s = _state(history_len=history_len)
+        for i in range(history_len):
+            hist = s.amax_history.at[i + 1].set(8.0 if i == peak_at else 1.0 + i % 3)
+            s = s.replace(amax_history=hist)
+        s = scaling.commit(s)  # the pending slot is empty: the window is the history
+        assert float(s.scale) == E4M3_MAX / 8.0 or peak_at == history_len - 1
+    # The oldest slot leaves the window at this commit: its 8 no longer counts.
+    assert float(s.scale) == pytest.approx(E4M3_MAX / 3.0, rel=DIV_RTOL)
+
+
 @pytest.mark.parametrize("bad", [0.0, np.nan, np.inf, -np.inf, 1e-40])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_unusable_amax_keeps_the_old_scale(bad, pow2):

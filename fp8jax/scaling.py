@@ -117,8 +117,9 @@ def record(state: ScaleState, amax: jax.Array) -> ScaleState:
 def _window_max(hist: jax.Array) -> jax.Array:
     """Max over the last axis; short windows as a chain of elementwise maxima.
 
-    A reduce is a GPU kernel of its own, and the scale computed from it another (360 of each
-    per gpt_1b3 step); elementwise, XLA can fuse both into one. Max is exact: same bits.
+    A reduce is a GPU kernel of its own, and the scale computed from it another; elementwise,
+    XLA fuses both into one (gpt_1b3 on an H200: 360 kernels per step fewer). Max is exact:
+    same bits.
     """
     n = hist.shape[-1]
     if n > 64:

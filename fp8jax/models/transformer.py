@@ -32,9 +32,9 @@ def _tie_bwd(_, cts):
     # A block's input gradient (what the block below needs) leaves only together with the
     # block's weight gradients. Beside collectives, XLA:GPU's latency-hiding scheduler moved
     # every weight-gradient GEMM to the end of the backward pass (gpt_1b3's HLO: 120 of 120),
-    # which under remat keeps each block's recomputed activations and output gradient alive:
-    # llama_7b on two H200s asked for 97-101 GiB of temp where one H200 needed 31-34
-    # (benchmarks/RESULTS.md, 2026-11-30, third).
+    # which under remat keeps each block's recomputed activations and output gradient alive.
+    # On two H200s llama_7b O1 at fsdp=2 asked for 97.5 GiB of temp without the tie, 40.7
+    # with it; O0 at data=2 99.2 and 31.1 (benchmarks/RESULTS.md, 2026-11-30, third).
     return jax.lax.optimization_barrier(cts)
 
 

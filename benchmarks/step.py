@@ -137,11 +137,20 @@ def child(
         t0 = time.perf_counter()
         compiled = env["train_step"].lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
-        print(f"{run}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
+        ma = compiled.memory_analysis()
+        # XLA's memory needs, known before a step runs: an out-of-memory row still shows them.
+        temp, args = (
+            getattr(ma, k, 0) or 0 for k in ("temp_size_in_bytes", "argument_size_in_bytes")
+        )
+        print(
+            f"{run}: compiled in {compile_s:.1f} s; XLA temp {temp / 2**30:.2f} GiB, "
+            f"arguments {args / 2**30:.2f} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
         hlo = compiled.as_text()
         if hlo_dir:  # to look up fusions and collectives of the table later
             save_hlo(hlo_dir, run, hlo)
-        ma = compiled.memory_analysis()
         for _ in range(2):  # warm-up
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
@@ -229,7 +238,8 @@ def launches(hlo: str) -> tuple[int, int]:
 def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
     """Run one benchmark child process: its ``mark``-prefixed JSON record, or an error row.
 
-    A child cut by ``timeout`` reports the last lines it wrote to stderr (its progress).
+    A failed child reports the exception, its last lines on stderr (its progress; a child cut by
+    ``timeout`` has no exception) and, first, its compile line with XLA's memory needs.
     """
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -243,8 +253,9 @@ def run_child(cmd, mark: str, run: str, env=None, timeout=None) -> dict:
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     # The exception's own line (XLA appends stack locations after it), then the last lines.
     raised = [ln for ln in lines if ln.split(":")[0].rsplit(".", 1)[-1].endswith("Error")][:1]
-    tail = raised + [ln for ln in lines[-2:] if ln not in raised] or ["?"]
-    return {"run": run, "error": " | ".join(tail)[:600]}
+    compiled = [ln for ln in lines if "compiled in" in ln and "XLA temp" in ln][-1:]
+    tail = raised + [ln for ln in lines[-2:] if ln not in raised + compiled]
+    return {"run": run, "error": " | ".join(compiled + tail or ["?"])[:600]}
 
 
 def mesh_context(c, env):

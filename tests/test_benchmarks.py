@@ -318,3 +318,16 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
 
     assert not reduces_in_body(False)  # the hoisting the flag exists for
     assert reduces_in_body(True)
+
+
+def test_failed_run_row_keeps_the_compile_line_with_xla_memory():
+    """An out-of-memory child: its row names XLA's temp need first, then the exception."""
+    script = (
+        "import sys\n"
+        "print('llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB, arguments 42.00 GiB',"
+        " file=sys.stderr)\n"
+        "raise MemoryError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate')\n"
+    )
+    row = step_bench.run_child([sys.executable, "-c", script], "MARK", "llama_7b:O1")
+    assert row["error"].startswith("llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB"), row
+    assert "MemoryError: RESOURCE_EXHAUSTED" in row["error"], row

@@ -22,6 +22,9 @@ from fp8jax.master import fp8_op_name
 from fp8jax.sharding import MESH_AXES
 
 P = PartitionSpec
+# Parameters the model uses only cast to its compute dtype (flax's Dense and Embed promote
+# kernel and table to ``dtype``); norm scales, biases and the rest keep their own dtype.
+COMPUTE_DTYPE_LEAVES = ("kernel", "embedding")
 
 
 def _find_meta(fp8_state, path: tuple[str, ...]):
@@ -43,7 +46,8 @@ def _weight_scale(w_state, amax: jax.Array) -> jax.Array:
 
 
 def gather_params(params, fp8_state, plan: Plan):
-    """(fsdp-gathered params, {kernel path: global amax}); O3's FP8 kernels move as E4M3."""
+    """(fsdp-gathered params, {kernel path: global amax}); O3's FP8 kernels move as E4M3, the
+    other kernels and embeddings in the compute dtype."""
     # FP8-gathered kernels come back in the model's compute dtype, the rest in their own. Their
     # true amax (per layer) replaces the one the matmul records from the gathered copy, so the
     # weight scales evolve exactly as on one device.
@@ -74,6 +78,11 @@ def gather_params(params, fp8_state, plan: Plan):
         for i, w in zip(todo, ws, strict=True):
             dim = sharding_lib.axis_dim(specs[i], "fsdp")
             if i not in meta_of:
+                if paths[i][-1] in COMPUTE_DTYPE_LEAVES:
+                    # The layer casts this leaf to the compute dtype first thing, so gathering
+                    # the cast shard moves the same values in half the bytes of f32 (O1's f32
+                    # params; O2+ hands over compute-dtype views already).
+                    w = w.astype(plan.compute_dtype)
                 outs.append(lax.all_gather(w, "fsdp", axis=dim, tiled=True))
                 continue
             meta = meta_of[i]

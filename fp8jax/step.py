@@ -139,23 +139,31 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
 
 
-def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None):
-    """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches."""
+def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None, sum_dtypes=None):
+    """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
+
+    ``sum_dtypes``: a tree like ``params`` of the dtypes to sum the micro-batch gradients in
+    (default: the params' own); fsdp's gathers hand kernels over in the compute dtype, whose
+    gradients still sum in the stored params' dtype (f32 at O1).
+    """
     if accum == 1:
         return _micro_grads(model, params, fp8, batch, weight, masters)
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+    if sum_dtypes is None:
+        sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
 
     def body(carry, mb):
         loss_sum, g_sum, fp8 = carry
         loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters)
-        return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), fp8), None
+        g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
+        return (loss_sum + loss, g_sum, fp8), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, sum_dtypes)
     (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
     return loss / accum, fp8, jax.tree.map(lambda g: g / accum, grads)
 
 
-def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters):
+def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None):
     """``(loss_N, fp8_N, grads_N)`` with one replica per device, written per device (shard_map).
 
     Each device runs the unpartitioned model on its own rows, so nothing depends on how XLA's
@@ -168,7 +176,7 @@ def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters):
     def local(full, fp8, masters, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
         with sharding_lib.activation_sharding(None):  # local arrays: nothing to constrain
-            loss, fp8, g = _accumulate(model, full, fp8, b, accum, 1.0 / n, masters)
+            loss, fp8, g = _accumulate(model, full, fp8, b, accum, 1.0 / n, masters, sum_dtypes)
         return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
 
     rep = PartitionSpec()
@@ -203,14 +211,17 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
         lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
     )
     full, w_amax = gather.gather_params(params, state.fp8, plan)
+    sum_dtypes = jax.tree.map(lambda p: p.dtype, params)  # not the gathered compute dtype
     if plan.per_device:
         loss_N, fp8_N, grads_N = _manual_replicas(
-            model, full, state.fp8, batch_N, accum, plan, masters
+            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes
         )
     else:
 
         def one(b):
-            return _accumulate(model, full, state.fp8, b, accum, weight=1.0 / n, masters=masters)
+            return _accumulate(
+                model, full, state.fp8, b, accum, 1.0 / n, masters=masters, sum_dtypes=sum_dtypes
+            )
 
         # Tensor parallelism stays with XLA's SPMD partitioner. Inside a replica the activation
         # constraints keep its rows whole; spmd_axis_name splits the replica axis itself over

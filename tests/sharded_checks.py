@@ -287,6 +287,11 @@ def _unrolled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def _bf16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    c.model.dtype = "bfloat16"  # the GPU configs' compute dtype
+    return c
+
+
 def _with(c: ml_collections.ConfigDict, **fp8_fields) -> ml_collections.ConfigDict:
     c.fp8.update(fp8_fields)
     return c
@@ -349,6 +354,7 @@ def main() -> dict:
         overflow=overflow_check(),
         stablehlo_O1=stablehlo_fp8(tiny_config("O1", data=8)),
         stablehlo_O3=stablehlo_fp8(tiny_config("O3", data=2, fsdp=4)),
+        stablehlo_O1_FSDP_bf16=stablehlo_fp8(_bf16(tiny_config("O1", data=2, fsdp=4))),
         custom_partitioned_attention_O1_FSDP=custom_partitioned_attention(
             tiny_config("O1", data=2, fsdp=4)
         ),

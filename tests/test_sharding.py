@@ -324,6 +324,15 @@ def test_fp8_on_the_wire(checks):
 
 
 @pytest.mark.slow
+def test_o1_fsdp_gathers_weights_in_the_compute_dtype(checks):
+    # q, kv, o, wi, wo kernels, the embedding table and the head: bf16, half of f32's bytes
+    # (the layers cast them to bf16 first thing). The two fsdp-sharded biases and the position
+    # table keep f32; one E5M2 gather belongs to the reduced gradients.
+    gathers = checks["stablehlo_O1_FSDP_bf16"]["all_gather"]
+    assert sorted(gathers) == sorted(["bf16"] * 7 + ["f32"] * 3 + ["f8E5M2"])
+
+
+@pytest.mark.slow
 def test_bytes_per_step(checks):
     table = {t["run"]: t for t in checks["bytes"]}
     o0, o1, o3 = table["O0 DP"], table["O1 DP"], table["O3 FSDP"]

@@ -1,10 +1,11 @@
 """FSDP weight gathers: parameters sharded over ``fsdp`` are all-gathered before the forward pass,
 kernels and embeddings in the model's compute dtype (the layers' own first cast, moved before
-the gather), the rest in their stored dtype; at O3 the matmul kernels of FP8 layers are quantized to E4M3 with the layer's own weight scale
-on their shard first, so only FP8 bytes move (in ``fp8jax.comm``'s wire format). The gathered FP8
-weight is handed to the model dequantized; the FP8 matmul re-quantizes it with the same scale,
-which lands exactly on the gathered FP8 values (the round trip's error is far below half an E4M3
-step), so the GEMM sees the gathered bytes.
+the gather), the rest in their stored dtype. At O3 the matmul kernels of FP8 layers are
+quantized to E4M3 with the layer's own weight scale on their shard first, so only FP8 bytes
+move (in ``fp8jax.comm``'s wire format). The gathered FP8 weight is handed to the model
+dequantized; the FP8 matmul re-quantizes it with the same scale, which lands exactly on the
+gathered FP8 values (the round trip's error is far below half an E4M3 step), so the GEMM sees
+the gathered bytes.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def child(
         # Against the peak of every device the step runs on.
         "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16 / env["mesh"].size,
         "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
-        "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
+        "temp_gib": temp / 2**30,
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
         # gpt_1b3 O1 at data=2 (2026-11-30, second, call 1): 7,118 ops, 5,471 of them tiny.
         "hlo_ops_and_small": launches(hlo),
@@ -220,9 +220,11 @@ def launches(hlo: str) -> tuple[int, int]:
     """``(ops, small)``: instructions of the compiled step's entry computation that run on the
     device (an upper bound on kernel launches per step outside loops), and how many of them
     write at most ``_SMALL`` elements (the tiny kernels of the FP8 scale state)."""
-    start = hlo.index("\nENTRY ")
+    from fp8jax import comm
+
+    comps, entry = comm._computations(hlo)
     ops = small = 0
-    for line in hlo[start : hlo.index("\n}\n", start)].splitlines():
+    for line in comps[entry]:
         m = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)
         if not m or m.group(2) in _NO_LAUNCH or m.group(2).endswith("-done"):
             continue

@@ -128,12 +128,12 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
     y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     y = _unscale(y, inv[0], cfg.out_dtype)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq_t, wq, sx, sw, inv)
+    return y, new_meta, (xq_t, wq, inv)
 
 
 def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
     """dgrad and wgrad from one pass over dy (E5M2, both layouts)."""
-    xq_t, wq, _, _, inv = res
+    xq_t, wq, inv = res
     sg = meta.dy.scale
     gq, gq_t, amax_g = kernels.cast_transpose(g, sg, formats.E5M2, cfg.cast)  # [M, N], [N, M]
     dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both

@@ -9,9 +9,12 @@ A state holding NaN/Inf is never written, so the latest checkpoint is always a g
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging as pylogging
 import os
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +77,9 @@ class Checkpointer:
                 f"checkpoint {path} was written by another model or config: {mismatch}; resume "
                 f"with the config that wrote it or start a fresh --workdir"
             )
-        try:
-            with _muted_background_errors():
+        failure = None
+        with _muted_background_errors():
+            try:
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
@@ -83,12 +87,15 @@ class Checkpointer:
                         data=ocp.args.JsonRestore(),
                     ),
                 )
-        except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-            reason = (str(e).strip().splitlines() or [""])[0][:160]
+            except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+                reason = (str(e).strip().splitlines() or [""])[0][:160]
+                failure = f"{type(e).__name__}: {reason}"
+            if failure:  # `e` and its frames are gone: orbax's unfinished reads can be freed
+                _collect_orphans()
+        if failure:
             raise CheckpointMismatchError(
-                f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {reason}); "
-                f"{self._fallback(step)}"
-            ) from e
+                f"checkpoint {path} is corrupt or incomplete ({failure}); {self._fallback(step)}"
+            )
         bad = non_finite_leaves(restored["state"])
         if bad:
             raise CheckpointMismatchError(
@@ -174,11 +181,49 @@ def _muted_background_errors():
 
     After the first unreadable array, every other pending read fails too and prints a
     multi-page TensorStore traceback from a background thread; the one exception we re-raise
-    already says what is wrong.
+    already says what is wrong. Reads still in flight when the restore gives up finish later
+    and call back into orbax's asyncio loop, which is closed by then: each reports a
+    ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook`` at any time up to
+    interpreter exit. So after a failure the hook goes back to the previous one wrapped in a
+    filter that drops that one error (and passes every other).
     """
     hooks = sys.unraisablehook, sys.excepthook, threading.excepthook
     sys.unraisablehook = sys.excepthook = threading.excepthook = lambda *args: None
+    failed = True
     try:
         yield
+        failed = False
     finally:
-        sys.unraisablehook, sys.excepthook, threading.excepthook = hooks
+        unraisable = _dropping_closed_loop(hooks[0]) if failed else hooks[0]
+        sys.unraisablehook, sys.excepthook, threading.excepthook = unraisable, *hooks[1:]
+
+
+def _dropping_closed_loop(previous):
+    """``previous`` (an unraisable hook) minus asyncio's 'Event loop is closed' errors."""
+    if getattr(previous, "drops_closed_loop", False):
+        return previous
+
+    def hook(args):
+        exc = args.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(args)
+
+    hook.drops_closed_loop = True
+    return hook
+
+
+def _collect_orphans() -> None:
+    """Let the reads a failed restore left in flight finish, and free them, quietly.
+
+    Freeing orbax's abandoned tasks and coroutines makes asyncio log 'Task exception was never
+    retrieved' and Python report each unawaited coroutine; done here, under the muted hooks and
+    with asyncio's logger off, rather than at interpreter exit after the one-line error.
+    """
+    asyncio_log = pylogging.getLogger("asyncio")
+    disabled, asyncio_log.disabled = asyncio_log.disabled, True
+    try:
+        for _ in range(3):
+            time.sleep(0.05)  # local reads finish in milliseconds
+            gc.collect()
+    finally:
+        asyncio_log.disabled = disabled

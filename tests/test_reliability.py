@@ -655,6 +655,31 @@ def test_bad_input_is_one_line_error_and_overwrites_nothing(case, corpus, env, t
     assert _snapshot(workdir) == before
 
 
+def test_failed_restore_drops_only_the_closed_loop_errors_after_it(monkeypatch):
+    """Injects a failure inside the restore's muted hooks, then three late background errors.
+
+    TensorStore reads a failed restore left in flight report 'Event loop is closed' up to
+    interpreter exit (CI once saw them after the one-line error). Afterwards exactly those are
+    dropped, any other error still reaches the user's hook, and a restore that succeeds leaves
+    the user's hook as it was.
+    """
+    from types import SimpleNamespace
+
+    from fp8jax import checkpoint
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    with checkpoint._muted_background_errors():
+        pass
+    assert sys.unraisablehook == seen.append
+    with pytest.raises(OSError), checkpoint._muted_background_errors():
+        raise OSError("torn file")
+    late = [RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")]
+    for exc in late:
+        sys.unraisablehook(SimpleNamespace(exc_value=exc))
+    assert [a.exc_value for a in seen] == late[1:]
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.float64])
 def test_fp8_dot_rejects_int_and_float64_with_the_fix(dtype):
     """Injects an int32 / float64 operand into fp8jax.dot_general."""

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -90,12 +91,15 @@ class Checkpointer:
             except Exception as e:  # orbax/tensorstore raise many types for unreadable files
                 reason = (str(e).strip().splitlines() or [""])[0][:160]
                 failure = f"{type(e).__name__}: {reason}"
+                cause = "".join(traceback.format_exception(e))  # text: keeps no frames alive
             if failure:  # `e` and its frames are gone: orbax's unfinished reads can be freed
                 _collect_orphans()
         if failure:
-            raise CheckpointMismatchError(
+            error = CheckpointMismatchError(
                 f"checkpoint {path} is corrupt or incomplete ({failure}); {self._fallback(step)}"
             )
+            error.add_note(f"orbax's error (FP8JAX_DEBUG=1 prints this):\n{cause}")
+            raise error
         bad = non_finite_leaves(restored["state"])
         if bad:
             raise CheckpointMismatchError(

@@ -79,7 +79,7 @@ class Checkpointer:
                 f"with the config that wrote it or start a fresh --workdir"
             )
         failure = None
-        with _muted_background_errors():
+        with _muted_background_errors() as failed:
             try:
                 restored = self.manager.restore(
                     step,
@@ -93,7 +93,7 @@ class Checkpointer:
                 failure = f"{type(e).__name__}: {reason}"
                 cause = "".join(traceback.format_exception(e))  # text: keeps no frames alive
             if failure:  # `e` and its frames are gone: orbax's unfinished reads can be freed
-                _collect_orphans()
+                failed()
         if failure:
             error = CheckpointMismatchError(
                 f"checkpoint {path} is corrupt or incomplete ({failure}); {self._fallback(step)}"
@@ -188,17 +188,26 @@ def _muted_background_errors():
     already says what is wrong. Reads still in flight when the restore gives up finish later
     and call back into orbax's asyncio loop, which is closed by then: each reports a
     ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook`` at any time up to
-    interpreter exit. So after a failure the hook goes back to the previous one wrapped in a
-    filter that drops that one error (and passes every other).
+    interpreter exit. The caller that caught a failure (and dropped the exception, whose frames
+    hold orbax's tasks) calls the yielded ``failed()``: it frees those tasks while still muted.
+    After a failure, or an exception passing through, the hook goes back to the previous one
+    wrapped in a filter that drops that one error (and passes every other).
     """
     hooks = sys.unraisablehook, sys.excepthook, threading.excepthook
     sys.unraisablehook = sys.excepthook = threading.excepthook = lambda *args: None
-    failed = True
+    failures = []
+
+    def failed():
+        failures.append(True)
+        _collect_orphans()
+
     try:
-        yield
-        failed = False
+        yield failed
+    except BaseException:
+        failures.append(True)
+        raise
     finally:
-        unraisable = _dropping_closed_loop(hooks[0]) if failed else hooks[0]
+        unraisable = _dropping_closed_loop(hooks[0]) if failures else hooks[0]
         sys.unraisablehook, sys.excepthook, threading.excepthook = unraisable, *hooks[1:]
 
 

@@ -667,17 +667,22 @@ def test_failed_restore_drops_only_the_closed_loop_errors_after_it(monkeypatch):
 
     from fp8jax import checkpoint
 
-    seen = []
-    monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    with checkpoint._muted_background_errors():
-        pass
-    assert sys.unraisablehook == seen.append
-    with pytest.raises(OSError), checkpoint._muted_background_errors():
-        raise OSError("torn file")
     late = [RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")]
-    for exc in late:
-        sys.unraisablehook(SimpleNamespace(exc_value=exc))
-    assert [a.exc_value for a in seen] == late[1:]
+    for how in ("caught, as restore does", "raised through"):
+        seen = []
+        monkeypatch.setattr(sys, "unraisablehook", seen.append)
+        with checkpoint._muted_background_errors():
+            pass
+        assert sys.unraisablehook == seen.append
+        if how == "raised through":
+            with pytest.raises(OSError), checkpoint._muted_background_errors():
+                raise OSError("torn file")
+        else:
+            with checkpoint._muted_background_errors() as failed:
+                failed()
+        for exc in late:
+            sys.unraisablehook(SimpleNamespace(exc_value=exc))
+        assert [a.exc_value for a in seen] == late[1:], how
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float64])

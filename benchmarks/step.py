@@ -130,6 +130,19 @@ def child(
     t_build = time.perf_counter()
     c, env, state, batch = build(run, quick, batch, mesh)
     build_s = time.perf_counter() - t_build  # imports excluded: setup, init compile, init
+    # The process-wide peak is max(init, step): these two tell the step's share apart.
+    dev0 = jax.devices()[0]
+    init_peak = (
+        (dev0.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        if hasattr(dev0, "memory_stats")
+        else 0
+    )
+    state_bytes = sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves(state)
+        for s in leaf.addressable_shards
+        if s.device == dev0
+    )
     # Progress on stderr: a run cut by --timeout still says which stage it reached.
     print(f"{run}: built in {build_s:.1f} s, compiling", file=sys.stderr, flush=True)
     name, level, _ = parse_run(run)
@@ -189,6 +202,8 @@ def child(
         "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16 / env["mesh"].size,
         "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
         "temp_gib": temp / 2**30,
+        "init_peak_gib": init_peak / 2**30,
+        "state_gib": state_bytes / 2**30,  # the train state's bytes on device 0
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
         # gpt_1b3 O1 at data=2 (2026-11-30, second, call 1): 7,118 ops, 5,471 of them tiny.
         "hlo_ops_and_small": launches(hlo),

@@ -271,6 +271,7 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
+    assert 0 < rec["state_gib"] * 2**30 < 2**24 and rec["init_peak_gib"] >= 0  # tiny: < 16 MiB
     ops, small = rec["hlo_ops_and_small"]
     assert 0 < small < ops  # tiny's O1 step has both scale-state scalars and real tensors
     prof = rec["profile"]

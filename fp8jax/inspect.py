@@ -8,13 +8,14 @@ bytes per parameter at O0/O1/O2 and the compiled step's memory analysis.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from fp8jax import coverage, memory
+from fp8jax import coverage, errors, memory
 from fp8jax import train as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
@@ -58,6 +59,19 @@ def memory_rows(config) -> list[dict]:
 def main(argv):
     del argv
     config = _CONFIG.value
+    try:
+        with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
+            train_lib.validate(config)
+        return _report(config)
+    except errors.USER_ERRORS as e:  # a bad config is one line, as in train.py
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(config) -> int:
+    """Print the coverage report (and memory tables) of ``config``."""
     report = coverage_of(config, _COMPILE.value)
     print(f"FP8 coverage of the train step ({config.fp8.level}, backend {jax.default_backend()}):")
     print(report)

@@ -75,12 +75,24 @@ def check_loop_config(config: ml_collections.ConfigDict) -> None:
         )
 
 
+def check_platform(config: ml_collections.ConfigDict, mesh) -> None:
+    """Raise a ConfigError if the config asks for a GPU-only kernel that the devices lack."""
+    platform = mesh.devices.flat[0].platform
+    if config.model.attention_impl == "cudnn" and platform != "gpu":
+        # jax.nn.dot_product_attention would fail deep inside tracing with "cuDNN is not detected".
+        raise errors.ConfigError(
+            f"model.attention_impl='cudnn' (cuDNN flash attention) needs an NVIDIA GPU, but JAX "
+            f"runs on {platform}: add --config.model.attention_impl=xla to run this config here"
+        )
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Check model, FP8, loop and mesh settings against each other and the devices."""
     try:
         models.check_config(config)
         check_loop_config(config)
         mesh = sharding_lib.make_mesh(config.mesh)
+        check_platform(config, mesh)
     except (KeyError, AttributeError) as e:  # ml_collections: a field the config file lacks
         raise ValueError(
             f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
@@ -151,6 +163,7 @@ def setup(config: ml_collections.ConfigDict, devices=None, donate: bool = True):
         # (benchmarks/RESULTS.md, 2026-11-30, third); other platforms ignore the flag.
         jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
+    check_platform(config, mesh)
     config = partitionable(config, mesh)
     model = models.build_model(config)
     tx = step_lib.make_optimizer(config)

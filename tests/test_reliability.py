@@ -623,6 +623,8 @@ BAD_INPUT = {
     "checkpoint of another model": (["--config.model.d_model=32"], None,
                                     ["written by another model", "there but", "here",
                                      "fresh --workdir"]),
+    "GPU-only attention on CPU": (["--config.model.attention_impl=cudnn"], None,
+                                  ["attention_impl='cudnn'", "--config.model.attention_impl=xla"]),
     "corrupt checkpoint": ([], _corrupt_latest,
                            ["is corrupt or incomplete", "to resume from step 39"]),
 }  # fmt: skip
@@ -638,6 +640,8 @@ def test_bad_input_is_one_line_error_and_overwrites_nothing(case, corpus, env, t
     and every file in the workdir (checkpoints included) is byte-for-byte untouched.
     """
     flags, prepare, fragments = BAD_INPUT[case]
+    if case == "GPU-only attention on CPU" and jax.default_backend() == "gpu":
+        pytest.skip("cuDNN attention is valid on a GPU")
     workdir = tmp_path / "work"
     shutil.copytree(baseline[0], workdir)
     if prepare:

@@ -139,6 +139,20 @@ def test_coverage_of_block_linears(level, share):
     assert np.mean([e.fp8 for e in linears]) == share
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention is valid on a GPU")
+def test_inspect_cli_names_the_fix_for_a_gpu_config_on_cpu():
+    """``python -m fp8jax.inspect`` on a GPU config without a GPU: exit 2, one line, the fix."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fp8jax.inspect", "--config", "configs/gpt2_125m.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-1].startswith("error: model.attention_impl='cudnn'"), lines[-3:]
+    assert "--config.model.attention_impl=xla" in lines[-1]
+
+
 @pytest.mark.slow
 def test_train_and_evaluate_end_to_end(tmp_path):
     c = load_config()

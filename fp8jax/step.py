@@ -139,18 +139,27 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
 
 
-def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None, sum_dtypes=None):
+def _accumulate(
+    model, params, fp8, batch, accum: int, weight=1.0, masters=None, sum_dtypes=None, wide=None
+):
     """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
 
-    ``sum_dtypes``: a tree like ``params`` of the dtypes to sum the micro-batch gradients in
-    (default: the params' own); fsdp's gathers hand kernels over in the compute dtype, whose
-    gradients still sum in the stored params' dtype (f32 at O1).
+    ``sum_dtypes``: a tree like ``params`` of the gradients' dtypes (default: the params' own);
+    fsdp's gathers hand kernels over in the compute dtype, whose gradients still come out in
+    the stored params' dtype (f32 at O1). ``wide`` (e.g. float32): the running sum's dtype
+    where it is wider (config.grad_accum_dtype); the result is cast back to ``sum_dtypes``.
     """
     if accum == 1:
         return _micro_grads(model, params, fp8, batch, weight, masters)
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
     if sum_dtypes is None:
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
+    # At O2+ the gradients are bf16: a bf16 running sum drops ~log2(accum) bits more per add.
+    carry_dtypes = (
+        sum_dtypes
+        if wide is None
+        else jax.tree.map(lambda d: jnp.promote_types(d, wide), sum_dtypes)
+    )
 
     def body(carry, mb):
         loss_sum, g_sum, fp8 = carry
@@ -158,12 +167,15 @@ def _accumulate(model, params, fp8, batch, accum: int, weight=1.0, masters=None,
         g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
         return (loss_sum + loss, g_sum, fp8), None
 
-    zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, sum_dtypes)
+    zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
     (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
-    return loss / accum, fp8, jax.tree.map(lambda g: g / accum, grads)
+    grads = jax.tree.map(lambda g, d: (g / accum).astype(d), grads, sum_dtypes)
+    return loss / accum, fp8, grads
 
 
-def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None):
+def _manual_replicas(
+    model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None, wide=None
+):
     """``(loss_N, fp8_N, grads_N)`` with one replica per device, written per device (shard_map).
 
     Each device runs the unpartitioned model on its own rows, so nothing depends on how XLA's
@@ -176,7 +188,9 @@ def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters, sum_d
     def local(full, fp8, masters, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
         with sharding_lib.activation_sharding(None):  # local arrays: nothing to constrain
-            loss, fp8, g = _accumulate(model, full, fp8, b, accum, 1.0 / n, masters, sum_dtypes)
+            loss, fp8, g = _accumulate(
+                model, full, fp8, b, accum, 1.0 / n, masters, sum_dtypes, wide
+            )
         return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
 
     rep = PartitionSpec()
@@ -194,7 +208,7 @@ def _manual_replicas(model, full, fp8, batch_N, accum: int, plan, masters, sum_d
     return fn(full, fp8, masters, batch_N)
 
 
-def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
+def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, wide=None):
     """(loss, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
     # The batch is viewed as [N, B/N, ...] with N split over data x fsdp: each device computes
     # its own replica's gradients (per device under shard_map, or vmapped with tensor
@@ -214,14 +228,12 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None):
     sum_dtypes = jax.tree.map(lambda p: p.dtype, params)  # not the gathered compute dtype
     if plan.per_device:
         loss_N, fp8_N, grads_N = _manual_replicas(
-            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes
+            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes, wide
         )
     else:
 
         def one(b):
-            return _accumulate(
-                model, full, state.fp8, b, accum, 1.0 / n, masters=masters, sum_dtypes=sum_dtypes
-            )
+            return _accumulate(model, full, state.fp8, b, accum, 1.0 / n, masters, sum_dtypes, wide)
 
         # Tensor parallelism stays with XLA's SPMD partitioner. Inside a replica the activation
         # constraints keep its rows whole; spmd_axis_name splits the replica axis itself over
@@ -269,6 +281,7 @@ def make_train_step(model, tx, config, mesh=None):
     # (fp8jax.gather). The mesh must be the one the step is jitted over (train.setup's:
     # make_mesh(config.mesh)).
     accum = int(config.grad_accum_steps)
+    wide = jnp.dtype(config.grad_accum_dtype) if config.get("grad_accum_dtype") else None
     level = level_index(config.fp8.level)
     if mesh is None and level >= 1 and comm.CommConfig.from_config(config).enabled:
         mesh = sharding_lib.make_mesh(config.mesh)
@@ -309,9 +322,13 @@ def make_train_step(model, tx, config, mesh=None):
             params, masters = optim.carry_masters(state.params, state.fp8, dtype)
         comm_state, comm_metrics = state.comm, {}
         if plan is None:
-            loss, fp8, grads = _accumulate(model, params, state.fp8, batch, accum, masters=masters)
+            loss, fp8, grads = _accumulate(
+                model, params, state.fp8, batch, accum, masters=masters, wide=wide
+            )
         else:
-            loss, fp8, grads_N = _replica_grads(model, params, state, batch, accum, plan, masters)
+            loss, fp8, grads_N = _replica_grads(
+                model, params, state, batch, accum, plan, masters, wide
+            )
             mu = state.comm["mu"]
             grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}

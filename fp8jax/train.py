@@ -68,6 +68,11 @@ def check_loop_config(config: ml_collections.ConfigDict) -> None:
     for name, low in at_least.items():
         if not isinstance(config[name], int) or config[name] < low:
             raise ValueError(f"config.{name}={config[name]!r}: use an integer >= {low}")
+    if config.grad_accum_dtype not in ("float32", ""):
+        raise ValueError(
+            f"config.grad_accum_dtype={config.grad_accum_dtype!r}: use 'float32' or '' (the "
+            f"gradients' own dtype)"
+        )
     if config.batch_size % config.grad_accum_steps:
         raise ValueError(
             f"batch_size={config.batch_size} is not divisible by grad_accum_steps="

@@ -1,5 +1,6 @@
 """Train step and loop: golden losses, level parity, accumulation, coverage, end to end."""
 
+import functools
 import json
 import pathlib
 import re
@@ -208,6 +209,49 @@ def test_o2_masters_dequantized_inside_layers_match_outside(scan):
     outside = jax.jit(lambda: grads(False))()
     for a, b in zip(jax.tree.leaves(carried()), jax.tree.leaves(outside), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_o2_sums_bf16_micro_batch_gradients_in_f32():
+    """O2 in bf16, 8 micro-batches: the f32 running sum (config.grad_accum_dtype) returns the
+    exact mean of the micro-batch gradients rounded once to bf16; the bf16 sum ('') is worse."""
+    import jax.numpy as jnp
+
+    from fp8jax import optim
+    from fp8jax import step as step_lib
+
+    c = _bf16_config("O2")
+    c.batch_size, accum = 16, 8
+    env = train_lib.setup(c)
+    state = env["init"](jax.random.PRNGKey(c.seed))
+    model, batch = env["model"], _batch(c)
+    params = optim.materialize(state.params, dtype=jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def accumulate(batch, accum, wide):
+        return step_lib._accumulate(model, params, state.fp8, batch, accum, wide=wide)[2]
+
+    # The scales are the state's (delayed scaling), so each micro-batch's gradient is the same
+    # alone as inside the sum: the float64 mean of the eight is the reference.
+    micro = [
+        accumulate(jax.tree.map(lambda x: x[i * 2 : i * 2 + 2], batch), 1, None)
+        for i in range(accum)
+    ]
+    ref = jax.tree.map(lambda *g: np.mean([np.asarray(x, np.float64) for x in g], 0), *micro)
+    wide = accumulate(batch, accum, jnp.dtype(jnp.float32))
+    narrow = accumulate(batch, accum, None)
+    dtypes = [p.dtype for p in jax.tree.leaves(params)]
+    assert jnp.bfloat16 in dtypes  # the FP8 layers' kernels (norms and embeddings stay f32)
+    err = lambda g: sum(
+        np.abs(np.asarray(a, np.float64) - r).sum()
+        for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True)
+    )
+    for a, r, d in zip(jax.tree.leaves(wide), jax.tree.leaves(ref), dtypes, strict=True):
+        assert a.dtype == d  # handed on in the gradients' own dtype
+        # One rounding to bf16 (an f32 sum of eight bf16 values is exact to ~2**-21).
+        rtol = 2**-8 if d == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(a, np.float64), r, rtol=rtol, atol=1e-30)
+    # Measured on CPU: 0.118 against 0.260 (the sum of absolute errors over all leaves).
+    assert err(wide) < 0.7 * err(narrow), (err(wide), err(narrow))
 
 
 def test_setup_lowers_threefry_to_its_gpu_kernel_unless_the_user_chose(monkeypatch):

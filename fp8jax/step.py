@@ -154,7 +154,8 @@ def _accumulate(
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
     if sum_dtypes is None:
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
-    # At O2+ the gradients are bf16: a bf16 running sum drops ~log2(accum) bits more per add.
+    # At O2+ the gradients are bf16: a bf16 running sum rounds to 8 bits at every add; a wide
+    # one rounds once, when it is cast back.
     carry_dtypes = (
         sum_dtypes
         if wide is None

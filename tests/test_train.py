@@ -211,7 +211,7 @@ def test_o2_masters_dequantized_inside_layers_match_outside(scan):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_o2_sums_bf16_micro_batch_gradients_in_f32():
+def test_o2_sums_bf16_micro_batch_gradients_in_f32(monkeypatch):
     """O2 in bf16, 8 micro-batches: the f32 running sum (config.grad_accum_dtype) returns the
     exact mean of the micro-batch gradients rounded once to bf16; the bf16 sum ('') is worse."""
     import jax.numpy as jnp
@@ -252,6 +252,16 @@ def test_o2_sums_bf16_micro_batch_gradients_in_f32():
         np.testing.assert_allclose(np.asarray(a, np.float64), r, rtol=rtol, atol=1e-30)
     # Measured on CPU: 0.118 against 0.260 (the sum of absolute errors over all leaves).
     assert err(wide) < 0.7 * err(narrow), (err(wide), err(narrow))
+    # The train step passes config.grad_accum_dtype on.
+    seen, real = [], step_lib._accumulate
+    monkeypatch.setattr(
+        step_lib, "_accumulate", lambda *a, **k: seen.append(k.get("wide")) or real(*a, **k)
+    )
+    c.grad_accum_steps = accum
+    for dtype in ("float32", ""):
+        c.grad_accum_dtype = dtype
+        jax.eval_shape(step_lib.make_train_step(model, env["tx"], c), state, batch)
+    assert seen == [jnp.float32, None]
 
 
 def test_setup_lowers_threefry_to_its_gpu_kernel_unless_the_user_chose(monkeypatch):

@@ -264,6 +264,12 @@ def test_o2_sums_bf16_micro_batch_gradients_in_f32(monkeypatch):
     assert seen == [jnp.float32, None]
 
 
+def test_bad_grad_accum_dtype_names_the_choices():
+    c = _micro_config(grad_accum_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"grad_accum_dtype='bfloat16': use 'float32' or ''"):
+        train_lib.validate(c)
+
+
 def test_setup_lowers_threefry_to_its_gpu_kernel_unless_the_user_chose(monkeypatch):
     # The init's compile on an H200 took 35 s with threefry unrolled into XLA ops, 6 s with it.
     flag = "jax_threefry_gpu_kernel_lowering"

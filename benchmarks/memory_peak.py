@@ -9,6 +9,10 @@ assignment. XLA's ``*-live-range.txt`` names the buffers live at the peak and br
 down by the JAX operation that made each buffer (``jit(train_step)/transpose(jvp(...))/...``).
 Printed per run: compiled temp/argument bytes, the peak's top buffers and the top of that
 breakdown. Writes ``memory_peak.json``. Works on CPU too (a proxy: CPU fusion differs).
+
+``--program init`` does the same for the jitted init: llama_7b O3 at fsdp=2 peaked at
+54.45 GiB per H200 while making 16.12 GiB of state, above the step's 48.5 (RESULTS.md,
+2026-11-30 fifth): ``--program init --runs llama_7b:O3:mesh.data=1+mesh.fsdp=2``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step as step_bench  # noqa: E402
 
 MARK = "@@MEMPEAK "
+MODULES = {"step": "train_step", "init": "init_state"}  # --program: the jitted function's name
 
 
 def parse_live_range(text: str, top: int) -> dict:
@@ -55,15 +60,25 @@ def parse_live_range(text: str, top: int) -> dict:
     return out
 
 
-def child(run: str, quick: bool, top: int) -> dict:
-    """Build and compile one run with XLA dumping its buffer assignment (child process)."""
+def child(run: str, quick: bool, top: int, program: str = "step") -> dict:
+    """Build and compile one run with XLA dumping its buffer assignment (child process).
+
+    ``program``: 'step' (the train step) or 'init' (the jitted init that makes the state).
+    """
+    import jax
+
     c, env, state, batch = step_bench.build(run, quick)
     with step_bench.mesh_context(c, env):
-        compiled = env["train_step"].lower(state, batch).compile()
+        if program == "init":
+            compiled = env["init"].lower(jax.random.PRNGKey(0)).compile()
+        else:
+            compiled = env["train_step"].lower(state, batch).compile()
     ma = compiled.memory_analysis()
-    files = glob.glob(os.path.join(os.environ["FP8JAX_DUMP"], "*train_step*live-range.txt"))
+    name = MODULES[program]
+    files = glob.glob(os.path.join(os.environ["FP8JAX_DUMP"], f"*{name}*live-range.txt"))
     rec = {
         "run": run,
+        "program": program,
         "temp_gib": (getattr(ma, "temp_size_in_bytes", 0) or 0) / 2**30,
         "argument_gib": (getattr(ma, "argument_size_in_bytes", 0) or 0) / 2**30,
     }
@@ -80,24 +95,26 @@ def main():
     p.add_argument("--runs", default="llama_7b:O0,llama_7b:O2")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke test")
+    p.add_argument("--program", choices=sorted(MODULES), default="step", help="which to analyse")
     a = step_bench.parse_bench_args(p)
     if a.child:
-        print(MARK + json.dumps(child(a.child, a.quick, a.top)), flush=True)
+        print(MARK + json.dumps(child(a.child, a.quick, a.top, a.program)), flush=True)
         return
     rows = []
     for run in a.runs.split(","):
         dump = tempfile.mkdtemp(prefix="fp8jax_xla_dump_")
         env = dict(os.environ, FP8JAX_DUMP=dump)
-        flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
+        flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{MODULES[a.program]}.*"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
         cmd = [sys.executable, __file__, "--child", run, "--top", str(a.top)]
+        cmd += ["--program", a.program]
         cmd += ["--quick"] if a.quick else []
         rows.append(step_bench.run_child(cmd, MARK, run, env=env))
         shutil.rmtree(dump, ignore_errors=True)
         with open(os.path.join(a.out, "memory_peak.json"), "w") as f:
             json.dump(rows, f, indent=1)
     for r in rows:
-        print(f"\n=== {r['run']}")
+        print(f"\n=== {r['run']} ({a.program})")
         if "temp_gib" not in r:
             print("ERROR", r.get("error"))
             continue

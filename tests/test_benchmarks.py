@@ -235,15 +235,19 @@ def test_parse_live_range():
     ]
 
 
-def test_memory_peak_script_reads_xla_report(tmp_path):
-    """End to end on CPU: the compiled tiny O2 step's peak, broken down by JAX operation."""
+@pytest.mark.parametrize("program", ["step", "init"])
+def test_memory_peak_script_reads_xla_report(program, tmp_path):
+    """End to end on CPU: the compiled tiny O2 step's (init's) peak, by JAX operation."""
     import subprocess
 
     cmd = [sys.executable, str(BENCH / "memory_peak.py"), "--quick", "--runs", "tiny:O2"]
-    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True)
+    cmd += ["--program", program, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-800:]
     (row,) = json.loads((tmp_path / "memory_peak.json").read_text())
-    assert "error" not in row, row
+    assert "error" not in row and row["program"] == program, row
+    jit_name = {"step": "train_step", "init": "init_state"}[program]
+    assert any(f"jit({jit_name})" in b["op"] for b in row["breakdown"]), row["breakdown"]
     assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
     assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
 

@@ -61,7 +61,7 @@ def main(argv):
     config = _CONFIG.value
     try:
         with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
-            train_lib.validate(config)
+            train_lib.validate(config, training=False)
         return _report(config)
     except errors.USER_ERRORS as e:  # a bad config is one line, as in train.py
         if os.environ.get("FP8JAX_DEBUG"):

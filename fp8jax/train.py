@@ -91,8 +91,12 @@ def check_platform(config: ml_collections.ConfigDict, mesh) -> None:
         )
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Check model, FP8, loop and mesh settings against each other and the devices."""
+def validate(config: ml_collections.ConfigDict, training: bool = True) -> None:
+    """Check model, FP8, loop and mesh settings against each other and the devices.
+
+    ``training=False`` (fp8jax.inspect) also accepts fp8.impl='flax', which only the trainer
+    rejects.
+    """
     try:
         models.check_config(config)
         check_loop_config(config)
@@ -103,7 +107,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
             f"every field with its default)"
         ) from e
-    if config.fp8.impl != "fp8jax":
+    if training and config.fp8.impl != "fp8jax":
         raise ValueError(
             f"fp8.impl={config.fp8.impl!r} is for benchmarks/step.py's comparison with flax's "
             f"own FP8 op; train with fp8.impl='fp8jax'"

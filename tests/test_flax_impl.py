@@ -159,6 +159,7 @@ def test_training_with_flax_op_is_refused():
     models.check_config(c)  # a valid model config: benchmarks/step.py builds it
     with pytest.raises(ValueError, match=r"fp8\.impl='flax'.*train with fp8\.impl='fp8jax'"):
         train_lib.validate(c)
+    train_lib.validate(c, training=False)  # fp8jax.inspect reports on flax's op too
     c.fp8.impl = "foo"
     for check in (models.check_config, train_lib.validate):
         with pytest.raises(ValueError, match=r"unknown fp8\.impl 'foo'.*'fp8jax', 'flax'"):

@@ -131,17 +131,13 @@ def child(
     c, env, state, batch = build(run, quick, batch, mesh)
     build_s = time.perf_counter() - t_build  # imports excluded: setup, init compile, init
     # The process-wide peak is max(init, step): these two tell the step's share apart.
-    dev0 = jax.devices()[0]
-    init_peak = (
-        (dev0.memory_stats() or {}).get("peak_bytes_in_use", 0)
-        if hasattr(dev0, "memory_stats")
-        else 0
-    )
+    dev = jax.devices()[0]
+    init_peak = _peak_bytes(dev)
     state_bytes = sum(
         s.data.nbytes
         for leaf in jax.tree.leaves(state)
         for s in leaf.addressable_shards
-        if s.device == dev0
+        if s.device == dev
     )
     # Progress on stderr: a run cut by --timeout still says which stage it reached.
     print(f"{run}: built in {build_s:.1f} s, compiling", file=sys.stderr, flush=True)
@@ -182,8 +178,6 @@ def child(
         jax.block_until_ready(metrics)
         ms_pipe = (time.perf_counter() - t) * 1e3 / steps
         kernels = _profile(compiled, state, batch, profile) if profile else None
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len
     return {
@@ -200,7 +194,7 @@ def child(
         "tokens_per_s_per_device": tokens / (ms / 1e3) / env["mesh"].size,
         # Against the peak of every device the step runs on.
         "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / PEAK_BF16 / env["mesh"].size,
-        "peak_gib": (stats or {}).get("peak_bytes_in_use", 0) / 2**30,
+        "peak_gib": _peak_bytes(dev) / 2**30,
         "temp_gib": temp / 2**30,
         "init_peak_gib": init_peak / 2**30,
         "state_gib": state_bytes / 2**30,  # the train state's bytes on device 0
@@ -217,6 +211,12 @@ def child(
         "device": str(dev.device_kind),
         "profile": kernels,
     }
+
+
+def _peak_bytes(dev) -> int:
+    """The process's peak device memory so far (0 where the backend keeps no statistics)."""
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    return (stats or {}).get("peak_bytes_in_use", 0)
 
 
 def _profile(compiled, state, batch, steps: int, top: int = 10) -> dict:

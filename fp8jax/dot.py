@@ -13,6 +13,10 @@ meta whose x and w pending amax include this call; the dy amax is only known in 
 pass, so it comes back as the cotangent of the meta *input*, max-merged with the cotangent of
 the meta *output*. When callers thread the returned meta into the next use of the same state
 (which the Flax modules do), repeated uses form a chain and the amax combines by max.
+
+With a ``prologue`` (an elementwise activation, ``kernels.ACTIVATIONS``) the matmul computes
+``act(x) . w``: the activation is applied inside the pass that quantizes x, and the backward pass
+keeps the pre-activation x (not act(x)) and applies act' to dgrad's output in f32.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class _Cfg(NamedTuple):
     out_dtype: jnp.dtype
     batched: bool
     cast: str = "xla"  # kernels.IMPLS: how operands are quantized (fused kernel or XLA ops)
+    prologue: str | None = None  # kernels.ACTIVATIONS: x is a pre-activation
 
 
 def _use_scale(state: ScaleState, amax: jax.Array) -> jax.Array:
@@ -106,6 +111,15 @@ def _unscale(y, inv, dtype):
     return (y.astype(jnp.float32) * inv).astype(dtype)
 
 
+def _dgrad_out(cfg: _Cfg, dx, inv, x_pre):
+    """dgrad's GEMM output unscaled; through act' of the prologue when there is one."""
+    if cfg.prologue is None:
+        return _unscale(dx, inv, cfg.x_dtype)
+    da = dx.astype(jnp.float32) * inv  # d loss / d act(x), kept in f32 until after act'
+    _, act_vjp = jax.vjp(kernels.activation(cfg.prologue), x_pre.astype(jnp.float32))
+    return act_vjp(da)[0].astype(cfg.x_dtype)
+
+
 def _acc_dtype(dtype):
     # f32 outputs stay f32; bf16/f16 outputs come straight from the GEMM epilogue.
     return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
@@ -122,22 +136,24 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
     sx, sw = meta.x.scale, meta.w.scale
     # E4M3 for both forward operands, as in _fwd_impl. x [M, K] -> xq [M, K] for this GEMM and
     # xq_t [K, M] for the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here.
-    xq, xq_t, amax_x = kernels.cast_transpose(x, sx, formats.E4M3, cfg.cast)
+    # With a prologue the same pass computes act(x) first: act(x) is never written out.
+    xq, xq_t, amax_x = kernels.cast_transpose(x, sx, formats.E4M3, cfg.cast, cfg.prologue)
     wq, wq_t, amax_w = kernels.cast_transpose(w, sw, formats.E4M3, cfg.cast)
     inv = _inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     y = _unscale(y, inv[0], cfg.out_dtype)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq_t, wq, inv)
+    x_pre = x if cfg.prologue else None  # act' needs the pre-activation (bf16), not act(x)
+    return y, new_meta, (xq_t, wq, inv, x_pre)
 
 
 def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
     """dgrad and wgrad from one pass over dy (E5M2, both layouts)."""
-    xq_t, wq, inv = res
+    xq_t, wq, inv, x_pre = res
     sg = meta.dy.scale
     gq, gq_t, amax_g = kernels.cast_transpose(g, sg, formats.E5M2, cfg.cast)  # [M, N], [N, M]
     dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
-    dx = _unscale(dx, inv[1], cfg.x_dtype)
+    dx = _dgrad_out(cfg, dx, inv[1], x_pre)
     dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
     dw = _unscale(dw, inv[2], cfg.w_dtype)
     return dx, dw, amax_g
@@ -146,6 +162,9 @@ def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
 def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
     if _fused(cfg, meta):
         return _fwd_fused(cfg, x, w, meta)
+    x_pre = x if cfg.prologue else None
+    if cfg.prologue:
+        x = kernels.activation(cfg.prologue)(x.astype(jnp.float32))  # f32, as the kernel's
     amax_x, amax_w = formats.amax(x), formats.amax(w)
     sx, sw = _use_scale(meta.x, amax_x), _use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
@@ -158,7 +177,7 @@ def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
     y = _mm(xq, wq, m_axis + 1, m_axis, cfg.batched, _acc_dtype(cfg.out_dtype))
     y = _unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq, wq, sx, sw, inv)
+    return y, new_meta, (xq, wq, sx, sw, inv, x_pre)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -179,7 +198,7 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     if _fused(cfg, meta):
         dx, dw, amax_g = _bwd_fused(cfg, res[:-1], g, meta)
         return dx, dw, zeros.replace(dy=scaling.record(ct_meta.dy, amax_g))
-    xq, wq, sx, sw, inv, meta = res
+    xq, wq, sx, sw, inv, x_pre, meta = res
     amax_g = formats.amax(g)
     sg = _use_scale(meta.dy, amax_g)
     # E5M2 for gradients: they span many decades and need range more than mantissa.
@@ -189,7 +208,7 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     dx = _mm(gq, wq, b + 1, b + 1, cfg.batched, _acc_dtype(cfg.x_dtype))
     if inv is None:
         inv = _inverse_scales(sx, sw, sg)
-    dx = _unscale(dx, inv[1], cfg.x_dtype)
+    dx = _dgrad_out(cfg, dx, inv[1], x_pre)
     # wgrad: contract M (x axis b, g axis b) -> [(B,) K, N]
     dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(cfg.w_dtype))
     dw = _unscale(dw, inv[2], cfg.w_dtype)
@@ -237,6 +256,7 @@ def dot_general(
     meta: Fp8Meta,
     preferred_element_type=None,
     cast_kernel: str = "xla",
+    prologue: str | None = None,
 ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
 
@@ -244,8 +264,11 @@ def dot_general(
     reshaping the high-precision operands before quantization, so XLA sees the single
     contracting / single free axis layout cuBLASLt's FP8 GEMM needs. ``cast_kernel``
     ('xla', 'pallas', 'interpret'; see fp8jax.kernels) picks how operands are quantized.
+    ``prologue`` (a name in ``kernels.ACTIVATIONS``, e.g. 'gelu_tanh') multiplies ``act(lhs)``
+    instead of ``lhs``, with the activation fused into lhs' quantization.
     """
     kernels.check_impl(cast_kernel)
+    kernels.activation(prologue)  # a clear error for an unknown name
     check_operand("lhs", lhs)
     check_operand("rhs", rhs)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -266,7 +289,7 @@ def dot_general(
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel)
+    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue)
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
@@ -306,9 +329,15 @@ def einsum_dimension_numbers(eq: str, lhs_ndim: int, rhs_ndim: int):
 
 
 def fp8_einsum(
-    eq: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None, cast_kernel: str = "xla"
+    eq: str,
+    lhs,
+    rhs,
+    meta: Fp8Meta,
+    preferred_element_type=None,
+    cast_kernel: str = "xla",
+    prologue: str | None = None,
 ):
     """Functional FP8 einsum (two operands): returns (result, updated meta)."""
     dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)
-    out, new_meta = dot_general(lhs, rhs, dims, meta, preferred_element_type, cast_kernel)
+    out, new_meta = dot_general(lhs, rhs, dims, meta, preferred_element_type, cast_kernel, prologue)
     return jnp.transpose(out, perm), new_meta

@@ -11,6 +11,10 @@ and the per-block amax.
 ``cast_transpose`` runs a Pallas kernel (Triton backend) on GPUs and the same arithmetic as
 plain XLA ops elsewhere; ``impl='interpret'`` runs the kernel through Pallas' interpreter on
 any backend (tests).
+
+An optional elementwise ``prologue`` (``ACTIVATIONS``) is applied in f32 to each block before the
+amax and the cast, so an MLP's activation needs no pass of its own: the pass that quantizes the
+second matmul's input reads the pre-activation instead of the activation.
 """
 
 from __future__ import annotations
@@ -30,6 +34,26 @@ _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
 _WARPS = 4
 
 
+def _gelu_tanh(x):
+    # GPT-2's tanh approximation (jax.nn.gelu(approximate=True)), written out with plain
+    # multiplies and tanh so Triton and XLA lower the same operations.
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+
+
+# Elementwise activations a cast may apply first (f32 in, f32 out; act(0) = 0, so the zero
+# padding of unaligned GEMMs changes no amax).
+ACTIVATIONS = {"gelu_tanh": _gelu_tanh}
+
+
+def activation(name: str | None):
+    """The prologue ``name`` as a function of f32 arrays (identity for None); a clear error."""
+    if name is None:
+        return lambda x: x
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown FP8 cast prologue {name!r}: use one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 def check_impl(impl: str) -> str:
     """Return ``impl`` if known; a clear error otherwise."""
     if impl not in IMPLS:
@@ -41,14 +65,18 @@ def _block(n: int, blocks) -> int | None:
     return next((b for b in blocks if n % b == 0), None)
 
 
-def _reference(x, scale, dtype):
+def _reference(x, scale, dtype, prologue=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
+    if prologue is not None:
+        x = activation(prologue)(x.astype(jnp.float32))  # [M, K] f32: quantized unrounded
     q = formats.quantize(x, scale, dtype)  # [M, K]
     return q, q.T, formats.amax(x)
 
 
-def _kernel(scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype, cast_first):
-    x_bxk = x_ref[...].astype(jnp.float32)  # one [bm, bk] block, read once
+def _kernel(
+    scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype, cast_first, prologue
+):
+    x_bxk = activation(prologue)(x_ref[...].astype(jnp.float32))  # one [bm, bk] block, read once
     amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(x_bxk)), jnp.float32)
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2).
@@ -71,6 +99,7 @@ def _pallas(
     num_warps=_WARPS,
     num_stages=1,
     cast_first=False,
+    prologue=None,
 ):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -78,7 +107,11 @@ def _pallas(
     m, k = x.shape
     gm, gk = m // bm, k // bk
     kernel = functools.partial(
-        _kernel, limit=formats.fmax(dtype), dtype=dtype, cast_first=cast_first
+        _kernel,
+        limit=formats.fmax(dtype),
+        dtype=dtype,
+        cast_first=cast_first,
+        prologue=prologue,
     )
     q, qt, amax_GMxGK = pl.pallas_call(
         kernel,
@@ -104,25 +137,28 @@ def _pallas(
     return q, qt, jnp.max(amax_GMxGK)
 
 
-def cast_transpose(x: jax.Array, scale: jax.Array, fmt, impl: str = "pallas"):
+def cast_transpose(
+    x: jax.Array, scale: jax.Array, fmt, impl: str = "pallas", prologue: str | None = None
+):
     """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
 
     ``impl``: 'pallas' (the fused kernel on GPUs, XLA ops elsewhere), 'interpret' (the kernel
     through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
-    16 take the XLA path.
+    16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``.
     """
     dtype = formats.as_dtype(fmt)
     check_impl(impl)
+    activation(prologue)  # a clear error for an unknown name
     m, k = x.shape
     bm, bk = _block(m, _ROW_BLOCKS), _block(k, _COL_BLOCKS)
     if impl == "xla" or bm is None or bk is None:
-        return _reference(x, scale, dtype)
+        return _reference(x, scale, dtype, prologue)
     if impl == "interpret":
-        return _pallas(x, scale, dtype, bm, bk, interpret=True)
+        return _pallas(x, scale, dtype, bm, bk, interpret=True, prologue=prologue)
     # Chosen when lowering, per platform: the Triton kernel for CUDA, XLA ops anywhere else.
     return jax.lax.platform_dependent(
         x,
         scale,
-        cuda=lambda x, s: _pallas(x, s, dtype, bm, bk, interpret=False),
-        default=lambda x, s: _reference(x, s, dtype),
+        cuda=lambda x, s: _pallas(x, s, dtype, bm, bk, interpret=False, prologue=prologue),
+        default=lambda x, s: _reference(x, s, dtype, prologue),
     )

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import dot, formats, master, scaling
+from fp8jax import dot, formats, kernels, master, scaling
 from fp8jax.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.state import FP8, FP8_STATS
 
@@ -26,6 +26,7 @@ class _Fp8Op(nn.Module):
     recipe: scaling.Recipe = scaling.DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
     cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.kernels' fused cast+transpose
+    prologue: str | None = None  # an activation applied to lhs in its cast (kernels.ACTIVATIONS)
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
@@ -43,7 +44,8 @@ class _Fp8Op(nn.Module):
 
     def _sow_stats(self, lhs, rhs, meta: dot.Fp8Meta):
         """Record the share of saturated and flushed values under the scales in use."""
-        for name, x, s in (("x", lhs, meta.x), ("w", rhs, meta.w)):
+        act_lhs = kernels.activation(self.prologue)(jax.lax.stop_gradient(lhs).astype(jnp.float32))
+        for name, x, s in (("x", act_lhs, meta.x), ("w", rhs, meta.w)):
             x = jax.lax.stop_gradient(x)
             scale = dot._use_scale(s, formats.amax(x))
             sat, flush = formats.saturation_stats(x, scale, s.fmt)
@@ -69,7 +71,13 @@ class Fp8DotGeneral(_Fp8Op):
             lhs,
             rhs,
             lambda meta, rhs: dot.dot_general(
-                lhs, rhs, dimension_numbers, meta, preferred_element_type, self.cast_kernel
+                lhs,
+                rhs,
+                dimension_numbers,
+                meta,
+                preferred_element_type,
+                self.cast_kernel,
+                self.prologue,
             ),
         )
 
@@ -83,7 +91,7 @@ class Fp8Einsum(_Fp8Op):
             lhs,
             rhs,
             lambda meta, rhs: fp8_einsum(
-                eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel
+                eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel, self.prologue
             ),
         )
 

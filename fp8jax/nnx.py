@@ -36,10 +36,14 @@ class _Fp8Op(nnx.Module):
         *,
         use_running_average: bool = False,
         cast_kernel: str = "xla",
+        prologue: str | None = None,
     ):
         self.meta = Fp8State(dot.init_meta(recipe, w_recipe))
         # How operands are quantized: 'xla' or fp8jax.kernels' fused cast+transpose ('pallas').
         self.cast_kernel = kernels.check_impl(cast_kernel)
+        # An activation applied to lhs inside its quantization ('gelu_tanh'; None: plain lhs).
+        kernels.activation(prologue)
+        self.prologue = prologue
         # True (set by model.eval()): use the stored scales and record no amax, so evaluation
         # batches never leak into the next training step's scales.
         self.use_running_average = use_running_average
@@ -69,6 +73,7 @@ class Fp8DotGeneral(_Fp8Op):
             self.meta.get_value(),
             preferred_element_type,
             self.cast_kernel,
+            self.prologue,
         )
         self._write(new_meta)
         return out
@@ -80,7 +85,9 @@ class Fp8Einsum(_Fp8Op):
     def __call__(self, eq: str, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         del precision, kwargs
         meta = self.meta.get_value()
-        out, new_meta = dot.fp8_einsum(eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel)
+        out, new_meta = dot.fp8_einsum(
+            eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel, self.prologue
+        )
         self._write(new_meta)
         return out
 

@@ -109,19 +109,25 @@ class ModelConfig:
     recipe: scaling.Recipe | None
     fp8_impl: str = "fp8jax"
     cast_kernel: str = "pallas"
+    fuse_activation: bool = True
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
         """Validate ``config`` and take the fields the model needs."""
         check_config(config)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe", "fp8_impl", "cast_kernel"}
+        fp8_fields = {"recipe", "fp8_impl", "cast_kernel", "fuse_activation"}
+        fields = {f.name for f in dataclasses.fields(cls)} - fp8_fields
         kw = {k: config.model[k] for k in fields}
         kw["dtype"], kw["param_dtype"] = jnp.dtype(kw["dtype"]), jnp.dtype(kw["param_dtype"])
         kw["attention_impl"] = kw["attention_impl"] or None  # '' -> JAX picks
         use_fp8 = config.fp8.level != "O0"
         recipe = recipe_from_config(config.fp8) if use_fp8 else None
         return cls(
-            **kw, recipe=recipe, fp8_impl=config.fp8.impl, cast_kernel=config.fp8.cast_kernel
+            **kw,
+            recipe=recipe,
+            fp8_impl=config.fp8.impl,
+            cast_kernel=config.fp8.cast_kernel,
+            fuse_activation=bool(config.fp8.get("fuse_activation", True)),
         )
 
     @property

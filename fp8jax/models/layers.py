@@ -31,20 +31,28 @@ def normal_init(names, std: float = INIT_STD):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 
-def fp8_cls(cfg: ModelConfig):
+def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
     """The model's FP8 ``dot_general_cls`` (None at O0): fp8jax's, or flax's for comparison."""
     if not cfg.recipe:
         return None
     if cfg.fp8_impl == "flax":
         return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
+    if prologue:
+        return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue)
     return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel)
 
 
-def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None):
+def fuses_activation(cfg: ModelConfig) -> bool:
+    """Whether the GELU MLP hands its pre-activation to ``wo``'s FP8 cast (fp8jax's op only)."""
+    return bool(cfg.recipe) and cfg.fp8_impl == "fp8jax" and cfg.fuse_activation
+
+
+def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None, prologue=None):
     """A linear layer; FP8 when ``cfg.recipe`` is set, else a plain matmul in ``cfg.dtype``.
 
     ``names`` label the kernel's axes (input axes then ``features``); the bias takes the
-    trailing ``len(features)`` names.
+    trailing ``len(features)`` names. ``prologue`` (FP8 only) is an activation the layer applies
+    to its input inside the FP8 cast.
     """
     features = tuple(features)
     return nn.DenseGeneral(
@@ -55,7 +63,7 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
         param_dtype=cfg.param_dtype,
         kernel_init=normal_init(names, std),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-len(features) :]),
-        dot_general_cls=fp8_cls(cfg),
+        dot_general_cls=fp8_cls(cfg, prologue),
         name=name,
     )
 
@@ -142,15 +150,23 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         c = self.cfg
+        prologue = None
         if c.style == "gpt":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
-            h_BxLxF = nn.gelu(h_BxLxF, approximate=True)  # GPT-2's tanh approximation
+            if fuses_activation(c):
+                # wo's E4M3 cast applies the GELU itself: act(h) is never written to memory,
+                # and the backward pass keeps only h (the pre-activation) for GELU's derivative.
+                prologue = "gelu_tanh"
+            else:
+                h_BxLxF = nn.gelu(h_BxLxF, approximate=True)  # GPT-2's tanh approximation
         else:
             # Gate and up projections fused: one FP8 quantization of x, one GEMM.
             gu_BxLx2xF = dense(c, (2, c.d_ff), ("embed", None, "mlp"), name="wi")(x_BxLxD)
             h_BxLxF = nn.silu(gu_BxLx2xF[:, :, 0]) * gu_BxLx2xF[:, :, 1]
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
-        out = dense(c, (c.d_model,), ("mlp", "embed"), std=_residual_std(c), name="wo")
+        out = dense(
+            c, (c.d_model,), ("mlp", "embed"), std=_residual_std(c), name="wo", prologue=prologue
+        )
         return out(h_BxLxF)
 
 

@@ -106,6 +106,7 @@ def test_gelu_runs_inside_the_kernel_on_cuda():
 
     fused, plain = fwd("pallas"), fwd("xla")
     assert fused.count(TRITON) == 2 and "stablehlo.tanh" not in fused
+    assert "tanh.approx.f32" in fused  # the GPU's one-instruction tanh, inside the kernel
     assert TRITON not in plain and "stablehlo.tanh" in plain
 
 

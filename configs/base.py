@@ -47,10 +47,10 @@ def get_config() -> ml_collections.ConfigDict:
     # (H200: 1.3-2.1x faster than XLA's casts, gpt_1b3 O1 step -7%; benchmarks/RESULTS.md);
     # 'xla': XLA fusions only; 'interpret': the kernel through Pallas' interpreter (tests).
     f.cast_kernel = "pallas"  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
-    # True: GPT's GELU runs inside the E4M3 cast of the MLP's second matmul, and the backward
-    # keeps only the pre-activation. gpt_1b3 O1 on an H200: peak 46.5 -> 40.5 GiB, step ~1%
-    # slower (the backward recomputes tanh; benchmarks/RESULTS.md, 2026-11-30, sixth).
-    f.fuse_activation = False  # trade ~1% speed for one [tokens, d_ff] bf16 tensor per layer
+    # GPT's GELU runs inside the E4M3 cast of the MLP's second matmul, and the backward keeps
+    # only the pre-activation (recomputing tanh). gpt_1b3 O1 on an H200: peak 46.5 -> 40.5 GiB,
+    # step time within run-to-run spread (benchmarks/RESULTS.md, 2026-11-30, sixth).
+    f.fuse_activation = True  # False: a separate GELU, autodiff keeping its intermediates
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)

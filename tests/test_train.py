@@ -28,9 +28,11 @@ GOLDEN = {
 # cannot see changes that only touch bf16 paths (such as how a bf16 GEMM output is unscaled).
 GOLDEN_BF16 = {
     "O0": [4.857767105102539, 4.857767105102539, 4.83690881729126],
-    "O1": [4.857754707336426, 4.857549667358398, 4.836909770965576],
-    "O2": [4.8573408126831055, 4.8574371337890625, 4.836875915527344],
+    "O1": [4.857696533203125, 4.857510089874268, 4.836814880371094],
+    "O2": [4.857402324676514, 4.857123374938965, 4.836864948272705],
 }
+# 2026-11-30: bf16 O1/O2 moved when GPT's GELU moved into wo's FP8 cast (fp8.fuse_activation):
+# the activation is now computed in f32 and quantized unrounded, not rounded to bf16 first.
 
 
 def load_config(name="tiny", arg=None):

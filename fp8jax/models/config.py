@@ -109,7 +109,7 @@ class ModelConfig:
     recipe: scaling.Recipe | None
     fp8_impl: str = "fp8jax"
     cast_kernel: str = "pallas"
-    fuse_activation: bool = False
+    fuse_activation: bool = True
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
@@ -127,7 +127,7 @@ class ModelConfig:
             recipe=recipe,
             fp8_impl=config.fp8.impl,
             cast_kernel=config.fp8.cast_kernel,
-            fuse_activation=bool(config.fp8.get("fuse_activation", False)),
+            fuse_activation=bool(config.fp8.get("fuse_activation", True)),
         )
 
     @property

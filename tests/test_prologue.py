@@ -181,4 +181,3 @@ def test_gpt_mlp_fused_equals_unfused_in_f32():
         b = functools.reduce(lambda t, k: t[k.key], path, g_p)
         rel = np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
         assert rel < 1e-4, (jax.tree_util.keystr(path), rel)
-

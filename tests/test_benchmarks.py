@@ -17,6 +17,7 @@ import cast_transpose  # noqa: E402
 import kernel_profile  # noqa: E402
 import memory_peak  # noqa: E402
 import notebooks  # noqa: E402
+import prologue  # noqa: E402
 import step as step_bench  # noqa: E402
 
 FP8_GEMM = "nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_bias_TNT"
@@ -297,6 +298,25 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     keys = ("bm", "bk", "warps", "stages", "cast_first")
     assert [tuple(r[k] for k in keys) for r in rows] == fits
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
+
+
+def test_prologue_rows_check_each_formula_against_xla_gelu():
+    """Through the interpreter every formula gives the exact GELU's FP8 codes (the kernel's
+    hardware tanh only exists on GPUs); rounding GELU to bf16 first, as the unfused path does,
+    changes some of them."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((32, 128)) * 2, jnp.bfloat16)
+    rows = prologue.measure(h, jnp.float32(64.0), True, reps=1, iters=1, tunings=[(16, 128, 4)])
+    assert [r["variant"] for r in rows] == [
+        "cast only (no GELU)",
+        "XLA GELU (bf16) then cast",
+        *(f"kernel GELU {f}" for f in prologue.FORMULAS),
+    ]
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    assert rows[1]["differ"] > 0.01
+    assert all(r["differ"] == 0 for r in rows[2:]), rows
 
 
 def test_cast_transpose_loop_times_xla_amax_inside_the_loop():

@@ -37,9 +37,7 @@ def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
         return None
     if cfg.fp8_impl == "flax":
         return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
-    if prologue:
-        return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue)
-    return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel)
+    return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue)
 
 
 def fuses_activation(cfg: ModelConfig) -> bool:

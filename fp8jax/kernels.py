@@ -166,3 +166,99 @@ def cast_transpose(
         cuda=lambda x, s: _pallas(x, s, dtype, bm, bk, interpret=False, prologue=prologue),
         default=lambda x, s: _reference(x, s, dtype, prologue),
     )
+
+
+_C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
+
+
+def _gelu_tanh_grad(x, tanh=jnp.tanh):
+    # d/dx of _gelu_tanh, written out (f32): 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x).
+    t = tanh(_C * (x + _A * (x * x * x)))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_C * (1.0 + 3.0 * _A * (x * x)))
+
+
+ACTIVATION_GRADS = {"gelu_tanh": _gelu_tanh_grad}
+
+
+def _grad_reference(pre, da, inv, scale, dtype, act):
+    """XLA version of ``act_grad_cast_transpose``."""
+    d = ACTIVATION_GRADS[act](pre.astype(jnp.float32)) * (da.astype(jnp.float32) * inv)
+    q = formats.quantize(d, scale, dtype)  # [M, K]
+    return q, q.T, formats.amax(d), jnp.sum(d, axis=0)
+
+
+def _grad_kernel(
+    s_ref, pre_ref, da_ref, q_ref, qt_ref, amax_ref, sum_ref, *, limit, dtype, act, tanh
+):
+    # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
+    pre_bxk = pre_ref[...].astype(jnp.float32)
+    d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
+    amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(d_bxk)), jnp.float32)
+    sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
+    y_bxk = jnp.clip(d_bxk * s_ref[1], -limit, limit)  # as formats.quantize
+    q_ref[...] = y_bxk.astype(dtype)
+    qt_ref[...] = y_bxk.T.astype(dtype)
+
+
+def _grad_pallas(pre, da, inv, scale, dtype, act, bm, bk, interpret):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    m, k = pre.shape
+    gm, gk = m // bm, k // bk
+    kernel = functools.partial(
+        _grad_kernel,
+        limit=formats.fmax(dtype),
+        dtype=dtype,
+        act=act,
+        tanh=jnp.tanh if interpret else plt.approx_tanh,  # as in _pallas
+    )
+    tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
+    q, qt, amax_GMxGK, sums_GMxK = pl.pallas_call(
+        kernel,
+        grid=(gm, gk),
+        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile],
+        out_specs=[
+            tile,
+            pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            pl.BlockSpec((1, bk), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, k), dtype),
+            jax.ShapeDtypeStruct((k, m), dtype),
+            jax.ShapeDtypeStruct((gm, gk), jnp.float32),
+            jax.ShapeDtypeStruct((gm, k), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=_WARPS, num_stages=1),
+        name="fp8_act_grad_cast_transpose",
+    )(jnp.stack([inv, scale]).astype(jnp.float32), pre, da)
+    return q, qt, jnp.max(amax_GMxGK), jnp.sum(sums_GMxK, axis=0)
+
+
+def act_grad_cast_transpose(pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh"):
+    """``d = act'(pre) * da * inv`` quantized: ``(q [M, K], q.T [K, M], amax(d), sum_M(d))``.
+
+    The backward of ``act(pre) . w`` followed by the E5M2 cast of the layer that made ``pre``,
+    in one pass: ``da`` is the dgrad GEMM's raw output and ``inv`` its inverse scale. The
+    column sums are the gradient of a bias added to ``pre``.
+    """
+    dtype = formats.as_dtype(fmt)
+    check_impl(impl)
+    if act not in ACTIVATION_GRADS:
+        raise ValueError(f"unknown FP8 cast prologue {act!r}: use one of {sorted(ACTIVATIONS)}")
+    m, k = pre.shape
+    bm, bk = _block(m, _ROW_BLOCKS), _block(k, _COL_BLOCKS)
+    if impl == "xla" or bm is None or bk is None:
+        return _grad_reference(pre, da, inv, scale, dtype, act)
+    if impl == "interpret":
+        return _grad_pallas(pre, da, inv, scale, dtype, act, bm, bk, interpret=True)
+    return jax.lax.platform_dependent(
+        pre,
+        da,
+        inv,
+        scale,
+        cuda=lambda p, d, i, s: _grad_pallas(p, d, i, s, dtype, act, bm, bk, interpret=False),
+        default=lambda p, d, i, s: _grad_reference(p, d, i, s, dtype, act),
+    )

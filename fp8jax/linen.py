@@ -82,6 +82,24 @@ class Fp8DotGeneral(_Fp8Op):
         )
 
 
+class Fp8Meta(_Fp8Op):
+    """The state of an FP8 matmul that a fused op (``fp8jax.mlp``) runs: read, then ``write``."""
+
+    @nn.compact
+    def __call__(self, lhs, rhs):
+        """``(rhs, meta)``: the weight (dequantized from an O2 master) and the stored scales."""
+        rhs = master.dequantize_in_layer(self, rhs)
+        meta = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe).value
+        if lhs is not None and self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
+            self._sow_stats(lhs, rhs, meta)
+        return rhs, meta
+
+    def write(self, new_meta: dot.Fp8Meta) -> None:
+        """Store the meta with this step's amax (train steps; evaluation writes nothing)."""
+        if self.is_mutable_collection(FP8) and not self.is_initializing():
+            self.put_variable(FP8, "meta", new_meta)
+
+
 class Fp8Einsum(_Fp8Op):
     """FP8 version of ``jnp.einsum(eq, x, kernel)``; state in the ``fp8_state`` collection."""
 

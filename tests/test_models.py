@@ -284,6 +284,14 @@ def test_matmul_params_match_model():
         assert n == models.count_params(nn.unbox(variables["params"]))
 
 
+def test_fuse_mlp_needs_the_gpt_mlp_with_its_fused_gelu():
+    for config in (tiny("llama"), tiny()):
+        config.fp8.fuse_mlp = True
+        config.fp8.fuse_activation = config.model.style == "llama"
+        with pytest.raises(ValueError, match=r"fp8.fuse_mlp fuses GPT's GELU MLP.*fuse_mlp=False"):
+            models.build_model(config)
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

@@ -67,6 +67,11 @@ def check_config(config) -> None:
             f"RoPE needs an even head dim, got d_model/num_heads={m.d_model // m.num_heads}: "
             f"change model.d_model or model.num_heads"
         )
+    if f.get("fuse_mlp", False) and (m.style != "gpt" or not f.get("fuse_activation", True)):
+        raise ValueError(
+            f"fp8.fuse_mlp fuses GPT's GELU MLP: it needs model.style='gpt' (got {m.style!r}) "
+            f"and fp8.fuse_activation=True; set fp8.fuse_mlp=False otherwise"
+        )
     if config.seq_len > m.max_len:
         raise ValueError(
             f"seq_len={config.seq_len} exceeds model.max_len={m.max_len}: "
@@ -110,12 +115,13 @@ class ModelConfig:
     fp8_impl: str = "fp8jax"
     cast_kernel: str = "pallas"
     fuse_activation: bool = True
+    fuse_mlp: bool = False
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
         """Validate ``config`` and take the fields the model needs."""
         check_config(config)
-        fp8_fields = {"recipe", "fp8_impl", "cast_kernel", "fuse_activation"}
+        fp8_fields = {"recipe", "fp8_impl", "cast_kernel", "fuse_activation", "fuse_mlp"}
         fields = {f.name for f in dataclasses.fields(cls)} - fp8_fields
         kw = {k: config.model[k] for k in fields}
         kw["dtype"], kw["param_dtype"] = jnp.dtype(kw["dtype"]), jnp.dtype(kw["param_dtype"])
@@ -128,6 +134,7 @@ class ModelConfig:
             fp8_impl=config.fp8.impl,
             cast_kernel=config.fp8.cast_kernel,
             fuse_activation=bool(config.fp8.get("fuse_activation", True)),
+            fuse_mlp=bool(config.fp8.get("fuse_mlp", False)),
         )
 
     @property

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax.linen import fp8_dot_general_cls
+from fp8jax import mlp as fp8_mlp
+from fp8jax.linen import Fp8Meta, fp8_dot_general_cls
 from fp8jax.models.config import ModelConfig
 from fp8jax.sharding import constrain  # inert unless a step binds a mesh
+from fp8jax.state import FP8_STATS
 
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
 NORM_EPS = 1e-5
@@ -43,6 +45,11 @@ def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
 def fuses_activation(cfg: ModelConfig) -> bool:
     """Whether the GELU MLP hands its pre-activation to ``wo``'s FP8 cast (fp8jax's op only)."""
     return bool(cfg.recipe) and cfg.fp8_impl == "fp8jax" and cfg.fuse_activation
+
+
+def fuses_mlp(cfg: ModelConfig) -> bool:
+    """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.mlp``, ``fp8.fuse_mlp``)."""
+    return fuses_activation(cfg) and cfg.fuse_mlp and cfg.style == "gpt"
 
 
 def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None, prologue=None):
@@ -148,6 +155,9 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         c = self.cfg
+        # The FP8 health step (FP8_STATS) takes the two-matmul path: same forward, same paths.
+        if fuses_mlp(c) and not self.is_mutable_collection(FP8_STATS):
+            return self._fused(x_BxLxD)
         prologue = None
         if c.style == "gpt":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
@@ -166,6 +176,39 @@ class Mlp(nn.Module):
             c, (c.d_model,), ("mlp", "embed"), std=_residual_std(c), name="wo", prologue=prologue
         )
         return out(h_BxLxF)
+
+    def _fused(self, x_BxLxD):
+        """``fp8jax.mlp.gelu_mlp`` on wi's and wo's params and FP8 state."""
+        c = self.cfg
+        wi = _MlpLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
+        wo = _MlpLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")
+        x_BxLxD = x_BxLxD.astype(c.dtype)
+        w1_DxF, meta1 = wi.Fp8DotGeneral_0(x_BxLxD, jnp.asarray(wi.kernel, c.dtype))
+        w2_FxD, meta2 = wo.Fp8DotGeneral_0(None, jnp.asarray(wo.kernel, c.dtype))
+        b1_F = jnp.asarray(wi.bias, c.dtype)
+        y_BxLxD, meta1, meta2 = fp8_mlp.gelu_mlp(
+            x_BxLxD, w1_DxF, b1_F, w2_FxD, meta1, meta2, c.cast_kernel
+        )
+        wi.Fp8DotGeneral_0.write(meta1)
+        wo.Fp8DotGeneral_0.write(meta2)
+        return y_BxLxD + jnp.asarray(wo.bias, c.dtype)
+
+
+class _MlpLinear(nn.Module):
+    """``nn.DenseGeneral``'s kernel, bias and FP8 state at its paths, for the fused MLP."""
+
+    cfg: ModelConfig
+    shape: tuple[int, int]  # [in, out]
+    names: tuple[str, str]  # logical axes of the kernel
+    std: float
+
+    def setup(self):
+        c = self.cfg
+        init_k = normal_init(self.names, self.std)
+        init_b = nn.with_logical_partitioning(nn.initializers.zeros, self.names[-1:])
+        self.kernel = self.param("kernel", init_k, self.shape, c.param_dtype)
+        self.bias = self.param("bias", init_b, self.shape[-1:], c.param_dtype)
+        self.Fp8DotGeneral_0 = Fp8Meta(c.recipe, cast_kernel=c.cast_kernel)
 
 
 class Block(nn.Module):

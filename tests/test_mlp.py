@@ -1,0 +1,137 @@
+"""GPT's MLP as one FP8 custom VJP (``fp8.fuse_mlp``): same math as two FP8 matmuls."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import fp8jax
+from fp8jax import FP8, dot, kernels, mlp, models
+from fp8jax import train as train_lib
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
+
+
+def test_gelu_derivative_formula_matches_autodiff():
+    x = jnp.linspace(-8.0, 8.0, 4097, dtype=jnp.float32)
+    auto = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x)
+    np.testing.assert_allclose(kernels._gelu_tanh_grad(x), auto, rtol=1e-5, atol=1e-6)
+
+
+def test_act_grad_kernel_matches_xla_bit_for_bit():
+    rng = np.random.default_rng(0)
+    pre = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.bfloat16)  # [M, F]
+    da = jnp.asarray(rng.standard_normal((64, 256)) * 50, jnp.bfloat16)  # raw dgrad output
+    inv, scale = jnp.float32(0.01), jnp.float32(2.0**12)
+
+    def run(impl):
+        f = functools.partial(kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
+        return jax.jit(f)(pre, da, inv, scale)
+
+    q, q_t, amax, db = run("interpret")
+    ref_q, _, ref_amax, ref_db = run("xla")
+    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
+    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    assert float(amax) == float(ref_amax) > 0
+    d = kernels._gelu_tanh_grad(pre.astype(jnp.float32)) * (da.astype(jnp.float32) * inv)
+    np.testing.assert_allclose(db, jnp.sum(d, axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref_db, db, rtol=1e-5, atol=1e-5)
+
+
+def _tiny(fuse_mlp, dtype, kernel="interpret", level="O1"):
+    c = train_lib.load_config("tiny")
+    c.fp8.level, c.fp8.fuse_mlp, c.fp8.cast_kernel = level, fuse_mlp, kernel
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 256
+    m.vocab_size, m.max_len, m.dtype, c.seq_len, c.batch_size = 128, 16, dtype, 16, 4
+    return c
+
+
+def _grads(config, variables, tok):
+    model = models.build_model(config)
+
+    def loss(params, fp8):
+        logits, mutated = model.apply({"params": params, FP8: fp8}, tok, mutable=[FP8])
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)), mutated[FP8]
+
+    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    return jax.jit(grad_fn)(variables["params"], variables[FP8])
+
+
+def test_fused_mlp_equals_two_fp8_matmuls_in_f32(kernel="interpret"):
+    """Same params, loss, new scale state and FP8 cotangents; grads to f32 rounding."""
+    tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 128, jnp.int32)
+    fused, plain = _tiny(True, "float32", kernel), _tiny(False, "float32", kernel)
+    variables = nn.unbox(jax.jit(models.build_model(fused).init)(jax.random.key(0), tok))
+    plain_vars = nn.unbox(jax.jit(models.build_model(plain).init)(jax.random.key(0), tok))
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain_vars), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same paths and initial values
+    (loss_f, fp8_f), (g_f, gm_f) = _grads(fused, variables, tok)
+    (loss_p, fp8_p), (g_p, gm_p) = _grads(plain, variables, tok)
+    assert float(loss_f) == float(loss_p)
+    for a, b in zip(jax.tree.leaves((fp8_f, gm_f)), jax.tree.leaves((fp8_p, gm_p)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    pairs = zip(jax.tree_util.tree_leaves_with_path(g_f), jax.tree.leaves(g_p), strict=True)
+    for (path, a), b in pairs:
+        rel = np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+        assert rel < 1e-6, (jax.tree_util.keystr(path), rel)
+
+
+def test_fused_mlp_lowers_to_six_triton_kernels_and_no_xla_tanh():
+    """Forward: x, w1, gelu(pre), w2 casts; backward: dy's cast and GELU' + wi's E5M2 cast."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.bfloat16)
+    b1 = jnp.zeros((128,), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((128, 64)) * 0.1, jnp.bfloat16)
+    m = fp8jax.init_meta()
+
+    def loss(x, w1, b1, w2):
+        y, _, _ = mlp.gelu_mlp(x, w1, b1, w2, m, m, "pallas")
+        return jnp.sum(y.astype(jnp.float32))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    text = grad.trace(x, w1, b1, w2).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 6
+    assert "stablehlo.tanh" not in text  # GELU and GELU' both run inside the kernels
+    f8_dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln and "f8E" in ln]
+    assert len(f8_dots) == 6
+
+
+def test_fused_mlp_train_step_at_o2_tracks_two_matmuls():
+    """The whole train step at O2 (FP16 masters dequantized in the fused layers)."""
+
+    def losses(fuse):
+        c = _tiny(fuse, "float32", "pallas", "O2")  # 'pallas': XLA ops on this CPU
+        tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+        batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+        env = train_lib.setup(c)
+        state = env["init"](jax.random.PRNGKey(0))
+        out = []
+        for _ in range(3):
+            state, metrics = env["train_step"](state, batch)
+            out.append(float(metrics["loss"]))
+        stats = env["stats_step"](state, batch)  # the FP8 health step takes the unfused path
+        assert jax.tree.leaves(stats)
+        return np.array(out)
+
+    fused, plain = losses(True), losses(False)
+    assert fused[-1] < fused[0]
+    np.testing.assert_allclose(fused, plain, rtol=1e-5)
+
+
+def test_gelu_mlp_checks_its_cast_kernel():
+    x = jnp.ones((16, 16))
+    with pytest.raises(ValueError, match="unknown FP8 cast kernel"):
+        mlp.gelu_mlp(x, x, x[0], x, fp8jax.init_meta(), fp8jax.init_meta(), "cuda")
+    with pytest.raises(ValueError, match="unknown FP8 cast prologue"):
+        kernels.act_grad_cast_transpose(x, x, 1.0, 1.0, "e5m2", "xla", act="relu")
+    assert dot.PAD == 16  # gelu_mlp's fused path needs every dim in multiples of this

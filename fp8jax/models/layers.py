@@ -20,6 +20,7 @@ from flax import linen as nn
 from fp8jax import mlp as fp8_mlp
 from fp8jax.linen import Fp8Meta, fp8_dot_general_cls
 from fp8jax.models.config import ModelConfig
+from fp8jax.scaling import CurrentScaling
 from fp8jax.sharding import constrain  # inert unless a step binds a mesh
 from fp8jax.state import FP8_STATS
 
@@ -48,8 +49,15 @@ def fuses_activation(cfg: ModelConfig) -> bool:
 
 
 def fuses_mlp(cfg: ModelConfig) -> bool:
-    """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.mlp``, ``fp8.fuse_mlp``)."""
-    return fuses_activation(cfg) and cfg.fuse_mlp and cfg.style == "gpt"
+    """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.mlp``, ``fp8.fuse_mlp``).
+
+    Only where that VJP applies (delayed scaling, the fused cast kernel): elsewhere, as where
+    ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path keeps its
+    activation sharding constraint.
+    """
+    delayed = not isinstance(cfg.recipe, CurrentScaling)
+    fusable = cfg.cast_kernel != "xla" and delayed and cfg.style == "gpt"
+    return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
 
 def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None, prologue=None):

@@ -147,16 +147,27 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
     return y, new_meta, (xq_t, wq, inv, x_pre)
 
 
+def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t):
+    """``(dgrad's raw GEMM output, dw)`` from dy already in E5M2, in both layouts."""
+    dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
+    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
+    return dx, _unscale(dw, inv[2], cfg.w_dtype)
+
+
 def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
     """dgrad and wgrad from one pass over dy (E5M2, both layouts)."""
     xq_t, wq, inv, x_pre = res
     sg = meta.dy.scale
     gq, gq_t, amax_g = kernels.cast_transpose(g, sg, formats.E5M2, cfg.cast)  # [M, N], [N, M]
-    dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
-    dx = _dgrad_out(cfg, dx, inv[1], x_pre)
-    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
-    dw = _unscale(dw, inv[2], cfg.w_dtype)
-    return dx, dw, amax_g
+    dx, dw = _fused_grads(cfg, xq_t, wq, inv, gq, gq_t)
+    return _dgrad_out(cfg, dx, inv[1], x_pre), dw, amax_g
+
+
+def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
+    """The state cotangent: amaxes, not derivatives. x and w were recorded in the forward pass
+    (zero here); dy's amax is max-merged into whatever later uses sent back."""
+    zeros = jax.tree.map(jnp.zeros_like, meta)
+    return zeros.replace(dy=scaling.record(ct_meta.dy, amax_g))
 
 
 def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
@@ -194,10 +205,9 @@ def _fp8_matmul_fwd(cfg: _Cfg, x, w, meta: Fp8Meta):
 def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     g, ct_meta = cts  # g: [(B,) M, N] in the output dtype
     meta = res[-1]
-    zeros = jax.tree.map(jnp.zeros_like, meta)
     if _fused(cfg, meta):
         dx, dw, amax_g = _bwd_fused(cfg, res[:-1], g, meta)
-        return dx, dw, zeros.replace(dy=scaling.record(ct_meta.dy, amax_g))
+        return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
     xq, wq, sx, sw, inv, x_pre, meta = res
     amax_g = formats.amax(g)
     sg = _use_scale(meta.dy, amax_g)
@@ -212,10 +222,7 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     # wgrad: contract M (x axis b, g axis b) -> [(B,) K, N]
     dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(cfg.w_dtype))
     dw = _unscale(dw, inv[2], cfg.w_dtype)
-    # The state cotangent carries amaxes, not derivatives: x/w were recorded in the forward
-    # pass (zero here), dy's amax is max-merged into whatever later uses sent back.
-    dy_ct = scaling.record(ct_meta.dy, amax_g)
-    return dx, dw, zeros.replace(dy=dy_ct)
+    return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -45,12 +45,16 @@ def _gelu_tanh(x, tanh=jnp.tanh):
 ACTIVATIONS = {"gelu_tanh": _gelu_tanh}
 
 
+def _check_activation(name: str, table) -> None:
+    if name not in table:
+        raise ValueError(f"unknown FP8 cast prologue {name!r}: use one of {sorted(table)}")
+
+
 def activation(name: str | None, tanh=jnp.tanh):
     """The prologue ``name`` as a function of f32 arrays (identity for None); a clear error."""
     if name is None:
         return lambda x: x
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown FP8 cast prologue {name!r}: use one of {sorted(ACTIVATIONS)}")
+    _check_activation(name, ACTIVATIONS)
     return functools.partial(ACTIVATIONS[name], tanh=tanh)
 
 
@@ -63,6 +67,26 @@ def check_impl(impl: str) -> str:
 
 def _block(n: int, blocks) -> int | None:
     return next((b for b in blocks if n % b == 0), None)
+
+
+def _dispatch(impl: str, shape, reference, pallas, *args):
+    """``reference(*args)`` or ``pallas(*args, bm, bk, interpret)`` for an [M, K] pass.
+
+    'xla', and sides not in multiples of 16, take XLA ops; 'interpret' runs the kernel through
+    Pallas' interpreter; 'pallas' picks per platform when lowering: the Triton kernel for
+    CUDA, XLA ops anywhere else.
+    """
+    check_impl(impl)
+    bm, bk = _block(shape[0], _ROW_BLOCKS), _block(shape[1], _COL_BLOCKS)
+    if impl == "xla" or bm is None or bk is None:
+        return reference(*args)
+    if impl == "interpret":
+        return pallas(*args, bm, bk, True)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=lambda *a: pallas(*a, bm, bk, False),
+        default=reference,
+    )
 
 
 def _reference(x, scale, dtype, prologue=None):
@@ -151,20 +175,16 @@ def cast_transpose(
     16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``.
     """
     dtype = formats.as_dtype(fmt)
-    check_impl(impl)
     activation(prologue)  # a clear error for an unknown name
-    m, k = x.shape
-    bm, bk = _block(m, _ROW_BLOCKS), _block(k, _COL_BLOCKS)
-    if impl == "xla" or bm is None or bk is None:
-        return _reference(x, scale, dtype, prologue)
-    if impl == "interpret":
-        return _pallas(x, scale, dtype, bm, bk, interpret=True, prologue=prologue)
-    # Chosen when lowering, per platform: the Triton kernel for CUDA, XLA ops anywhere else.
-    return jax.lax.platform_dependent(
+    return _dispatch(
+        impl,
+        x.shape,
+        lambda x, s: _reference(x, s, dtype, prologue),
+        lambda x, s, bm, bk, interpret: _pallas(
+            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue
+        ),
         x,
         scale,
-        cuda=lambda x, s: _pallas(x, s, dtype, bm, bk, interpret=False, prologue=prologue),
-        default=lambda x, s: _reference(x, s, dtype, prologue),
     )
 
 
@@ -245,20 +265,16 @@ def act_grad_cast_transpose(pre, da, inv, scale, fmt, impl: str = "pallas", act=
     column sums are the gradient of a bias added to ``pre``.
     """
     dtype = formats.as_dtype(fmt)
-    check_impl(impl)
-    if act not in ACTIVATION_GRADS:
-        raise ValueError(f"unknown FP8 cast prologue {act!r}: use one of {sorted(ACTIVATIONS)}")
-    m, k = pre.shape
-    bm, bk = _block(m, _ROW_BLOCKS), _block(k, _COL_BLOCKS)
-    if impl == "xla" or bm is None or bk is None:
-        return _grad_reference(pre, da, inv, scale, dtype, act)
-    if impl == "interpret":
-        return _grad_pallas(pre, da, inv, scale, dtype, act, bm, bk, interpret=True)
-    return jax.lax.platform_dependent(
+    _check_activation(act, ACTIVATION_GRADS)
+    return _dispatch(
+        impl,
+        pre.shape,
+        lambda p, d, i, s: _grad_reference(p, d, i, s, dtype, act),
+        lambda p, d, i, s, bm, bk, interpret: _grad_pallas(
+            p, d, i, s, dtype, act, bm, bk, interpret
+        ),
         pre,
         da,
         inv,
         scale,
-        cuda=lambda p, d, i, s: _grad_pallas(p, d, i, s, dtype, act, bm, bk, interpret=False),
-        default=lambda p, d, i, s: _grad_reference(p, d, i, s, dtype, act),
     )

@@ -30,17 +30,26 @@ class _Fp8Op(nn.Module):
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
+        rhs, meta = self._read(lhs, rhs)
+        out, new_meta = matmul(meta, rhs)
+        self._write(new_meta)
+        return out
+
+    def _read(self, lhs, rhs):
+        """``(rhs, meta)``: the weight and the stored scales; health stats when asked for
+        (``lhs=None``: none for x). Call from a compact method."""
         # O2+ train step: the kernel may arrive as its FP16 master's bits (master.carry_masters),
         # dequantized here, inside the layer (and its remat), not kept alive outside it.
         rhs = master.dequantize_in_layer(self, rhs)
-        meta_var = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe)
-        meta = meta_var.value
-        if self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
+        meta = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe).value
+        if lhs is not None and self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
             self._sow_stats(lhs, rhs, meta)
-        out, new_meta = matmul(meta, rhs)
+        return rhs, meta
+
+    def _write(self, new_meta: dot.Fp8Meta) -> None:
+        """Store the meta with this call's amax (train steps; evaluation writes nothing)."""
         if self.is_mutable_collection(FP8) and not self.is_initializing():
-            meta_var.value = new_meta
-        return out
+            self.put_variable(FP8, "meta", new_meta)
 
     def _sow_stats(self, lhs, rhs, meta: dot.Fp8Meta):
         """Record the share of saturated and flushed values under the scales in use."""
@@ -88,16 +97,11 @@ class Fp8Meta(_Fp8Op):
     @nn.compact
     def __call__(self, lhs, rhs):
         """``(rhs, meta)``: the weight (dequantized from an O2 master) and the stored scales."""
-        rhs = master.dequantize_in_layer(self, rhs)
-        meta = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe).value
-        if lhs is not None and self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
-            self._sow_stats(lhs, rhs, meta)
-        return rhs, meta
+        return self._read(lhs, rhs)
 
     def write(self, new_meta: dot.Fp8Meta) -> None:
         """Store the meta with this step's amax (train steps; evaluation writes nothing)."""
-        if self.is_mutable_collection(FP8) and not self.is_initializing():
-            self.put_variable(FP8, "meta", new_meta)
+        self._write(new_meta)
 
 
 class Fp8Einsum(_Fp8Op):

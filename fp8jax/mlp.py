@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax import dot, formats, kernels, scaling
+from fp8jax import dot, formats, kernels
 from fp8jax.dot import Fp8Meta
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
@@ -31,14 +31,6 @@ class _Cfg(NamedTuple):
     layer1: dot._Cfg  # x . w1 -> h (the GEMM output, before the bias)
     layer2: dot._Cfg  # gelu(pre) . w2 -> y
     b_dtype: jnp.dtype
-
-
-def _fusable(cast: str, x, w1, w2, metas) -> bool:
-    delayed = all(
-        not isinstance(s.recipe, scaling.CurrentScaling) for m in metas for s in (m.x, m.w, m.dy)
-    )
-    dims = (x.shape[0], w1.shape[0], w1.shape[1], w2.shape[1])
-    return cast != "xla" and delayed and all(d % dot.PAD == 0 for d in dims)
 
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
@@ -64,30 +56,21 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
     (xq_t, w1q, inv1, pre, aq_t, w2q, inv2), m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
-    # Layer 2: E5M2 for its output gradient, both layouts.
+    # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
     g2q, g2q_t, amax_g2 = kernels.cast_transpose(g, m2.dy.scale, formats.E5M2, c2.cast)
-    da = dot._mm(g2q, w2q, 1, 1, False, dot._acc_dtype(c2.x_dtype))  # [M, F], still scaled
-    dw2 = dot._unscale(
-        dot._mm(aq_t, g2q_t, 1, 1, False, dot._acc_dtype(c2.w_dtype)), inv2[2], c2.w_dtype
-    )
+    da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t)  # [M, F], [F, D]
     # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
     g1q, g1q_t, amax_g1, db1 = kernels.act_grad_cast_transpose(
         pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT
     )
-    dx = dot._unscale(
-        dot._mm(g1q, w1q, 1, 1, False, dot._acc_dtype(c1.x_dtype)), inv1[1], c1.x_dtype
-    )
-    dw1 = dot._unscale(
-        dot._mm(xq_t, g1q_t, 1, 1, False, dot._acc_dtype(c1.w_dtype)), inv1[2], c1.w_dtype
-    )
-    zeros1, zeros2 = jax.tree.map(jnp.zeros_like, (m1, m2))
+    dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t)
     return (
-        dx,
+        dot._dgrad_out(c1, dx, inv1[1], None),
         dw1,
         db1.astype(cfg.b_dtype),
         dw2,
-        zeros1.replace(dy=scaling.record(ct_m1.dy, amax_g1)),
-        zeros2.replace(dy=scaling.record(ct_m2.dy, amax_g2)),
+        dot._meta_cotangent(m1, ct_m1, amax_g1),
+        dot._meta_cotangent(m2, ct_m2, amax_g2),
     )
 
 
@@ -104,15 +87,16 @@ def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = "
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
     out_dtype = jnp.result_type(x.dtype, w1.dtype)
-    if not _fusable(cast_kernel, x_MxD, w1, w2, (meta1, meta2)):
+    layer1 = dot._Cfg(x_MxD.dtype, w1.dtype, out_dtype, False, cast_kernel)
+    y_dtype = jnp.result_type(out_dtype, w2.dtype)
+    layer2 = dot._Cfg(out_dtype, w2.dtype, y_dtype, False, cast_kernel, ACT)
+    dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
+    aligned = all(d % dot.PAD == 0 for d in dims)
+    if not (aligned and dot._fused(layer1, meta1) and dot._fused(layer2, meta2)):
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
         pre = h + b1.astype(h.dtype)
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
         return y.reshape(*lead, -1), meta1, meta2
-    layer1 = dot._Cfg(x_MxD.dtype, w1.dtype, out_dtype, False, cast_kernel)
-    layer2 = dot._Cfg(
-        out_dtype, w2.dtype, jnp.result_type(out_dtype, w2.dtype), False, cast_kernel, ACT
-    )
     cfg = _Cfg(layer1, layer2, jnp.dtype(b1.dtype))
     y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)
     return y.reshape(*lead, -1), meta1, meta2

@@ -163,10 +163,13 @@ def child(
         for _ in range(2):  # warm-up
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-        times = []
+        times, enqueue = [], []
         for _ in range(steps):
             t = time.perf_counter()
             state, metrics = compiled(state, batch)
+            # The call returns once the host has enqueued the step's work on an idle GPU: at
+            # or above the GPU's time per step, the step is host-bound.
+            enqueue.append(time.perf_counter() - t)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
         # Pipelined: steps dispatched back to back, one wait at the end. The trainer's loop
@@ -189,6 +192,7 @@ def child(
         "step_ms": ms,
         "tokens_per_s": tokens / (ms / 1e3),
         "step_ms_pipelined": ms_pipe,
+        "host_ms_per_step": statistics.median(enqueue) * 1e3,
         "tokens_per_s_pipelined": tokens / (ms_pipe / 1e3),
         "devices": env["mesh"].size,
         "tokens_per_s_per_device": tokens / (ms / 1e3) / env["mesh"].size,
@@ -328,8 +332,8 @@ def main():
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
     head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "temp GiB", "f8")
-    head += ("ops/tiny",)
-    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11}".format(*head))
+    head += ("ops/tiny", "host ms")
+    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11} {:>7}".format(*head))
     for r in rows:
         if "error" in r:
             print(f"{r['run']:40} ERROR {r['error'][:80]}")
@@ -338,7 +342,8 @@ def main():
             f"{r['run'][:40]:40} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
             f"{r['step_ms_pipelined']:8.1f} {r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
             f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d} "
-            f"{'/'.join(map(str, r.get('hlo_ops_and_small', ()))):>11}"
+            f"{'/'.join(map(str, r.get('hlo_ops_and_small', ()))):>11} "
+            f"{r.get('host_ms_per_step', float('nan')):7.1f}"
         )
     for r in rows:
         prof = r.get("profile")

@@ -51,9 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
     # only the pre-activation (recomputing tanh). gpt_1b3 O1 on an H200: peak 46.5 -> 40.5 GiB,
     # step time within run-to-run spread (benchmarks/RESULTS.md, 2026-11-30, sixth).
     f.fuse_activation = True  # False: a separate GELU, autodiff keeping its intermediates
-    # Experimental, not yet timed on a GPU: GPT's whole MLP as one custom VJP, so the backward
-    # folds GELU's derivative and the bias gradient into wi's E5M2 cast (fp8jax/mlp.py).
-    f.fuse_mlp = False  # needs fuse_activation; delayed scaling and the Pallas casts
+    # GPT's whole MLP as one custom VJP: the backward folds GELU's derivative and the bias
+    # gradient into wi's E5M2 cast (fp8jax/mlp.py). gpt_1b3 O1 on an H200: 3.2% faster
+    # pipelined, same peak (benchmarks/RESULTS.md, 2026-11-30, seventh). Applies to GPT's GELU
+    # MLP with fuse_activation, delayed scaling and the fused casts; ignored elsewhere (LLaMA).
+    f.fuse_mlp = True  # False: the MLP as two FP8 matmuls, autodiff between them
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)

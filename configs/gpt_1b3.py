@@ -4,9 +4,9 @@ GPT 1.3B: d_model 2048, 24 layers, 16 heads, GELU MLP 4x, seq 2048, batch 8 (163
 step), vocabulary 32768, untied LM head: 1.35B parameters. FP8 level O1, bf16 compute, one GPU.
 The shape of the whole-model reference in docs h200-measured.md (one H200, forward + backward
 only: PyTorch bf16 68.0k tokens/s, torchao float8 76.5k, Flax bf16 50.7k). Full train step
-with AdamW on one H200 (benchmarks/RESULTS.md, 2026-11-30 sixth, jax 0.11.2,
-XLA_FLAGS=--xla_gpu_enable_triton_gemm=false, pipelined steps): O0 255.6 ms/step (64.1k
-tokens/s, 50.6 GiB peak), O1 192.3 ms (85.2k, 39.7 GiB); O2 ran 1% behind O1 with 7 GiB
+with AdamW on one H200 (benchmarks/RESULTS.md, 2026-11-30 seventh, jax 0.11.2,
+XLA_FLAGS=--xla_gpu_enable_triton_gemm=false, pipelined steps): O0 256.9 ms/step (63.8k
+tokens/s, 50.6 GiB peak), O1 186.1 ms (88.0k, 39.7 GiB); O2 ran 1% behind O1 with 7 GiB
 less (2026-11-30 day); PyTorch compiled bf16 61.4k, torchao float8 67.1k (2026-11-29 night).
 Compiles in ~25 s (O0) / ~55 s (O1) / ~90 s (O2). Run time and loss of a full training run:
 not measured yet. Set ``--config.data.path`` to a large corpus.

@@ -284,12 +284,18 @@ def test_matmul_params_match_model():
         assert n == models.count_params(nn.unbox(variables["params"]))
 
 
-def test_fuse_mlp_needs_the_gpt_mlp_with_its_fused_gelu():
-    for config in (tiny("llama"), tiny()):
-        config.fp8.fuse_mlp = True
-        config.fp8.fuse_activation = config.model.style == "llama"
-        with pytest.raises(ValueError, match=r"fp8.fuse_mlp fuses GPT's GELU MLP.*fuse_mlp=False"):
-            models.build_model(config)
+def test_fuse_mlp_applies_only_to_the_gpt_mlp_with_its_fused_gelu():
+    """On by default, fp8.fuse_mlp is ignored (and the model builds) where it cannot apply."""
+    from fp8jax.models import layers
+
+    cases = [("gpt", True, True), ("gpt", False, False), ("llama", True, False)]
+    for style, fuse_activation, want in cases:
+        config = tiny(style) if style == "llama" else tiny()
+        config.fp8.fuse_activation = fuse_activation
+        assert config.fp8.fuse_mlp  # the default
+        cfg = models.ModelConfig.from_config(config)
+        assert layers.fuses_mlp(cfg) == want, (style, fuse_activation)
+        models.build_model(config)
 
 
 @pytest.mark.parametrize(

@@ -28,11 +28,14 @@ GOLDEN = {
 # cannot see changes that only touch bf16 paths (such as how a bf16 GEMM output is unscaled).
 GOLDEN_BF16 = {
     "O0": [4.857767105102539, 4.857767105102539, 4.83690881729126],
-    "O1": [4.857696533203125, 4.857510089874268, 4.836814880371094],
-    "O2": [4.857402324676514, 4.857123374938965, 4.836864948272705],
+    "O1": [4.857696533203125, 4.857510089874268, 4.836845874786377],
+    "O2": [4.857402324676514, 4.857123374938965, 4.836457252502441],
 }
 # 2026-11-30: bf16 O1/O2 moved when GPT's GELU moved into wo's FP8 cast (fp8.fuse_activation):
 # the activation is now computed in f32 and quantized unrounded, not rounded to bf16 first.
+# 2026-11-30 (later): their third step moved again when fp8.fuse_mlp became the default: the
+# fused backward applies GELU' to wo's dgrad in f32 inside wi's E5M2 cast, where the two
+# matmuls rounded that dgrad to bf16 first. The f32 table did not move (same math).
 
 
 def load_config(name="tiny", arg=None):
@@ -251,7 +254,10 @@ def test_o2_sums_bf16_micro_batch_gradients_in_f32(monkeypatch):
         assert a.dtype == d  # handed on in the gradients' own dtype
         # One rounding to bf16 (an f32 sum of eight bf16 values is exact to ~2**-21).
         rtol = 2**-8 if d == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(a, np.float64), r, rtol=rtol, atol=1e-30)
+        # f32 leaves: a sum whose terms cancel to near 0 (a bias gradient element 1000x below
+        # its neighbours) differs by f32 summation order, so its floor is the leaf's scale.
+        atol = 1e-30 if d == jnp.bfloat16 else 1e-6 * np.abs(r).max()
+        np.testing.assert_allclose(np.asarray(a, np.float64), r, rtol=rtol, atol=atol)
     # Measured on CPU: 0.118 against 0.260 (the sum of absolute errors over all leaves).
     assert err(wide) < 0.7 * err(narrow), (err(wide), err(narrow))
     # The train step passes config.grad_accum_dtype on.

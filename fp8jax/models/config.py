@@ -67,11 +67,6 @@ def check_config(config) -> None:
             f"RoPE needs an even head dim, got d_model/num_heads={m.d_model // m.num_heads}: "
             f"change model.d_model or model.num_heads"
         )
-    if f.get("fuse_mlp", False) and (m.style != "gpt" or not f.get("fuse_activation", True)):
-        raise ValueError(
-            f"fp8.fuse_mlp fuses GPT's GELU MLP: it needs model.style='gpt' (got {m.style!r}) "
-            f"and fp8.fuse_activation=True; set fp8.fuse_mlp=False otherwise"
-        )
     if config.seq_len > m.max_len:
         raise ValueError(
             f"seq_len={config.seq_len} exceeds model.max_len={m.max_len}: "
@@ -115,7 +110,7 @@ class ModelConfig:
     fp8_impl: str = "fp8jax"
     cast_kernel: str = "pallas"
     fuse_activation: bool = True
-    fuse_mlp: bool = False
+    fuse_mlp: bool = True
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
@@ -134,7 +129,7 @@ class ModelConfig:
             fp8_impl=config.fp8.impl,
             cast_kernel=config.fp8.cast_kernel,
             fuse_activation=bool(config.fp8.get("fuse_activation", True)),
-            fuse_mlp=bool(config.fp8.get("fuse_mlp", False)),
+            fuse_mlp=bool(config.fp8.get("fuse_mlp", True)),
         )
 
     @property

@@ -274,6 +274,7 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     with gzip.open(tmp_path / "hlo_tiny_O1.txt.gz", "rt") as f:
         assert "HloModule" in f.read()
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
+    assert 0 < rec["host_ms_per_step"] <= rec["step_ms"]  # the enqueue is part of the step
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
     assert 0 < rec["state_gib"] * 2**30 < 2**24 and rec["init_peak_gib"] >= 0  # tiny: < 16 MiB
@@ -355,3 +356,16 @@ def test_failed_run_row_keeps_the_compile_line_with_xla_memory():
     row = step_bench.run_child([sys.executable, "-c", script], "MARK", "llama_7b:O1")
     assert row["error"].startswith("llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB"), row
     assert "MemoryError: RESOURCE_EXHAUSTED" in row["error"], row
+
+
+def test_gemm_epilogue_forms_compute_the_same_linear():
+    """Each way of writing the FP8 linear gives y = x.w / (sx sw) + b up to bf16 rounding."""
+    import gemm_epilogue
+
+    rows = gemm_epilogue.measure(64, 32, 48, reps=1, iters=1)
+    assert [r["form"] for r in rows] == list(gemm_epilogue.FORMS)
+    for r in rows:
+        assert "error" not in r, r
+        # One or two bf16 roundings of outputs up to max_abs_out: a few ulps at most.
+        assert r["max_abs_diff_vs_direct"] <= 2**-6 * r["max_abs_out"], r
+        assert r["f8_gemms"] == 0 and r["kernels"] > 0  # CPU: no cuBLASLt

@@ -322,7 +322,8 @@ def main() -> dict:
         # O2's masters reach the per-device replicas still encoded (master.carry_masters).
         "O2 DP": (tiny_config("O2", data=8), devs, "base O2"),
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,
-        # against XLA's casts on the same mesh: the same arithmetic, so the same numbers.
+        # against XLA's casts on the same mesh: the same arithmetic, so the same numbers (but
+        # for the fused MLP's bias-gradient sum order; test_sharding says how much).
         "O1 DP Pallas": (_with(o1(data=8), cast_kernel="interpret"), devs, "O1 DP"),
         # Unrolled layers: one FP8 gradient bucket per layer (the default) against one bucket
         # for all; per-tensor scales either way, so the same bits, in 3 all-to-alls against 1.

@@ -270,10 +270,14 @@ def test_sharded_steps_match_one_device(checks):
     cmp = dict(checks["compare"])
     # Same arithmetic, other programs: XLA's casts vs the Pallas kernel on the same mesh, and
     # one FP8 gradient bucket per layer vs one for all (per-tensor scales either way).
-    for name in ("O1 DP Pallas", "O1 DP by layer"):
+    # The Pallas path also runs GPT's MLP as one custom VJP (fp8.fuse_mlp): its bias gradient is
+    # summed inside wi's E5M2 cast, in another f32 order than XLA's reduce, so the update may
+    # differ in the last bits (1e-8 measured); loss, gradient norm and FP8 state do not.
+    for name, update_rtol in (("O1 DP Pallas", 1e-6), ("O1 DP by layer", 0.0)):
         same = cmp.pop(name)
         assert max(same["loss_rel"] + same["grad_norm_rel"]) == 0.0, (name, same)
-        assert same["update_rel_l2"] == 0.0 and same["fp8_state_step0_rel"] == 0.0, (name, same)
+        assert same["update_rel_l2"] <= update_rtol, (name, same)
+        assert same["fp8_state_step0_rel"] == 0.0, (name, same)
     assert checks["all_to_alls"] == {"O1 DP one bucket": 1, "O1 DP by layer": 3}  # 2 layers + rest
     assert set(cmp) == {"O1 DP", "O1 FSDP", "O1 TP", "O1 DPxTP", "O3 FSDP", "O2 DP"}
     for name, c in cmp.items():

@@ -34,10 +34,13 @@ class _Cfg(NamedTuple):
 
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
-    h, m1_new, (xq_t, w1q, inv1, _) = dot._fwd_fused(cfg.layer1, x, w1, m1)  # [M, F]
-    pre = h + b1.astype(h.dtype)  # [M, F], the bias added as nn.DenseGeneral adds it
+    # Scopes named as the layers: coverage reports and profiles tell wi's GEMMs from wo's.
+    with jax.named_scope("wi"):
+        h, m1_new, (xq_t, w1q, inv1, _) = dot._fwd_fused(cfg.layer1, x, w1, m1)  # [M, F]
+        pre = h + b1.astype(h.dtype)  # [M, F], the bias added as nn.DenseGeneral adds it
     # E4M3 of gelu(pre), computed inside the cast: gelu(pre) is never written out.
-    y, m2_new, (aq_t, w2q, inv2, _) = dot._fwd_fused(cfg.layer2, pre, w2, m2)  # [M, D]
+    with jax.named_scope("wo"):
+        y, m2_new, (aq_t, w2q, inv2, _) = dot._fwd_fused(cfg.layer2, pre, w2, m2)  # [M, D]
     return y, m1_new, m2_new, (xq_t, w1q, inv1, pre, aq_t, w2q, inv2)
 
 
@@ -56,14 +59,16 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
     (xq_t, w1q, inv1, pre, aq_t, w2q, inv2), m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
-    # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
-    g2q, g2q_t, amax_g2 = kernels.cast_transpose(g, m2.dy.scale, formats.E5M2, c2.cast)
-    da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t)  # [M, F], [F, D]
-    # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
-    g1q, g1q_t, amax_g1, db1 = kernels.act_grad_cast_transpose(
-        pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT
-    )
-    dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t)
+    with jax.named_scope("wo"):
+        # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
+        g2q, g2q_t, amax_g2 = kernels.cast_transpose(g, m2.dy.scale, formats.E5M2, c2.cast)
+        da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t)  # [M, F], [F, D]
+    with jax.named_scope("wi"):
+        # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
+        g1q, g1q_t, amax_g1, db1 = kernels.act_grad_cast_transpose(
+            pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT
+        )
+        dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t)
     return (
         dot._dgrad_out(c1, dx, inv1[1], None),
         dw1,

@@ -143,6 +143,9 @@ def test_coverage_of_block_linears(level, share):
     linears = [e for e in linears if "dot_product_attention" not in e.name and "vmap" not in e.name]
     assert len(linears) == 3 * 5, [e.name for e in report.entries]  # 5 linears, fwd+dgrad+wgrad
     assert np.mean([e.fp8 for e in linears]) == share
+    # Each named by its layer, the fused MLP's too ('mlp._fused/wi'): fwd, dgrad and wgrad.
+    layer = lambda e: next(n for n in ("q", "kv", "o", "wi", "wo") if f"/{n}/" in f"{e.name}/")  # noqa: E731
+    assert sorted(map(layer, linears)) == sorted(3 * ["q", "kv", "o", "wi", "wo"])
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention is valid on a GPU")

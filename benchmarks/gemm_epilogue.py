@@ -16,9 +16,9 @@ import argparse
 import json
 import os
 import re
-import statistics
 import time
 
+import gemm  # benchmarks/gemm.py: the same timing loop
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -119,18 +119,12 @@ def measure(m: int, k: int, n: int, reps: int = 5, iters: int = 20) -> list[dict
             rows.append({"form": name, "error": str(e).splitlines()[0][:200]})
             continue
         ref = out if ref is None else ref
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                out = compiled(*args)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / iters * 1e3)
+        sec, _ = gemm._bench(compiled, args, reps, min_rep_s=0.05, max_iters=iters)
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
         rows.append(
             {
                 "form": name,
-                "ms": statistics.median(times),
+                "ms": sec * 1e3,
                 "compile_s": compile_s,
                 "max_abs_diff_vs_direct": err,
                 "max_abs_out": float(jnp.max(jnp.abs(ref.astype(jnp.float32)))),

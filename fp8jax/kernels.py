@@ -34,10 +34,13 @@ _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
 _WARPS = 4
 
 
+_C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
+
+
 def _gelu_tanh(x, tanh=jnp.tanh):
     # GPT-2's tanh approximation (jax.nn.gelu(approximate=True)), written out with plain
     # multiplies so Triton and XLA lower the same operations.
-    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+    return 0.5 * x * (1.0 + tanh(_C * (x + _A * (x * x * x))))
 
 
 # Elementwise activations a cast may apply first, ``f(x, tanh)`` on f32 (act(0) = 0, so the
@@ -67,6 +70,18 @@ def check_impl(impl: str) -> str:
 
 def _block(n: int, blocks) -> int | None:
     return next((b for b in blocks if n % b == 0), None)
+
+
+def _kernel_tanh(interpret: bool):
+    """The tanh a kernel's activation uses: the GPU's tanh.approx.f32 (one instruction, relative
+    error ~2**-11, far below E4M3's 2**-4 spacing; libdevice's exact tanh made the GELU kernel
+    compute-bound, 1.7x slower than the plain cast: benchmarks/prologue.py). The interpreter
+    runs jnp.tanh."""
+    if interpret:
+        return jnp.tanh
+    from jax.experimental.pallas import triton as plt
+
+    return plt.approx_tanh
 
 
 def _dispatch(impl: str, shape, reference, pallas, *args):
@@ -136,10 +151,7 @@ def _pallas(
         dtype=dtype,
         cast_first=cast_first,
         prologue=prologue,
-        # The GPU's tanh.approx.f32 (one instruction, relative error ~2**-11, far below E4M3's
-        # 2**-4 spacing): libdevice's exact tanh made the GELU kernel compute-bound, 1.7x
-        # slower than the plain cast (benchmarks/prologue.py). The interpreter runs jnp.tanh.
-        tanh=jnp.tanh if interpret else plt.approx_tanh,
+        tanh=_kernel_tanh(interpret),
     )
     q, qt, amax_GMxGK = pl.pallas_call(
         kernel,
@@ -188,9 +200,6 @@ def cast_transpose(
     )
 
 
-_C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
-
-
 def _gelu_tanh_grad(x, tanh=jnp.tanh):
     # d/dx of _gelu_tanh, written out (f32): 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x).
     t = tanh(_C * (x + _A * (x * x * x)))
@@ -231,7 +240,7 @@ def _grad_pallas(pre, da, inv, scale, dtype, act, bm, bk, interpret):
         limit=formats.fmax(dtype),
         dtype=dtype,
         act=act,
-        tanh=jnp.tanh if interpret else plt.approx_tanh,  # as in _pallas
+        tanh=_kernel_tanh(interpret),
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
     q, qt, amax_GMxGK, sums_GMxK = pl.pallas_call(

@@ -34,6 +34,11 @@ def normal_init(names, std: float = INIT_STD):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 
+def bias_init(names):
+    """Zeros initialiser of a linear layer's bias, carrying its logical axis names."""
+    return nn.with_logical_partitioning(nn.initializers.zeros, names)
+
+
 def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
     """The model's FP8 ``dot_general_cls`` (None at O0): fp8jax's, or flax's for comparison."""
     if not cfg.recipe:
@@ -75,7 +80,7 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         kernel_init=normal_init(names, std),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-len(features) :]),
+        bias_init=bias_init(names[-len(features) :]),
         dot_general_cls=fp8_cls(cfg, prologue),
         name=name,
     )
@@ -212,8 +217,7 @@ class _MlpLinear(nn.Module):
 
     def setup(self):
         c = self.cfg
-        init_k = normal_init(self.names, self.std)
-        init_b = nn.with_logical_partitioning(nn.initializers.zeros, self.names[-1:])
+        init_k, init_b = normal_init(self.names, self.std), bias_init(self.names[-1:])
         self.kernel = self.param("kernel", init_k, self.shape, c.param_dtype)
         self.bias = self.param("bias", init_b, self.shape[-1:], c.param_dtype)
         self.Fp8DotGeneral_0 = Fp8Meta(c.recipe, cast_kernel=c.cast_kernel)

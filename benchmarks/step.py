@@ -109,6 +109,24 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
     return c, env, state, batch
 
 
+def _pipelined(compiled, state, batches, steps: int, keep: bool):
+    """``steps`` steps dispatched back to back, one wait at the end: ``(state, ms per step,
+    host ms per step until the last dispatch returned)``. ``keep``: hold each step's metrics
+    until the next step returns, as the trainer's loop does (it reads them one step late)."""
+    import jax
+
+    t = time.perf_counter()
+    held = []  # the previous step's metrics, alive while the next step is dispatched
+    for i in range(steps):
+        state, out = compiled(state, batches[i % len(batches)])
+        held = [out] if keep else []
+        del out
+    del held
+    dispatch_ms = (time.perf_counter() - t) * 1e3 / steps
+    jax.block_until_ready(state)
+    return state, (time.perf_counter() - t) * 1e3 / steps, dispatch_ms
+
+
 def child(
     run: str,
     quick: bool,
@@ -175,11 +193,13 @@ def child(
         # Pipelined: steps dispatched back to back, one wait at the end. The trainer's loop
         # reads each step's metrics one step late, so this is the rate training runs at; the
         # per-step figure above also counts the host's dispatch gap after every wait.
-        t = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        ms_pipe = (time.perf_counter() - t) * 1e3 / steps
+        state, ms_pipe, dispatch_ms = _pipelined(compiled, state, [batch], steps, keep=True)
+        # Why the host may wait for the GPU: XLA re-records a CUDA graph whose buffers moved
+        # (openxla/xla, command_buffer_thunk.cc). Kept metrics move every step's outputs;
+        # fresh batches move its input.
+        state, ms_drop, dispatch_drop = _pipelined(compiled, state, [batch], steps, keep=False)
+        batch2 = jax.tree.map(lambda a: a + 0, batch)  # same values, another buffer
+        state, ms_two, dispatch_two = _pipelined(compiled, state, [batch, batch2], steps, False)
         kernels = _profile(compiled, state, batch, profile) if profile else None
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len
@@ -193,6 +213,11 @@ def child(
         "tokens_per_s": tokens / (ms / 1e3),
         "step_ms_pipelined": ms_pipe,
         "host_ms_per_step": statistics.median(enqueue) * 1e3,
+        "dispatch_ms_pipelined": dispatch_ms,
+        # Pipelined again with each step's metrics dropped at once, then also alternating two
+        # batch buffers: [step ms, host dispatch ms].
+        "pipelined_metrics_dropped": [ms_drop, dispatch_drop],
+        "pipelined_two_batches": [ms_two, dispatch_two],
         "tokens_per_s_pipelined": tokens / (ms_pipe / 1e3),
         "devices": env["mesh"].size,
         "tokens_per_s_per_device": tokens / (ms / 1e3) / env["mesh"].size,
@@ -332,8 +357,9 @@ def main():
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
     head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "temp GiB", "f8")
-    head += ("ops/tiny", "host ms")
-    print("\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11} {:>7}".format(*head))
+    head += ("ops/tiny", "host ms", "disp ms")
+    row = "\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11} {:>7} {:>7}"
+    print(row.format(*head))
     for r in rows:
         if "error" in r:
             print(f"{r['run']:40} ERROR {r['error'][:80]}")
@@ -343,7 +369,8 @@ def main():
             f"{r['step_ms_pipelined']:8.1f} {r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
             f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d} "
             f"{'/'.join(map(str, r.get('hlo_ops_and_small', ()))):>11} "
-            f"{r.get('host_ms_per_step', float('nan')):7.1f}"
+            f"{r.get('host_ms_per_step', float('nan')):7.1f} "
+            f"{r.get('dispatch_ms_pipelined', float('nan')):7.1f}"
         )
     for r in rows:
         prof = r.get("profile")

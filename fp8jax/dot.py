@@ -137,12 +137,19 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
     # E4M3 for both forward operands, as in _fwd_impl. x [M, K] -> xq [M, K] for this GEMM and
     # xq_t [K, M] for the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here.
     # With a prologue the same pass computes act(x) first: act(x) is never written out.
-    xq, xq_t, amax_x = kernels.cast_transpose(x, sx, formats.E4M3, cfg.cast, cfg.prologue)
-    wq, wq_t, amax_w = kernels.cast_transpose(w, sw, formats.E4M3, cfg.cast)
+    # Each pass also records its amax into its state's pending slot (in place on GPUs).
+    xq, xq_t, hist_x = kernels.cast_transpose(
+        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history
+    )
+    wq, wq_t, hist_w = kernels.cast_transpose(
+        w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history
+    )
     inv = _inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     y = _unscale(y, inv[0], cfg.out_dtype)
-    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    new_meta = meta.replace(
+        x=meta.x.replace(amax_history=hist_x), w=meta.w.replace(amax_history=hist_w)
+    )
     x_pre = x if cfg.prologue else None  # act' needs the pre-activation (bf16), not act(x)
     return y, new_meta, (xq_t, wq, inv, x_pre)
 
@@ -154,20 +161,28 @@ def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t):
     return dx, _unscale(dw, inv[2], cfg.w_dtype)
 
 
-def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta):
-    """dgrad and wgrad from one pass over dy (E5M2, both layouts)."""
+def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta, ct_meta: Fp8Meta):
+    """dgrad and wgrad from one pass over dy (E5M2, both layouts), and the state cotangent."""
     xq_t, wq, inv, x_pre = res
     sg = meta.dy.scale
-    gq, gq_t, amax_g = kernels.cast_transpose(g, sg, formats.E5M2, cfg.cast)  # [M, N], [N, M]
+    # [M, N], [N, M]; the amax goes straight into the cotangent's pending slot.
+    gq, gq_t, hist_g = kernels.cast_transpose(
+        g, sg, formats.E5M2, cfg.cast, pending=ct_meta.dy.amax_history
+    )
     dx, dw = _fused_grads(cfg, xq_t, wq, inv, gq, gq_t)
-    return _dgrad_out(cfg, dx, inv[1], x_pre), dw, amax_g
+    return _dgrad_out(cfg, dx, inv[1], x_pre), dw, _dy_cotangent(meta, ct_meta, hist_g)
+
+
+def _dy_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, hist_g) -> Fp8Meta:
+    """The state cotangent from dy's recorded history (``ct_meta.dy``'s, with this amax)."""
+    zeros = jax.tree.map(jnp.zeros_like, meta)
+    return zeros.replace(dy=ct_meta.dy.replace(amax_history=hist_g))
 
 
 def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
     """The state cotangent: amaxes, not derivatives. x and w were recorded in the forward pass
     (zero here); dy's amax is max-merged into whatever later uses sent back."""
-    zeros = jax.tree.map(jnp.zeros_like, meta)
-    return zeros.replace(dy=scaling.record(ct_meta.dy, amax_g))
+    return _dy_cotangent(meta, ct_meta, scaling.record(ct_meta.dy, amax_g).amax_history)
 
 
 def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
@@ -206,8 +221,7 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
     g, ct_meta = cts  # g: [(B,) M, N] in the output dtype
     meta = res[-1]
     if _fused(cfg, meta):
-        dx, dw, amax_g = _bwd_fused(cfg, res[:-1], g, meta)
-        return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
+        return _bwd_fused(cfg, res[:-1], g, meta, ct_meta)
     xq, wq, sx, sw, inv, x_pre, meta = res
     amax_g = formats.amax(g)
     sg = _use_scale(meta.dy, amax_g)

@@ -5,8 +5,8 @@ pass's ``x`` [M, K] is also needed as [K, M] for the weight gradient, and ``dy``
 [N, M]. XLA's fusion that writes both layouts ran at about a third of the H200's memory
 bandwidth, and the amax is a separate reduction pass over the same tensor
 (benchmarks/RESULTS.md, night of 2026-11-29). Under delayed scaling the scale is known before
-the pass, so a single kernel can read the tensor once and write the FP8 tensor, its transpose
-and the per-block amax.
+the pass, so a single kernel can read the tensor once, write the FP8 tensor and its
+transpose, and record the amax (into a history's pending slot, in place: ``pending=``).
 
 ``cast_transpose`` runs a Pallas kernel (Triton backend) on GPUs and the same arithmetic as
 plain XLA ops elsewhere; ``impl='interpret'`` runs the kernel through Pallas' interpreter on
@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax import formats
+from fp8jax import formats, scaling
 
 IMPLS = ("xla", "pallas", "interpret")
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4
@@ -112,11 +112,40 @@ def _reference(x, scale, dtype, prologue=None):
     return q, q.T, formats.amax(x)
 
 
+def _record_amax(pending_ref, block_max, interpret: bool):
+    """Max this block's amax into ``pending_ref[0]`` (a history's pending slot), atomically.
+
+    The kernel then records the whole tensor's amax itself: no per-block partials for XLA to
+    reduce and merge afterwards, one small kernel per tensor fewer (288 of 3,392 launches of a
+    gpt_1b3 O1 step; benchmarks/RESULTS.md, 2026-11-30, eighth). A non-finite block records 0,
+    as ``scaling.sanitize_amax`` does for a whole tensor (the XLA path sees the whole tensor, so
+    there a single Inf records nothing at all).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    del interpret  # the interpreter discharges the atomic into a plain max
+    block_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
+    plt.atomic_max(pending_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
+
+
 def _kernel(
-    scale_ref, x_ref, q_ref, qt_ref, amax_ref, *, limit: float, dtype, cast_first, prologue, tanh
+    scale_ref,
+    x_ref,
+    _pending_in,
+    q_ref,
+    qt_ref,
+    pending_ref,
+    *,
+    limit: float,
+    dtype,
+    cast_first,
+    prologue,
+    tanh,
+    interpret,
 ):
     x_bxk = activation(prologue, tanh)(x_ref[...].astype(jnp.float32))  # [bm, bk], read once
-    amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(x_bxk)), jnp.float32)
+    _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)), interpret)
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2).
     y_bxk = jnp.clip(x_bxk * scale_ref[0], -limit, limit)
@@ -139,12 +168,16 @@ def _pallas(
     num_stages=1,
     cast_first=False,
     prologue=None,
+    pending=None,
 ):
+    """The kernel on [M, K]; ``pending``: the f32[n] whose slot 0 takes the amax (updated in
+    place and returned in the amax's place), else a fresh zero and the amax itself."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     m, k = x.shape
     gm, gk = m // bm, k // bk
+    target = _target(pending)
     kernel = functools.partial(
         _kernel,
         limit=formats.fmax(dtype),
@@ -152,51 +185,89 @@ def _pallas(
         cast_first=cast_first,
         prologue=prologue,
         tanh=_kernel_tanh(interpret),
+        interpret=interpret,
     )
-    q, qt, amax_GMxGK = pl.pallas_call(
+    whole = pl.BlockSpec(target.shape, lambda i, j: (0,))  # every block maxes into slot 0
+    q, qt, target = pl.pallas_call(
         kernel,
         grid=(gm, gk),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (0,)),
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+            whole,
         ],
         out_specs=[
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
-            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            whole,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((m, k), dtype),
             jax.ShapeDtypeStruct((k, m), dtype),
-            jax.ShapeDtypeStruct((gm, gk), jnp.float32),
+            jax.ShapeDtypeStruct(target.shape, jnp.float32),
         ],
+        input_output_aliases={2: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_cast_transpose",
-    )(jnp.reshape(scale, (1,)).astype(jnp.float32), x)
-    return q, qt, jnp.max(amax_GMxGK)
+    )(jnp.reshape(scale, (1,)).astype(jnp.float32), x, target)
+    return q, qt, _untarget(target, pending)
+
+
+def _target(pending):
+    """The array the kernel's atomics max into: ``pending`` itself, or a fresh f32 zero."""
+    if pending is None:
+        return jnp.zeros((1,), jnp.float32)
+    if pending.ndim != 1 or pending.dtype != jnp.float32:
+        raise ValueError(
+            f"pending must be an f32 vector (an amax history), got {pending.shape} {pending.dtype}"
+        )
+    return pending
+
+
+def _untarget(target, pending):
+    return target[0] if pending is None else target
+
+
+def _record_reference(amax, pending):
+    """The XLA paths' record (``scaling.record_history``), or the sanitized amax itself."""
+    return _untarget(scaling.record_history(_target(pending), amax), pending)
 
 
 def cast_transpose(
-    x: jax.Array, scale: jax.Array, fmt, impl: str = "pallas", prologue: str | None = None
+    x: jax.Array,
+    scale: jax.Array,
+    fmt,
+    impl: str = "pallas",
+    prologue: str | None = None,
+    pending: jax.Array | None = None,
 ):
     """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
 
     ``impl``: 'pallas' (the fused kernel on GPUs, XLA ops elsewhere), 'interpret' (the kernel
     through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
-    16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``.
+    16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``. With
+    ``pending`` (an f32 amax history) the third output is that history with the amax
+    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. The amax of a
+    non-finite tensor counts as 0.
     """
     dtype = formats.as_dtype(fmt)
     activation(prologue)  # a clear error for an unknown name
+
+    def reference(x, s, p):
+        q, q_t, amax = _reference(x, s, dtype, prologue)
+        return q, q_t, _record_reference(amax, p)
+
     return _dispatch(
         impl,
         x.shape,
-        lambda x, s: _reference(x, s, dtype, prologue),
-        lambda x, s, bm, bk, interpret: _pallas(
-            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue
+        reference,
+        lambda x, s, p, bm, bk, interpret: _pallas(
+            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue, pending=p
         ),
         x,
         scale,
+        pending,
     )
 
 
@@ -209,81 +280,102 @@ def _gelu_tanh_grad(x, tanh=jnp.tanh):
 ACTIVATION_GRADS = {"gelu_tanh": _gelu_tanh_grad}
 
 
-def _grad_reference(pre, da, inv, scale, dtype, act):
+def _grad_reference(pre, da, inv, scale, pending, dtype, act):
     """XLA version of ``act_grad_cast_transpose``."""
     d = ACTIVATION_GRADS[act](pre.astype(jnp.float32)) * (da.astype(jnp.float32) * inv)
     q = formats.quantize(d, scale, dtype)  # [M, K]
-    return q, q.T, formats.amax(d), jnp.sum(d, axis=0)
+    return q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0)
 
 
 def _grad_kernel(
-    s_ref, pre_ref, da_ref, q_ref, qt_ref, amax_ref, sum_ref, *, limit, dtype, act, tanh
+    s_ref,
+    pre_ref,
+    da_ref,
+    _pending_in,
+    q_ref,
+    qt_ref,
+    pending_ref,
+    sum_ref,
+    *,
+    limit,
+    dtype,
+    act,
+    tanh,
+    interpret,
 ):
     # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
     pre_bxk = pre_ref[...].astype(jnp.float32)
     d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
-    amax_ref[...] = jnp.full(amax_ref.shape, jnp.max(jnp.abs(d_bxk)), jnp.float32)
+    _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)), interpret)
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
     y_bxk = jnp.clip(d_bxk * s_ref[1], -limit, limit)  # as formats.quantize
     q_ref[...] = y_bxk.astype(dtype)
     qt_ref[...] = y_bxk.T.astype(dtype)
 
 
-def _grad_pallas(pre, da, inv, scale, dtype, act, bm, bk, interpret):
+def _grad_pallas(pre, da, inv, scale, pending, dtype, act, bm, bk, interpret):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     m, k = pre.shape
     gm, gk = m // bm, k // bk
+    target = _target(pending)
     kernel = functools.partial(
         _grad_kernel,
         limit=formats.fmax(dtype),
         dtype=dtype,
         act=act,
         tanh=_kernel_tanh(interpret),
+        interpret=interpret,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    q, qt, amax_GMxGK, sums_GMxK = pl.pallas_call(
+    whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
+    q, qt, target, sums_GMxK = pl.pallas_call(
         kernel,
         grid=(gm, gk),
-        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile],
+        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile, whole],
         out_specs=[
             tile,
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
-            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            whole,
             pl.BlockSpec((1, bk), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((m, k), dtype),
             jax.ShapeDtypeStruct((k, m), dtype),
-            jax.ShapeDtypeStruct((gm, gk), jnp.float32),
+            jax.ShapeDtypeStruct(target.shape, jnp.float32),
             jax.ShapeDtypeStruct((gm, k), jnp.float32),
         ],
+        input_output_aliases={3: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=_WARPS, num_stages=1),
         name="fp8_act_grad_cast_transpose",
-    )(jnp.stack([inv, scale]).astype(jnp.float32), pre, da)
-    return q, qt, jnp.max(amax_GMxGK), jnp.sum(sums_GMxK, axis=0)
+    )(jnp.stack([inv, scale]).astype(jnp.float32), pre, da, target)
+    return q, qt, _untarget(target, pending), jnp.sum(sums_GMxK, axis=0)
 
 
-def act_grad_cast_transpose(pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh"):
+def act_grad_cast_transpose(
+    pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh", pending=None
+):
     """``d = act'(pre) * da * inv`` quantized: ``(q [M, K], q.T [K, M], amax(d), sum_M(d))``.
 
     The backward of ``act(pre) . w`` followed by the E5M2 cast of the layer that made ``pre``,
     in one pass: ``da`` is the dgrad GEMM's raw output and ``inv`` its inverse scale. The
-    column sums are the gradient of a bias added to ``pre``.
+    column sums are the gradient of a bias added to ``pre``. ``pending``: as in
+    ``cast_transpose``.
     """
     dtype = formats.as_dtype(fmt)
     _check_activation(act, ACTIVATION_GRADS)
     return _dispatch(
         impl,
         pre.shape,
-        lambda p, d, i, s: _grad_reference(p, d, i, s, dtype, act),
-        lambda p, d, i, s, bm, bk, interpret: _grad_pallas(
-            p, d, i, s, dtype, act, bm, bk, interpret
+        lambda p, d, i, s, t: _grad_reference(p, d, i, s, t, dtype, act),
+        lambda p, d, i, s, t, bm, bk, interpret: _grad_pallas(
+            p, d, i, s, t, dtype, act, bm, bk, interpret
         ),
         pre,
         da,
         inv,
         scale,
+        pending,
     )

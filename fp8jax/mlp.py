@@ -61,12 +61,14 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
     c1, c2 = cfg.layer1, cfg.layer2
     with jax.named_scope("wo"):
         # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
-        g2q, g2q_t, amax_g2 = kernels.cast_transpose(g, m2.dy.scale, formats.E5M2, c2.cast)
+        g2q, g2q_t, hist_g2 = kernels.cast_transpose(
+            g, m2.dy.scale, formats.E5M2, c2.cast, pending=ct_m2.dy.amax_history
+        )
         da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t)  # [M, F], [F, D]
     with jax.named_scope("wi"):
         # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
-        g1q, g1q_t, amax_g1, db1 = kernels.act_grad_cast_transpose(
-            pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT
+        g1q, g1q_t, hist_g1, db1 = kernels.act_grad_cast_transpose(
+            pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT, ct_m1.dy.amax_history
         )
         dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t)
     return (
@@ -74,8 +76,8 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
         dw1,
         db1.astype(cfg.b_dtype),
         dw2,
-        dot._meta_cotangent(m1, ct_m1, amax_g1),
-        dot._meta_cotangent(m2, ct_m2, amax_g2),
+        dot._dy_cotangent(m1, ct_m1, hist_g1),
+        dot._dy_cotangent(m2, ct_m2, hist_g2),
     )
 
 

@@ -38,6 +38,37 @@ def test_kernel_matches_xla_quantize_bit_for_bit(fmt, dtype):
     assert np.all(np.isfinite(np.asarray(q, np.float32)))  # saturated, never Inf/NaN
 
 
+@pytest.mark.parametrize("pending", [0.25, 1e6])
+def test_kernel_records_the_amax_into_a_history_in_place(pending):
+    """With ``pending=``, slot 0 of the history takes the amax by max (scaling.record's rule),
+    the other slots stay, and the kernel's bits equal XLA's; on CUDA the history is aliased."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 64)) * 5, jnp.bfloat16)
+    hist = jnp.arange(17, dtype=jnp.float32).at[0].set(pending)
+    cast = lambda impl: jax.jit(  # noqa: E731
+        lambda x, h: kernels.cast_transpose(x, jnp.float32(2.0), "e4m3", impl, pending=h)
+    )
+    q, _, new = cast("interpret")(x, hist)
+    ref_q, _, ref = cast("xla")(x, hist)
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(ref))
+    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
+    assert float(new[0]) == max(pending, amax)
+    np.testing.assert_array_equal(np.asarray(new[1:]), np.arange(1, 17, dtype=np.float32))
+    cuda = cast("pallas").trace(x, hist).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(TRITON) == 1 and cuda.count("stablehlo.output_operand_alias<") == 1
+    with pytest.raises(ValueError, match="pending must be an f32 vector"):
+        kernels.cast_transpose(x, 2.0, "e4m3", "interpret", pending=hist.astype(jnp.bfloat16))
+
+
+def test_kernel_records_the_finite_blocks_of_a_tensor_with_inf():
+    """Per block, a non-finite amax counts as 0: the other blocks' amax is still recorded."""
+    x = np.ones((32, 256), np.float32)  # two blocks of [32, 128]
+    x[20, 200] = 7.0  # the second block
+    x[0, 0] = np.inf  # the first
+    amax = jax.jit(lambda x: kernels.cast_transpose(x, 1.0, "e4m3", "interpret")[2])(x)
+    assert float(amax) == 7.0
+
+
 def test_unaligned_shapes_take_the_xla_path():
     x = jnp.ones((20, 24), jnp.float32)  # neither side a multiple of 16
     lowered = jax.jit(lambda x: kernels.cast_transpose(x, jnp.float32(1.0), "e4m3", "pallas"))
@@ -96,6 +127,8 @@ def test_kernel_lowers_to_triton_on_cuda_and_xla_on_cpu():
     text = _cuda_text("pallas")
     # x and w in the forward pass, dy in the backward: three fused kernels, three FP8 GEMMs.
     assert text.count(TRITON) == 3
+    # Each kernel writes its amax into its state's history in place (no reduction after it).
+    assert text.count("stablehlo.output_operand_alias<") == 3
     f8_dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln and "f8E" in ln]
     assert len(f8_dots) == 3
     x, w, meta = _linear_inputs()

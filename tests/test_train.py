@@ -36,6 +36,11 @@ GOLDEN_BF16 = {
 # 2026-11-30 (later): their third step moved again when fp8.fuse_mlp became the default: the
 # fused backward applies GELU' to wo's dgrad in f32 inside wi's E5M2 cast, where the two
 # matmuls rounded that dgrad to bf16 first. The f32 table did not move (same math).
+# The third step of bf16 O2 (FP8 Adam moments) depends on the CPU: 4.836457 on the CI machine
+# of 2026-11-30, 4.836564 (+2.2e-5) on an AMD EPYC (avx512_bf16) with the same wheels, whatever
+# --xla_cpu_max_isa or the thread count. Every other entry agrees to the bit on both, so only
+# that one gets a wider tolerance, still half of what fuse_mlp moved it by (8e-5).
+O2_BF16_STEP3_RTOL = 4e-5
 
 
 def load_config(name="tiny", arg=None):
@@ -100,9 +105,10 @@ def test_golden_losses(level, tmp_path):
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
 def test_golden_losses_bf16(level, tmp_path):
     _, _, losses = _run(_bf16_config(level), 3, tmp_path)
-    np.testing.assert_allclose(
-        losses, GOLDEN_BF16[level], rtol=2e-6, err_msg="golden losses moved: see GOLDEN's comment"
-    )
+    msg = "golden losses moved: see GOLDEN's comment"
+    rtol = [2e-6, 2e-6, O2_BF16_STEP3_RTOL if level == "O2" else 2e-6]
+    for loss, golden, tol in zip(losses, GOLDEN_BF16[level], rtol, strict=True):
+        np.testing.assert_allclose(loss, golden, rtol=tol, err_msg=msg)
 
 
 def test_fp8_levels_track_o0():

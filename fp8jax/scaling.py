@@ -131,15 +131,8 @@ def _window_max(hist: jax.Array) -> jax.Array:
     return functools.reduce(jnp.maximum, [hist[..., i] for i in range(n)])
 
 
-def commit(state: ScaleState, ok: jax.Array | None = None) -> ScaleState:
-    """End a step: push the pending amax into the history and recompute the scale.
-
-    ``ok`` false (a skipped step) commits nothing: the scale and the history stay, and the
-    step's pending amax is dropped (slot 0 back to 0, what every commit leaves there). Deciding
-    this here rather than by selecting the step's input state means the input's history is
-    dead once the casts have written into it: no copy of it per tensor (benchmarks/RESULTS.md,
-    2026-11-30, eighth).
-    """
+def commit(state: ScaleState) -> ScaleState:
+    """End a step: push the pending amax into the history and recompute the scale."""
     hist = state.amax_history
     completed = jnp.concatenate([hist[..., :1], hist[..., 1:-1]], axis=-1)
     if state.recipe.amax_compute_algo == "max":
@@ -148,7 +141,4 @@ def commit(state: ScaleState, ok: jax.Array | None = None) -> ScaleState:
         amax = completed[..., 0]
     scale = scale_from_amax(amax, state.scale, state.fmt, state.recipe)
     new_hist = jnp.concatenate([jnp.zeros_like(hist[..., :1]), completed], axis=-1)
-    if ok is not None:
-        scale = jnp.where(ok, scale, state.scale)
-        new_hist = jnp.where(ok, new_hist, hist.at[..., 0].set(0.0))
     return state.replace(scale=scale, amax_history=new_hist)

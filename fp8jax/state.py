@@ -67,12 +67,9 @@ def max_over_replicas(state_N, state):
     return jax.tree.map(merge, state_N, state, is_leaf=_is_state)
 
 
-def commit(state, ok=None):
-    """End a training step: roll every amax history and recompute every scale.
-
-    ``ok`` (a bool scalar): false commits nothing, for a skipped step (``scaling.commit``).
-    """
-    return jax.tree.map(lambda s: scaling.commit(s, ok), state, is_leaf=_is_state)
+def commit(state):
+    """End a training step: roll every amax history and recompute every scale."""
+    return jax.tree.map(scaling.commit, state, is_leaf=_is_state)
 
 
 def update_state(state_after_fwd, state_grads):

@@ -334,6 +334,8 @@ def make_train_step(model, tx, config, mesh=None):
             grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
             comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}
+        if state_collection(model) == FP8:
+            fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
         # A finite norm means every gradient is finite; with finite weights and moments (a
         # skipped step never commits anything else) AdamW's update is then finite too, so no
@@ -346,16 +348,11 @@ def make_train_step(model, tx, config, mesh=None):
         updates, opt_state = tx.update(grads, state.opt_state, view)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
-        if state_collection(model) == FP8:
-            # Once per step (amaxes merged over all uses by max); a skipped step commits none.
-            fp8 = fp8_state.commit(fp8, ok)
-        else:
-            fp8 = keep(fp8, state.fp8)
         new_state = state.replace(
             step=state.step + jnp.where(ok, 1, 0),
             params=keep(new_params, state.params),
             opt_state=keep(opt_state, state.opt_state),
-            fp8=fp8,
+            fp8=keep(fp8, state.fp8),
             comm=keep(comm_state, state.comm),
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
             skipped=state.skipped + jnp.where(ok, 0, 1),

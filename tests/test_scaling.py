@@ -142,15 +142,3 @@ def test_tree_helpers_merge_commit_keep_summarize():
     stats = fp8jax.summarize(new)
     assert float(stats["a/dy/amax"]) == 6.0
     assert float(stats["a/dy/scale"]) == float(new["a"].dy.scale)
-
-
-def test_commit_of_a_skipped_step_keeps_scale_and_history():
-    s = _step(_step(_state(history_len=4), 3.0), 5.0)  # two committed steps
-    s = scaling.record(s, jnp.float32(100.0))  # this step's pending amax
-    kept = scaling.commit(s, jnp.array(False))
-    assert float(kept.scale) == float(s.scale)
-    np.testing.assert_array_equal(np.asarray(kept.amax_history[1:]), np.asarray(s.amax_history[1:]))
-    assert float(kept.amax_history[0]) == 0.0  # the skipped step's amax is dropped
-    done = scaling.commit(s, jnp.array(True))
-    for a, b in zip(jax.tree.leaves(done), jax.tree.leaves(scaling.commit(s)), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

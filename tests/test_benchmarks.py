@@ -275,6 +275,10 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
         assert "HloModule" in f.read()
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
     assert 0 < rec["host_ms_per_step"] <= rec["step_ms"]  # the enqueue is part of the step
+    # The host's dispatch time is part of each pipelined timing (three loops, one wait each).
+    pipelined = [rec["step_ms_pipelined"], rec["dispatch_ms_pipelined"]]
+    for ms, dispatch in (pipelined, rec["pipelined_metrics_dropped"], rec["pipelined_two_batches"]):
+        assert 0 < dispatch <= ms
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
     assert 0 < rec["state_gib"] * 2**30 < 2**24 and rec["init_peak_gib"] >= 0  # tiny: < 16 MiB

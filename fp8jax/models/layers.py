@@ -91,8 +91,7 @@ def norm(cfg: ModelConfig, name: str) -> nn.Module:
     common = dict(epsilon=NORM_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
     if cfg.style == "gpt":
-        bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
-        return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init, **common)
+        return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
     return nn.RMSNorm(scale_init=scale_init, **common)
 
 

@@ -109,6 +109,52 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
     return c, env, state, batch
 
 
+class _GpuPower:
+    """Samples ``nvidia-smi`` (power draw, SM clock) every 100 ms inside a ``with`` block."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits"]
+
+    def __enter__(self):
+        self.samples, self.proc = [], None
+        # nvidia-smi ignores CUDA_VISIBLE_DEVICES: ask for the first GPU this process sees.
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        cmd = self.QUERY + ["-i", gpu, "-lms", "100"]
+        with contextlib.suppress(OSError):  # no nvidia-smi (CPU): no samples
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.samples = parse_power(out)
+        return False
+
+    def summary(self, ms_per_step: float) -> dict | None:
+        """Mean W and MHz over the samples (first GPU) and joules per step; None if none."""
+        if not self.samples:
+            return None
+        watts = statistics.mean(w for w, _ in self.samples)
+        return {
+            "watts": watts,
+            "sm_mhz": statistics.mean(mhz for _, mhz in self.samples),
+            "joules_per_step": watts * ms_per_step / 1e3,
+            "samples": len(self.samples),
+        }
+
+
+def parse_power(text: str) -> list[tuple[float, float]]:
+    """``(watts, sm_mhz)`` per ``nvidia-smi`` csv line; lines that are not numbers are skipped."""
+    rows = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        with contextlib.suppress(ValueError, IndexError):
+            rows.append((float(fields[0]), float(fields[1])))
+    return rows
+
+
 def _pipelined(compiled, state, batches, steps: int, keep: bool):
     """``steps`` steps dispatched back to back, one wait at the end: ``(state, ms per step,
     host ms per step until the last dispatch returned)``. ``keep``: hold each step's metrics
@@ -193,7 +239,8 @@ def child(
         # Pipelined: steps dispatched back to back, one wait at the end. The trainer's loop
         # reads each step's metrics one step late, so this is the rate training runs at; the
         # per-step figure above also counts the host's dispatch gap after every wait.
-        state, ms_pipe, dispatch_ms = _pipelined(compiled, state, [batch], steps, keep=True)
+        with _GpuPower() as power:  # the GPU's draw and clock while the steps run
+            state, ms_pipe, dispatch_ms = _pipelined(compiled, state, [batch], steps, keep=True)
         # Why the host may wait for the GPU: XLA re-records a CUDA graph whose buffers moved
         # (openxla/xla, command_buffer_thunk.cc). Kept metrics move every step's outputs;
         # fresh batches move its input.
@@ -214,6 +261,9 @@ def child(
         "step_ms_pipelined": ms_pipe,
         "host_ms_per_step": statistics.median(enqueue) * 1e3,
         "dispatch_ms_pipelined": dispatch_ms,
+        # nvidia-smi during the pipelined steps (None without it): mean W and SM MHz, and the
+        # energy of one step. An H200 at its 700 W cap trades clock for power.
+        "power": power.summary(ms_pipe),
         # Pipelined again with each step's metrics dropped at once, then also alternating two
         # batch buffers: [step ms, host dispatch ms].
         "pipelined_metrics_dropped": [ms_drop, dispatch_drop],
@@ -357,8 +407,8 @@ def main():
         with open(os.path.join(a.out, "step.json"), "w") as f:
             json.dump(rows, f, indent=1)
     head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "temp GiB", "f8")
-    head += ("ops/tiny", "host ms", "disp ms")
-    row = "\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11} {:>7} {:>7}"
+    head += ("ops/tiny", "host ms", "disp ms", "W", "J/step")
+    row = "\n{:40} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>4} {:>11} {:>7} {:>7} {:>5} {:>6}"
     print(row.format(*head))
     for r in rows:
         if "error" in r:
@@ -370,7 +420,9 @@ def main():
             f"{r['peak_gib']:9.2f} {r['temp_gib']:9.2f} {r['fp8_gemms']:4d} "
             f"{'/'.join(map(str, r.get('hlo_ops_and_small', ()))):>11} "
             f"{r.get('host_ms_per_step', float('nan')):7.1f} "
-            f"{r.get('dispatch_ms_pipelined', float('nan')):7.1f}"
+            f"{r.get('dispatch_ms_pipelined', float('nan')):7.1f} "
+            f"{(r.get('power') or {}).get('watts', float('nan')):5.0f} "
+            f"{(r.get('power') or {}).get('joules_per_step', float('nan')):6.1f}"
         )
     for r in rows:
         prof = r.get("profile")

@@ -279,6 +279,7 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
     pipelined = [rec["step_ms_pipelined"], rec["dispatch_ms_pipelined"]]
     for ms, dispatch in (pipelined, rec["pipelined_metrics_dropped"], rec["pipelined_two_batches"]):
         assert 0 < dispatch <= ms
+    assert rec["power"] is None  # no nvidia-smi on a CPU machine: no power figures, no error
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
     assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
     assert 0 < rec["state_gib"] * 2**30 < 2**24 and rec["init_peak_gib"] >= 0  # tiny: < 16 MiB
@@ -373,3 +374,15 @@ def test_gemm_epilogue_forms_compute_the_same_linear():
         # One or two bf16 roundings of outputs up to max_abs_out: a few ulps at most.
         assert r["max_abs_diff_vs_direct"] <= 2**-6 * r["max_abs_out"], r
         assert r["f8_gemms"] == 0 and r["kernels"] > 0  # CPU: no cuBLASLt
+
+
+def test_power_samples_parse_and_summarize():
+    text = "690.12, 1545\n[N/A], 1980\n680.00, 1605\n"  # one unreadable sample is skipped
+    assert step_bench.parse_power(text) == [(690.12, 1545.0), (680.0, 1605.0)]
+    power = step_bench._GpuPower()
+    power.samples = step_bench.parse_power(text)
+    s = power.summary(200.0)
+    assert s["watts"] == pytest.approx(685.06) and s["sm_mhz"] == pytest.approx(1575.0)
+    assert s["joules_per_step"] == pytest.approx(685.06 * 0.2) and s["samples"] == 2
+    power.samples = []
+    assert power.summary(200.0) is None

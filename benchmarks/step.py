@@ -241,12 +241,14 @@ def child(
         # per-step figure above also counts the host's dispatch gap after every wait.
         with _GpuPower() as power:  # the GPU's draw and clock while the steps run
             state, ms_pipe, dispatch_ms = _pipelined(compiled, state, [batch], steps, keep=True)
-        # Why the host may wait for the GPU: XLA re-records a CUDA graph whose buffers moved
-        # (openxla/xla, command_buffer_thunk.cc). Kept metrics move every step's outputs;
-        # fresh batches move its input.
+        # Whether moved buffers cost time: XLA re-records a CUDA graph whose buffers moved
+        # (openxla/xla, command_buffer_thunk.cc). Kept metrics move every step's outputs,
+        # fresh batches its input. On an H200 neither changed the step (RESULTS.md,
+        # 2026-11-30, eighth).
         state, ms_drop, dispatch_drop = _pipelined(compiled, state, [batch], steps, keep=False)
         batch2 = jax.tree.map(lambda a: a + 0, batch)  # same values, another buffer
-        state, ms_two, dispatch_two = _pipelined(compiled, state, [batch, batch2], steps, False)
+        two = [batch, batch2]
+        state, ms_two, dispatch_two = _pipelined(compiled, state, two, steps, keep=False)
         kernels = _profile(compiled, state, batch, profile) if profile else None
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len

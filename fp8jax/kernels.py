@@ -112,7 +112,7 @@ def _reference(x, scale, dtype, prologue=None):
     return q, q.T, formats.amax(x)
 
 
-def _record_amax(pending_ref, block_max, interpret: bool):
+def _record_amax(pending_ref, block_max):
     """Max this block's amax into ``pending_ref[0]`` (a history's pending slot), atomically.
 
     The kernel then records the whole tensor's amax itself: no per-block partials for XLA to
@@ -124,7 +124,7 @@ def _record_amax(pending_ref, block_max, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    del interpret  # the interpreter discharges the atomic into a plain max
+    # Pallas' interpreter discharges the atomic into a plain max: the same code serves both.
     block_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
     plt.atomic_max(pending_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
@@ -142,10 +142,9 @@ def _kernel(
     cast_first,
     prologue,
     tanh,
-    interpret,
 ):
     x_bxk = activation(prologue, tanh)(x_ref[...].astype(jnp.float32))  # [bm, bk], read once
-    _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)), interpret)
+    _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2).
     y_bxk = jnp.clip(x_bxk * scale_ref[0], -limit, limit)
@@ -185,7 +184,6 @@ def _pallas(
         cast_first=cast_first,
         prologue=prologue,
         tanh=_kernel_tanh(interpret),
-        interpret=interpret,
     )
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))  # every block maxes into slot 0
     q, qt, target = pl.pallas_call(
@@ -301,12 +299,11 @@ def _grad_kernel(
     dtype,
     act,
     tanh,
-    interpret,
 ):
     # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
     pre_bxk = pre_ref[...].astype(jnp.float32)
     d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
-    _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)), interpret)
+    _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
     y_bxk = jnp.clip(d_bxk * s_ref[1], -limit, limit)  # as formats.quantize
     q_ref[...] = y_bxk.astype(dtype)
@@ -326,7 +323,6 @@ def _grad_pallas(pre, da, inv, scale, pending, dtype, act, bm, bk, interpret):
         dtype=dtype,
         act=act,
         tanh=_kernel_tanh(interpret),
-        interpret=interpret,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))

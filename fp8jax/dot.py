@@ -131,22 +131,27 @@ def _fused(cfg: _Cfg, meta: Fp8Meta) -> bool:
     return cfg.cast != "xla" and not cfg.batched and delayed
 
 
-def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
-    """Forward with both layouts from one pass per operand; keeps x.T and w as residuals."""
+def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
+    """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
+
+    ``affine`` (``kernels.cast_transpose``'s) makes x's pass quantize ``act(x * alpha + bias)``;
+    ``raw`` returns the GEMM's output still scaled by ``sx * sw`` (``inv[0]`` unscales it).
+    """
     sx, sw = meta.x.scale, meta.w.scale
     # E4M3 for both forward operands, as in _fwd_impl. x [M, K] -> xq [M, K] for this GEMM and
     # xq_t [K, M] for the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here.
     # With a prologue the same pass computes act(x) first: act(x) is never written out.
     # Each pass also records its amax into its state's pending slot (in place on GPUs).
     xq, xq_t, hist_x = kernels.cast_transpose(
-        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history
+        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine
     )
     wq, wq_t, hist_w = kernels.cast_transpose(
         w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history
     )
     inv = _inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
-    y = _unscale(y, inv[0], cfg.out_dtype)
+    if not raw:
+        y = _unscale(y, inv[0], cfg.out_dtype)
     new_meta = meta.replace(
         x=meta.x.replace(amax_history=hist_x), w=meta.w.replace(amax_history=hist_w)
     )
@@ -154,11 +159,14 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta):
     return y, new_meta, (xq_t, wq, inv, x_pre)
 
 
-def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t):
-    """``(dgrad's raw GEMM output, dw)`` from dy already in E5M2, in both layouts."""
+def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t, dw_dtype=None):
+    """``(dgrad's raw GEMM output, dw)`` from dy already in E5M2, in both layouts.
+
+    dw leaves the GEMM in ``cfg.w_dtype`` and is unscaled into ``dw_dtype`` (default the same).
+    """
     dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
     dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
-    return dx, _unscale(dw, inv[2], cfg.w_dtype)
+    return dx, _unscale(dw, inv[2], dw_dtype or cfg.w_dtype)
 
 
 def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta, ct_meta: Fp8Meta):

@@ -104,8 +104,17 @@ def _dispatch(impl: str, shape, reference, pallas, *args):
     )
 
 
-def _reference(x, scale, dtype, prologue=None):
+def _affine(x, affine):
+    """``x * alpha + bias`` in f32 (``affine = (alpha, bias [K])``), or ``x`` as it is."""
+    if affine is None:
+        return x
+    alpha, bias_K = affine
+    return x.astype(jnp.float32) * alpha + bias_K.astype(jnp.float32)[None, :]
+
+
+def _reference(x, scale, dtype, prologue=None, affine=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
+    x = _affine(x, affine)
     if prologue is not None:
         x = activation(prologue)(x.astype(jnp.float32))  # [M, K] f32: quantized unrounded
     q = formats.quantize(x, scale, dtype)  # [M, K]
@@ -130,20 +139,22 @@ def _record_amax(pending_ref, block_max):
 
 
 def _kernel(
-    scale_ref,
-    x_ref,
-    _pending_in,
-    q_ref,
-    qt_ref,
-    pending_ref,
-    *,
+    *refs,
     limit: float,
     dtype,
     cast_first,
     prologue,
     tanh,
+    affine: bool,
 ):
-    x_bxk = activation(prologue, tanh)(x_ref[...].astype(jnp.float32))  # [bm, bk], read once
+    if affine:  # scale_ref: [scale, alpha]; bias_ref: this block's [bk] of the bias
+        scale_ref, x_ref, bias_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
+    else:
+        scale_ref, x_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
+    x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
+    if affine:
+        x_bxk = x_bxk * scale_ref[1] + bias_ref[...].astype(jnp.float32)[None, :]
+    x_bxk = activation(prologue, tanh)(x_bxk)
     _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2).
@@ -168,6 +179,7 @@ def _pallas(
     cast_first=False,
     prologue=None,
     pending=None,
+    affine=None,
 ):
     """The kernel on [M, K]; ``pending``: the f32[n] whose slot 0 takes the amax (updated in
     place and returned in the amax's place), else a fresh zero and the amax itself."""
@@ -184,14 +196,18 @@ def _pallas(
         cast_first=cast_first,
         prologue=prologue,
         tanh=_kernel_tanh(interpret),
+        affine=affine is not None,
     )
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))  # every block maxes into slot 0
+    scalars = [scale] if affine is None else [scale, affine[0]]
+    bias = [] if affine is None else [affine[1]]
     q, qt, target = pl.pallas_call(
         kernel,
         grid=(gm, gk),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+            *[pl.BlockSpec((bk,), lambda i, j: (j,)) for _ in bias],
             whole,
         ],
         out_specs=[
@@ -204,11 +220,11 @@ def _pallas(
             jax.ShapeDtypeStruct((k, m), dtype),
             jax.ShapeDtypeStruct(target.shape, jnp.float32),
         ],
-        input_output_aliases={2: 2},
+        input_output_aliases={2 + len(bias): 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_cast_transpose",
-    )(jnp.reshape(scale, (1,)).astype(jnp.float32), x, target)
+    )(jnp.stack(scalars).astype(jnp.float32), x, *bias, target)
     return q, qt, _untarget(target, pending)
 
 
@@ -239,6 +255,7 @@ def cast_transpose(
     impl: str = "pallas",
     prologue: str | None = None,
     pending: jax.Array | None = None,
+    affine: tuple[jax.Array, jax.Array] | None = None,
 ):
     """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
 
@@ -247,26 +264,40 @@ def cast_transpose(
     16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``. With
     ``pending`` (an f32 amax history) the third output is that history with the amax
     max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. The amax of a
-    non-finite tensor counts as 0.
+    non-finite tensor counts as 0. ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha +
+    bias)`` (in f32): a GEMM's raw output is unscaled and biased in the same read.
     """
     dtype = formats.as_dtype(fmt)
     activation(prologue)  # a clear error for an unknown name
+    _check_affine(affine, x.shape[-1])
 
-    def reference(x, s, p):
-        q, q_t, amax = _reference(x, s, dtype, prologue)
+    def reference(x, s, p, a):
+        q, q_t, amax = _reference(x, s, dtype, prologue, a)
         return q, q_t, _record_reference(amax, p)
 
     return _dispatch(
         impl,
         x.shape,
         reference,
-        lambda x, s, p, bm, bk, interpret: _pallas(
-            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue, pending=p
+        lambda x, s, p, a, bm, bk, interpret: _pallas(
+            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue, pending=p, affine=a
         ),
         x,
         scale,
         pending,
+        affine,
     )
+
+
+def _check_affine(affine, k: int) -> None:
+    if affine is None:
+        return
+    alpha, bias = affine
+    if jnp.ndim(alpha) != 0 or jnp.shape(bias) != (k,):
+        raise ValueError(
+            f"affine must be (a scalar, a bias of shape ({k},)), got shapes "
+            f"{jnp.shape(alpha)} and {jnp.shape(bias)}"
+        )
 
 
 def _gelu_tanh_grad(x, tanh=jnp.tanh):
@@ -278,30 +309,24 @@ def _gelu_tanh_grad(x, tanh=jnp.tanh):
 ACTIVATION_GRADS = {"gelu_tanh": _gelu_tanh_grad}
 
 
-def _grad_reference(pre, da, inv, scale, pending, dtype, act):
+def _grad_reference(pre, da, inv, scale, pending, affine, dtype, act):
     """XLA version of ``act_grad_cast_transpose``."""
-    d = ACTIVATION_GRADS[act](pre.astype(jnp.float32)) * (da.astype(jnp.float32) * inv)
+    pre = _affine(pre.astype(jnp.float32), affine)
+    d = ACTIVATION_GRADS[act](pre) * (da.astype(jnp.float32) * inv)
     q = formats.quantize(d, scale, dtype)  # [M, K]
     return q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0)
 
 
-def _grad_kernel(
-    s_ref,
-    pre_ref,
-    da_ref,
-    _pending_in,
-    q_ref,
-    qt_ref,
-    pending_ref,
-    sum_ref,
-    *,
-    limit,
-    dtype,
-    act,
-    tanh,
-):
+def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
+    # s_ref: [inv, scale(, alpha)]; bias_ref: this block's [bk] of the bias (with affine).
+    if affine:
+        s_ref, pre_ref, da_ref, bias_ref, _pending_in, q_ref, qt_ref, pending_ref, sum_ref = refs
+    else:
+        s_ref, pre_ref, da_ref, _pending_in, q_ref, qt_ref, pending_ref, sum_ref = refs
     # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
     pre_bxk = pre_ref[...].astype(jnp.float32)
+    if affine:
+        pre_bxk = pre_bxk * s_ref[2] + bias_ref[...].astype(jnp.float32)[None, :]
     d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
     _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
@@ -310,7 +335,7 @@ def _grad_kernel(
     qt_ref[...] = y_bxk.T.astype(dtype)
 
 
-def _grad_pallas(pre, da, inv, scale, pending, dtype, act, bm, bk, interpret):
+def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, interpret):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -323,13 +348,23 @@ def _grad_pallas(pre, da, inv, scale, pending, dtype, act, bm, bk, interpret):
         dtype=dtype,
         act=act,
         tanh=_kernel_tanh(interpret),
+        affine=affine is not None,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
+    # Power-of-two blocks for Triton: [inv, scale] or [inv, scale, alpha, unused].
+    scalars = [inv, scale] if affine is None else [inv, scale, affine[0], affine[0]]
+    bias = [] if affine is None else [affine[1]]
     q, qt, target, sums_GMxK = pl.pallas_call(
         kernel,
         grid=(gm, gk),
-        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile, whole],
+        in_specs=[
+            pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
+            tile,
+            tile,
+            *[pl.BlockSpec((bk,), lambda i, j: (j,)) for _ in bias],
+            whole,
+        ],
         out_specs=[
             tile,
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
@@ -342,36 +377,38 @@ def _grad_pallas(pre, da, inv, scale, pending, dtype, act, bm, bk, interpret):
             jax.ShapeDtypeStruct(target.shape, jnp.float32),
             jax.ShapeDtypeStruct((gm, k), jnp.float32),
         ],
-        input_output_aliases={3: 2},
+        input_output_aliases={3 + len(bias): 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=_WARPS, num_stages=1),
         name="fp8_act_grad_cast_transpose",
-    )(jnp.stack([inv, scale]).astype(jnp.float32), pre, da, target)
+    )(jnp.stack(scalars).astype(jnp.float32), pre, da, *bias, target)
     return q, qt, _untarget(target, pending), jnp.sum(sums_GMxK, axis=0)
 
 
 def act_grad_cast_transpose(
-    pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh", pending=None
+    pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh", pending=None, affine=None
 ):
     """``d = act'(pre) * da * inv`` quantized: ``(q [M, K], q.T [K, M], amax(d), sum_M(d))``.
 
     The backward of ``act(pre) . w`` followed by the E5M2 cast of the layer that made ``pre``,
     in one pass: ``da`` is the dgrad GEMM's raw output and ``inv`` its inverse scale. The
-    column sums are the gradient of a bias added to ``pre``. ``pending``: as in
-    ``cast_transpose``.
+    column sums are the gradient of a bias added to ``pre``. ``pending`` and ``affine`` (the
+    pre-activation is ``pre * alpha + bias``): as in ``cast_transpose``.
     """
     dtype = formats.as_dtype(fmt)
     _check_activation(act, ACTIVATION_GRADS)
+    _check_affine(affine, pre.shape[-1])
     return _dispatch(
         impl,
         pre.shape,
-        lambda p, d, i, s, t: _grad_reference(p, d, i, s, t, dtype, act),
-        lambda p, d, i, s, t, bm, bk, interpret: _grad_pallas(
-            p, d, i, s, t, dtype, act, bm, bk, interpret
+        lambda p, d, i, s, t, a: _grad_reference(p, d, i, s, t, a, dtype, act),
+        lambda p, d, i, s, t, a, bm, bk, interpret: _grad_pallas(
+            p, d, i, s, t, a, dtype, act, bm, bk, interpret
         ),
         pre,
         da,
         inv,
         scale,
         pending,
+        affine,
     )

@@ -4,7 +4,9 @@ With separate FP8 matmuls the backward pass writes ``dpre = gelu'(pre) * da`` in
 fusion that also sums the bias gradient), and the first layer's E5M2 cast reads it back. As
 one custom VJP, ``kernels.act_grad_cast_transpose`` computes ``dpre`` from the second layer's
 raw dgrad output and writes only its E5M2 layouts, its amax and the bias gradient. The forward
-is the two fused-cast matmuls of ``fp8jax.dot`` (the GELU inside the second one's cast).
+is the two fused-cast matmuls of ``fp8jax.dot``; the second one's cast reads the first GEMM's raw
+output and applies its unscale, the bias and the GELU in f32, so no XLA pass writes the
+pre-activation (a [tokens, d_ff] read and write per layer).
 
 Only the delayed-scaling, fused-kernel path is one VJP; anything else (current scaling,
 ``cast_kernel='xla'``, shapes not in multiples of 16) runs the same math as two ``dot_general``
@@ -31,17 +33,21 @@ class _Cfg(NamedTuple):
     layer1: dot._Cfg  # x . w1 -> h (the GEMM output, before the bias)
     layer2: dot._Cfg  # gelu(pre) . w2 -> y
     b_dtype: jnp.dtype
+    w1_dtype: jnp.dtype  # the weights as given (f32 masters are quantized straight from f32)
+    w2_dtype: jnp.dtype
 
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
     # Scopes named as the layers: coverage reports and profiles tell wi's GEMMs from wo's.
     with jax.named_scope("wi"):
-        h, m1_new, (xq_t, w1q, inv1, _) = dot._fwd_fused(cfg.layer1, x, w1, m1)  # [M, F]
-        pre = h + b1.astype(h.dtype)  # [M, F], the bias added as nn.DenseGeneral adds it
-    # E4M3 of gelu(pre), computed inside the cast: gelu(pre) is never written out.
+        # h_raw = x . w1 still scaled by sx * sw (inv1[0] unscales it): the unscale and the
+        # bias are left to wo's cast, so pre = h_raw * inv1[0] + b1 is never written out.
+        h_raw, m1_new, (xq_t, w1q, inv1, _) = dot._fwd_fused(cfg.layer1, x, w1, m1, raw=True)
+    # E4M3 of gelu(h_raw * inv1[0] + b1), computed in f32 inside the cast from the raw output.
+    affine = (inv1[0], b1)
     with jax.named_scope("wo"):
-        y, m2_new, (aq_t, w2q, inv2, _) = dot._fwd_fused(cfg.layer2, pre, w2, m2)  # [M, D]
-    return y, m1_new, m2_new, (xq_t, w1q, inv1, pre, aq_t, w2q, inv2)
+        y, m2_new, (aq_t, w2q, inv2, _) = dot._fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
+    return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -57,20 +63,32 @@ def _mlp_fwd(cfg: _Cfg, x, w1, b1, w2, m1, m2):
 
 def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
-    (xq_t, w1q, inv1, pre, aq_t, w2q, inv2), m1, m2 = saved
+    (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2), m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
     with jax.named_scope("wo"):
         # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
         g2q, g2q_t, hist_g2 = kernels.cast_transpose(
             g, m2.dy.scale, formats.E5M2, c2.cast, pending=ct_m2.dy.amax_history
         )
-        da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t)  # [M, F], [F, D]
+        # da [M, F] raw, dw2 [F, D]
+        da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t, cfg.w2_dtype)
     with jax.named_scope("wi"):
         # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
+        # The pre-activation is rebuilt from the raw forward output, as wo's cast built it.
         g1q, g1q_t, hist_g1, db1 = kernels.act_grad_cast_transpose(
-            pre, da, inv2[1], m1.dy.scale, formats.E5M2, c1.cast, ACT, ct_m1.dy.amax_history
+            h_raw,
+            da,
+            inv2[1],
+            m1.dy.scale,
+            formats.E5M2,
+            c1.cast,
+            ACT,
+            ct_m1.dy.amax_history,
+            affine=(inv1[0], b1),
         )
-        dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t)
+        dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t, cfg.w1_dtype)
+    # Weight gradients leave the GEMMs in the compute dtype (as nn.Dense's do) and are unscaled
+    # into the weights' own dtype, a widening XLA fuses into the optimizer's update.
     return (
         dot._dgrad_out(c1, dx, inv1[1], None),
         dw1,
@@ -87,23 +105,27 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = "pallas"):
     """``gelu(x . w1 + b1) . w2`` in FP8 (x [..., D], w1 [D, F], b1 [F], w2 [F, D]).
 
-    Returns ``(y [..., D], meta1, meta2)`` with this call's amaxes recorded, as two
-    ``dot.dot_general`` calls would; the output bias is the caller's.
+    Computes in x's dtype; wider weights (f32 masters) are quantized as given, with no copy in
+    x's dtype, and get their gradients back in their own dtype. Returns ``(y [..., D], meta1,
+    meta2)`` with this call's amaxes recorded, as two ``dot.dot_general`` calls would; the
+    output bias is the caller's.
     """
     kernels.check_impl(cast_kernel)
+    for name, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
+        dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
-    out_dtype = jnp.result_type(x.dtype, w1.dtype)
-    layer1 = dot._Cfg(x_MxD.dtype, w1.dtype, out_dtype, False, cast_kernel)
-    y_dtype = jnp.result_type(out_dtype, w2.dtype)
-    layer2 = dot._Cfg(out_dtype, w2.dtype, y_dtype, False, cast_kernel, ACT)
+    dtype = jnp.dtype(x.dtype)
+    layer1 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel)
+    layer2 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel, ACT)
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
     aligned = all(d % dot.PAD == 0 for d in dims)
     if not (aligned and dot._fused(layer1, meta1) and dot._fused(layer2, meta2)):
+        w1, b1, w2 = w1.astype(dtype), b1.astype(dtype), w2.astype(dtype)
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
-        pre = h + b1.astype(h.dtype)
+        pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
         return y.reshape(*lead, -1), meta1, meta2
-    cfg = _Cfg(layer1, layer2, jnp.dtype(b1.dtype))
+    cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)))
     y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)
     return y.reshape(*lead, -1), meta1, meta2

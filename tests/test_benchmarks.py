@@ -386,3 +386,21 @@ def test_power_samples_parse_and_summarize():
     assert s["joules_per_step"] == pytest.approx(685.06 * 0.2) and s["samples"] == 2
     power.samples = []
     assert power.summary(200.0) is None
+
+
+def test_energy_pieces_keep_every_layer_and_kernel():
+    """benchmarks/energy.py: 3 GEMMs per linear per layer, 12 casts per layer on CUDA."""
+    import energy
+
+    s = energy.QUICK
+    for fp8 in (False, True):
+        fn, args = energy.gemms(s, fp8)
+        text = fn.trace(*args).lower().as_text()
+        dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+        assert len(dots) == 3 * 4 * s["layers"]
+        assert all(("f8E" in ln) == fp8 for ln in dots)
+    fn, args = energy.casts(s, "pallas")
+    cuda = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("__gpu$xla.gpu.triton") == 12 * s["layers"]
+    row = energy.measure(*energy.casts(s, "interpret"), seconds=0.0)
+    assert row["ms"] > 0 and row["power"] is None and row["f8_gemms"] == 0

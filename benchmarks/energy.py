@@ -18,6 +18,9 @@ step for each:
 Each program chains its layers through ``optimization_barrier`` so XLA neither merges nor
 hoists them. The difference between a whole step's joules (``benchmarks/step.py``, J/step)
 and a piece's bounds what that piece can still give. ``--quick`` runs tiny shapes (CPU check).
+
+``--step gpt_1b3:O1 --extra-gb 13`` asks the converse: what a memory-bound pass of that many
+GB costs when it runs after each train step, against the pass alone (``step_with_pass``).
 """
 
 from __future__ import annotations
@@ -153,14 +156,62 @@ def measure(fn, args, seconds: float) -> dict:
     return {"ms": ms, "calls": n, "power": power.summary(ms), **counts}
 
 
+def step_with_pass(run: str, gb: float, steps: int, quick: bool = False) -> dict:
+    """What ``gb`` GB more memory traffic per step costs a whole train step.
+
+    Times, pipelined, ``steps`` train steps of ``run`` (``step.py``'s run strings), then as
+    many calls of a pass that reads and writes a bf16 buffer of ``gb`` GB in all, then both
+    interleaved. Alone, the pass runs at full clock; after each step, under the power cap
+    (on an H200), its cost is ``with_pass - step``.
+    """
+    c, env, state, batch = step_bench.build(run, quick)
+    compiled = env["train_step"].lower(state, batch).compile()
+    buf = jnp.ones((max(1, int(gb * 1e9 / 4)),), jnp.bfloat16)  # read + write: gb GB
+    bump = jax.jit(jnp.negative, donate_argnums=0)  # nothing XLA can fold away
+
+    def timed(do_step: bool, do_pass: bool):
+        nonlocal state, buf
+        with step_bench._GpuPower() as power:
+            t = time.perf_counter()
+            for _ in range(steps):
+                if do_step:
+                    state, _ = compiled(state, batch)
+                if do_pass:
+                    buf = bump(buf)
+            jax.block_until_ready((state, buf))
+            ms = (time.perf_counter() - t) * 1e3 / steps
+        return {"ms": ms, "power": power.summary(ms)}
+
+    timed(True, True)  # warm-up: both programs compiled and run once
+    out = {"run": run, "gb": gb, "steps": steps}
+    for name, flags in (("step", (True, False)), ("pass", (False, True)),
+                        ("with_pass", (True, True)), ("step_again", (True, False))):  # fmt: skip
+        out[name] = timed(*flags)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per piece")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--pieces", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--step", default="", help="a step.py run, e.g. gpt_1b3:O1: time it with "
+                   "and without --extra-gb of memory traffic per step instead")  # fmt: skip
+    p.add_argument("--extra-gb", type=float, default=13.0, help="GB read+written by the pass")
+    p.add_argument("--steps", type=int, default=16)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.step:
+        rec = step_with_pass(a.step, a.extra_gb, a.steps, quick=a.quick)
+        with open(os.path.join(a.out, "step_with_pass.json"), "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, **rec}, f, indent=1)
+        print(f"\n{a.step}, {a.extra_gb:g} GB pass: {'':10} {'ms':>8} {'W':>6} {'MHz':>6}")
+        for name in ("step", "pass", "with_pass", "step_again"):
+            pw = rec[name]["power"] or {}
+            w, mhz = pw.get("watts", float("nan")), pw.get("sm_mhz", float("nan"))
+            print(f"{name:40} {rec[name]['ms']:8.2f} {w:6.0f} {mhz:6.0f}")
+        return
     on_gpu = jax.devices()[0].platform == "gpu"
     s = QUICK if a.quick or not on_gpu else DIMS
     impl = "pallas" if on_gpu else "interpret"

@@ -404,3 +404,12 @@ def test_energy_pieces_keep_every_layer_and_kernel():
     assert cuda.count("__gpu$xla.gpu.triton") == 12 * s["layers"]
     row = energy.measure(*energy.casts(s, "interpret"), seconds=0.0)
     assert row["ms"] > 0 and row["power"] is None and row["f8_gemms"] == 0
+
+
+def test_energy_step_with_pass_times_each_variant():
+    import energy
+
+    rec = energy.step_with_pass("tiny:O1", 1e-6, steps=2, quick=True)
+    for name in ("step", "pass", "with_pass", "step_again"):
+        assert rec[name]["ms"] > 0 and rec[name]["power"] is None  # no nvidia-smi here
+    assert rec["with_pass"]["ms"] > rec["pass"]["ms"]

@@ -146,14 +146,20 @@ def measure(fn, args, seconds: float) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     n = max(3, int(seconds / max(time.perf_counter() - t, 1e-4)))
+    return {**_timed(lambda: fn(*args), n), "calls": n, **counts}
+
+
+def _timed(call, n: int) -> dict:
+    """``call()`` ``n`` times back to back, one wait at the end: ms per call, and the GPU's
+    power over them (``step.py``'s sampler; None without nvidia-smi)."""
     with step_bench._GpuPower() as power:
         t = time.perf_counter()
         out = None
         for _ in range(n):
-            out = fn(*args)
+            out = call()
         jax.block_until_ready(out)
         ms = (time.perf_counter() - t) * 1e3 / n
-    return {"ms": ms, "calls": n, "power": power.summary(ms), **counts}
+    return {"ms": ms, "power": power.summary(ms)}
 
 
 def step_with_pass(run: str, gb: float, steps: int, quick: bool = False) -> dict:
@@ -170,17 +176,15 @@ def step_with_pass(run: str, gb: float, steps: int, quick: bool = False) -> dict
     bump = jax.jit(jnp.negative, donate_argnums=0)  # nothing XLA can fold away
 
     def timed(do_step: bool, do_pass: bool):
-        nonlocal state, buf
-        with step_bench._GpuPower() as power:
-            t = time.perf_counter()
-            for _ in range(steps):
-                if do_step:
-                    state, _ = compiled(state, batch)
-                if do_pass:
-                    buf = bump(buf)
-            jax.block_until_ready((state, buf))
-            ms = (time.perf_counter() - t) * 1e3 / steps
-        return {"ms": ms, "power": power.summary(ms)}
+        def call():
+            nonlocal state, buf
+            if do_step:
+                state, _ = compiled(state, batch)
+            if do_pass:
+                buf = bump(buf)
+            return state, buf
+
+        return _timed(call, steps)
 
     timed(True, True)  # warm-up: both programs compiled and run once
     out = {"run": run, "gb": gb, "steps": steps}

@@ -112,6 +112,16 @@ def _affine(x, affine):
     return x.astype(jnp.float32) * alpha + bias_K.astype(jnp.float32)[None, :]
 
 
+def _affine_operands(affine, bk: int):
+    """A kernel's extra inputs for ``affine``: ``(alpha for its scalars, [bias], [bias's
+    BlockSpec: the [bk] slice of block column j])``, all empty without one."""
+    if affine is None:
+        return [], [], []
+    from jax.experimental import pallas as pl
+
+    return [affine[0]], [affine[1]], [pl.BlockSpec((bk,), lambda i, j: (j,))]
+
+
 def _reference(x, scale, dtype, prologue=None, affine=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
     x = _affine(x, affine)
@@ -153,7 +163,7 @@ def _kernel(
         scale_ref, x_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
     x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
     if affine:
-        x_bxk = x_bxk * scale_ref[1] + bias_ref[...].astype(jnp.float32)[None, :]
+        x_bxk = _affine(x_bxk, (scale_ref[1], bias_ref[...]))
     x_bxk = activation(prologue, tanh)(x_bxk)
     _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
@@ -199,15 +209,15 @@ def _pallas(
         affine=affine is not None,
     )
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))  # every block maxes into slot 0
-    scalars = [scale] if affine is None else [scale, affine[0]]
-    bias = [] if affine is None else [affine[1]]
+    alpha, bias, bias_spec = _affine_operands(affine, bk)
+    scalars = [scale, *alpha]
     q, qt, target = pl.pallas_call(
         kernel,
         grid=(gm, gk),
         in_specs=[
             pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
-            *[pl.BlockSpec((bk,), lambda i, j: (j,)) for _ in bias],
+            *bias_spec,
             whole,
         ],
         out_specs=[
@@ -326,7 +336,7 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
     # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
     pre_bxk = pre_ref[...].astype(jnp.float32)
     if affine:
-        pre_bxk = pre_bxk * s_ref[2] + bias_ref[...].astype(jnp.float32)[None, :]
+        pre_bxk = _affine(pre_bxk, (s_ref[2], bias_ref[...]))
     d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
     _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
@@ -352,19 +362,13 @@ def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, inter
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
+    alpha, bias, bias_spec = _affine_operands(affine, bk)
     # Power-of-two blocks for Triton: [inv, scale] or [inv, scale, alpha, unused].
-    scalars = [inv, scale] if affine is None else [inv, scale, affine[0], affine[0]]
-    bias = [] if affine is None else [affine[1]]
+    scalars = [inv, scale, *alpha, *alpha]
     q, qt, target, sums_GMxK = pl.pallas_call(
         kernel,
         grid=(gm, gk),
-        in_specs=[
-            pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
-            tile,
-            tile,
-            *[pl.BlockSpec((bk,), lambda i, j: (j,)) for _ in bias],
-            whole,
-        ],
+        in_specs=[pl.BlockSpec((len(scalars),), lambda i, j: (0,)), tile, tile, *bias_spec, whole],
         out_specs=[
             tile,
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),

@@ -9,7 +9,8 @@ relative difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O
 
 ``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes). On several GPUs,
 ``--levels O0,O3 --mesh 1,-1,1 --steps 200`` compares O3 (FP8 Adam and masters sharded over
-``fsdp``, FP8 weight all-gather) with O0 on the same mesh.
+``fsdp``, FP8 weight all-gather) with O0 on the same mesh. A level may carry config overrides
+as ``benchmarks/step.py``'s runs do: ``--levels O0,O1,O1:model.fp8_lm_head=True``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,25 @@ import argparse
 import json
 import os
 import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step as step_bench  # noqa: E402  (a script beside this one: its run-option parser)
+
+
+def level_config(name: str, level: str, steps: int, vocab: int, mesh: str):
+    """The config one parity run trains: ``level`` is 'O1' or 'O1:key=value+key=value'."""
+    from fp8jax import train as train_lib
+
+    c = train_lib.load_config(name)
+    c.fp8.level, options = level.split(":", 1)[0], step_bench.parse_run(f"_:{level}")[2]
+    step_bench.apply_overrides(c, options)
+    c.model.vocab_size = vocab
+    c.num_train_steps = steps
+    c.eval_every_steps = c.checkpoint_every_steps = steps
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in mesh.split(","))
+    c.sample_tokens = 0
+    return c
 
 
 def main():
@@ -35,14 +55,8 @@ def main():
     rows = {}
     first_dir = None
     for level in a.levels.split(","):
-        c = train_lib.load_config(a.config)
-        c.fp8.level = level
-        c.model.vocab_size = a.vocab
-        c.num_train_steps = a.steps
-        c.eval_every_steps = c.checkpoint_every_steps = a.steps
-        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in a.mesh.split(","))
-        c.sample_tokens = 0
-        workdir = os.path.join(a.out, f"{a.config}_{level}")
+        c = level_config(a.config, level, a.steps, a.vocab, a.mesh)
+        workdir = os.path.join(a.out, step_bench.safe_name(f"{a.config}_{level}"))
         shutil.rmtree(workdir, ignore_errors=True)
         if first_dir is not None:  # same tokenizer and token ids for every level
             skip = shutil.ignore_patterns("checkpoints", "tensorboard", "*.jsonl", "summary.json")
@@ -57,11 +71,12 @@ def main():
         r["rel_diff_vs_first"] = (r["val_loss"] - base) / base if ok else float("nan")
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"\n{'level':6} {'val_loss':>9} {'rel diff':>9} {'tok/s':>9}")
+    width = max(6, *map(len, rows))
+    print(f"\n{'level':{width}} {'val_loss':>9} {'rel diff':>9} {'tok/s':>9}")
     for level, r in rows.items():
         tps = r["train_tokens_per_s"] or 0.0
         val = r["val_loss"] if r["val_loss"] is not None else float("nan")
-        print(f"{level:6} {val:9.4f} {r['rel_diff_vs_first']:9.3%} {tps:9.0f}")
+        print(f"{level:{width}} {val:9.4f} {r['rel_diff_vs_first']:9.3%} {tps:9.0f}")
 
 
 if __name__ == "__main__":

@@ -361,12 +361,16 @@ def mesh_context(c, env):
     return env["mesh"] if c.fp8.get("impl") == "flax" else contextlib.nullcontext()
 
 
+def safe_name(run: str) -> str:
+    """A run string as a file name: 'gpt_1b3:O1:model.x=True' -> 'gpt_1b3_O1_model-x-True'."""
+    return run.replace(":", "_").replace("=", "-").replace("+", "_").replace(".", "-")
+
+
 def save_hlo(out: str, run: str, text: str) -> str:
     """Write a compiled step's HLO, gzipped, as ``<out>/hlo_<run>.txt.gz``; return the path."""
     import gzip
 
-    safe = run.replace(":", "_").replace("=", "-").replace("+", "_").replace(".", "-")
-    path = os.path.join(out, f"hlo_{safe}.txt.gz")
+    path = os.path.join(out, f"hlo_{safe_name(run)}.txt.gz")
     with gzip.open(path, "wt") as f:
         f.write(text)
     return path

@@ -17,6 +17,7 @@ import cast_transpose  # noqa: E402
 import kernel_profile  # noqa: E402
 import memory_peak  # noqa: E402
 import notebooks  # noqa: E402
+import parity  # noqa: E402
 import prologue  # noqa: E402
 import step as step_bench  # noqa: E402
 
@@ -169,6 +170,19 @@ def test_apply_overrides():
     assert "foo" not in c.model  # a typo must not add a field
     with pytest.raises(KeyError, match="unknown config field 'modl.dtype'"):
         step_bench.apply_overrides(c, ["modl.dtype=float32"])  # a misspelled parent too
+
+
+def test_parity_levels_carry_config_overrides():
+    """``--levels O0,O1:model.fp8_lm_head=True``: each level its own config and work dir."""
+    c = parity.level_config("tiny", "O1:model.fp8_lm_head=True+seq_len=32", 40, 512, "-1,1,1")
+    assert (c.fp8.level, c.model.fp8_lm_head, c.seq_len) == ("O1", True, 32)
+    assert (c.num_train_steps, c.eval_every_steps, c.model.vocab_size) == (40, 40, 512)
+    plain = parity.level_config("tiny", "O0", 40, 512, "-1,1,1")
+    assert (plain.fp8.level, plain.model.fp8_lm_head) == ("O0", False)
+    safe = step_bench.safe_name("tiny_O1:model.fp8_lm_head=True")
+    assert safe == "tiny_O1_model-fp8_lm_head-True"
+    with pytest.raises(KeyError, match="model.fp8_head"):
+        parity.level_config("tiny", "O1:model.fp8_head=True", 40, 512, "-1,1,1")
 
 
 def test_notebook_code_cells(tmp_path):

@@ -19,8 +19,8 @@ Each program chains its layers through ``optimization_barrier`` so XLA neither m
 hoists them. The difference between a whole step's joules (``benchmarks/step.py``, J/step)
 and a piece's bounds what that piece can still give. ``--quick`` runs tiny shapes (CPU check).
 
-``--step gpt_1b3:O1 --extra-gb 13`` asks the converse: what a memory-bound pass of that many
-GB costs when it runs after each train step, against the pass alone (``step_with_pass``).
+``--step gpt_1b3:O1 --extra-gb 6.5,13,26`` asks the converse: what a memory-bound pass of that
+many GB costs when it runs after each train step, against the pass alone (``step_with_pass``).
 """
 
 from __future__ import annotations
@@ -162,35 +162,41 @@ def _timed(call, n: int) -> dict:
     return {"ms": ms, "power": power.summary(ms)}
 
 
-def step_with_pass(run: str, gb: float, steps: int, quick: bool = False) -> dict:
-    """What ``gb`` GB more memory traffic per step costs a whole train step.
+def step_with_pass(run: str, gbs, steps: int, quick: bool = False) -> dict:
+    """What ``gb`` GB more memory traffic per step costs a whole train step, for each of ``gbs``.
 
-    Times, pipelined, ``steps`` train steps of ``run`` (``step.py``'s run strings), then as
-    many calls of a pass that reads and writes a bf16 buffer of ``gb`` GB in all, then both
-    interleaved. Alone, the pass runs at full clock; after each step, under the power cap
-    (on an H200), its cost is ``with_pass - step``.
+    Times, pipelined, ``steps`` train steps of ``run`` (``step.py``'s run strings); then per
+    size as many calls of a pass that reads and writes a bf16 buffer of ``gb`` GB in all, both
+    interleaved, and the steps alone again (drift). Alone, the pass runs at full clock; after
+    each step, under the power cap (on an H200), its cost is ``with_pass - step``.
     """
     c, env, state, batch = step_bench.build(run, quick)
     compiled = env["train_step"].lower(state, batch).compile()
-    buf = jnp.ones((max(1, int(gb * 1e9 / 4)),), jnp.bfloat16)  # read + write: gb GB
     bump = jax.jit(jnp.negative, donate_argnums=0)  # nothing XLA can fold away
+
+    live = {}  # the pass's buffer: each call donates it and gets the next one
 
     def timed(do_step: bool, do_pass: bool):
         def call():
-            nonlocal state, buf
+            nonlocal state
             if do_step:
                 state, _ = compiled(state, batch)
             if do_pass:
-                buf = bump(buf)
-            return state, buf
+                live["buf"] = bump(live["buf"])
+            return state, live.get("buf")
 
         return _timed(call, steps)
 
-    timed(True, True)  # warm-up: both programs compiled and run once
-    out = {"run": run, "gb": gb, "steps": steps}
-    for name, flags in (("step", (True, False)), ("pass", (False, True)),
-                        ("with_pass", (True, True)), ("step_again", (True, False))):  # fmt: skip
-        out[name] = timed(*flags)
+    out = {"run": run, "steps": steps, "step": None, "passes": []}
+    for gb in [gbs] if isinstance(gbs, (int, float)) else gbs:
+        live["buf"] = jnp.ones((max(1, int(gb * 1e9 / 4)),), jnp.bfloat16)  # read + write: gb
+        timed(True, True)  # warm-up: both programs compiled and run once
+        out["step"] = out["step"] or timed(True, False)
+        row = {"gb": gb, "pass": timed(False, True), "with_pass": timed(True, True)}
+        row["step_after"] = timed(True, False)
+        row["cost_ms"] = row["with_pass"]["ms"] - (out["step"]["ms"] + row["step_after"]["ms"]) / 2
+        out["passes"].append(row)
+        del live["buf"]
     return out
 
 
@@ -202,19 +208,27 @@ def main():
     p.add_argument("--pieces", default="", help="comma-separated subset (default: all)")
     p.add_argument("--step", default="", help="a step.py run, e.g. gpt_1b3:O1: time it with "
                    "and without --extra-gb of memory traffic per step instead")  # fmt: skip
-    p.add_argument("--extra-gb", type=float, default=13.0, help="GB read+written by the pass")
+    p.add_argument("--extra-gb", default="13", help="GB read+written by the pass (a,b,...)")
     p.add_argument("--steps", type=int, default=16)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.step:
-        rec = step_with_pass(a.step, a.extra_gb, a.steps, quick=a.quick)
+        gbs = [float(g) for g in a.extra_gb.split(",")]
+        rec = step_with_pass(a.step, gbs, a.steps, quick=a.quick)
         with open(os.path.join(a.out, "step_with_pass.json"), "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, **rec}, f, indent=1)
-        print(f"\n{a.step}, {a.extra_gb:g} GB pass: {'':10} {'ms':>8} {'W':>6} {'MHz':>6}")
-        for name in ("step", "pass", "with_pass", "step_again"):
-            pw = rec[name]["power"] or {}
+        print(f"\n{a.step}: {'':30} {'ms':>8} {'W':>6} {'MHz':>6} {'cost ms':>8} {'ms/GB':>6}")
+        rows = [("step", rec["step"], None, None)]
+        for r in rec["passes"]:
+            g, per = r["gb"], r["cost_ms"] / r["gb"]
+            rows += [(f"{g:g} GB pass alone", r["pass"], None, None),
+                     (f"step + {g:g} GB pass", r["with_pass"], r["cost_ms"], per),
+                     ("step again", r["step_after"], None, None)]  # fmt: skip
+        for name, t, cost, per in rows:
+            pw = t["power"] or {}
             w, mhz = pw.get("watts", float("nan")), pw.get("sm_mhz", float("nan"))
-            print(f"{name:40} {rec[name]['ms']:8.2f} {w:6.0f} {mhz:6.0f}")
+            extra = f" {cost:8.2f} {per:6.3f}" if cost is not None else ""
+            print(f"{name:40} {t['ms']:8.2f} {w:6.0f} {mhz:6.0f}{extra}")
         return
     on_gpu = jax.devices()[0].platform == "gpu"
     s = QUICK if a.quick or not on_gpu else DIMS

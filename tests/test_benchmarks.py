@@ -423,7 +423,13 @@ def test_energy_pieces_keep_every_layer_and_kernel():
 def test_energy_step_with_pass_times_each_variant():
     import energy
 
-    rec = energy.step_with_pass("tiny:O1", 1e-6, steps=2, quick=True)
-    for name in ("step", "pass", "with_pass", "step_again"):
-        assert rec[name]["ms"] > 0 and rec[name]["power"] is None  # no nvidia-smi here
-    assert rec["with_pass"]["ms"] > rec["pass"]["ms"]
+    rec = energy.step_with_pass("tiny:O1", [1e-6, 2e-6], steps=2, quick=True)
+    assert rec["step"]["ms"] > 0 and rec["step"]["power"] is None  # no nvidia-smi here
+    assert [r["gb"] for r in rec["passes"]] == [1e-6, 2e-6]
+    for r in rec["passes"]:
+        for name in ("pass", "with_pass", "step_after"):
+            assert r[name]["ms"] > 0 and r[name]["power"] is None
+        assert r["with_pass"]["ms"] > r["pass"]["ms"]
+        assert (
+            r["cost_ms"] == r["with_pass"]["ms"] - (rec["step"]["ms"] + r["step_after"]["ms"]) / 2
+        )

@@ -12,6 +12,7 @@ from fp8jax.linen import (
     fp8_dot_general_cls,
     fp8_einsum,
     fp8_scan,
+    keep_kernel_dtype,
 )
 from fp8jax.scaling import CurrentScaling, DelayedScaling, ScaleState, make_recipe
 from fp8jax.state import (
@@ -51,6 +52,7 @@ __all__ = [
     "fp8_scan",
     "init_meta",
     "keep_if_finite",
+    "keep_kernel_dtype",
     "kernels",
     "make_recipe",
     "merge_grads",

@@ -125,6 +125,13 @@ def _acc_dtype(dtype):
     return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
 
 
+def _wgrad_dtype(cfg: _Cfg):
+    """The dtype dw leaves its GEMM in: the narrower of x's and w's. An f32 master weight
+    multiplied by bf16 activations gets its gradient as a bf16 matmul on a bf16 copy of it
+    would (then unscaled into f32); f32 only when both operands are."""
+    return min(cfg.x_dtype, cfg.w_dtype, key=lambda d: jnp.dtype(d).itemsize)
+
+
 def _fused(cfg: _Cfg, meta: Fp8Meta) -> bool:
     """Quantize with kernels.cast_transpose: 2-D GEMMs whose scales are known beforehand."""
     delayed = not any(isinstance(s.recipe, CurrentScaling) for s in (meta.x, meta.w, meta.dy))
@@ -162,10 +169,11 @@ def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
 def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t, dw_dtype=None):
     """``(dgrad's raw GEMM output, dw)`` from dy already in E5M2, in both layouts.
 
-    dw leaves the GEMM in ``cfg.w_dtype`` and is unscaled into ``dw_dtype`` (default the same).
+    dw leaves the GEMM in ``_wgrad_dtype(cfg)`` and is unscaled into ``dw_dtype`` (default
+    ``cfg.w_dtype``).
     """
     dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
-    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(cfg.w_dtype))  # [K, N]: M innermost in both
+    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(_wgrad_dtype(cfg)))  # [K, N]: M innermost
     return dx, _unscale(dw, inv[2], dw_dtype or cfg.w_dtype)
 
 
@@ -242,7 +250,7 @@ def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
         inv = _inverse_scales(sx, sw, sg)
     dx = _dgrad_out(cfg, dx, inv[1], x_pre)
     # wgrad: contract M (x axis b, g axis b) -> [(B,) K, N]
-    dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(cfg.w_dtype))
+    dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(_wgrad_dtype(cfg)))
     dw = _unscale(dw, inv[2], cfg.w_dtype)
     return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
 

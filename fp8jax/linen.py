@@ -65,6 +65,11 @@ class _Fp8Op(nn.Module):
 class Fp8DotGeneral(_Fp8Op):
     """Drop-in ``dot_general_cls`` for ``nn.Dense``/``nn.DenseGeneral`` running FP8 GEMMs."""
 
+    # The output dtype when the caller names none (flax's Dense never does): with
+    # ``keep_kernel_dtype`` as the layer's promote_dtype, an f32 kernel reaches the FP8 cast
+    # as stored, and this keeps the output in the activations' dtype.
+    out_dtype: Any = None
+
     @nn.compact
     def __call__(
         self,
@@ -84,7 +89,7 @@ class Fp8DotGeneral(_Fp8Op):
                 rhs,
                 dimension_numbers,
                 meta,
-                preferred_element_type,
+                preferred_element_type or self.out_dtype,
                 self.cast_kernel,
                 self.prologue,
             ),
@@ -191,6 +196,14 @@ def fp8_scan(target, *, variable_broadcast=False, variable_carry=False, **scan_k
         return cls.__call__(self, *args, **kwargs)
 
     return type(f"Fp8Scan{target.__name__}", (target,), {"__call__": __call__})
+
+
+def keep_kernel_dtype(inputs, kernel, bias, *, dtype=None, **kwargs):
+    """``promote_dtype`` for ``nn.Dense``/``nn.DenseGeneral`` with ``Fp8DotGeneral``: inputs
+    and bias in ``dtype``, the kernel as stored. Its FP8 cast then reads the f32 master
+    directly instead of a bf16 copy written first (O1: 4 bytes per weight per step less)."""
+    inputs, bias = nn.dtypes.promote_dtype(inputs, bias, dtype=dtype, **kwargs)
+    return inputs, kernel, bias
 
 
 def fp8_dot_general_cls(recipe: scaling.Recipe | None = None, **kwargs):

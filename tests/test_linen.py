@@ -291,6 +291,37 @@ def test_dense_fwd_bwd_lowers_to_three_fp8_dots_per_layer():
         ], str(report)
 
 
+def test_f32_kernel_reaches_its_fp8_cast_as_stored():
+    """With ``keep_kernel_dtype``: no bf16 copy of the f32 kernel before its cast (CUDA
+    lowering), a bf16 output, an f32 kernel gradient whose wgrad GEMM wrote bf16, and the same
+    layer as flax's default promotion to FP8 noise."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.bfloat16)
+
+    def layer(promote):
+        fp8 = fp8jax.fp8_dot_general_cls(cast_kernel="pallas", out_dtype=jnp.bfloat16)
+        kw = {} if promote is None else {"promote_dtype": promote}
+        return nn.Dense(48, dtype=jnp.bfloat16, dot_general_cls=fp8, **kw)
+
+    def run(promote):
+        model = layer(promote)
+        v = model.init(jax.random.PRNGKey(0), x)
+
+        def loss(params):
+            y, _ = model.apply({**v, "params": params}, x, mutable=[FP8])
+            return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True)), v["params"]
+
+    grad, params = run(fp8jax.keep_kernel_dtype)
+    text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    assert "(tensor<64x48xf32>) -> tensor<64x48xbf16>" not in text  # no bf16 copy of w
+    assert "-> tensor<64x48xbf16>" in text  # the wgrad GEMM's output, unscaled into f32 next
+    (_, y), g = grad(params)
+    (_, y_ref), g_ref = run(None)[0](params)  # flax's promotion: w copied to bf16 first
+    assert y.dtype == jnp.bfloat16 and g["kernel"].dtype == jnp.float32
+    assert rel_err(y, y_ref) < FWD_TOL and rel_err(g["kernel"], g_ref["kernel"]) < GRAD_TOL
+
+
 def test_evaluation_without_mutable_runs_and_writes_nothing():
     model = MLP()
     x = randn(23, (4, 16))

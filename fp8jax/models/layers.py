@@ -12,13 +12,14 @@ in the ``fp8_state`` collection. Norms, RoPE, softmax and residual adds stay in 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax import mlp as fp8_mlp
-from fp8jax.linen import Fp8Meta, fp8_dot_general_cls
+from fp8jax.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.models.config import ModelConfig
 from fp8jax.scaling import CurrentScaling
 from fp8jax.sharding import constrain  # inert unless a step binds a mesh
@@ -45,7 +46,17 @@ def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
         return None
     if cfg.fp8_impl == "flax":
         return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
-    return fp8_dot_general_cls(cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue)
+    return fp8_dot_general_cls(
+        cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue, out_dtype=cfg.dtype
+    )
+
+
+def promote_for(cfg: ModelConfig, fp8_cls_) -> Callable:
+    """A linear's ``promote_dtype``: fp8jax's FP8 cast reads the kernel as stored (f32 masters
+    straight to E4M3, no bf16 copy first); everything else promotes as flax does."""
+    if fp8_cls_ is not None and cfg.fp8_impl == "fp8jax":
+        return keep_kernel_dtype
+    return nn.dtypes.promote_dtype
 
 
 def fuses_activation(cfg: ModelConfig) -> bool:
@@ -73,6 +84,7 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
     to its input inside the FP8 cast.
     """
     features = tuple(features)
+    fp8 = fp8_cls(cfg, prologue)
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -81,7 +93,8 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
         param_dtype=cfg.param_dtype,
         kernel_init=normal_init(names, std),
         bias_init=bias_init(names[-len(features) :]),
-        dot_general_cls=fp8_cls(cfg, prologue),
+        promote_dtype=promote_for(cfg, fp8),
+        dot_general_cls=fp8,
         name=name,
     )
 

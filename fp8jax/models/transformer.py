@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
-from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init
+from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init, promote_for
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
 
@@ -122,6 +122,7 @@ class Transformer(nn.Module):
                 dtype=c.dtype,
                 param_dtype=c.param_dtype,
                 kernel_init=normal_init(("embed", "vocab")),
+                promote_dtype=promote_for(c, head_cls),
                 dot_general_cls=head_cls,
                 name="head",
             )

@@ -188,7 +188,7 @@ def step_with_pass(run: str, gbs, steps: int, quick: bool = False) -> dict:
         return _timed(call, steps)
 
     out = {"run": run, "steps": steps, "step": None, "passes": []}
-    for gb in [gbs] if isinstance(gbs, (int, float)) else gbs:
+    for gb in gbs:
         live["buf"] = jnp.ones((max(1, int(gb * 1e9 / 4)),), jnp.bfloat16)  # read + write: gb
         timed(True, True)  # warm-up: both programs compiled and run once
         out["step"] = out["step"] or timed(True, False)

@@ -30,7 +30,7 @@ def level_config(name: str, level: str, steps: int, vocab: int, mesh: str):
     from fp8jax import train as train_lib
 
     c = train_lib.load_config(name)
-    c.fp8.level, options = level.split(":", 1)[0], step_bench.parse_run(f"_:{level}")[2]
+    _, c.fp8.level, options = step_bench.parse_run(f"{name}:{level}")
     step_bench.apply_overrides(c, options)
     c.model.vocab_size = vocab
     c.num_train_steps = steps

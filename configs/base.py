@@ -95,6 +95,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 2  # checkpoints kept in the work dir
     c.max_bad_steps = 5  # stop after this many consecutive non-finite steps
     c.sample_tokens = 48  # tokens of text sampled at the end (0 = off)
+    # JAX's persistent compilation cache: a rerun or resume loads the compiled steps from here
+    # instead of compiling them again ('' = off; JAX_COMPILATION_CACHE_DIR, if set, wins).
+    c.compilation_cache_dir = "~/.cache/fp8jax/jax"  # directory of compiled XLA programs
 
     # --- parallelism (see README: sharded training) ---
     c.mesh = ml_collections.ConfigDict()

@@ -216,24 +216,29 @@ def evaluate(eval_step, state, batches, sharding) -> dict:
 
 
 def sample(model, state, tokenizer, prompt: str, num_tokens: int, max_len: int, seed=0) -> str:
-    """Sample ``num_tokens`` tokens after ``prompt`` (temperature 0.8, fixed-length buffer)."""
+    """Sample ``num_tokens`` tokens after ``prompt`` (temperature 0.8, fixed-length buffer).
+
+    The parameters and FP8 state are arguments of the one jitted step, not constants captured
+    in its program (at 1.3B those would be gigabytes of constants to lower and compile).
+    """
     from fp8jax import optim
 
     ids = tokenizer.encode(prompt)[-(max_len - num_tokens) :] or [0]
     n0 = len(ids)
     buf = np.zeros((1, max_len), np.int32)
     buf[0, :n0] = ids
-    params = optim.materialize(state.params)
+    coll = step_lib.state_collection(model)
 
     @jax.jit
-    def next_token(tokens_1xL, pos, key):
-        logits = model.apply({"params": params, "fp8_state": state.fp8}, tokens_1xL)
-        return jax.random.categorical(key, logits[0, pos - 1] / 0.8)
+    def next_token(params, fp8, tokens_1xL, pos, key):
+        logits_1xLxV = model.apply({"params": optim.materialize(params), coll: fp8}, tokens_1xL)
+        return jax.random.categorical(key, logits_1xLxV[0, pos - 1] / 0.8)
 
     key = jax.random.PRNGKey(seed)
+    pos = n0 - 1
     for pos in range(n0, min(max_len, n0 + num_tokens)):
         key, sub = jax.random.split(key)
-        buf[0, pos] = int(next_token(jnp.asarray(buf), pos, sub))
+        buf[0, pos] = int(next_token(state.params, state.fp8, jnp.asarray(buf), pos, sub))
     return tokenizer.decode(buf[0, : pos + 1].tolist())
 
 
@@ -249,6 +254,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         validate(config)
     os.makedirs(workdir, exist_ok=True)
     metrics_lib.quiet_library_logs()
+    use_compilation_cache(config.compilation_cache_dir)
     logging.info("fp8jax: level %s, devices %s", config.fp8.level, jax.devices())
     # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
@@ -264,19 +270,74 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         )
         try:
             state, step = _restore_or_init(config, env, ckpt, train_iter)
+            _record_schedule(workdir, config, step)
             state, summary = _train(
                 config, env, ckpt, state, step, train_iter, eval_batches, preempt
             )
         finally:
             ckpt.close()
-    if config.sample_tokens > 0 and "preempted_at" not in summary:
+    summary_path = os.path.join(workdir, "summary.json")
+    before = _read_json(summary_path)
+    before.pop("preempted_at", None)
+    if step >= config.num_train_steps:  # restored a finished run: nothing trained
+        logging.info("the run in %s already reached step %d: nothing to train", workdir, step)
+    elif config.sample_tokens > 0 and "preempted_at" not in summary:
         prompt, n = "The ", config.sample_tokens
+        t0 = time.perf_counter()
         summary["sample"] = sample(
             env["model"], state, dataset.tokenizer, prompt, n, config.seq_len
         )
-        logging.info("sample: %s", summary["sample"])
-    _write_json(os.path.join(workdir, "summary.json"), summary)
+        logging.info("sample (%.1f s): %s", time.perf_counter() - t0, summary["sample"])
+    summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
+    _write_json(summary_path, summary)
     return summary
+
+
+def use_compilation_cache(directory: str) -> None:
+    """Keep compiled XLA programs in ``directory`` (JAX's persistent cache) so reruns skip
+    compiling; '' leaves JAX's setting alone, and so does a cache the user set up."""
+    if not directory or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+
+
+# Fields that define the learning-rate schedule (fp8jax.step.learning_rate_schedule).
+_SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
+
+
+def _record_schedule(workdir: str, config, step: int) -> None:
+    """Keep the schedule's fields in ``<workdir>/schedule.json``; warn when a resume changes them.
+
+    The schedule is a function of the step and these fields, so a resumed run with another
+    ``num_train_steps`` follows another curve from the restored step on (cosine re-stretched).
+    """
+    path = os.path.join(workdir, "schedule.json")
+    now = {k: config[k] for k in _SCHEDULE_FIELDS}
+    before = _read_json(path)
+    changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v}
+    if step > 0 and changed:
+        old = config.copy_and_resolve_references()
+        for k, (v, _) in changed.items():
+            old[k] = v
+        lr_old = float(step_lib.learning_rate_schedule(old)(step))
+        lr_new = float(step_lib.learning_rate_schedule(config)(step))
+        logging.warning(
+            "resuming at step %d with a changed learning-rate schedule (%s): the rate at this "
+            "step goes from %.4g to %.4g and follows the new schedule from here",
+            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_old, lr_new,
+        )  # fmt: skip
+    if now != before:
+        _write_json(path, now)
+
+
+def _read_json(path: str) -> dict:
+    """The JSON object in ``path``, or {} if there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _restore_or_init(config, env, ckpt, train_iter):
@@ -295,7 +356,15 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
     if preempt.flag:  # SIGTERM during start-up: nothing new to save, skip the compile
         logging.warning("SIGTERM before the first step; exiting")
         return state, {"step": step, "preempted_at": step}
+    cache = jax.config.jax_compilation_cache_dir
+    logging.info(
+        "compiling the train step (level %s; %s)",
+        config.fp8.level,
+        f"cached in {cache} for reruns" if cache else "no compilation cache",
+    )
+    t0 = time.perf_counter()
     compiled = env["train_step"].lower(state, abstract_batch(config)).compile()
+    logging.info("train step compiled in %.1f s", time.perf_counter() - t0)
     metrics_lib.log_memory(compiled)
     log = _Log(os.path.dirname(ckpt.directory), config, step)
     guard = _NonFiniteGuard(config.max_bad_steps)
@@ -318,7 +387,8 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
                 log.eval(step, evaluate(env["eval_step"], state, eval_batches,
                                         env["batch_sharding"]))  # fmt: skip
             if config.fp8.level != "O0" and step % config.fp8_stats_every_steps == 0:
-                log.fp8(step, metrics_lib.fp8_health(state, env["stats_step"](state, batch)))
+                stats = env["stats_step"](state, batch)
+                log.fp8(step, metrics_lib.fp8_health(state, stats), metrics_lib.fp8_worst(stats))
             ckpt.save(step, state, train_iter.get_state())
         if pending is not None:
             guard.check(*pending)
@@ -367,6 +437,11 @@ class _NonFiniteGuard:
             )
 
 
+# A larger share of an operand's FP8 values clipped or flushed than this is logged as a warning:
+# delayed scaling keeps healthy operands far below it (a clip only while an amax grows).
+HEALTH_WARN_SHARE = 1e-3
+
+
 class _Log:
     """Metrics to the console, TensorBoard and ``<workdir>/metrics.jsonl`` (a JSON per line)."""
 
@@ -397,15 +472,21 @@ class _Log:
         self._emit(step, "eval", values)
         self.summary.update(values)
 
-    def fp8(self, step: int, health: dict) -> None:
+    def fp8(self, step: int, health: dict, worst: dict) -> None:
         self.writer.scalars(step, health)
-        worst = {
-            f"fp8_max_{kind}": max(
-                [v for k, v in health.items() if k.endswith(f"_{kind}")] or [0.0]
-            )
-            for kind in ("saturated", "flushed")
-        }
+        self.writer.scalars(step, worst)  # the two shares; the "_at" names are not scalars
         logging.info("step %d: %s", step, metrics_lib.fmt(worst))
+        for kind in ("saturated", "flushed"):
+            share = worst[f"fp8_max_{kind}"]
+            if not share <= HEALTH_WARN_SHARE:  # NaN too
+                logging.warning(
+                    "step %d: %.3g of %s's FP8 values %s (more than %.2g): its scale is off or "
+                    "an outlier sets it; see fp8_stats/* in TensorBoard (fp8.margin, "
+                    "fp8.history_len, fp8.recipe='current')",
+                    step, share, worst[f"fp8_max_{kind}_at"],
+                    "clip at the format max" if kind == "saturated" else "flush to zero",
+                    HEALTH_WARN_SHARE,
+                )  # fmt: skip
         self._append({"step": step, **worst})
 
     def _emit(self, step: int, prefix: str, values: dict) -> None:

@@ -51,3 +51,16 @@ def test_train_py_turns_triton_gemms_off_unless_set():
         "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false",
         "--xla_gpu_enable_triton_gemm=true",
     ]
+
+
+def test_readme_python_blocks_run_as_written(tmp_path):
+    """Every ```python block of the README runs, as written, in a fresh interpreter."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "README.md shows no Python block"
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(block)
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert proc.returncode == 0, f"README block {i} failed:\n{block}\n{proc.stderr[-2000:]}"

@@ -1,0 +1,145 @@
+"""What the loop reports: FP8 health summary, the end sample, summary.json, schedule changes."""
+
+import functools
+import gzip
+import json
+import logging
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from fp8jax import data as data_lib
+from fp8jax import metrics as metrics_lib
+from fp8jax import train as train_lib
+
+SMALL = {
+    "model.num_layers": 2,
+    "model.d_model": 64,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 2,
+    "model.d_ff": 128,
+    "model.vocab_size": 320,
+    "model.max_len": 32,
+    "seq_len": 32,
+    "batch_size": 4,
+    "num_train_steps": 3,
+    "warmup_steps": 1,
+    "log_every_steps": 1,
+    "eval_every_steps": 1000,
+    "eval_batches": 1,
+    "fp8_stats_every_steps": 1,
+    "sample_tokens": 4,
+    "checkpoint_every_steps": 1000,
+    "compilation_cache_dir": "",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    text = gzip.open(data_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+    path.write_text(text[:100_000])
+    return path
+
+
+def small_config(corpus, **overrides):
+    c = train_lib.load_config("tiny")
+    for key, value in {**SMALL, "data.path": str(corpus), **overrides}.items():
+        *parents, leaf = key.split(".")
+        functools.reduce(lambda d, k: d[k], parents, c)[leaf] = value
+    return c
+
+
+def records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fp8_worst_reads_flax_sow_layout():
+    """The summary finds every share in the layout flax's ``sow`` writes (tuples, stacks)."""
+    stats = {
+        "blocks": {
+            "mlp": {"x_saturated": (np.array([0.1, 0.7]),), "x_flushed": (np.array([0.0, 0.2]),)}
+        },
+        "head": {"w_saturated": (np.float32(0.3),), "w_flushed": (np.float32(0.05),)},
+    }
+    worst = metrics_lib.fp8_worst(stats)
+    assert worst == {
+        "fp8_max_saturated": pytest.approx(0.7),
+        "fp8_max_saturated_at": "blocks/mlp/x_saturated_1",
+        "fp8_max_flushed": pytest.approx(0.2),
+        "fp8_max_flushed_at": "blocks/mlp/x_flushed_1",
+    }
+    stats["head"]["w_flushed"] = (np.float32("nan"),)  # a NaN share is reported, not hidden
+    assert np.isnan(metrics_lib.fp8_worst(stats)["fp8_max_flushed"])
+
+
+def test_health_summary_reports_saturation_of_a_bad_margin(corpus, tmp_path, caplog):
+    """``fp8.margin=-4`` makes every scale 16x too large: the summary must show it.
+
+    With scale = fmax / (amax * 2**-4), every value above amax / 16 clips. A Gaussian weight
+    matrix of a few thousand entries has amax near 4 sigma, so about 80% of it (|z| > 0.25)
+    clips: the worst share is far above 0.5. The healthy run's worst share must stay below the
+    warning threshold, so the summary also tells a good run from a bad one.
+    """
+    caplog.set_level(logging.INFO)
+    bad = tmp_path / "bad"
+    train_lib.train_and_evaluate(small_config(corpus, **{"fp8.margin": -4}), str(bad))
+    health = [r for r in records(bad) if "fp8_max_saturated" in r]
+    assert [r["step"] for r in health] == [1, 2, 3]
+    assert all(r["fp8_max_saturated"] > 0.5 for r in health), health
+    assert health[-1]["fp8_max_saturated_at"].rsplit("/", 1)[-1] in {
+        f"{t}_saturated_{layer}" for t in ("x", "w") for layer in (0, 1)
+    }
+    assert "FP8 values clip at the format max" in caplog.text
+
+    caplog.clear()
+    good = tmp_path / "good"
+    train_lib.train_and_evaluate(small_config(corpus), str(good))
+    health = [r for r in records(good) if "fp8_max_saturated" in r]
+    assert all(r["fp8_max_saturated"] <= train_lib.HEALTH_WARN_SHARE for r in health), health
+    assert "clip at the format max" not in caplog.text
+
+
+def test_sample_passes_parameters_as_arguments(corpus, tmp_path):
+    """Sampling must not bake the parameters into its program as constants.
+
+    JAX warns when a lowering captures more constant bytes than
+    ``jax_captured_constants_warn_bytes``; with the threshold at half the parameters' bytes, a
+    sampler closing over the parameters warns, one passing them as arguments does not.
+    """
+    config = small_config(corpus)
+    env = train_lib.setup(config)
+    state = env["init"](jax.random.PRNGKey(0))
+    dataset = data_lib.build(config, str(tmp_path))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    before = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", param_bytes // 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*constants were captured.*")
+            text = train_lib.sample(env["model"], state, dataset.tokenizer, "The ", 3, 32)
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", before)
+    assert text.startswith("The") and len(text) > len("The")
+
+
+def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, tmp_path, caplog):
+    """A rerun of a finished run keeps summary.json whole; a longer resume says the schedule
+    changed, naming the learning rate at the resumed step before and after."""
+    caplog.set_level(logging.INFO)
+    config = small_config(corpus)
+    first = train_lib.train_and_evaluate(config, str(tmp_path))
+    assert {"sample", "val_loss", "train_loss"} <= set(first)
+    again = train_lib.train_and_evaluate(config, str(tmp_path))
+    assert again == first
+    assert json.loads((tmp_path / "summary.json").read_text()) == first
+    assert "already reached step 3" in caplog.text
+
+    caplog.clear()
+    longer = small_config(corpus, num_train_steps=5)
+    summary = train_lib.train_and_evaluate(longer, str(tmp_path))
+    assert summary["step"] == 5
+    assert "changed learning-rate schedule (num_train_steps 3 -> 5)" in caplog.text
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]

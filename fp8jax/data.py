@@ -1,4 +1,4 @@
-"""Data pipeline: text sources, local BPE, memory-mapped token cache, grain batch streams.
+"""Data pipeline: local BPE, memory-mapped token cache, grain batch streams (files: corpus.py).
 
 ``build(config, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
 once into ``<workdir>/tokens/{train,val}.bin`` and returns a :class:`Dataset` whose training
@@ -10,7 +10,6 @@ only once the build has succeeded (fp8jax.provenance has the rules for reuse on 
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
 import json
 import os
@@ -24,108 +23,27 @@ import grain
 import numpy as np
 from absl import logging
 
+from fp8jax import corpus as corpus_lib
 from fp8jax import provenance
 from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.corpus import SHIPPED_DIR  # noqa: F401 (data.SHIPPED_DIR: the shipped corpus)
 from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
 
-SHIPPED_DIR = Path(__file__).parent / "data"
 _CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
-_HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
-_READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
 _ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
-_FIX = (
-    "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
-    "'text' field per line ('' = the shipped corpus)"
-)
 
 Batch = dict[str, np.ndarray]
-
-
-def _source_files(path: str) -> tuple[list[Path], str]:
-    """Files of the source named by ``config.data.path`` and a description for logs."""
-    if not path:
-        files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
-        if not files:
-            raise ValueError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {_FIX}")
-        return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(f"data path {str(p)!r} does not exist; {_FIX}")
-    p = p.resolve()  # messages and the data record name the file, whatever the cwd was
-    if p.is_file():
-        return [p], f"file {p}"
-    suffixes = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
-    if not files:
-        raise ValueError(f"data folder {str(p)!r} has no .txt or .jsonl files; {_FIX}")
-    return files, f"folder {p} ({len(files)} files)"
-
-
-def _is_jsonl(f: Path) -> bool:
-    return f.name.endswith((".jsonl", ".jsonl.gz"))
-
-
-def _fingerprint(files: list[Path]) -> str:
-    """SHA-256 over each file's bytes and how it is parsed, in order: the corpus identity.
-
-    Every byte is read (about 1 GB/s), so an edit is seen even if size and mtime are kept.
-    """
-    outer = hashlib.sha256()
-    for f in files:
-        inner = hashlib.sha256()
-        with open(f, "rb") as fh:
-            while chunk := fh.read(_HASH_CHUNK):
-                inner.update(chunk)
-        outer.update(f"{'jsonl' if _is_jsonl(f) else 'text'} {inner.hexdigest()}\n".encode())
-    return outer.hexdigest()
-
-
-def _open_text(f: Path):
-    opener = gzip.open if f.name.endswith(".gz") else open
-    return opener(f, "rt", encoding="utf-8", errors="replace")
-
-
-def _pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
-    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one."""
-    for f in files:
-        with _open_text(f) as fh:
-            if _is_jsonl(f):
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line).get("text")
-                    except (json.JSONDecodeError, AttributeError):
-                        text = None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
-                    yield text, True
-                continue
-            carry = ""
-            while chunk := fh.read(_READ_CHARS):
-                chunk = carry + chunk
-                # Cut at a line break so no word is split between two encode calls.
-                cut = chunk.rfind("\n") + 1 or len(chunk)
-                carry = chunk[cut:]
-                yield chunk[:cut], False
-            yield carry, True
-
-
-def _check_not_empty(files: list[Path], desc: str) -> None:
-    # Before any tokenizer is trained: one trained on nothing would be cached and reused.
-    if not any(text.strip() for text, _ in _pieces(files)):
-        raise ValueError(f"no text found in {desc}; {_FIX}")
 
 
 def _tokenizer_texts(files: list[Path]) -> Iterator[str]:
     """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus, for BPE training."""
     budget = _TOKENIZER_TRAIN_CHARS
-    for text, _ in _pieces(files):
+    for text, _ in corpus_lib.pieces(files):
         yield text[:budget]
         budget -= len(text)
         if budget <= 0:
@@ -184,7 +102,7 @@ def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fractio
             batch.clear()
 
         batch_chars = 0
-        for piece in _pieces(files):
+        for piece in corpus_lib.pieces(files):
             batch.append(piece)
             batch_chars += len(piece[0])
             if batch_chars >= _ENCODE_BATCH_CHARS:
@@ -231,7 +149,7 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
     stage.mkdir()
     num_train, num_val = _encode_corpus(files, tok, stage, identity["val_fraction"], dtype)
     if num_train + num_val == 0:
-        raise DataError(f"no text found in {desc}; {_FIX}")
+        raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
     meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
     provenance.write_json(stage / "meta.json", meta)
     secs = time.perf_counter() - t0
@@ -438,10 +356,10 @@ def build(config, workdir: str | os.PathLike) -> Dataset:
     val_fraction = float(data.get("val_fraction", 0.05))
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
-    files, desc = _source_files(data.get("path", "") or "")
+    files, desc = corpus_lib.source_files(data.get("path", "") or "")
     logging.info("data source: %s", desc)
-    _check_not_empty(files, desc)
-    identity = dict(corpus=_fingerprint(files), source=desc, val_fraction=val_fraction)
+    corpus_lib.check_not_empty(files, desc)
+    identity = dict(corpus=corpus_lib.fingerprint(files), source=desc, val_fraction=val_fraction)
     resumed = provenance.has_checkpoint(workdir)
     allow = bool(data.get("allow_corpus_change", False))
     record_data = provenance.check_resume(workdir, identity, resumed, allow)

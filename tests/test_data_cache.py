@@ -157,7 +157,9 @@ def test_content_changed_in_place_on_resume_is_refused(corpora, tmp_path, checkp
     src, wd = tmp_path / "book.txt", tmp_path / "work"
     src.write_text(corpora[0].read_text())
     _trained(wd, checkpoint, _config(src))
-    src.write_text(corpora[1].read_text())
+    stat = src.stat()
+    src.write_text(corpora[1].read_text()[: stat.st_size])  # same size and mtime, other text
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     before = _snapshot(wd)
     with pytest.raises(errors.DataError, match=r"contents of file .*book.txt changed"):
         data.build(_config(src), wd)

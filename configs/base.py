@@ -69,6 +69,10 @@ def get_config() -> ml_collections.ConfigDict:
     d.path = ""  # text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus
     d.val_fraction = 0.05  # share of tokens held out for validation
     d.tokenizer_min_frequency = 2  # BPE merges need at least this many occurrences
+    # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
+    # is refused unless True: then the token cache and validation split are rebuilt for the new
+    # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).
+    d.allow_corpus_change = False  # continue a checkpointed run on changed data (see above)
 
     # --- optimisation ---
     c.batch_size = 16  # sequences per optimizer step (global)

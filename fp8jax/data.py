@@ -1,17 +1,19 @@
-"""Data pipeline: text sources, local BPE, memory-mapped token cache, grain batch streams.
+"""Data pipeline: local BPE, memory-mapped token cache, grain batch streams (files: corpus.py).
 
 ``build(config, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
 once into ``<workdir>/tokens/{train,val}.bin`` and returns a :class:`Dataset` whose training
 iterator is infinite, seed-deterministic, sharded by process and resumable from a JSON state.
+Both caches are keyed on the corpus bytes and every setting that shapes them, and are written
+only once the build has succeeded (fp8jax.provenance has the rules for reuse on resume).
 """
 
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,90 +23,27 @@ import grain
 import numpy as np
 from absl import logging
 
+from fp8jax import corpus as corpus_lib
+from fp8jax import provenance
 from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.corpus import SHIPPED_DIR  # noqa: F401 (data.SHIPPED_DIR: the shipped corpus)
+from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
 
-SHIPPED_DIR = Path(__file__).parent / "data"
-_CACHE_VERSION = 1
-_READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
+_CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
 _ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
-_FIX = (
-    "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
-    "'text' field per line ('' = the shipped corpus)"
-)
 
 Batch = dict[str, np.ndarray]
-
-
-def _source_files(path: str) -> tuple[list[Path], str]:
-    """Files of the source named by ``config.data.path`` and a description for logs."""
-    if not path:
-        files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
-        if not files:
-            raise ValueError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {_FIX}")
-        return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(f"data path {str(p)!r} does not exist; {_FIX}")
-    if p.is_file():
-        return [p], f"file {p}"
-    suffixes = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
-    if not files:
-        raise ValueError(f"data folder {str(p)!r} has no .txt or .jsonl files; {_FIX}")
-    return files, f"folder {p} ({len(files)} files)"
-
-
-def _fingerprint(files: list[Path]) -> list[list[Any]]:
-    """Path, size and mtime of each file: cheap and changes whenever the text does."""
-    return [[str(f.resolve()), (s := f.stat()).st_size, s.st_mtime_ns] for f in files]
-
-
-def _open_text(f: Path):
-    opener = gzip.open if f.name.endswith(".gz") else open
-    return opener(f, "rt", encoding="utf-8", errors="replace")
-
-
-def _pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
-    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one."""
-    for f in files:
-        with _open_text(f) as fh:
-            if f.name.endswith((".jsonl", ".jsonl.gz")):
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line).get("text")
-                    except (json.JSONDecodeError, AttributeError):
-                        text = None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
-                    yield text, True
-                continue
-            carry = ""
-            while chunk := fh.read(_READ_CHARS):
-                chunk = carry + chunk
-                # Cut at a line break so no word is split between two encode calls.
-                cut = chunk.rfind("\n") + 1 or len(chunk)
-                carry = chunk[cut:]
-                yield chunk[:cut], False
-            yield carry, True
-
-
-def _check_not_empty(files: list[Path], desc: str) -> None:
-    # Before any tokenizer is trained: one trained on nothing would be cached and reused.
-    if not any(text.strip() for text, _ in _pieces(files)):
-        raise ValueError(f"no text found in {desc}; {_FIX}")
 
 
 def _tokenizer_texts(files: list[Path]) -> Iterator[str]:
     """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus, for BPE training."""
     budget = _TOKENIZER_TRAIN_CHARS
-    for text, _ in _pieces(files):
+    for text, _ in corpus_lib.pieces(files):
         yield text[:budget]
         budget -= len(text)
         if budget <= 0:
@@ -146,9 +85,7 @@ class _Splitter:
 
 def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype):
     """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val)."""
-    suffix = f".tmp{os.getpid()}"
-    tmp = [out_dir / f"train.bin{suffix}", out_dir / f"val.bin{suffix}"]
-    with open(tmp[0], "wb") as train_fh, open(tmp[1], "wb") as val_fh:
+    with open(out_dir / "train.bin", "wb") as train_fh, open(out_dir / "val.bin", "wb") as val_fh:
         splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
         batch: list[tuple[str, bool]] = []
         doc_tokens = 0
@@ -165,7 +102,7 @@ def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fractio
             batch.clear()
 
         batch_chars = 0
-        for piece in _pieces(files):
+        for piece in corpus_lib.pieces(files):
             batch.append(piece)
             batch_chars += len(piece[0])
             if batch_chars >= _ENCODE_BATCH_CHARS:
@@ -173,8 +110,6 @@ def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fractio
                 batch_chars = 0
         flush()
         splitter.close()
-    for t, name in zip(tmp, ("train.bin", "val.bin"), strict=True):
-        os.replace(t, out_dir / name)  # atomic: processes sharing a workdir never see half files
     return tuple(splitter.counts)
 
 
@@ -183,19 +118,23 @@ def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
-def _load_or_encode(files, source_desc, tok: Tokenizer, out_dir: Path, val_fraction: float):
-    """Token arrays (train, val) and cache key, reusing ``out_dir`` if it matches."""
+def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, identity: dict):
+    """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
+
+    The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
+    matches and its files have the recorded sizes.
+    """
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     key_src = dict(
         version=_CACHE_VERSION,
-        files=_fingerprint(files),
-        tokenizer=hashlib.sha256(tok.to_str().encode()).hexdigest(),
-        val_fraction=float(val_fraction),
+        corpus=identity["corpus"],
+        tokenizer=tokenizer_lib.sha256(tok.to_str()),
+        val_fraction=identity["val_fraction"],
         block=_SPLIT_BLOCK,
+        dtype=dtype,
     )
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
-    meta_path = out_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = provenance.read_json(out_dir / "meta.json") or {}
     itemsize = np.dtype(dtype).itemsize
     sizes_ok = all(
         (out_dir / f"{s}.bin").exists()
@@ -204,22 +143,45 @@ def _load_or_encode(files, source_desc, tok: Tokenizer, out_dir: Path, val_fract
     )
     if meta.get("key") == key and sizes_ok:
         logging.info("reusing token cache %s (%d train tokens)", out_dir, meta["num_train"])
-    else:
-        logging.info("encoding %s -> %s", source_desc, out_dir)
-        t0 = time.perf_counter()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        num_train, num_val = _encode_corpus(files, tok, out_dir, val_fraction, dtype)
-        if num_train + num_val == 0:
-            raise ValueError(f"no text found in {source_desc}; {_FIX}")
-        meta = dict(key=key, source=source_desc, dtype=dtype, num_train=num_train, num_val=num_val)
-        tmp = meta_path.with_name(f"meta.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, meta_path)
-        secs = time.perf_counter() - t0
-        logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
-    train = _memmap(out_dir / "train.bin", dtype, meta["num_train"])
-    val = _memmap(out_dir / "val.bin", dtype, meta["num_val"])
-    return train, val, key
+        return meta, False
+    logging.info("encoding %s -> %s", desc, out_dir)
+    t0 = time.perf_counter()
+    stage.mkdir()
+    num_train, num_val = _encode_corpus(files, tok, stage, identity["val_fraction"], dtype)
+    if num_train + num_val == 0:
+        raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
+    meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
+    provenance.write_json(stage / "meta.json", meta)
+    secs = time.perf_counter() - t0
+    logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
+    return meta, True
+
+
+def _commit_tokens(stage: Path, out_dir: Path) -> None:
+    """Move a staged token cache into ``out_dir``, each file atomically, its key last."""
+    out_dir.mkdir(exist_ok=True)
+    # No key while the arrays are swapped: a kill in between leaves a cache that is rebuilt.
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        os.replace(stage / name, out_dir / name)
+
+
+def _too_short_for_train(num_tokens: int, seq_len: int) -> str | None:
+    if num_tokens >= seq_len + 1:
+        return None
+    return (
+        f"training split has {num_tokens} tokens, fewer than seq_len+1 = {seq_len + 1}; "
+        "use a larger corpus or a shorter seq_len"
+    )
+
+
+def _too_short_for_eval(num_tokens: int, batch_size: int, seq_len: int) -> str | None:
+    if num_tokens // (seq_len + 1) // batch_size:
+        return None
+    return (
+        f"validation split has {num_tokens} tokens, less than one batch of "
+        f"{batch_size} x {seq_len + 1}; raise config.data.val_fraction or use a larger corpus"
+    )
 
 
 def _shard(batch_size: int, index: int | None, count: int | None) -> tuple[int, int, int]:
@@ -329,11 +291,8 @@ class Dataset:
         seq_len = seq_len or self.seq_len
         p, num_p, rows = _shard(batch_size, process_index, process_count)
         tokens, W = self.train_tokens, seq_len + 1
-        if len(tokens) < W:
-            raise ValueError(
-                f"training split has {len(tokens)} tokens, fewer than seq_len+1 = {W}; "
-                "use a larger corpus or a shorter seq_len"
-            )
+        if problem := _too_short_for_train(len(tokens), seq_len):
+            raise ValueError(problem)
         # Each epoch: non-overlapping windows in shuffled order, all shifted by a fresh random
         # offset (one window of slack) so window boundaries move between epochs.
         num_windows = max(len(tokens) // W - 1, 1)
@@ -372,11 +331,8 @@ class Dataset:
         p, _, rows = _shard(batch_size, process_index, process_count)
         W = seq_len + 1
         available = len(self.val_tokens) // W // batch_size
-        if available == 0:
-            raise ValueError(
-                f"validation split has {len(self.val_tokens)} tokens, less than one batch of "
-                f"{batch_size} x {W}; raise config.data.val_fraction or use a larger corpus"
-            )
+        if problem := _too_short_for_eval(len(self.val_tokens), batch_size, seq_len):
+            raise ValueError(problem)
         if available < num_batches:
             logging.warning("validation split holds only %d of %d batches", available, num_batches)
         out = []
@@ -388,22 +344,55 @@ class Dataset:
 
 
 def build(config, workdir: str | os.PathLike) -> Dataset:
-    """Tokenizer + token cache in ``workdir`` for ``config.data``; returns the :class:`Dataset`."""
+    """Tokenizer + token cache in ``workdir`` for ``config.data``; returns the :class:`Dataset`.
+
+    Raises :class:`~fp8jax.errors.DataError` (or ValueError) for bad data, a corpus too small
+    for ``config.seq_len``/``batch_size``, or a resume on data other than the checkpoint's;
+    then nothing in ``workdir`` has changed.
+    """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     data = config.data
     val_fraction = float(data.get("val_fraction", 0.05))
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
-    files, desc = _source_files(data.get("path", "") or "")
+    files, desc = corpus_lib.source_files(data.get("path", "") or "")
     logging.info("data source: %s", desc)
-    _check_not_empty(files, desc)
-    tok = tokenizer_lib.load_or_train(
-        workdir / "tokenizer.json",
-        config.model.vocab_size,
-        _tokenizer_texts(files),
-        min_frequency=data.get("tokenizer_min_frequency", 2),
+    corpus_lib.check_not_empty(files, desc)
+    identity = dict(corpus=corpus_lib.fingerprint(files), source=desc, val_fraction=val_fraction)
+    resumed = provenance.has_checkpoint(workdir)
+    allow = bool(data.get("allow_corpus_change", False))
+    record_data = provenance.check_resume(workdir, identity, resumed, allow)
+    built_from = dict(
+        version=_CACHE_VERSION,
+        corpus=identity["corpus"],
+        vocab_size=int(config.model.vocab_size),
+        min_frequency=int(data.get("tokenizer_min_frequency", 2)),
+        train_chars=_TOKENIZER_TRAIN_CHARS,
     )
-    train, val, key = _load_or_encode(files, desc, tok, workdir / "tokens", val_fraction)
+    tok_path, out_dir = workdir / "tokenizer.json", workdir / "tokens"
+    tok, new_tok = provenance.tokenizer_for(
+        tok_path, built_from, lambda: _tokenizer_texts(files), resumed
+    )
+    # Everything is built in a staging folder and checked before it replaces the caches, so a
+    # failed or refused build leaves the work dir as it was.
+    stage = workdir / f"tokens.tmp{os.getpid()}"
+    try:
+        meta, encoded = _load_or_encode(files, desc, tok, out_dir, stage, identity)
+        problem = _too_short_for_train(meta["num_train"], config.seq_len)
+        if not problem and val_fraction > 0:
+            problem = _too_short_for_eval(meta["num_val"], config.batch_size, config.seq_len)
+        if problem:
+            raise DataError(f"{desc}: {problem}")
+        if new_tok:
+            tokenizer_lib.save_cached(tok, tok_path, built_from)
+        if encoded:
+            _commit_tokens(stage, out_dir)
+        if record_data:
+            provenance.write_json(workdir / provenance.MANIFEST, identity)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    train = _memmap(out_dir / "train.bin", meta["dtype"], meta["num_train"])
+    val = _memmap(out_dir / "val.bin", meta["dtype"], meta["num_val"])
     sizes = dict(seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len)
-    return Dataset(tok, train, val, key=key, **sizes)
+    return Dataset(tok, train, val, key=meta["key"], **sizes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -93,27 +95,47 @@ def train(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Toke
     return Tokenizer(tok)
 
 
-def load_or_train(
-    path: str | os.PathLike,
-    vocab_size: int,
-    texts: Iterable[str],
-    min_frequency: int = 2,
-) -> Tokenizer:
-    """Reuse the tokenizer cached at ``path`` if its vocab size matches, else train and save."""
+def record_path(path: str | os.PathLike) -> Path:
+    """Where the record of what built the tokenizer at ``path`` lives (``tokenizer.meta.json``)."""
     path = Path(path)
-    if path.exists():
-        tok = Tokenizer.load(path)
-        if tok.vocab_size != vocab_size:
-            raise ValueError(
-                f"cached tokenizer {path} has vocab_size {tok.vocab_size} but the config asks for "
-                f"{vocab_size}; delete {path} (and {path.parent / 'tokens'}) or use a new workdir"
-            )
-        logging.info("reusing tokenizer %s (vocab %d)", path, vocab_size)
-        return tok
-    logging.info("training byte-level BPE tokenizer (vocab %d) -> %s", vocab_size, path)
-    tok = train(texts, vocab_size, min_frequency)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    tok.save(tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-save never leaves a broken tokenizer.json
-    return tok
+    return path.with_name(f"{path.stem}.meta.json")
+
+
+def load_cached(path: str | os.PathLike) -> tuple[str | None, dict | None]:
+    """The JSON of the tokenizer saved at ``path`` (None if absent) and what built it.
+
+    What built it is the ``built_from`` dict given to :func:`save_cached`; None when there is no
+    record, or the record belongs to other bytes (the file was replaced, or a save was killed
+    between the two files).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None, None
+    text = path.read_text(encoding="utf-8")
+    try:
+        record = json.loads(record_path(path).read_text())
+    except (OSError, ValueError):
+        return text, None
+    if not isinstance(record, dict) or record.get("sha256") != sha256(text):
+        return text, None
+    return text, record.get("built_from")
+
+
+def save_cached(tok: Tokenizer, path: str | os.PathLike, built_from: dict) -> None:
+    """Save ``tok`` to ``path`` and, after it, the record of what built it (both atomically)."""
+    path = Path(path)
+    tok.save(path)
+    record = record_path(path)
+    tmp = record.with_name(f"{record.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dict(sha256=sha256(tok.to_str()), built_from=built_from), indent=1))
+    os.replace(tmp, record)
+
+
+def from_str(text: str) -> Tokenizer:
+    """A :class:`Tokenizer` from its ``tokenizers`` JSON string."""
+    return Tokenizer(tokenizers.Tokenizer.from_str(text))
+
+
+def sha256(text: str) -> str:
+    """Hex SHA-256 of ``text`` in UTF-8 (identifies a tokenizer by its JSON)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

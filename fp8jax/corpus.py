@@ -1,0 +1,94 @@
+"""Corpus files: which files ``config.data.path`` names, their documents, their fingerprint."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).parent / "data"
+_HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
+_READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
+FIX = (
+    "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
+    "'text' field per line ('' = the shipped corpus)"
+)
+
+
+def source_files(path: str) -> tuple[list[Path], str]:
+    """Files of the source named by ``config.data.path`` and a description for logs."""
+    if not path:
+        files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
+        if not files:
+            raise ValueError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {FIX}")
+        return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"data path {str(p)!r} does not exist; {FIX}")
+    p = p.resolve()  # messages and the data record name the file, whatever the cwd was
+    if p.is_file():
+        return [p], f"file {p}"
+    suffixes = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+    if not files:
+        raise ValueError(f"data folder {str(p)!r} has no .txt or .jsonl files; {FIX}")
+    return files, f"folder {p} ({len(files)} files)"
+
+
+def _is_jsonl(f: Path) -> bool:
+    return f.name.endswith((".jsonl", ".jsonl.gz"))
+
+
+def fingerprint(files: list[Path]) -> str:
+    """SHA-256 over each file's bytes and how it is parsed, in order: the corpus identity.
+
+    Every byte is read (about 1 GB/s), so an edit is seen even if size and mtime are kept.
+    """
+    outer = hashlib.sha256()
+    for f in files:
+        inner = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_HASH_CHUNK):
+                inner.update(chunk)
+        outer.update(f"{'jsonl' if _is_jsonl(f) else 'text'} {inner.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+def _open_text(f: Path):
+    opener = gzip.open if f.name.endswith(".gz") else open
+    return opener(f, "rt", encoding="utf-8", errors="replace")
+
+
+def pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
+    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one."""
+    for f in files:
+        with _open_text(f) as fh:
+            if _is_jsonl(f):
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line).get("text")
+                    except (json.JSONDecodeError, AttributeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
+                    yield text, True
+                continue
+            carry = ""
+            while chunk := fh.read(_READ_CHARS):
+                chunk = carry + chunk
+                # Cut at a line break so no word is split between two encode calls.
+                cut = chunk.rfind("\n") + 1 or len(chunk)
+                carry = chunk[cut:]
+                yield chunk[:cut], False
+            yield carry, True
+
+
+def check_not_empty(files: list[Path], desc: str) -> None:
+    """Raise ValueError if no file holds any non-blank text."""
+    # Before any tokenizer is trained: one trained on nothing would be cached and reused.
+    if not any(text.strip() for text, _ in pieces(files)):
+        raise ValueError(f"no text found in {desc}; {FIX}")

@@ -1,0 +1,168 @@
+"""What a work dir's data caches were built from, and when a run may reuse or rebuild them.
+
+``<workdir>/data.json`` records the data a run trains on: the corpus (SHA-256 of its bytes),
+its description and ``data.val_fraction``. Without a checkpoint every cache is simply rebuilt
+when it was built from something else. Once the work dir holds a checkpoint its weights depend
+on that data and its embeddings on the tokenizer's ids: a change of corpus or validation split
+is refused unless ``config.data.allow_corpus_change``, and the tokenizer is never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from absl import logging
+
+from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.errors import DataError
+from fp8jax.tokenizer import Tokenizer
+
+MANIFEST = "data.json"
+# Tokenizer settings a user chose, by config field: a checkpoint's tokenizer keeps them.
+_SETTINGS = {"vocab_size": "model.vocab_size", "min_frequency": "data.tokenizer_min_frequency"}
+
+
+def has_checkpoint(workdir: str | os.PathLike) -> bool:
+    """Whether ``workdir`` holds a finished checkpoint (``checkpoints/<step>`` of Checkpointer).
+
+    Orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` when
+    complete, so only all-digit folder names count. Read from the file system: no orbax import.
+    """
+    folder = Path(workdir) / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() and p.is_dir() for p in folder.iterdir())
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None if it is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    """Write ``value`` to ``path`` atomically (a temp file, then os.replace)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _changes(recorded: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """How ``identity`` (corpus, source, val_fraction) differs from the recorded data."""
+    changes = []
+    old, new = str(recorded.get("corpus", "")), identity["corpus"]
+    if old != new:
+        if recorded.get("source") == identity["source"]:
+            changes.append(
+                f"the contents of {identity['source']} changed (sha256 {old[:12]} -> {new[:12]})"
+            )
+        else:
+            changes.append(f"config.data.path now names {identity['source']} (sha256 {new[:12]})")
+    if recorded.get("val_fraction") != identity["val_fraction"]:
+        changes.append(
+            f"config.data.val_fraction changed from {recorded.get('val_fraction')} to "
+            f"{identity['val_fraction']}"
+        )
+    return changes
+
+
+def check_resume(workdir: Path, identity: dict[str, Any], resumed: bool, allow: bool) -> bool:
+    """Refuse a resume on other data than the checkpoint's (unless ``allow``); True: record it.
+
+    ``identity`` is ``dict(corpus=sha256, source=description, val_fraction=float)``. Raises
+    :class:`DataError` naming the old and new data and the fix; reads, never writes.
+    """
+    recorded = read_json(workdir / MANIFEST)
+    if not resumed or recorded == identity:
+        return recorded != identity
+    if recorded is None:
+        logging.warning(
+            "no record (%s) of the data the checkpoint in %s was trained on; recording %s",
+            MANIFEST, workdir, identity["source"],
+        )  # fmt: skip
+        return True
+    changes = _changes(recorded, identity)
+    if not changes:  # same bytes under another name: only the description changes
+        return True
+    if not allow:
+        raise DataError(
+            f"{workdir / 'checkpoints'} holds a checkpoint trained on {recorded.get('source')} "
+            f"(sha256 {str(recorded.get('corpus'))[:12]}, data.val_fraction="
+            f"{recorded.get('val_fraction')}), but {'; '.join(changes)}: resuming would change "
+            "the token stream and the validation split under the run. Restore that data, start "
+            "a fresh --workdir, or pass --config.data.allow_corpus_change=True to continue on "
+            "the new data with the checkpoint's tokenizer"
+        )
+    logging.warning(
+        "data.allow_corpus_change: %s; the token cache and validation split are rebuilt for %s, "
+        "and the tokenizer stays the one the checkpoint was trained with (its ids are in the "
+        "embeddings)",
+        "; ".join(changes), identity["source"],
+    )  # fmt: skip
+    return True
+
+
+def tokenizer_for(
+    path: Path, built_from: dict[str, Any], texts: Callable[[], Iterable[str]], resumed: bool
+) -> tuple[Tokenizer, bool]:
+    """The tokenizer for a build and whether it is new (saved only once the build succeeds).
+
+    The cached one is reused when its record equals ``built_from`` (corpus, settings, format
+    version); otherwise it is retrained from ``texts()``, unless ``resumed``: then the
+    checkpoint's tokenizer is kept, or the run refused if the user's settings changed.
+    """
+    cached, recorded = tokenizer_lib.load_cached(path)
+    if cached is not None and recorded == built_from:
+        logging.info("reusing tokenizer %s (vocab %d)", path, built_from["vocab_size"])
+        return tokenizer_lib.from_str(cached), False
+    vocab_size = built_from["vocab_size"]
+    if not resumed:
+        if cached is not None:
+            differ = sorted(k for k in built_from if (recorded or {}).get(k) != built_from[k])
+            logging.warning("tokenizer %s was built from other %s; retraining it", path, differ)
+        logging.info("training byte-level BPE tokenizer (vocab %d) -> %s", vocab_size, path)
+        return tokenizer_lib.train(texts(), vocab_size, built_from["min_frequency"]), True
+    ckpt = path.parent / "checkpoints"
+    fresh = "or start a fresh --workdir"
+    if cached is None:
+        raise DataError(
+            f"{ckpt} holds a checkpoint but {path} is missing; restore the tokenizer the "
+            f"checkpoint was trained with (its ids are in the embeddings) {fresh}"
+        )
+    try:
+        tok = tokenizer_lib.from_str(cached)
+    except Exception as e:  # tokenizers raises its own exception types for bad JSON
+        raise DataError(f"{path} is unreadable ({e}); restore it {fresh}") from e
+    if tok.vocab_size != vocab_size:
+        raise DataError(
+            f"cached tokenizer {path} has vocab_size {tok.vocab_size} but the config asks for "
+            f"{vocab_size}; the checkpoint in {ckpt} was trained with it: set "
+            f"config.model.vocab_size={tok.vocab_size} {fresh}"
+        )
+    if recorded is None:
+        logging.warning(
+            "no record of what built tokenizer %s; keeping it: the checkpoint in %s was trained "
+            "with it",
+            path, ckpt,
+        )  # fmt: skip
+        return tok, False
+    changed = [k for k in _SETTINGS if recorded.get(k) != built_from[k]]
+    if changed:
+        was = ", ".join(f"{_SETTINGS[k]}={recorded.get(k)}" for k in changed)
+        now = ", ".join(f"{_SETTINGS[k]}={built_from[k]}" for k in changed)
+        raise DataError(
+            f"tokenizer {path} was learned with {was} but the config asks for {now}; the "
+            f"checkpoint in {ckpt} uses its ids: set {was} {fresh}"
+        )
+    differ = sorted(k for k in built_from if recorded.get(k) != built_from[k])
+    logging.warning(
+        "keeping tokenizer %s although it was built from other %s: the checkpoint in %s was "
+        "trained with its ids",
+        path, differ, ckpt,
+    )  # fmt: skip
+    return tok, False

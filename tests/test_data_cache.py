@@ -1,0 +1,247 @@
+"""Work-dir caches are keyed on what built them: corpus contents, tokenizer settings, format.
+
+A tokenizer or token cache is reused only when it was built from the same corpus bytes with
+the same settings; otherwise it is rebuilt, or, when a checkpoint in the work dir was trained
+with it, the run is refused (``data.allow_corpus_change`` lets a resume move to a new corpus
+while keeping the checkpoint's tokenizer). A refused or failed build changes nothing.
+"""
+
+import gzip
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from fp8jax import data, errors, tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VOCAB = 300
+
+
+def _novel(num_chars: int, start: int = 0) -> str:
+    with gzip.open(data.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read()[start : start + num_chars]
+
+
+def _config(path, vocab=VOCAB, min_frequency=2, val_fraction=0.2, allow=None):
+    c = ml_collections.ConfigDict()
+    c.seed, c.batch_size, c.seq_len = 0, 4, 16
+    c.model = ml_collections.ConfigDict(dict(vocab_size=vocab))
+    fields = dict(path=str(path), val_fraction=val_fraction, tokenizer_min_frequency=min_frequency)
+    if allow is not None:
+        fields["allow_corpus_change"] = allow
+    c.data = ml_collections.ConfigDict(fields)
+    return c
+
+
+def _reference(text: str, vocab=VOCAB, min_frequency=2) -> tokenizer.Tokenizer:
+    """The tokenizer a fresh work dir learns from ``text`` (one document, < 4M chars)."""
+    return tokenizer.train([text], vocab, min_frequency)
+
+
+def _num_tokens(ds) -> int:
+    return ds.num_train_tokens + ds.num_val_tokens
+
+
+def _snapshot(workdir) -> dict:
+    """Every path under ``workdir``: files by size, mtime and content hash; folders by name."""
+    out = {}
+    for p in sorted(pathlib.Path(workdir).rglob("*")):
+        rel = str(p.relative_to(workdir))
+        if p.is_file():
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[rel] = (p.stat().st_size, p.stat().st_mtime_ns, digest)
+        else:
+            out[rel] = "dir"
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two different 20k-char passages of the novel, as two files."""
+    root = tmp_path_factory.mktemp("corpora")
+    a, b = root / "a.txt", root / "b.txt"
+    a.write_text(_novel(20_000))
+    b.write_text(_novel(20_000, start=60_000))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real (tiny) checkpoints/ folder written by fp8jax's Checkpointer."""
+    from fp8jax.checkpoint import Checkpointer
+
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt = Checkpointer(str(root), keep=1)
+    assert ckpt.save(1, {"w": np.zeros(2, np.float32)}, {"step": 1}, force=True)
+    ckpt.close()
+    return root / "checkpoints"
+
+
+def _trained(workdir, checkpoint, config):
+    """A work dir as a run on ``config`` leaves it: caches plus a checkpoint."""
+    data.build(config, workdir)
+    shutil.copytree(checkpoint, workdir / "checkpoints")
+
+
+def test_failed_tiny_run_leaves_nothing_and_its_tokenizer_is_not_reused(corpora, tmp_path):
+    """A 28-char corpus fails validation: no cache may survive to serve the next corpus."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Call me Ishmael. Some years.")
+    wd = tmp_path / "work"
+    wd.mkdir()
+    with pytest.raises(ValueError, match="validation split has 0 tokens"):
+        data.build(_config(tiny), wd).eval_batches(1, process_index=0, process_count=1)
+    assert _snapshot(wd) == {}  # the failed run wrote nothing
+    ds = data.build(_config(corpora[0]), wd)
+    ref = _reference(corpora[0].read_text())
+    assert ds.tokenizer.to_str() == ref.to_str()
+    assert _num_tokens(ds) == len(ref.encode(corpora[0].read_text())) + 1
+
+
+def test_tiny_corpus_tokenizer_not_reused_for_another_path(corpora, tmp_path):
+    """A cache from an earlier data.path (no checkpoint) is rebuilt for the new corpus."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text(_novel(300))
+    wd = tmp_path / "work"
+    data.build(_config(tiny, val_fraction=0.0), wd)  # succeeds: 300 chars > seq_len tokens
+    ds = data.build(_config(corpora[0]), wd)
+    ref = _reference(corpora[0].read_text())
+    assert ds.tokenizer.to_str() == ref.to_str()
+    assert _num_tokens(ds) == len(ref.encode(corpora[0].read_text())) + 1
+
+
+def test_failed_encode_leaves_previous_caches_untouched(corpora, tmp_path, monkeypatch):
+    """An encode that dies half-way leaves neither temp files nor a half cache behind."""
+    wd = tmp_path / "work"
+    data.build(_config(corpora[0]), wd)
+    before = _snapshot(wd)
+    calls = []
+
+    def dying(self, texts):
+        calls.append(len(texts))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode_batch", dying)
+    with pytest.raises(OSError, match="disk full"):
+        data.build(_config(corpora[1]), wd)
+    assert calls and _snapshot(wd) == before
+
+
+def test_content_changed_in_place_is_detected(corpora, tmp_path):
+    """Same path, same size, same mtime, other text: both caches are rebuilt."""
+    src, wd = tmp_path / "book.txt", tmp_path / "work"
+    src.write_text(corpora[0].read_text())
+    data.build(_config(src), wd)
+    stat = src.stat()
+    new_text = corpora[1].read_text()[: stat.st_size]
+    src.write_text(new_text)
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert src.stat().st_size == stat.st_size and src.stat().st_mtime_ns == stat.st_mtime_ns
+    ds = data.build(_config(src), wd)
+    ref = _reference(new_text)
+    assert ds.tokenizer.to_str() == ref.to_str()
+    assert _num_tokens(ds) == len(ref.encode(new_text)) + 1
+    val = np.asarray(ds.val_tokens)
+    assert ds.tokenizer.decode(val[:200]) in new_text
+
+
+def test_content_changed_in_place_on_resume_is_refused(corpora, tmp_path, checkpoint):
+    src, wd = tmp_path / "book.txt", tmp_path / "work"
+    src.write_text(corpora[0].read_text())
+    _trained(wd, checkpoint, _config(src))
+    stat = src.stat()
+    src.write_text(corpora[1].read_text()[: stat.st_size])  # same size and mtime, other text
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    before = _snapshot(wd)
+    with pytest.raises(errors.DataError, match=r"contents of file .*book.txt changed"):
+        data.build(_config(src), wd)
+    assert _snapshot(wd) == before
+
+
+def test_tokenizer_settings_change_retrains_or_is_refused(corpora, tmp_path, checkpoint):
+    text = corpora[0].read_text()
+    wd = tmp_path / "work"
+    data.build(_config(corpora[0]), wd)
+    ds = data.build(_config(corpora[0], min_frequency=100), wd)  # no checkpoint: retrain
+    ref = _reference(text, min_frequency=100)
+    assert ds.tokenizer.to_str() == ref.to_str() != _reference(text).to_str()
+    assert _num_tokens(ds) == len(ref.encode(text)) + 1
+    ds = data.build(_config(corpora[0], vocab=320), wd)
+    assert ds.tokenizer.to_str() == _reference(text, vocab=320).to_str()
+
+    shutil.copytree(checkpoint, wd / "checkpoints")  # now its ids are in a checkpoint
+    before = _snapshot(wd)
+    with pytest.raises(errors.DataError, match=r"tokenizer_min_frequency=2.*100.*fresh --workdir"):
+        data.build(_config(corpora[0], vocab=320, min_frequency=100), wd)
+    with pytest.raises(errors.DataError, match=r"vocab_size 320 .* asks for 300"):
+        data.build(_config(corpora[0], vocab=300), wd)
+    assert _snapshot(wd) == before
+
+
+def test_data_path_change_on_resume_is_refused(corpora, tmp_path, checkpoint):
+    a, b = corpora
+    wd = tmp_path / "work"
+    _trained(wd, checkpoint, _config(a))
+    before = _snapshot(wd)
+    pattern = rf"{a}.* {b}.*--config.data.allow_corpus_change=True"
+    with pytest.raises(errors.DataError, match=pattern):
+        data.build(_config(b), wd)
+    with pytest.raises(errors.DataError, match=r"val_fraction .*0.2.*0.1"):
+        data.build(_config(a, val_fraction=0.1), wd)
+    assert _snapshot(wd) == before
+
+
+def test_allowed_corpus_change_keeps_the_checkpoint_tokenizer(
+    corpora, tmp_path, checkpoint, monkeypatch, caplog
+):
+    a, b = corpora
+    wd = tmp_path / "work"
+    _trained(wd, checkpoint, _config(a))
+    tok_bytes = (wd / "tokenizer.json").read_bytes()
+    old = tokenizer.Tokenizer.load(wd / "tokenizer.json")
+    with caplog.at_level(logging.INFO):
+        ds = data.build(_config(b, allow=True), wd)
+    assert "tokenizer" in caplog.text and "allow_corpus_change" in caplog.text
+    assert (wd / "tokenizer.json").read_bytes() == tok_bytes
+    assert ds.tokenizer.to_str() == old.to_str() != _reference(b.read_text()).to_str()
+    assert _num_tokens(ds) == len(old.encode(b.read_text())) + 1  # tokens are of b now
+
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt although the cache matches")
+
+    with monkeypatch.context() as m:  # the run is on b now: no flag needed, nothing rebuilt
+        m.setattr(data, "_encode_corpus", fail)
+        m.setattr(tokenizer, "train", fail)
+        assert _num_tokens(data.build(_config(b), wd)) == _num_tokens(ds)
+    with pytest.raises(errors.DataError, match=rf" {a}"):  # and going back needs the flag too
+        data.build(_config(a), wd)
+
+
+def test_train_py_refuses_a_corpus_change_on_resume(corpora, tmp_path, checkpoint):
+    """The command line: exit 2, one stderr line naming both corpora, work dir untouched."""
+    a, b = corpora
+    wd = tmp_path / "work"
+    sizes = {"model.vocab_size": VOCAB, "seq_len": 16, "batch_size": 4, "model.max_len": 16}
+    sizes["data.val_fraction"] = 0.2
+    _trained(wd, checkpoint, _config(a, val_fraction=0.2))
+    before = _snapshot(wd)
+    args = [sys.executable, "train.py", "--config", "configs/tiny.py", f"--workdir={wd}"]
+    args += [f"--config.{k}={v}" for k, v in {**sizes, "data.path": b}.items()]
+    env = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
+    assert sum(line.startswith("error: ") for line in lines) == 1
+    for fragment in (str(a), str(b), "allow_corpus_change"):
+        assert fragment in lines[-1], lines[-1]
+    assert _snapshot(wd) == before

@@ -2,7 +2,7 @@
 
 Called by ``train.py``, the notebooks and the tests. The step itself (pure, jitted once with
 explicit shardings and donation) lives in ``fp8jax.step``; it skips the update of a step whose
-loss or gradient norm is not finite and counts it. The loop around it:
+loss, gradient norm or update norm is not finite and counts it. The loop around it:
 
 * validates the config, the data and any checkpoint before it writes anything, raising a
   one-line ``fp8jax.errors.UserError`` naming the fix;
@@ -364,9 +364,11 @@ class _NonFiniteGuard:
         if bad == 0:
             return
         loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+        unorm = float(metrics.get("update_norm", float("nan")))
         logging.warning(
-            "step %d: non-finite loss or gradients (loss=%s, grad_norm=%s): update skipped, %d "
-            "in a row, %d in total", step, loss, gnorm, bad, int(metrics["skipped_steps"]),
+            "step %d: non-finite loss, gradients or update (loss=%s, grad_norm=%s, update_norm=%s)"
+            ": update skipped, %d in a row, %d in total",
+            step, loss, gnorm, unorm, bad, int(metrics["skipped_steps"]),
         )  # fmt: skip
         if bad >= self.max_bad:
             raise errors.NonFiniteLossError(

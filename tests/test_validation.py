@@ -5,6 +5,7 @@ and before any data, tokenizer or compile work, with a one-line ``ConfigError`` 
 field, the value and the fix; ``python train.py`` turns it into one stderr line and exit 2.
 """
 
+import functools
 import importlib.util
 import math
 import os
@@ -19,6 +20,7 @@ from fp8jax import train as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = math.nan, math.inf
+OPT_FLAG = "jax_disable_most_optimizations"
 
 # Field -> values validation must refuse. Every field of configs/base.py needs an entry
 # (test_every_field_has_bad_values), so a new field cannot be added unchecked.
@@ -241,3 +243,100 @@ def test_train_py_exits_2_with_one_line(flag, fragments, tmp_path):
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     assert not workdir.exists()
+
+
+# --- the step's guard: a non-finite update is skipped like a non-finite loss ---------------
+
+
+@functools.cache  # one compile per (level, lr, eps), shared by the tests below
+def _two_steps(level: str, lr, eps: float = 1e-8):
+    """Two steps of a one-layer tiny GPT (one compile, no donation) with learning rate ``lr``.
+
+    ``lr``: a function of the step count (the schedule, past validation). Returns the states
+    before, between and after the steps, and both steps' metrics.
+    """
+    import jax
+    import numpy as np
+
+    from fp8jax import models
+    from fp8jax import step as step_lib
+
+    c = tiny()
+    c.fp8.level, c.eps = level, eps
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 128
+    # Position rows 16..31 never see a token, so their gradient is exactly zero.
+    m.vocab_size, m.max_len, c.seq_len, c.batch_size = 128, 32, 16, 4
+    real, fast = step_lib.learning_rate_schedule, jax.config.values[OPT_FLAG]
+    step_lib.learning_rate_schedule = lambda config: lr
+    jax.config.update(OPT_FLAG, True)  # the compile dominates; exact checks need no speed
+    try:
+        model = models.build_model(c)
+        tx = step_lib.make_optimizer(c)
+        init = jax.jit(lambda key: step_lib.init_state(model, tx, c, key))
+        states = [init(jax.random.PRNGKey(0))]
+        train_step = jax.jit(step_lib.make_train_step(model, tx, c))
+        tokens = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        metrics = []
+        for _ in range(2):
+            state, m = train_step(states[-1], batch)
+            states.append(state)
+            metrics.append(m)
+    finally:
+        step_lib.learning_rate_schedule = real
+        jax.config.update(OPT_FLAG, fast)
+    return jax.device_get((states, metrics))
+
+
+def _leaves_equal(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def _lr_then_nan(step):
+    import jax.numpy as jnp
+
+    return jnp.where(step == 0, jnp.float32(1e-3), jnp.float32(NAN))
+
+
+@pytest.mark.parametrize(
+    "level, lr, eps",
+    [("O0", _lr_then_nan, 1e-8), ("O2", _lr_then_nan, 1e-8), ("O0", lambda step: 1e-3, 0.0)],
+    ids=["O0-nan-lr", "O2-nan-lr", "O0-eps0"],  # eps=0: 0/0 on the zero gradients
+)
+def test_step_with_non_finite_update_is_skipped(level, lr, eps):
+    states, metrics = _two_steps(level, lr, eps)
+    good = 1 if lr is _lr_then_nan else 0  # steps before the poisoned one
+    for i, m in enumerate(metrics):
+        before, after = states[i], states[i + 1]
+        # Loss and gradients are finite: only the update is not.
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        if i < good:
+            assert math.isfinite(m["update_norm"]) and int(after.step) == 1, m
+            continue
+        assert not math.isfinite(m["update_norm"]), m
+        skipped = i + 1 - good
+        assert (int(after.step), int(after.skipped), int(after.bad_steps)) == (good, *[skipped] * 2)
+        assert (int(m["skipped_steps"]), int(m["bad_steps"])) == (skipped, skipped)
+        for part in ("params", "opt_state", "fp8", "comm"):
+            assert _leaves_equal(getattr(after, part), getattr(before, part)), part
+
+
+def test_update_norm_is_the_norm_of_the_applied_update():
+    import jax
+    import numpy as np
+
+    (before, after, _), (m, _) = _two_steps("O0", _lr_then_nan, 1e-8)
+    assert (int(after.step), int(after.skipped)) == (1, 0)
+    old = np.concatenate([np.ravel(x) for x in jax.tree.leaves(before.params)]).astype(np.float64)
+    new = np.concatenate([np.ravel(x) for x in jax.tree.leaves(after.params)]).astype(np.float64)
+    applied = np.linalg.norm(new - old)  # exact differences of the f32 weights
+    # f32 p + u rounds each weight by at most 2**-24 of it; the f32 sum of N squares behind
+    # update_norm is off by at most N * 2**-24 of itself (half that after the square root).
+    tol = np.linalg.norm(new) * 2.0**-24 + new.size * 2.0**-24 * float(m["update_norm"])
+    assert abs(applied - float(m["update_norm"])) <= tol, (applied, m["update_norm"], tol)
+    assert applied > 0

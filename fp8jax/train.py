@@ -364,7 +364,7 @@ class _NonFiniteGuard:
         if bad == 0:
             return
         loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
-        unorm = float(metrics.get("update_norm", float("nan")))
+        unorm = float(metrics["update_norm"])
         logging.warning(
             "step %d: non-finite loss, gradients or update (loss=%s, grad_norm=%s, update_norm=%s)"
             ": update skipped, %d in a row, %d in total",

@@ -44,6 +44,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from fp8jax import formats
 from fp8jax import sharding as sharding_lib
+from fp8jax.errors import ConfigError
+from fp8jax.models.config import check_bool, check_int, check_number
 from fp8jax.sharding import DP_AXES, MESH_AXES
 
 P = PartitionSpec
@@ -63,9 +65,19 @@ class CommConfig:
     bucket_by_layer: bool = True  # one collective per layer (overlaps the backward) or one in all
 
     def __post_init__(self):
-        formats.as_dtype(self.grad_format)
+        for name in ("enabled", "bucket_by_layer"):
+            check_bool(getattr(self, name), f"comm.{name}")
+        if self.grad_format not in ("e5m2", "e4m3"):
+            raise ConfigError(
+                f"unknown FP8 format {self.grad_format!r} in comm.grad_format: use 'e5m2' "
+                f"(range) or 'e4m3' (precision)"
+            )
         if self.wire not in ("auto", "fp8", "uint8"):
-            raise ValueError(f"unknown comm.wire {self.wire!r}: use 'auto', 'fp8' or 'uint8'")
+            raise ConfigError(f"unknown comm.wire {self.wire!r}: use 'auto', 'fp8' or 'uint8'")
+        check_int(self.min_fp8_size, "comm.min_fp8_size", 0)
+        check_number(self.mu_init, "comm.mu_init", "(0, inf)")
+        check_number(self.mu_growth, "comm.mu_growth", "[1, inf)")  # < 1 would only shrink mu
+        check_number(self.saturation_limit, "comm.saturation_limit", "[0, 1]")  # a share
 
     @classmethod
     def from_config(cls, config) -> CommConfig:

@@ -337,15 +337,16 @@ def make_train_step(model, tx, config, mesh=None):
         if state_collection(model) == FP8:
             fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
-        # A finite norm means every gradient is finite; with finite weights and moments (a
-        # skipped step never commits anything else) AdamW's update is then finite too, so no
-        # second pass over the updates is needed (it cost a read of 4 bytes/param per step).
-        # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # Decay reads the compute-dtype view even when the model got carried masters (the
         # same updates either way); XLA fuses each leaf's dequantization into its update.
         updates, opt_state = tx.update(grads, state.opt_state, view)
+        # Finite gradients do not make a finite update: a NaN learning rate, or eps=0 on a
+        # zero gradient (0/0), poison the update alone. Its norm is one more reduction, which
+        # XLA fuses with the elementwise update that produces it. FP16/FP8 masters also guard
+        # their own re-quantization (optim.apply_updates).
+        update_norm = optax.tree.norm(updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(
@@ -360,6 +361,7 @@ def make_train_step(model, tx, config, mesh=None):
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
+            "update_norm": update_norm,
             "learning_rate": learning_rate_schedule(config)(state.step),
             "skipped_steps": new_state.skipped,
             "bad_steps": new_state.bad_steps,

@@ -2,7 +2,7 @@
 
 Called by ``train.py``, the notebooks and the tests. The step itself (pure, jitted once with
 explicit shardings and donation) lives in ``fp8jax.step``; it skips the update of a step whose
-loss or gradient norm is not finite and counts it. The loop around it:
+loss, gradient norm or update norm is not finite and counts it. The loop around it:
 
 * validates the config, the data and any checkpoint before it writes anything, raising a
   one-line ``fp8jax.errors.UserError`` naming the fix;
@@ -35,6 +35,7 @@ from fp8jax import metrics as metrics_lib
 from fp8jax import sharding as sharding_lib
 from fp8jax import step as step_lib
 from fp8jax.checkpoint import Checkpointer, abstract_like
+from fp8jax.models import config as model_config
 
 
 class _Preempted:
@@ -61,20 +62,15 @@ class _Preempted:
 
 
 def check_loop_config(config: ml_collections.ConfigDict) -> None:
-    """Raise a one-line ValueError for loop settings that cannot work, naming the fix."""
-    at_least = dict(num_train_steps=0, checkpoint_every_steps=0, batch_size=1, seq_len=1,
-                    grad_accum_steps=1, log_every_steps=1, eval_every_steps=1, eval_batches=1,
-                    fp8_stats_every_steps=1, keep_checkpoints=1, max_bad_steps=1)  # fmt: skip
-    for name, low in at_least.items():
-        if not isinstance(config[name], int) or config[name] < low:
-            raise ValueError(f"config.{name}={config[name]!r}: use an integer >= {low}")
+    """Raise a one-line ConfigError naming a bad optimizer, loop or mesh field and the fix."""
+    model_config.check_training_fields(config)
     if config.grad_accum_dtype not in ("float32", ""):
-        raise ValueError(
+        raise errors.ConfigError(
             f"config.grad_accum_dtype={config.grad_accum_dtype!r}: use 'float32' or '' (the "
             f"gradients' own dtype)"
         )
     if config.batch_size % config.grad_accum_steps:
-        raise ValueError(
+        raise errors.ConfigError(
             f"batch_size={config.batch_size} is not divisible by grad_accum_steps="
             f"{config.grad_accum_steps}: change one of them"
         )
@@ -91,30 +87,42 @@ def check_platform(config: ml_collections.ConfigDict, mesh) -> None:
         )
 
 
-def validate(config: ml_collections.ConfigDict, training: bool = True) -> None:
-    """Check model, FP8, loop and mesh settings against each other and the devices.
+def validate(
+    config: ml_collections.ConfigDict, training: bool = True, corpus: bool = False
+) -> None:
+    """Check every field's type and range, then the settings against each other and the devices.
 
     ``training=False`` (fp8jax.inspect) also accepts fp8.impl='flax', which only the trainer
-    rejects.
+    rejects. ``corpus=True`` (train_and_evaluate) also checks that the corpus and tokenizer
+    can be built: the data path exists and the vocabulary fits the byte-level BPE.
     """
     try:
         models.check_config(config)
         check_loop_config(config)
+        model_config.check_data_config(config, corpus=corpus)
+        comm.CommConfig.from_config(config)
         mesh = sharding_lib.make_mesh(config.mesh)
         check_platform(config, mesh)
     except (KeyError, AttributeError) as e:  # ml_collections: a field the config file lacks
-        raise ValueError(
+        raise errors.ConfigError(
             f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
             f"every field with its default)"
         ) from e
     if training and config.fp8.impl != "fp8jax":
-        raise ValueError(
+        raise errors.ConfigError(
             f"fp8.impl={config.fp8.impl!r} is for benchmarks/step.py's comparison with flax's "
-            f"own FP8 op; train with fp8.impl='fp8jax'"
+            f"own FP8 op: train with fp8.impl='fp8jax'"
+        )
+    if config.fp8.level == "O3" and mesh.shape["fsdp"] == 1:
+        # O3 is O2 with the masters and Adam state sharded over fsdp: with nothing to shard
+        # over it would train as O2 under O3's name.
+        raise errors.ConfigError(
+            f"fp8.level='O3' shards the O2 state over mesh.fsdp, but the mesh has fsdp=1 "
+            f"({dict(mesh.shape)}): use fp8.level='O2', or set mesh.fsdp > 1 (and as many devices)"
         )
     replicas = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum_steps
     if config.batch_size % replicas:
-        raise ValueError(
+        raise errors.ConfigError(
             f"batch_size={config.batch_size} does not split over data x fsdp x grad_accum_steps "
             f"= {replicas}: use a multiple of {replicas} or change config.mesh"
         )
@@ -248,10 +256,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Bad input raises a ``UserError`` (config, data, checkpoint) before anything in ``workdir``
     is overwritten; ``max_bad_steps`` non-finite steps in a row raise ``NonFiniteLossError``.
     """
-    if config.get("distributed", False):
+    if config.get("distributed", False) is True:  # anything else: validate names the field
         sharding_lib.initialize_distributed()
     with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
-        validate(config)
+        validate(config, corpus=True)
     os.makedirs(workdir, exist_ok=True)
     metrics_lib.quiet_library_logs()
     use_compilation_cache(config.compilation_cache_dir)
@@ -426,9 +434,11 @@ class _NonFiniteGuard:
         if bad == 0:
             return
         loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+        unorm = float(metrics["update_norm"])
         logging.warning(
-            "step %d: non-finite loss or gradients (loss=%s, grad_norm=%s): update skipped, %d "
-            "in a row, %d in total", step, loss, gnorm, bad, int(metrics["skipped_steps"]),
+            "step %d: non-finite loss, gradients or update (loss=%s, grad_norm=%s, update_norm=%s)"
+            ": update skipped, %d in a row, %d in total",
+            step, loss, gnorm, unorm, bad, int(metrics["skipped_steps"]),
         )  # fmt: skip
         if bad >= self.max_bad:
             raise errors.NonFiniteLossError(

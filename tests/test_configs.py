@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8jax import models
+from fp8jax import comm, models
 from fp8jax import train as train_lib
+from fp8jax.models import config as model_config
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
@@ -42,6 +43,9 @@ def test_config_builds_and_initialises(name):
     config = load(name)
     assert flat_keys(config) == flat_keys(load("tiny.py")), "configs must share tiny.py's fields"
     models.check_config(config)
+    train_lib.check_loop_config(config)  # optimizer, loop and mesh fields in range
+    model_config.check_data_config(config, corpus=True)
+    comm.CommConfig.from_config(config)
     if jax.default_backend() != "gpu":
         config.model.attention_impl = "xla"  # cuDNN attention does not even trace without a GPU
     model = models.build_model(config)

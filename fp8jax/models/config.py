@@ -1,9 +1,11 @@
-"""Model settings from a config: validation, the FP8 recipe, and size/FLOP accounting."""
+"""Settings from a config: every field's validation, the FP8 recipe, size/FLOP accounting."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import pathlib
 from typing import Any
 
 import jax
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax import kernels, scaling
+from fp8jax.errors import ConfigError
 
 STYLES = ("gpt", "llama")
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -33,44 +36,150 @@ REMAT_POLICIES = {
 
 def _check_choice(value, choices, field: str) -> None:
     if value not in choices:
-        raise ValueError(f"unknown {field} {value!r}: use one of {list(choices)}")
+        raise ConfigError(f"unknown {field} {value!r}: use one of {list(choices)}")
+
+
+def check_int(value, field: str, low: int, high: int | None = None, also=()) -> None:
+    """Raise a one-line ConfigError unless ``value`` is an int in [low, high] or in ``also``."""
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if is_int and (value in also or (value >= low and (high is None or value <= high))):
+        return
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    extra = "".join(f" (or {a})" for a in also)
+    raise ConfigError(f"config.{field}={value!r}: use an integer {span}{extra}")
+
+
+def check_number(value, field: str, interval: str) -> None:
+    """Raise a one-line ConfigError unless ``value`` is a finite number in ``interval``.
+
+    ``interval`` reads as in mathematics: '(0, inf)', '[0, 1)', '[1, inf)' ...
+    """
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if is_real and math.isfinite(value):
+        above = value > lo if interval[0] == "(" else value >= lo
+        below = value < hi if interval[-1] == ")" else value <= hi
+        if above and below:
+            return
+    op = ">" if interval[0] == "(" else ">="
+    span = f"{op} {interval[1:-1].split(',')[0]}" if math.isinf(hi) else f"in {interval}"
+    raise ConfigError(f"config.{field}={value!r}: use a finite number {span}")
+
+
+def check_bool(value, field: str) -> None:
+    """Raise a one-line ConfigError unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.{field}={value!r}: use True or False")
+
+
+# Positive sizes of config.model (the fields a model needs at least one of).
+MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")
+MODEL_FLAGS = ("scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings")
+FP8_FLAGS = ("power_of_two", "fuse_activation", "fuse_mlp")
 
 
 def check_config(config) -> None:
-    """Raise a one-line ValueError naming the first inconsistent field and the fix."""
+    """Raise a one-line ConfigError naming the first bad or inconsistent field and the fix."""
     m, f = config.model, config.fp8
     _check_choice(m.style, STYLES, "model.style")
+    check_int(m.vocab_size, "model.vocab_size", 1)
+    for name in MODEL_SIZES:
+        check_int(m[name], f"model.{name}", 1)
     _check_choice(m.dtype, DTYPES, "model.dtype")
     _check_choice(m.param_dtype, DTYPES, "model.param_dtype")
+    for name in MODEL_FLAGS:
+        check_bool(m[name], f"model.{name}")
     _check_choice(m.remat_policy, tuple(REMAT_POLICIES), "model.remat_policy")
     _check_choice(m.attention_impl or "", ATTENTION_IMPLS, "model.attention_impl")
     _check_choice(f.level, LEVELS, "fp8.level")
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
+    check_int(f.history_len, "fp8.history_len", 1)
+    _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
+    check_int(f.margin, "fp8.margin", 0)  # scale = fmax / (amax * 2**margin)
+    for name in FP8_FLAGS:
+        check_bool(f.get(name, True), f"fp8.{name}")
     _check_choice(f.impl, FP8_IMPLS, "fp8.impl")
     _check_choice(f.cast_kernel, kernels.IMPLS, "fp8.cast_kernel")
-    _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
     _check_choice(f.get("master_rounding", "nearest"), MASTER_ROUNDING, "fp8.master_rounding")
     for name in ("m_format", "v_format", "master_format"):
         _check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
+    check_int(config.seq_len, "seq_len", 1)
     if m.d_model % m.num_heads:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}: "
             f"pick num_heads so that d_model % num_heads == 0"
         )
     if m.num_heads % m.num_kv_heads:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
             f"{m.num_kv_heads}: use a divisor of num_heads (num_heads itself for plain MHA)"
         )
     if m.style == "llama" and (m.d_model // m.num_heads) % 2:
-        raise ValueError(
+        raise ConfigError(
             f"RoPE needs an even head dim, got d_model/num_heads={m.d_model // m.num_heads}: "
             f"change model.d_model or model.num_heads"
         )
     if config.seq_len > m.max_len:
-        raise ValueError(
+        raise ConfigError(
             f"seq_len={config.seq_len} exceeds model.max_len={m.max_len}: "
             f"raise model.max_len or lower seq_len"
+        )
+
+
+# Real-valued training fields and the interval each must lie in (all finite).
+NUMBER_RANGES = {
+    "learning_rate": "(0, inf)",  # peak; <= 0 would stand still or train uphill
+    "min_lr_ratio": "[0, 1]",
+    "weight_decay": "[0, inf)",
+    "b1": "[0, 1)",
+    "b2": "[0, 1)",
+    "eps": "(0, inf)",  # 0 turns a zero gradient's update into 0/0
+    "grad_clip": "[0, inf)",  # 0 = off
+    "data.val_fraction": "(0, 1)",  # evaluation needs held-out tokens, training the rest
+}
+# Integer training fields and their least value.
+INT_MINIMA = dict(seed=0, num_train_steps=0, warmup_steps=0, checkpoint_every_steps=0,
+                  batch_size=1, grad_accum_steps=1, log_every_steps=1,
+                  eval_every_steps=1, eval_batches=1, fp8_stats_every_steps=1,
+                  keep_checkpoints=1, max_bad_steps=1, sample_tokens=0)  # fmt: skip
+
+
+def check_training_fields(config) -> None:
+    """Raise a one-line ConfigError for a bad optimizer, loop or mesh field (the trainer's)."""
+    for name, low in INT_MINIMA.items():
+        check_int(config[name], name, low, 2**32 - 1 if name == "seed" else None)
+    for name, interval in NUMBER_RANGES.items():
+        section, _, key = name.rpartition(".")
+        check_number((config[section] if section else config)[key], name, interval)
+    for axis in ("data", "fsdp", "tensor"):
+        check_int(config.mesh[axis], f"mesh.{axis}", 1, also=(-1,))
+    check_bool(config.get("distributed", False), "distributed")
+
+
+def check_data_config(config, corpus: bool = False) -> None:
+    """Raise a one-line ConfigError for a bad ``config.data`` field.
+
+    ``corpus=True`` also checks what building the corpus needs: the path exists and the
+    vocabulary holds the byte-level BPE's bytes and EOS.
+    """
+    d = config.data
+    fix = "set config.data.path to a text file, a folder of .txt files or a .jsonl file"
+    if not isinstance(d.path, str):
+        raise ConfigError(f"config.data.path={d.path!r}: {fix} ('' = the shipped corpus)")
+    check_int(d.tokenizer_min_frequency, "data.tokenizer_min_frequency", 0)
+    if not corpus:
+        return
+    if d.path and not pathlib.Path(d.path).expanduser().exists():
+        raise ConfigError(
+            f"config.data.path={d.path!r} does not exist: {fix} ('' = the shipped corpus)"
+        )
+    from fp8jax import tokenizer  # its BPE sets the vocabulary's floor
+
+    if config.model.vocab_size < tokenizer.MIN_VOCAB_SIZE:
+        low = tokenizer.MIN_VOCAB_SIZE
+        raise ConfigError(
+            f"config.model.vocab_size={config.model.vocab_size!r}: the byte-level tokenizer "
+            f"needs at least {low} ids (256 bytes + EOS); use model.vocab_size >= {low}"
         )
 
 

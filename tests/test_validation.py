@@ -1,0 +1,342 @@
+"""Config validation: every field of configs/base.py is type- and range-checked up front.
+
+``train_and_evaluate`` must refuse each bad value in ``validate``, before the work dir exists
+and before any data, tokenizer or compile work, with a one-line ``ConfigError`` naming the
+field, the value and the fix; ``python train.py`` turns it into one stderr line and exit 2.
+"""
+
+import functools
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fp8jax import errors
+from fp8jax import train as train_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NAN, INF = math.nan, math.inf
+OPT_FLAG = "jax_disable_most_optimizations"
+
+# Field -> values validation must refuse. Every field of configs/base.py needs an entry
+# (test_every_field_has_bad_values), so a new field cannot be added unchecked.
+BAD = {
+    "seed": [-1, 2**32, 1.5],
+    "model.style": ["bert"],
+    "model.vocab_size": [0, 256],  # 256: below the byte-level BPE's 257 (bytes + EOS)
+    "model.d_model": [0, -128],
+    "model.num_layers": [0],
+    "model.num_heads": [0],
+    "model.num_kv_heads": [0],
+    "model.d_ff": [0],
+    "model.max_len": [0],
+    "model.dtype": ["int8"],
+    "model.param_dtype": ["float64"],
+    "model.scan_layers": ["yes", 1],
+    "model.fused_qkv": ["yes"],
+    "model.remat_policy": ["some"],
+    "model.tie_block_grads": [1],
+    "model.fp8_lm_head": ["no"],
+    "model.tie_embeddings": [None],
+    "model.attention_impl": ["flash"],
+    "fp8.level": ["O4"],
+    "fp8.recipe": ["mxfp8"],
+    "fp8.history_len": [0, 2.0],
+    "fp8.amax_compute_algo": ["mean"],
+    "fp8.margin": [NAN, 0.5, -1],
+    "fp8.power_of_two": ["yes"],
+    "fp8.impl": ["triton", "flax"],  # 'flax' is for benchmarks/step.py only
+    "fp8.cast_kernel": ["cuda"],
+    "fp8.fuse_activation": [0],
+    "fp8.fuse_mlp": ["yes"],
+    "fp8.m_format": ["int8"],
+    "fp8.v_format": ["e3m4"],
+    "fp8.master_format": ["fp16"],
+    "fp8.master_rounding": ["up"],
+    "data.path": [3, "/nonexistent/corpus.txt"],
+    "data.val_fraction": [0.0, 1.0, NAN],
+    "data.tokenizer_min_frequency": [-1, 1.5],
+    "batch_size": [0],
+    "seq_len": [0, 65],  # 65: longer than model.max_len
+    "grad_accum_steps": [0, 3],  # 3: does not divide batch_size
+    "grad_accum_dtype": ["bfloat16"],
+    "num_train_steps": [-1],
+    "learning_rate": [NAN, INF, 0.0, -3e-3, "3e-3"],
+    "warmup_steps": [-1, 1.5],
+    "min_lr_ratio": [-0.1, 1.5, NAN],
+    "weight_decay": [-0.1, NAN, INF],
+    "b1": [1.0, -0.1, NAN],
+    "b2": [1.0, 1.5],
+    "eps": [0.0, -1e-8, INF],
+    "grad_clip": [-1.0, NAN, INF],
+    "eval_every_steps": [0],
+    "eval_batches": [0],
+    "log_every_steps": [0],
+    "fp8_stats_every_steps": [0],
+    "checkpoint_every_steps": [-1],
+    "keep_checkpoints": [0],
+    "max_bad_steps": [0],
+    "sample_tokens": [-1, True],
+    "mesh.data": [0, -2],
+    "mesh.fsdp": [0, 1.5],
+    "mesh.tensor": [0, "1"],
+    "distributed": ["yes", 1],
+    "comm.enabled": ["yes"],
+    "comm.grad_format": ["float16"],
+    "comm.wire": ["tcp"],
+    "comm.min_fp8_size": [-1, 4096.0],
+    "comm.mu_init": [0.0, NAN, -1.0],
+    "comm.mu_growth": [0.5, INF],
+    "comm.saturation_limit": [-1e-5, 1.5, NAN],
+    "comm.bucket_by_layer": [1],
+}
+CASES = [(field, value) for field, values in BAD.items() for value in values]
+
+# Edge values inside each range: validation must accept them (it is not just refusing all).
+EDGES = {
+    "seed": 2**32 - 1,
+    "num_train_steps": 0,
+    "warmup_steps": 0,
+    "checkpoint_every_steps": 0,
+    "sample_tokens": 0,
+    "min_lr_ratio": 1.0,
+    "weight_decay": 0.0,
+    "b1": 0.0,
+    "b2": 0.0,
+    "grad_clip": 0.0,
+    "fp8.history_len": 1,
+    "fp8.margin": 2,
+    "data.val_fraction": 0.5,
+    "data.tokenizer_min_frequency": 0,
+    "model.vocab_size": 257,
+    "model.attention_impl": "",
+    "mesh.data": 1,
+    "comm.min_fp8_size": 0,
+    "comm.mu_growth": 1.0,
+    "comm.saturation_limit": 0.0,
+}
+
+
+def tiny():
+    """configs/tiny.py as train.py loads it."""
+    return train_lib.load_config(str(ROOT / "configs" / "tiny.py"))
+
+
+def flat_fields(config, prefix=""):
+    """Dotted names of every leaf field."""
+    out = set()
+    for k, v in config.items():
+        out |= flat_fields(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
+    return out
+
+
+def set_field(config, field: str, value) -> None:
+    """``config.<field> = value``, past ml_collections' type check (a config file may do so)."""
+    section, _, key = field.rpartition(".")
+    target = config
+    for part in filter(None, section.split(".")):
+        target = target[part]
+    with target.ignore_type():
+        target[key] = value
+
+
+def base_config():
+    spec = importlib.util.spec_from_file_location("fp8jax_config_base", ROOT / "configs/base.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_every_field_has_bad_values():
+    fields = flat_fields(base_config())
+    assert fields == set(BAD), (
+        f"fields without a bad-value case: {sorted(fields - set(BAD))}; "
+        f"cases for no field: {sorted(set(BAD) - fields)}"
+    )
+    assert set(EDGES) <= fields
+
+
+def test_tiny_and_edge_values_validate():
+    train_lib.validate(tiny(), corpus=True)
+    for field, value in EDGES.items():
+        c = tiny()
+        set_field(c, field, value)
+        train_lib.validate(c, corpus=True)
+
+
+@pytest.fixture
+def no_work_after_validation(monkeypatch):
+    """Any data, tokenizer or model work after validation fails the test at once."""
+    from fp8jax import data as data_lib
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validation let a bad config through")
+
+    monkeypatch.setattr(data_lib, "build", refuse)
+    monkeypatch.setattr(train_lib, "setup", refuse)
+
+
+@pytest.mark.parametrize("field, value", CASES, ids=[f"{f}={v!r}" for f, v in CASES])
+def test_bad_value_is_refused_before_anything_is_written(
+    field, value, tmp_path, no_work_after_validation
+):
+    c = tiny()
+    set_field(c, field, value)
+    workdir = tmp_path / "work"
+    with pytest.raises(errors.ConfigError) as info:
+        train_lib.train_and_evaluate(c, str(workdir))
+    msg = str(info.value)
+    assert "\n" not in msg and ": " in msg, msg  # one line: the problem, then the fix
+    assert field in msg and repr(value) in msg, msg
+    assert not workdir.exists()
+
+
+def test_o3_needs_fsdp(tmp_path, no_work_after_validation):
+    c = tiny()
+    c.fp8.level = "O3"  # one CPU device: nothing to shard over
+    with pytest.raises(errors.ConfigError, match=r"fp8.level='O3'.*mesh.fsdp.*O2") as info:
+        train_lib.train_and_evaluate(c, str(tmp_path / "work"))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "work").exists()
+
+
+def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, str(ROOT / "train.py")]
+    return subprocess.run(
+        [*cmd, *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+
+
+def test_o3_with_fsdp_validates():
+    code = (
+        "from fp8jax import train as t; c = t.load_config('tiny'); c.fp8.level = 'O3'; "
+        "c.mesh.data, c.mesh.fsdp = 1, 2; t.validate(c); c.mesh.fsdp = -1; t.validate(c)"
+    )
+    proc = _cli(devices=2, code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "flag, fragments",
+    [
+        ("--config.learning_rate=nan", ["learning_rate=nan", "> 0"]),
+        ("--config.model.num_layers=0", ["model.num_layers=0", ">= 1"]),
+        ("--config.fp8.history_len=0", ["fp8.history_len=0", ">= 1"]),
+    ],
+)
+def test_train_py_exits_2_with_one_line(flag, fragments, tmp_path):
+    workdir = tmp_path / "work"
+    proc = _cli("--config", "configs/tiny.py", f"--workdir={workdir}", flag)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines[-5:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not workdir.exists()
+
+
+# --- the step's guard: a non-finite update is skipped like a non-finite loss ---------------
+
+
+@functools.cache  # one compile per (level, lr, eps), shared by the tests below
+def _two_steps(level: str, lr, eps: float = 1e-8):
+    """Two steps of a one-layer tiny GPT (one compile, no donation) with learning rate ``lr``.
+
+    ``lr``: a function of the step count (the schedule, past validation). Returns the states
+    before, between and after the steps, and both steps' metrics.
+    """
+    import jax
+    import numpy as np
+
+    from fp8jax import models
+    from fp8jax import step as step_lib
+
+    c = tiny()
+    c.fp8.level, c.eps = level, eps
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 128
+    # Position rows 16..31 never see a token, so their gradient is exactly zero.
+    m.vocab_size, m.max_len, c.seq_len, c.batch_size = 128, 32, 16, 4
+    real, fast = step_lib.learning_rate_schedule, jax.config.values[OPT_FLAG]
+    step_lib.learning_rate_schedule = lambda config: lr
+    jax.config.update(OPT_FLAG, True)  # the compile dominates; exact checks need no speed
+    try:
+        model = models.build_model(c)
+        tx = step_lib.make_optimizer(c)
+        init = jax.jit(lambda key: step_lib.init_state(model, tx, c, key))
+        states = [init(jax.random.PRNGKey(0))]
+        train_step = jax.jit(step_lib.make_train_step(model, tx, c))
+        tokens = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        metrics = []
+        for _ in range(2):
+            state, m = train_step(states[-1], batch)
+            states.append(state)
+            metrics.append(m)
+    finally:
+        step_lib.learning_rate_schedule = real
+        jax.config.update(OPT_FLAG, fast)
+    return jax.device_get((states, metrics))
+
+
+def _leaves_equal(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def _lr_then_nan(step):
+    import jax.numpy as jnp
+
+    return jnp.where(step == 0, jnp.float32(1e-3), jnp.float32(NAN))
+
+
+@pytest.mark.parametrize(
+    "level, lr, eps",
+    [("O0", _lr_then_nan, 1e-8), ("O2", _lr_then_nan, 1e-8), ("O0", lambda step: 1e-3, 0.0)],
+    ids=["O0-nan-lr", "O2-nan-lr", "O0-eps0"],  # eps=0: 0/0 on the zero gradients
+)
+def test_step_with_non_finite_update_is_skipped(level, lr, eps):
+    states, metrics = _two_steps(level, lr, eps)
+    good = 1 if lr is _lr_then_nan else 0  # steps before the poisoned one
+    for i, m in enumerate(metrics):
+        before, after = states[i], states[i + 1]
+        # Loss and gradients are finite: only the update is not.
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        if i < good:
+            assert math.isfinite(m["update_norm"]) and int(after.step) == 1, m
+            continue
+        assert not math.isfinite(m["update_norm"]), m
+        skipped = i + 1 - good
+        assert (int(after.step), int(after.skipped), int(after.bad_steps)) == (good, *[skipped] * 2)
+        assert (int(m["skipped_steps"]), int(m["bad_steps"])) == (skipped, skipped)
+        for part in ("params", "opt_state", "fp8", "comm"):
+            assert _leaves_equal(getattr(after, part), getattr(before, part)), part
+
+
+def test_update_norm_is_the_norm_of_the_applied_update():
+    import jax
+    import numpy as np
+
+    (before, after, _), (m, _) = _two_steps("O0", _lr_then_nan, 1e-8)
+    assert (int(after.step), int(after.skipped)) == (1, 0)
+    old = np.concatenate([np.ravel(x) for x in jax.tree.leaves(before.params)]).astype(np.float64)
+    new = np.concatenate([np.ravel(x) for x in jax.tree.leaves(after.params)]).astype(np.float64)
+    applied = np.linalg.norm(new - old)  # exact differences of the f32 weights
+    # f32 p + u rounds each weight by at most 2**-24 of it; the f32 sum of N squares behind
+    # update_norm is off by at most N * 2**-24 of itself (half that after the square root).
+    tol = np.linalg.norm(new) * 2.0**-24 + new.size * 2.0**-24 * float(m["update_norm"])
+    assert abs(applied - float(m["update_norm"])) <= tol, (applied, m["update_norm"], tol)
+    assert applied > 0

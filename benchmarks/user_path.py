@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         r = run(cmd, out / f"log_{name}.txt", env)
         r.update(step_gaps(r.pop("steps"), every))
         runs[name] = r
-        print(f"{name}: rc={r['rc']} wall={r['wall_s']:.1f}s marks={r['marks']} "
-              f"median_step={r['median_step_s']} after_save={r['after_save_s']}", flush=True)  # fmt: skip
+        summary = {k: r[k] for k in ("rc", "wall_s", "marks", "median_step_s", "after_save_s")}
+        print(name, json.dumps(summary), flush=True)
         if r["rc"] != 0:
             break
     (out / "user_path.json").write_text(json.dumps({"command": common, "runs": runs}, indent=1))

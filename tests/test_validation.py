@@ -47,7 +47,7 @@ BAD = {
     "fp8.recipe": ["mxfp8"],
     "fp8.history_len": [0, 2.0],
     "fp8.amax_compute_algo": ["mean"],
-    "fp8.margin": [NAN, 0.5, -1],
+    "fp8.margin": [NAN, 0.5, 17, -17],
     "fp8.power_of_two": ["yes"],
     "fp8.impl": ["triton", "flax"],  # 'flax' is for benchmarks/step.py only
     "fp8.cast_kernel": ["cuda"],
@@ -60,6 +60,7 @@ BAD = {
     "data.path": [3, "/nonexistent/corpus.txt"],
     "data.val_fraction": [0.0, 1.0, NAN],
     "data.tokenizer_min_frequency": [-1, 1.5],
+    "data.allow_corpus_change": ["yes", 1],
     "batch_size": [0],
     "seq_len": [0, 65],  # 65: longer than model.max_len
     "grad_accum_steps": [0, 3],  # 3: does not divide batch_size
@@ -81,6 +82,7 @@ BAD = {
     "keep_checkpoints": [0],
     "max_bad_steps": [0],
     "sample_tokens": [-1, True],
+    "compilation_cache_dir": [3, None],
     "mesh.data": [0, -2],
     "mesh.fsdp": [0, 1.5],
     "mesh.tensor": [0, "1"],
@@ -109,7 +111,7 @@ EDGES = {
     "b2": 0.0,
     "grad_clip": 0.0,
     "fp8.history_len": 1,
-    "fp8.margin": 2,
+    "fp8.margin": -4,
     "data.val_fraction": 0.5,
     "data.tokenizer_min_frequency": 0,
     "model.vocab_size": 257,
@@ -118,6 +120,7 @@ EDGES = {
     "comm.min_fp8_size": 0,
     "comm.mu_growth": 1.0,
     "comm.saturation_limit": 0.0,
+    "compilation_cache_dir": "",
 }
 
 

@@ -95,7 +95,9 @@ def check_config(config) -> None:
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
     check_int(f.history_len, "fp8.history_len", 1)
     _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
-    check_int(f.margin, "fp8.margin", 0)  # scale = fmax / (amax * 2**margin)
+    # scale = fmax / (amax * 2**margin): negative margins clip on purpose, positive ones leave
+    # headroom; past 16 binades either way an E4M3 operand would clip or flush almost entirely.
+    check_int(f.margin, "fp8.margin", -16, 16)
     for name in FP8_FLAGS:
         check_bool(f.get(name, True), f"fp8.{name}")
     _check_choice(f.impl, FP8_IMPLS, "fp8.impl")
@@ -154,6 +156,11 @@ def check_training_fields(config) -> None:
     for axis in ("data", "fsdp", "tensor"):
         check_int(config.mesh[axis], f"mesh.{axis}", 1, also=(-1,))
     check_bool(config.get("distributed", False), "distributed")
+    if not isinstance(config.compilation_cache_dir, str):
+        raise ConfigError(
+            f"config.compilation_cache_dir={config.compilation_cache_dir!r}: use a directory "
+            f"path, or '' to compile without JAX's persistent cache"
+        )
 
 
 def check_data_config(config, corpus: bool = False) -> None:
@@ -167,6 +174,7 @@ def check_data_config(config, corpus: bool = False) -> None:
     if not isinstance(d.path, str):
         raise ConfigError(f"config.data.path={d.path!r}: {fix} ('' = the shipped corpus)")
     check_int(d.tokenizer_min_frequency, "data.tokenizer_min_frequency", 0)
+    check_bool(d.allow_corpus_change, "data.allow_corpus_change")
     if not corpus:
         return
     if d.path and not pathlib.Path(d.path).expanduser().exists():

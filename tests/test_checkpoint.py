@@ -186,7 +186,8 @@ def test_save_returns_before_the_write_and_keeps_its_own_copy(tmp_path, gated_js
     ckpt = Checkpointer(str(tmp_path))
     try:
         state = tiny_state(2)
-        expected = jax.device_get(state)
+        # A copy, not device_get: on CPU that returns views, and a view blocks the donation.
+        expected = jax.tree.map(lambda x: np.array(x, copy=True), state)
         assert ckpt.save(2, state, {"step": 2}, force=True)
         assert ckpt.manager.is_saving_in_progress()
         assert ckpt.latest_step() == 1
@@ -226,8 +227,8 @@ threading.Event().wait()
 def test_kill9_during_an_async_write_restores_the_previous_checkpoint(tmp_path):
     """Injects SIGKILL into a process whose save of step 2 returned but is still writing.
 
-    The write had begun (orbax's temporary directory for step 2 exists), yet the latest
-    checkpoint is step 1 and it restores whole; reopening removes the unfinished write.
+    The write had begun, yet the latest checkpoint is step 1 and it restores whole; reopening
+    removes the unfinished write.
     """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(ROOT / "tests")]
@@ -243,8 +244,9 @@ def test_kill9_during_an_async_write_restores_the_previous_checkpoint(tmp_path):
         proc.wait()
         proc.stderr.close()
     ckpts = tmp_path / "checkpoints"
-    assert any(p.name.startswith("2.") and "tmp" in p.name for p in ckpts.iterdir())
-    assert not (ckpts / "2").exists()
+    # The write had begun: orbax's temporary directory (or, where orbax writes in place and
+    # marks completion with a commit file instead, the unmarked directory) of step 2 exists.
+    assert any(p.name.split(".")[0] == "2" for p in ckpts.iterdir())
     state, data = restore(tmp_path)
     assert data == {"step": 1}
     assert_trees_equal(state, jax.device_get(tiny_state(1)))

@@ -173,7 +173,7 @@ class Checkpointer:
         return f"delete {self.directory}/{step} or start a fresh --workdir"
 
     def close(self):
-        """Flush pending saves."""
+        """Block until every save is complete on disk, then stop orbax's background threads."""
         self.manager.wait_until_finished()
         self.manager.close()
 

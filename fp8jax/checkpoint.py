@@ -4,6 +4,11 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 (even ``kill -9``) mid-save never leaves a half-written *latest* checkpoint; restore always
 picks a finished one, and leftover temporary directories are removed on the next start.
 A state holding NaN/Inf is never written, so the latest checkpoint is always a good state.
+
+Saves are asynchronous: ``save`` returns once orbax has copied the arrays to host memory (so
+the caller may donate the state to the next step) and the files are written by a background
+thread; ``close`` (or ``save(wait=True)``) blocks until they are on disk. On restore, the
+directory's step, the train state's step count and the data position must agree.
 """
 
 from __future__ import annotations
@@ -32,19 +37,38 @@ class Checkpointer:
     def __init__(self, workdir: str, keep: int = 2, every: int = 0):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=True
+            max_to_keep=keep,
+            create=True,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=True,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data")
         )
         self.every = every
+        self._writing = None  # step of the newest save handed to orbax
 
     def latest_step(self) -> int | None:
-        """Newest complete checkpoint step, or None."""
-        return self.manager.latest_step()
+        """Newest complete checkpoint step, or None (a save still being written does not count)."""
+        steps = self.manager.all_steps()  # orbax lists a step as soon as its write starts
+        if self.manager.is_saving_in_progress():
+            steps = [s for s in steps if s != self._writing]
+        return max(steps, default=None)
 
-    def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Save if ``step`` is due (or ``force``) and ``state`` is finite; blocks until on disk."""
+    def save(
+        self, step: int, state, data_state: dict, force: bool = False, wait: bool = False
+    ) -> bool:
+        """Save if ``step`` is due (or ``force``) and ``state`` is finite, in the background.
+
+        Returns once the arrays are copied to host memory, so ``state`` may then be donated;
+        ``wait=True`` also blocks until every save so far is complete on disk.
+        """
+        saved = self._start_save(step, state, data_state, force)
+        if wait:
+            self.manager.wait_until_finished()
+        return saved
+
+    def _start_save(self, step: int, state, data_state: dict, force: bool) -> bool:
         if not force and (self.every <= 0 or step % self.every != 0):
             return False
         if step in self.manager.all_steps():
@@ -56,6 +80,10 @@ class Checkpointer:
                 step, ", ".join(bad[:3]), self.latest_step(),
             )  # fmt: skip
             return False
+        # The loop step minus the data position: 0 unless a resume changed the batch size (the
+        # iterator then rescales its position to keep the samples seen); restore checks it.
+        data_state = {**data_state, OFFSET_KEY: step - int(data_state["step"])}
+        self._writing = step
         saved = self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -63,9 +91,8 @@ class Checkpointer:
             ),
             force=True,
         )
-        self.manager.wait_until_finished()
         if saved:
-            logging.info("saved checkpoint step %d to %s", step, self.directory)
+            logging.info("saving checkpoint step %d to %s", step, self.directory)
         return saved
 
     def restore(self, abstract_state, step: int | None = None):
@@ -105,7 +132,36 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {path} holds NaN/Inf in {bad[0]}; {self._fallback(step)}"
             )
-        return restored["state"], restored["data"]
+        data_state = self._check_positions(step, restored["state"], restored["data"])
+        return restored["state"], data_state
+
+    def _check_positions(self, step: int, state, data_state) -> dict:
+        """``data_state`` without the offset, if directory, state and data agree on ``step``."""
+        path = os.path.join(self.directory, str(step))
+        data_file = os.path.join(path, "data", "metadata")  # orbax's JsonSave file name
+        problem = data_state_problem(data_state)
+        if problem:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} has a malformed data state in {data_file} ({problem}); "
+                f"{self._fallback(step)}"
+            )
+        updates, skipped = (int(jax.device_get(x)) for x in (state.step, state.skipped))
+        if updates + skipped != step:  # every loop step either updates or is skipped
+            raise CheckpointMismatchError(
+                f"checkpoint {path} is named step {step} but its train state has run "
+                f"{updates + skipped} steps ({updates} updates + {skipped} skipped); rename it "
+                f"to {self.directory}/{updates + skipped}, or {self._fallback(step)}"
+            )
+        data_state = dict(data_state)
+        expected = step - data_state.pop(OFFSET_KEY, 0)
+        if data_state["step"] != expected:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} is step {step} but its data state puts the data at step "
+                f"{data_state['step']}, not {expected}, so batches would be replayed or "
+                f'skipped; set "step" in {data_file} back to {expected}, or '
+                f"{self._fallback(step)}"
+            )
+        return data_state
 
     def _fallback(self, step: int) -> str:
         older = [s for s in self.manager.all_steps() if s < step]
@@ -117,9 +173,29 @@ class Checkpointer:
         return f"delete {self.directory}/{step} or start a fresh --workdir"
 
     def close(self):
-        """Flush pending saves."""
+        """Block until every save is complete on disk, then stop orbax's background threads."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position
+
+
+def data_state_problem(data_state) -> str | None:
+    """What is wrong with a restored data state (see ``TrainIterator.get_state``), or None."""
+
+    def is_int(x, low):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+    if not isinstance(data_state, dict):
+        return f"a JSON object was expected, not {type(data_state).__name__}"
+    if not is_int(data_state.get("step"), 0):
+        return f"'step' must be an integer >= 0, not {data_state.get('step')!r}"
+    if "batch_size" in data_state and not is_int(data_state["batch_size"], 1):
+        return f"'batch_size' must be an integer >= 1, not {data_state['batch_size']!r}"
+    if not is_int(data_state.get(OFFSET_KEY, 0), -(1 << 62)):
+        return f"{OFFSET_KEY!r} must be an integer, not {data_state[OFFSET_KEY]!r}"
+    return None
 
 
 def abstract_like(tree, shardings=None):

@@ -403,7 +403,7 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
     except errors.NonFiniteLossError as e:
         # Skipped steps leave the state as it was, so unless the state itself went bad (then
         # the save is refused) this checkpoints the last good state.
-        ckpt.save(step, state, train_iter.get_state(), force=True)
+        ckpt.save(step, state, train_iter.get_state(), force=True, wait=True)
         good = ckpt.latest_step()
         saved = f"checkpointed at step {good} in {ckpt.directory}" if good is not None else "lost"
         raise errors.NonFiniteLossError(

@@ -6,6 +6,7 @@ train.py share a JAX compilation cache and one uninterrupted reference run (``ba
 across pytest-xdist workers.
 """
 
+import asyncio
 import contextlib
 import fcntl
 import functools
@@ -25,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import linen as nn
 
@@ -162,13 +164,13 @@ def assert_same_losses(records, reference):
     assert {r["step"] for r in records} == set(reference)
 
 
-def restore_latest(workdir, corpus):
-    """Restore the latest checkpoint of ``workdir`` in-process: (step, state, data state)."""
+def restore_latest(workdir, corpus, step=None):
+    """Restore the latest (or ``step``'s) checkpoint of ``workdir``: (step, state, data state)."""
     c = load_config(corpus)
     env = train_lib.setup(c)
     ckpt = Checkpointer(str(workdir))
     try:
-        step = ckpt.latest_step()
+        step = ckpt.latest_step() if step is None else step
         state, data = ckpt.restore(abstract_like(env["abstract"], env["state_shardings"]), step)
     finally:
         ckpt.close()
@@ -510,10 +512,9 @@ def test_sigterm_mid_run_checkpoints_and_exits_0(corpus, env, tmp_path):
         finally:
             proc.kill()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    stopped = summary["preempted_at"]
-    assert stopped >= 3 and summary["step"] == stopped
+    stopped = train_records(tmp_path)[-1]["step"]  # the last step the loop logged
+    assert stopped >= 3 and summary["preempted_at"] == summary["step"] == stopped
     assert checkpoint_steps(tmp_path) == [stopped]
-    assert train_records(tmp_path)[-1]["step"] == stopped
     assert "SIGTERM: checkpointing step" in (tmp_path / "log.txt").read_text()
 
 
@@ -578,6 +579,35 @@ def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(corpus, env,
     assert_same_losses(train_records(tmp_path), baseline[1])
 
 
+@pytest.mark.slow
+def test_loop_trains_on_while_a_checkpoint_is_written(corpus, tmp_path, monkeypatch):
+    """Holds back the write of the step-2 checkpoint (its data-state file) until the loop has
+    logged step 3, for at most 60 s.
+
+    The loop trains on while the write is in flight, so step 3 is logged before the write goes
+    on; the run completes and both checkpoints restore whole.
+    """
+    write = ocp.handlers.JsonCheckpointHandler._save_fn
+    held = []  # (step of the held write, whether step 3 was logged before it went on)
+
+    async def held_back(self, item, directory):
+        if not held:
+            deadline = time.monotonic() + 60
+            while not train_records(tmp_path)[2:] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            held.append((item["step"], [r["step"] for r in train_records(tmp_path)][2:3]))
+        await write(self, item, directory)
+
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", held_back)
+    c = load_config(corpus, num_train_steps=4, checkpoint_every_steps=2)
+    assert train_lib.train_and_evaluate(c, str(tmp_path))["step"] == 4
+    assert held == [(2, [3])]
+    assert checkpoint_steps(tmp_path) == [2, 4]
+    for step in (2, 4):
+        _, state, data = restore_latest(tmp_path, corpus, step)
+        assert int(state.step) == data["step"] == step
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
@@ -598,6 +628,14 @@ def _corrupt_latest(workdir):
         (latest / "state").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0
     )
     os.truncate(biggest, biggest.stat().st_size // 2)
+
+
+def _edit_data_state(workdir, old: str, new: str):
+    """Replace ``old`` by ``new`` in the saved data state of checkpoint 40."""
+    path = pathlib.Path(workdir) / "checkpoints" / "40" / "data" / "metadata"
+    text = path.read_text()
+    assert old in text, text
+    path.write_text(text.replace(old, new))
 
 
 BAD_INPUT = {
@@ -627,6 +665,13 @@ BAD_INPUT = {
                                   ["attention_impl='cudnn'", "--config.model.attention_impl=xla"]),
     "corrupt checkpoint": ([], _corrupt_latest,
                            ["is corrupt or incomplete", "to resume from step 39"]),
+    "renamed checkpoint": ([], lambda w: (w / "checkpoints/40").rename(w / "checkpoints/45"),
+                           ["checkpoints/45 is named step 45", "has run 40 steps",
+                            "rename it to", "checkpoints/40"]),
+    "edited data position": ([], lambda w: _edit_data_state(w, '"step": 40', '"step": 35'),
+                             ["puts the data at step 35, not 40", "back to 40"]),
+    "malformed data state": ([], lambda w: _edit_data_state(w, '"step": 40', '"step": "40"'),
+                             ["malformed data state", "'step' must be an integer >= 0"]),
 }  # fmt: skip
 
 

@@ -30,11 +30,11 @@ MARKS = (
     ("start", r"fp8jax: level"),
     ("restore", r"resuming from checkpoint step|already reached step"),
     ("compile", r"train step compiled in"),
-    ("step_1", r"step \d+: loss="),
+    ("step_1", r"step \d+: .*\bloss="),
     ("eval", r"step \d+: val_loss="),
     ("done", r"done: "),
 )
-STEP = re.compile(r"step (\d+): loss=")
+STEP = re.compile(r"step (\d+): .*\bloss=")
 SAMPLE = re.compile(r"sample \(([\d.]+) s\)")
 COMPILED = re.compile(r"train step compiled in ([\d.]+) s")
 
@@ -44,7 +44,13 @@ def run(cmd: list[str], log_path: pathlib.Path, env: dict) -> dict:
     t0 = time.perf_counter()
     marks, steps, lines = {}, {}, []
     with subprocess.Popen(
-        cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        cmd,
+        stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=env,
+        cwd=ROOT,
     ) as proc:
         for line in proc.stdout:
             t = time.perf_counter() - t0

@@ -380,3 +380,30 @@ def test_mismatched_shapes_name_both_shapes_and_the_contracting_dims():
     batched = (((2,), (1,)), ((0,), (0,)))
     with pytest.raises(ValueError, match=r"\(2, 4, 8\).*\(3, 8, 2\).*batch"):
         dot.dot_general(jnp.ones((2, 4, 8)), jnp.ones((3, 8, 2)), batched, meta)
+
+
+def test_zero_size_nnx_einsum_and_fused_mlp_match_plain():
+    eq = "bsd,dhk->bshk"
+    kw = dict(rngs=nnx.Rngs(0))
+    model = nnx.Einsum(eq, (16, 3, 5), (3, 5), einsum_op=fnnx.Fp8Einsum(), **kw)
+    ref = nnx.Einsum(eq, (16, 3, 5), (3, 5), rngs=nnx.Rngs(0))
+    x, r = jnp.ones((2, 0, 16)), jnp.ones((2, 0, 3, 5))
+    (y, grads, fp8_grads), (y_ref, grads_ref, _) = _nnx_grads(model, x, r), _nnx_grads(ref, x, r)
+    assert y.shape == y_ref.shape == (2, 0, 3, 5)
+    np.testing.assert_array_equal(grads["kernel"][...], grads_ref["kernel"][...])  # zeros
+    fnnx.update_fp8_state(model, fp8_grads)
+    assert_all_finite(nnx.state(model, fnnx.Fp8State))
+    # The fused MLP with no tokens: an empty output, zero weight and bias gradients.
+    x, w1, b1, w2 = jnp.ones((0, 32)), randn(7, (32, 64)), randn(8, (64,)), randn(9, (64, 32))
+
+    def loss(x, w1, b1, w2):
+        y, m1, m2 = mlp.gelu_mlp(x, w1, b1, w2, fp8jax.init_meta(), fp8jax.init_meta(), "interpret")
+        return jnp.sum(y), (y, m1, m2)
+
+    (_, (y, m1, m2)), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(x, w1, b1, w2)
+    assert y.shape == (0, 32)
+    for g, v in zip(grads, (x, w1, b1, w2), strict=True):
+        assert g.shape == v.shape and not np.any(np.asarray(g))
+    fresh = jax.tree.leaves((fp8jax.init_meta(), fp8jax.init_meta()))
+    for a, b in zip(jax.tree.leaves((m1, m2)), fresh, strict=True):
+        np.testing.assert_array_equal(a, b)

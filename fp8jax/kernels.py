@@ -273,9 +273,10 @@ def cast_transpose(
     through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
     16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``. With
     ``pending`` (an f32 amax history) the third output is that history with the amax
-    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. The amax of a
-    non-finite tensor counts as 0. ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha +
-    bias)`` (in f32): a GEMM's raw output is unscaled and biased in the same read.
+    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. Inf and NaN
+    come out NaN (``formats.saturate``); the amax of a non-finite tensor counts as 0.
+    ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha + bias)`` (in f32): a GEMM's raw
+    output is unscaled and biased in the same read.
     """
     dtype = formats.as_dtype(fmt)
     activation(prologue)  # a clear error for an unknown name

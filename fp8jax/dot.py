@@ -20,8 +20,9 @@ keeps the pre-activation x (not act(x)) and applies act' to dgrad's output in f3
 
 A non-finite operand (x, w, or dy in the backward) is never saturated away: the cast makes it
 NaN, which the GEMM spreads along its row or column, so the loss or the gradients show the bad
-step; its amax records as 0, so the scales stay as they were. An empty dimension gives the plain
-``lax.dot_general`` result (zeros for an empty contraction) and leaves the state unchanged.
+step; its amax records as 0 (the fused kernels: per block), so no scale turns non-finite. An
+empty dimension gives the plain ``lax.dot_general`` result (zeros for an empty contraction) and
+leaves the state unchanged.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ the meta *output*. When callers thread the returned meta into the next use of th
 With a ``prologue`` (an elementwise activation, ``kernels.ACTIVATIONS``) the matmul computes
 ``act(x) . w``: the activation is applied inside the pass that quantizes x, and the backward pass
 keeps the pre-activation x (not act(x)) and applies act' to dgrad's output in f32.
+
+A non-finite operand (x, w, or dy in the backward) is never saturated away: the cast makes it
+NaN, which the GEMM spreads along its row or column, so the loss or the gradients show the bad
+step; its amax records as 0 (the fused kernels: per block), so no scale turns non-finite. An
+empty dimension gives the plain ``lax.dot_general`` result (zeros for an empty contraction) and
+leaves the state unchanged.
 """
 
 from __future__ import annotations
@@ -286,6 +292,20 @@ def _pad_to_tiles(x, w, batched: bool):
     return x, w
 
 
+def check_shapes(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> None:
+    """Reject operands whose contracting or batch dims differ in size, naming both shapes."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    for kind, ld, rd in (("contracting", lc, rc), ("batch", lb, rb)):
+        sizes = lambda shape, dims: [shape[d] for d in dims]  # noqa: E731
+        if len(ld) != len(rd) or sizes(lhs_shape, ld) != sizes(rhs_shape, rd):
+            raise ValueError(
+                f"fp8jax.dot_general: lhs shape {tuple(lhs_shape)} and rhs shape "
+                f"{tuple(rhs_shape)} do not match on the {kind} dims {tuple(ld)} and "
+                f"{tuple(rd)} (sizes {sizes(lhs_shape, ld)} vs {sizes(rhs_shape, rd)}); pass "
+                f"operands whose {kind} dims have equal sizes"
+            )
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -310,6 +330,7 @@ def dot_general(
     check_operand("rhs", rhs)
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = map(lambda t: tuple(int(d) for d in t), (lc, rc, lb, rb))
+    check_shapes(lhs.shape, rhs.shape, ((lc, rc), (lb, rb)))
     lf = _remaining(lhs.ndim, lc, lb)
     rf = _remaining(rhs.ndim, rc, rb)
     batch_shape = tuple(lhs.shape[d] for d in lb)
@@ -320,12 +341,20 @@ def dot_general(
     batched = bool(lb)
     bsz = math.prod(batch_shape)
 
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if 0 in (bsz, m, k, n):
+        # Nothing to quantize or multiply: the plain product (zeros for K = 0, else empty) and
+        # its plain gradients. An empty tensor's amax is 0, so the state stays as it is.
+        dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+        dims = ((lc, rc), (lb, rb))
+        y = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
+        return y.astype(out_dtype), meta
+
     # Transposes are no-ops for Dense-style dims; otherwise they fuse into the quantize pass.
     x = jnp.transpose(lhs, (*lb, *lf, *lc))
     w = jnp.transpose(rhs, (*rb, *rc, *rf))
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue)
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']

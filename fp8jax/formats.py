@@ -33,12 +33,29 @@ def fmax(fmt) -> float:
 
 
 def amax(x: jax.Array) -> jax.Array:
-    """Absolute maximum of ``x`` as a float32 scalar."""
+    """Absolute maximum of ``x`` as a float32 scalar (0 for an empty ``x``)."""
+    if x.size == 0:  # static: no element, no information (a max over nothing would raise)
+        return jnp.zeros((), jnp.float32)
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
+def saturate(y: jax.Array, finite: jax.Array, limit: float) -> jax.Array:
+    """``y`` (f32, already scaled) clipped to ``+-limit`` where ``finite``, NaN elsewhere.
+
+    ``finite`` says whether the value before scaling was finite: a finite value whose product
+    with the scale overflows still saturates, while Inf and NaN stay non-finite through the cast,
+    so a bad operand reaches the GEMM output instead of turning into the format max. NaN, not
+    Inf, for both formats: E4M3 has no Inf, and Triton's convert (``cvt.rn.satfinite``) maps
+    Inf to the format max even for E5M2, while every convert keeps NaN. One select inside the
+    cast's fusion; finite inputs give the same bits as the plain clip.
+    """
+    return jnp.where(finite, jnp.clip(y, -limit, limit), jnp.nan)
+
+
 def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
-    """Scale ``x`` and cast it to FP8, saturating at the format max (never Inf).
+    """Scale ``x`` and cast it to FP8, saturating finite values at the format max.
+
+    Non-finite values of ``x`` become NaN (``saturate``): never laundered into finite ones.
 
     The multiply runs in f32 inside the same fusion as the cast (no extra memory pass), so the
     scale applied here is exactly the f32 scale the GEMM output is divided by; a bf16-rounded
@@ -46,10 +63,10 @@ def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
     """
     dtype = as_dtype(fmt)
     limit = fmax(dtype)
-    y = x.astype(jnp.float32) * scale.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    y = x * scale.astype(jnp.float32)
     # Clip before the cast: a plain convert maps out-of-range values to NaN (E4M3) or Inf (E5M2).
-    y = jnp.clip(y, -limit, limit)
-    return y.astype(dtype)
+    return saturate(y, jnp.isfinite(x), limit).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -62,6 +79,8 @@ def saturation_stats(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, ja
     dtype = as_dtype(fmt)
     xs = jnp.abs(x.astype(jnp.float32) * scale.astype(jnp.float32))
     n = x.size
+    if n == 0:
+        return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     # Strictly above: a value equal to the max (current scaling's amax element) is exact.
     saturated = jnp.sum(xs > fmax(dtype)) / n
     # Values below half the smallest subnormal round to zero in the cast.

@@ -87,13 +87,13 @@ def _kernel_tanh(interpret: bool):
 def _dispatch(impl: str, shape, reference, pallas, *args):
     """``reference(*args)`` or ``pallas(*args, bm, bk, interpret)`` for an [M, K] pass.
 
-    'xla', and sides not in multiples of 16, take XLA ops; 'interpret' runs the kernel through
-    Pallas' interpreter; 'pallas' picks per platform when lowering: the Triton kernel for
-    CUDA, XLA ops anywhere else.
+    'xla', and sides not in multiples of 16 (or empty), take XLA ops; 'interpret' runs the
+    kernel through Pallas' interpreter; 'pallas' picks per platform when lowering: the Triton
+    kernel for CUDA, XLA ops anywhere else.
     """
     check_impl(impl)
     bm, bk = _block(shape[0], _ROW_BLOCKS), _block(shape[1], _COL_BLOCKS)
-    if impl == "xla" or bm is None or bk is None:
+    if impl == "xla" or bm is None or bk is None or 0 in shape:
         return reference(*args)
     if impl == "interpret":
         return pallas(*args, bm, bk, True)
@@ -167,8 +167,8 @@ def _kernel(
     x_bxk = activation(prologue, tanh)(x_bxk)
     _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
-    # values would otherwise become NaN (E4M3) or Inf (E5M2).
-    y_bxk = jnp.clip(x_bxk * scale_ref[0], -limit, limit)
+    # values would otherwise become NaN (E4M3) or Inf (E5M2); Inf and NaN become NaN.
+    y_bxk = formats.saturate(x_bxk * scale_ref[0], jnp.isfinite(x_bxk), limit)
     q_bxk = y_bxk.astype(dtype)
     q_ref[...] = q_bxk
     # The transpose goes through shared memory: of the FP8 block (cast_first, a quarter of the
@@ -273,9 +273,10 @@ def cast_transpose(
     through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
     16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``. With
     ``pending`` (an f32 amax history) the third output is that history with the amax
-    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. The amax of a
-    non-finite tensor counts as 0. ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha +
-    bias)`` (in f32): a GEMM's raw output is unscaled and biased in the same read.
+    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. Inf and NaN
+    come out NaN (``formats.saturate``); the amax of a non-finite tensor counts as 0.
+    ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha + bias)`` (in f32): a GEMM's raw
+    output is unscaled and biased in the same read.
     """
     dtype = formats.as_dtype(fmt)
     activation(prologue)  # a clear error for an unknown name
@@ -340,7 +341,7 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
     d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
     _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
-    y_bxk = jnp.clip(d_bxk * s_ref[1], -limit, limit)  # as formats.quantize
+    y_bxk = formats.saturate(d_bxk * s_ref[1], jnp.isfinite(d_bxk), limit)  # as quantize
     q_ref[...] = y_bxk.astype(dtype)
     qt_ref[...] = y_bxk.T.astype(dtype)
 

@@ -119,13 +119,13 @@ def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = "
     layer1 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel)
     layer2 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel, ACT)
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
-    aligned = all(d % dot.PAD == 0 for d in dims)
+    aligned = all(d % dot.PAD == 0 and d > 0 for d in dims)  # empty: dot_general's own path
     if not (aligned and dot._fused(layer1, meta1) and dot._fused(layer2, meta2)):
         w1, b1, w2 = w1.astype(dtype), b1.astype(dtype), w2.astype(dtype)
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
         pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
-        return y.reshape(*lead, -1), meta1, meta2
+        return y.reshape(*lead, w2.shape[1]), meta1, meta2
     cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)))
     y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)
-    return y.reshape(*lead, -1), meta1, meta2
+    return y.reshape(*lead, w2.shape[1]), meta1, meta2

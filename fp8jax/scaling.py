@@ -134,7 +134,8 @@ def _window_max(hist: jax.Array) -> jax.Array:
 def commit(state: ScaleState) -> ScaleState:
     """End a step: push the pending amax into the history and recompute the scale."""
     hist = state.amax_history
-    completed = jnp.concatenate([hist[..., :1], hist[..., 1:-1]], axis=-1)
+    # The pending amax enters the window sanitized, whoever wrote it: no Inf/NaN in the history.
+    completed = jnp.concatenate([sanitize_amax(hist[..., :1]), hist[..., 1:-1]], axis=-1)
     if state.recipe.amax_compute_algo == "max":
         amax = _window_max(completed)
     else:

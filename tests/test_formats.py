@@ -38,12 +38,15 @@ def test_round_trip_within_grid(fmt, scale):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_saturates_at_format_max_never_inf_or_nan(fmt):
+def test_saturates_finite_values_at_format_max_and_keeps_non_finite_ones(fmt):
     limit = GRID[fmt]["max"]
     assert formats.fmax(fmt) == limit
-    x = jnp.array([limit * 1.01, -limit * 1.5, 1e30, -1e30, limit * 4, jnp.inf, -jnp.inf])
+    x = jnp.array([limit * 1.01, -limit * 1.5, 1e30, -1e30, limit * 4])
     q = formats.quantize(x, jnp.float32(1.0), fmt).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(q), limit * np.sign(np.asarray(x)))
+    # Inf and NaN are never laundered into the format max: they come out NaN.
+    bad = formats.quantize(jnp.array([jnp.inf, -jnp.inf, jnp.nan]), jnp.float32(1.0), fmt)
+    assert np.all(np.isnan(np.asarray(bad.astype(jnp.float32))))
     # A plain cast would give NaN (E4M3 has no Inf) or Inf (E5M2): the clip is what prevents it.
     raw = x[:2].astype(formats.as_dtype(fmt)).astype(jnp.float32)
     assert not np.all(np.isfinite(np.asarray(raw)) & (np.abs(np.asarray(raw)) <= limit))
@@ -69,6 +72,13 @@ def test_amax_is_f32_absolute_max():
     a = formats.amax(x)
     assert a.dtype == jnp.float32 and a.shape == ()
     assert float(a) == 7.25
+
+
+def test_amax_and_stats_of_an_empty_tensor_are_zero():
+    x = jnp.zeros((0, 8), jnp.bfloat16)
+    a = formats.amax(x)
+    assert a.dtype == jnp.float32 and a.shape == () and float(a) == 0.0
+    assert [float(v) for v in formats.saturation_stats(x, jnp.float32(2.0), "e4m3")] == [0, 0]
 
 
 def test_saturation_stats_exact():

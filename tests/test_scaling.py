@@ -89,6 +89,16 @@ def test_unusable_amax_keeps_the_old_scale(bad, pow2):
     assert np.all(np.isfinite(np.asarray(s2.amax_history)))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_commit_sanitizes_a_pending_amax_written_without_record(bad):
+    """A pending slot written directly (a kernel, a cotangent, a restored state) with Inf/NaN
+    commits as 0: the scale stays and the history stays finite."""
+    s = _step(_state(history_len=2, amax_compute_algo="most_recent"), 2.0)
+    s2 = scaling.commit(s.replace(amax_history=s.amax_history.at[0].set(bad)))
+    assert float(s2.scale) == float(s.scale) == E4M3_MAX / 2.0
+    np.testing.assert_array_equal(np.asarray(s2.amax_history), [0.0, 0.0, 2.0])
+
+
 def test_record_merges_by_max_not_sum():
     s = _state()
     for a in (2.0, 7.0, 3.0):

@@ -341,12 +341,13 @@ def make_train_step(model, tx, config, mesh=None):
         # Decay reads the compute-dtype view even when the model got carried masters (the
         # same updates either way); XLA fuses each leaf's dequantization into its update.
         updates, opt_state = tx.update(grads, state.opt_state, view)
-        # Finite gradients do not make a finite update: a NaN learning rate, or eps=0 on a
-        # zero gradient (0/0), poison the update alone. Its norm is one more reduction, which
-        # XLA fuses with the elementwise update that produces it. FP16/FP8 masters also guard
-        # their own re-quantization (optim.apply_updates).
-        update_norm = optax.tree.norm(updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        # A finite norm means every gradient is finite. With finite weights and moments (a
+        # skipped step commits nothing) and eps > 0 (validated), AdamW's update is then finite
+        # exactly when its learning rate is, so that scalar is checked rather than the norm of
+        # every update: that second pass over the updates cost gpt_1b3 3% of its step time.
+        # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
+        lr = learning_rate_schedule(config)(state.step)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(
@@ -361,8 +362,7 @@ def make_train_step(model, tx, config, mesh=None):
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "update_norm": update_norm,
-            "learning_rate": learning_rate_schedule(config)(state.step),
+            "learning_rate": lr,
             "skipped_steps": new_state.skipped,
             "bad_steps": new_state.bad_steps,
             **comm_metrics,

@@ -434,11 +434,11 @@ class _NonFiniteGuard:
         if bad == 0:
             return
         loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
-        unorm = float(metrics["update_norm"])
+        lr = float(metrics["learning_rate"])
         logging.warning(
-            "step %d: non-finite loss, gradients or update (loss=%s, grad_norm=%s, update_norm=%s)"
-            ": update skipped, %d in a row, %d in total",
-            step, loss, gnorm, unorm, bad, int(metrics["skipped_steps"]),
+            "step %d: non-finite loss, gradients or learning rate (loss=%s, grad_norm=%s, "
+            "learning_rate=%s): update skipped, %d in a row, %d in total",
+            step, loss, gnorm, lr, bad, int(metrics["skipped_steps"]),
         )  # fmt: skip
         if bad >= self.max_bad:
             raise errors.NonFiniteLossError(

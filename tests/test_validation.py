@@ -306,40 +306,14 @@ def _lr_then_nan(step):
     return jnp.where(step == 0, jnp.float32(1e-3), jnp.float32(NAN))
 
 
-@pytest.mark.parametrize(
-    "level, lr, eps",
-    [("O0", _lr_then_nan, 1e-8), ("O2", _lr_then_nan, 1e-8), ("O0", lambda step: 1e-3, 0.0)],
-    ids=["O0-nan-lr", "O2-nan-lr", "O0-eps0"],  # eps=0: 0/0 on the zero gradients
-)
-def test_step_with_non_finite_update_is_skipped(level, lr, eps):
-    states, metrics = _two_steps(level, lr, eps)
-    good = 1 if lr is _lr_then_nan else 0  # steps before the poisoned one
-    for i, m in enumerate(metrics):
-        before, after = states[i], states[i + 1]
-        # Loss and gradients are finite: only the update is not.
-        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
-        if i < good:
-            assert math.isfinite(m["update_norm"]) and int(after.step) == 1, m
-            continue
-        assert not math.isfinite(m["update_norm"]), m
-        skipped = i + 1 - good
-        assert (int(after.step), int(after.skipped), int(after.bad_steps)) == (good, *[skipped] * 2)
-        assert (int(m["skipped_steps"]), int(m["bad_steps"])) == (skipped, skipped)
-        for part in ("params", "opt_state", "fp8", "comm"):
-            assert _leaves_equal(getattr(after, part), getattr(before, part)), part
-
-
-def test_update_norm_is_the_norm_of_the_applied_update():
-    import jax
-    import numpy as np
-
-    (before, after, _), (m, _) = _two_steps("O0", _lr_then_nan, 1e-8)
-    assert (int(after.step), int(after.skipped)) == (1, 0)
-    old = np.concatenate([np.ravel(x) for x in jax.tree.leaves(before.params)]).astype(np.float64)
-    new = np.concatenate([np.ravel(x) for x in jax.tree.leaves(after.params)]).astype(np.float64)
-    applied = np.linalg.norm(new - old)  # exact differences of the f32 weights
-    # f32 p + u rounds each weight by at most 2**-24 of it; the f32 sum of N squares behind
-    # update_norm is off by at most N * 2**-24 of itself (half that after the square root).
-    tol = np.linalg.norm(new) * 2.0**-24 + new.size * 2.0**-24 * float(m["update_norm"])
-    assert abs(applied - float(m["update_norm"])) <= tol, (applied, m["update_norm"], tol)
-    assert applied > 0
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_step_with_non_finite_update_is_skipped(level):
+    """A NaN learning rate leaves loss and gradients finite and poisons only the update."""
+    states, metrics = _two_steps(level, _lr_then_nan, 1e-8)
+    (first, second), (before, after) = metrics, states[1:]
+    assert int(before.step) == 1 and math.isfinite(first["learning_rate"]), first
+    assert math.isfinite(second["loss"]) and math.isfinite(second["grad_norm"]), second
+    assert (int(after.step), int(after.skipped), int(after.bad_steps)) == (1, 1, 1)
+    assert (int(second["skipped_steps"]), int(second["bad_steps"])) == (1, 1)
+    for part in ("params", "opt_state", "fp8", "comm"):
+        assert _leaves_equal(getattr(after, part), getattr(before, part)), part

@@ -352,6 +352,8 @@ def _restore_or_init(config, env, ckpt, train_iter):
     """The latest checkpoint's state (and data position) if there is one, else a fresh state."""
     step = ckpt.latest_step()
     if step is None:
+        n = sum(x.size for x in jax.tree.leaves(env["abstract"].params))
+        logging.info("initialising %.4g M parameters (seed %d)", n / 1e6, config.seed)
         return env["init"](jax.random.PRNGKey(config.seed)), 0
     state, data_state = ckpt.restore(abstract_like(env["abstract"], env["state_shardings"]), step)
     train_iter.set_state(data_state)
@@ -364,6 +366,8 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
     if preempt.flag:  # SIGTERM during start-up: nothing new to save, skip the compile
         logging.warning("SIGTERM before the first step; exiting")
         return state, {"step": step, "preempted_at": step}
+    if step >= config.num_train_steps:  # a finished run: nothing to compile or train
+        return state, {"step": step}
     cache = jax.config.jax_compilation_cache_dir
     logging.info(
         "compiling the train step (level %s; %s)",
@@ -392,9 +396,11 @@ def _train(config, env, ckpt, state, step, train_iter, eval_batches, preempt):
                 log.train(step, metrics)
                 guard.check(step, metrics)
             if step % config.eval_every_steps == 0 or last:
+                log.first("evaluation: compiling the eval step")
                 log.eval(step, evaluate(env["eval_step"], state, eval_batches,
                                         env["batch_sharding"]))  # fmt: skip
             if config.fp8.level != "O0" and step % config.fp8_stats_every_steps == 0:
+                log.first("FP8 health pass: compiling the stats step")
                 stats = env["stats_step"](state, batch)
                 log.fp8(step, metrics_lib.fp8_health(state, stats), metrics_lib.fp8_worst(stats))
             ckpt.save(step, state, train_iter.get_state())
@@ -466,6 +472,7 @@ class _Log:
         self.tokens_per_step = config.batch_size * config.seq_len
         self.last_step, self.t_last = step, time.perf_counter()
         self.summary = {}
+        self.seen = set()
 
     def train(self, step: int, metrics) -> None:
         m = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
@@ -477,6 +484,12 @@ class _Log:
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
         self._emit(step, "train", m)
         self.summary.update({f"train_{k}": v for k, v in m.items()})
+
+    def first(self, what: str) -> None:
+        """Log ``what`` the first time it is seen (a compile the console would otherwise hide)."""
+        if what not in self.seen:
+            self.seen.add(what)
+            logging.info("first %s", what)
 
     def eval(self, step: int, values: dict) -> None:
         self._emit(step, "eval", values)

@@ -330,9 +330,11 @@ def _record_schedule(workdir: str, config, step: int) -> None:
         lr_old = float(step_lib.learning_rate_schedule(old)(step))
         lr_new = float(step_lib.learning_rate_schedule(config)(step))
         logging.warning(
-            "resuming at step %d with a changed learning-rate schedule (%s): the rate at this "
-            "step goes from %.4g to %.4g and follows the new schedule from here",
-            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_old, lr_new,
+            "resuming at step %d with a changed learning-rate schedule (%s): from here the "
+            "rate follows the new one (%.4g at this step, %.4g under the old), its cosine "
+            "decaying until step %d",
+            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_new, lr_old,
+            config.num_train_steps,
         )  # fmt: skip
     if now != before:
         _write_json(path, now)

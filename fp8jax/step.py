@@ -55,14 +55,23 @@ def _kernel_mask(params):
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
-    return optax.warmup_cosine_decay_schedule(
+    """Rate of the update that step ``count`` (0-based) applies: warm-up, then cosine decay.
+
+    Linear warm-up reaching ``learning_rate`` at update ``warmup_steps`` (the first update
+    already applies ``learning_rate / warmup_steps``), then cosine decay to ``min_lr_ratio``
+    of the peak at update ``num_train_steps``.
+    """
+    warmup = max(1, config.warmup_steps)
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
-        warmup_steps=max(1, config.warmup_steps),
-        decay_steps=max(config.num_train_steps, config.warmup_steps + 1),
+        warmup_steps=warmup,
+        decay_steps=max(config.num_train_steps, warmup + 1),
         end_value=config.learning_rate * config.min_lr_ratio,
     )
+    # optax counts from 0 and its warm-up starts at init_value: evaluated at count + 1, update
+    # k (1-based) gets k / warmup of the peak, so no step is spent at a zero rate.
+    return lambda count: base(count + 1)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -172,6 +181,11 @@ def _accumulate(
     (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
     grads = jax.tree.map(lambda g, d: (g / accum).astype(d), grads, sum_dtypes)
     return loss / accum, fp8, grads
+
+
+def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
+    """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step."""
+    return _accumulate(model, params, fp8, batch, accum, wide=wide)
 
 
 def _manual_replicas(

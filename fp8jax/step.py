@@ -1,7 +1,8 @@
 """Train state, optimizer and the pure train / eval steps.
 
-Levels (FP8-LM): O0 f32 master + f32 Adam; O1 adds FP8 GEMMs; O2 adds FP8/FP16 Adam moments
-and FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
+Levels (FP8-LM; what each stores: ``optim.LEVELS``): O0 f32 params + f32 Adam; O1 adds FP8
+GEMMs (with their scale state), params and Adam still f32; O2 adds FP8/FP16 Adam moments and
+FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
-LEVELS = ("O0", "O1", "O2", "O3")
+LEVELS = tuple(optim.LEVELS)  # ("O0", "O1", "O2", "O3")
 
 
 @struct.dataclass
@@ -78,7 +79,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     """AdamW with clipping; O2+ keeps the matmul kernels' moments in FP8/FP16 with scales."""
     lr = learning_rate_schedule(config)
     clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    if level_index(config.fp8.level) >= 2:
+    storage = optim.level_storage(config.fp8.level, config.fp8)
+    if storage["fp8_adam"]:
         adam = optim.fp8_adamw(
             lr,
             b1=config.b1,
@@ -86,8 +88,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             eps=config.eps,
             weight_decay=config.weight_decay,
             weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
-            m_format=config.fp8.m_format,
-            v_format=config.fp8.v_format,
+            m_format=storage["m_format"],
+            v_format=storage["v_format"],
             assume_finite=True,  # the train step keeps the old state on a non-finite gradient
         )
     else:
@@ -109,8 +111,8 @@ def init_state(model, tx, config, rng: jax.Array) -> TrainState:
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
     params = variables["params"]
     opt_state = tx.init(params)
-    if level_index(config.fp8.level) >= 2:
-        params = optim.to_master(params, master_format=config.fp8.master_format)
+    storage = optim.level_storage(config.fp8.level, config.fp8)
+    params = optim.to_master(params, master_format=storage["master_format"])  # f32: unchanged
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(level_index(config.fp8.level), comm.CommConfig.from_config(config))
     fp8 = variables.get(state_collection(model), {})

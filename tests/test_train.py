@@ -92,21 +92,23 @@ def print_golden():
 
 @functools.cache
 def _golden_run(level, bf16=False):
-    """(train step, losses, learning rates) of three steps, shared by the tests that read them."""
+    """(train step, losses, learning rates, final_norm's bias moves) of three steps."""
     c = _bf16_config(level) if bf16 else _micro_config(level)
     env = train_lib.setup(c)
     state = env["init"](jax.random.PRNGKey(c.seed))
-    losses, rates = [], []
+    losses, rates, moves = [], [], []
     for _ in range(3):
+        before = np.asarray(state.params["final_norm"]["bias"])
         state, m = env["train_step"](state, _batch(c))
+        moves.append(np.asarray(state.params["final_norm"]["bias"]) - before)
         losses.append(float(m["loss"]))
         rates.append(float(m["learning_rate"]))
-    return env["train_step"], losses, rates
+    return env["train_step"], losses, rates, moves
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
 def test_golden_losses(level):
-    train_step, losses, rates = _golden_run(level)
+    train_step, losses, rates, moves = _golden_run(level)
     np.testing.assert_allclose(
         losses, GOLDEN[level], rtol=2e-6, err_msg="golden losses moved: see GOLDEN's comment"
     )
@@ -115,13 +117,17 @@ def test_golden_losses(level):
     expect = [c.learning_rate * k / c.warmup_steps for k in (1, 2, 3)]
     np.testing.assert_allclose(rates, expect, rtol=2**-20)
     assert losses[0] != losses[1] != losses[2]
+    # The metric is the rate the step applied: Adam's first update of a parameter without weight
+    # decay is -lr * g / (|g| + eps), lr to 1e-4 where |g| >> eps = 1e-8 (final_norm's bias
+    # starts at 0, so its move is the update itself).
+    np.testing.assert_allclose(np.abs(moves[0]).max(), rates[0], rtol=1e-4)
     # One compile for all three steps: the step is traced once per shape.
     assert train_step._cache_size() == 1
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
 def test_golden_losses_bf16(level):
-    _, losses, _ = _golden_run(level, bf16=True)
+    _, losses, _, _ = _golden_run(level, bf16=True)
     msg = "golden losses moved: see GOLDEN's comment"
     rtol = [2e-6] + 2 * [O2_BF16_LATER_RTOL if level == "O2" else 2e-6]
     for loss, golden, tol in zip(losses, GOLDEN_BF16[level], rtol, strict=True):

@@ -1,11 +1,15 @@
 """Memory account: bytes per parameter of params, gradients and optimizer state, and XLA's view.
 
-``bytes_per_param`` reads the actual trees (arrays or ``jax.eval_shape`` abstractions), so it
-reports whatever level they represent: O0 (f32 params, f32 Adam: 16 B/param with f32 grads),
-O1 (FP16 master + scale, f32 Adam, FP8 grads: 11) or O2 (FP16 master, E4M3 m, FP16 v, FP8
-grads: 6, plus three f32 scales per tensor). Gradients are not stored in these trees, so their
-width is a parameter: FP8-LM keeps the matmul weights' gradients in FP8 from O1 on
-(``level='O1'`` or later implies ``matmul_grads_dtype='e5m2'``, 1 byte).
+``bytes_per_param`` reads the actual trees (arrays or ``jax.eval_shape`` abstractions, such as
+``train.setup(config)['abstract']``), so it reports whatever level they represent.
+``state_bytes`` estimates the same bytes from the f32 params' shapes and ``optim.LEVELS``, the
+table the trainer builds its state from: O0 and O1 store f32 params and f32 Adam moments
+(12 B/param; O1 adds only the FP8 GEMMs' scale state, outside params and optimizer state); O2
+and O3 store FP16 masters, E4M3 m and FP16 v for the matmul weights (5 B/param plus three f32
+scales per tensor). Gradients are not stored in these trees, so their width is a parameter:
+FP8-LM counts the matmul weights' gradients in FP8 from O1 on (``level='O1'`` or later implies
+``matmul_grads_dtype='e5m2'``, 1 byte); fp8jax computes them in the compute dtype and sends
+them over the wire in FP8 (fp8jax.comm).
 
 Optimizer-state leaves are attributed to a parameter when the end of their tree path is that
 parameter's path (optax states mirror the params tree); leaves that match nothing (step counts,
@@ -20,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp8jax import optim
 from fp8jax.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
 
 _MIB = 2.0**20
@@ -103,6 +108,36 @@ def account(params, opt_state, grads_dtype=None, matmul_grads_dtype=None, mask=N
                     matmul["opt_state"] += nbytes
                 break
     return {"all": totals, "matmul": matmul}
+
+
+def state_bytes(params, level: str, fp8_config=None, mask=None) -> dict[str, int]:
+    """Bytes of params and optimizer state the trainer stores at ``level`` for f32 ``params``.
+
+    From the shapes of ``params`` and ``optim.level_storage(level, fp8_config)``; ``mask``
+    selects the matmul weights (default: 'kernel' leaves of rank >= 2). Keys: ``params``,
+    ``opt_state`` and the same with a ``matmul_`` prefix.
+    """
+    s = optim.level_storage(level, fp8_config)
+    width = lambda fmt: storage_dtype(fmt).itemsize  # noqa: E731
+    scale = jnp.dtype(jnp.float32).itemsize  # one f32 scale per ScaledTensor
+    narrow_master = storage_dtype(s["master_format"]) != jnp.dtype(jnp.float32)
+    out = dict.fromkeys(("params", "opt_state", "matmul_params", "matmul_opt_state"), 0)
+    flat = jax.tree.leaves(params, is_leaf=is_scaled)
+    selected = jax.tree.leaves(resolve_mask(params, mask), is_leaf=is_scaled)
+    for leaf, is_mm in zip(flat, selected, strict=True):
+        n = _count(leaf)
+        p, o = 4 * n, 8 * n  # f32 param, f32 m and v
+        if is_mm and narrow_master:
+            p = n * width(s["master_format"]) + scale
+        if is_mm and s["fp8_adam"]:
+            o = n * (width(s["m_format"]) + width(s["v_format"])) + 2 * scale
+        out["params"] += p
+        out["opt_state"] += o
+        if is_mm:
+            out["matmul_params"] += p
+            out["matmul_opt_state"] += o
+    out["opt_state"] += 2 * 4  # int32 step counts: Adam's and the learning-rate schedule's
+    return out
 
 
 def bytes_per_param(

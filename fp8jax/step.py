@@ -1,7 +1,8 @@
 """Train state, optimizer and the pure train / eval steps.
 
-Levels (FP8-LM): O0 f32 master + f32 Adam; O1 adds FP8 GEMMs; O2 adds FP8/FP16 Adam moments
-and FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
+Levels (FP8-LM; what each stores: ``optim.LEVELS``): O0 f32 params + f32 Adam; O1 adds FP8
+GEMMs (with their scale state), params and Adam still f32; O2 adds FP8/FP16 Adam moments and
+FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fp8jax import sharding as sharding_lib
 from fp8jax import state as fp8_state
 from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
-LEVELS = ("O0", "O1", "O2", "O3")
+LEVELS = tuple(optim.LEVELS)  # ("O0", "O1", "O2", "O3")
 
 
 @struct.dataclass
@@ -55,21 +56,31 @@ def _kernel_mask(params):
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
-    return optax.warmup_cosine_decay_schedule(
+    """Rate of the update that step ``count`` (0-based) applies: warm-up, then cosine decay.
+
+    Linear warm-up reaching ``learning_rate`` at update ``warmup_steps`` (the first update
+    already applies ``learning_rate / warmup_steps``), then cosine decay to ``min_lr_ratio``
+    of the peak at update ``num_train_steps``.
+    """
+    warmup = max(1, config.warmup_steps)
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
-        warmup_steps=max(1, config.warmup_steps),
-        decay_steps=max(config.num_train_steps, config.warmup_steps + 1),
+        warmup_steps=warmup,
+        decay_steps=max(config.num_train_steps, warmup + 1),
         end_value=config.learning_rate * config.min_lr_ratio,
     )
+    # optax counts from 0 and its warm-up starts at init_value: evaluated at count + 1, update
+    # k (1-based) gets k / warmup of the peak, so no step is spent at a zero rate.
+    return lambda count: base(count + 1)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """AdamW with clipping; O2+ keeps the matmul kernels' moments in FP8/FP16 with scales."""
     lr = learning_rate_schedule(config)
     clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    if level_index(config.fp8.level) >= 2:
+    storage = optim.level_storage(config.fp8.level, config.fp8)
+    if storage["fp8_adam"]:
         adam = optim.fp8_adamw(
             lr,
             b1=config.b1,
@@ -77,8 +88,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             eps=config.eps,
             weight_decay=config.weight_decay,
             weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
-            m_format=config.fp8.m_format,
-            v_format=config.fp8.v_format,
+            m_format=storage["m_format"],
+            v_format=storage["v_format"],
             assume_finite=True,  # the train step keeps the old state on a non-finite gradient
         )
     else:
@@ -100,8 +111,8 @@ def init_state(model, tx, config, rng: jax.Array) -> TrainState:
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
     params = variables["params"]
     opt_state = tx.init(params)
-    if level_index(config.fp8.level) >= 2:
-        params = optim.to_master(params, master_format=config.fp8.master_format)
+    storage = optim.level_storage(config.fp8.level, config.fp8)
+    params = optim.to_master(params, master_format=storage["master_format"])  # f32: unchanged
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(level_index(config.fp8.level), comm.CommConfig.from_config(config))
     fp8 = variables.get(state_collection(model), {})
@@ -172,6 +183,11 @@ def _accumulate(
     (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
     grads = jax.tree.map(lambda g, d: (g / accum).astype(d), grads, sum_dtypes)
     return loss / accum, fp8, grads
+
+
+def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
+    """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step."""
+    return _accumulate(model, params, fp8, batch, accum, wide=wide)
 
 
 def _manual_replicas(

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from fp8jax import comm, formats, optim, sharding  # noqa: E402
 from fp8jax import train as train_lib  # noqa: E402
 
-STEPS = 2  # step 0 runs at learning rate 0 (warm-up), step 1 moves the parameters
+STEPS = 2  # both move the parameters (a one-step warm-up: both at about the peak rate)
 
 
 def tiny_config(level: str, data=-1, fsdp=1, tensor=1, **comm_fields) -> ml_collections.ConfigDict:

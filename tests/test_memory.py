@@ -1,11 +1,11 @@
-"""Memory account: bytes/param at O0/O1/O2 from the actual (abstract) trees; compiled stats."""
+"""Memory account: bytes of the trainer's state per level, estimated and read from its trees."""
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 from fp8jax import memory, optim
+from fp8jax import train as train_lib
 
 D, F, V = 4096, 11008, 32000  # LLaMA-7B widths: one layer is enough for per-param figures
 
@@ -26,56 +26,88 @@ def abstract_params():
     }
 
 
-def level_trees(level, params):
-    """(params, opt_state) as the train state holds them at ``level``."""
-    opts = optim.LEVELS[level]
-    if level == "O2":
-        tx = optim.fp8_adamw(1e-3, m_format=opts["m_format"], v_format=opts["v_format"])
+def tiny_config(level, **fp8):
+    """A one-layer GPT at ``level`` (``fp8``: config.fp8 overrides)."""
+    c = train_lib.load_config("tiny")
+    c.fp8.level = level
+    c.model.num_layers, c.model.d_model, c.model.d_ff, c.model.vocab_size = 1, 64, 128, 128
+    for k, v in fp8.items():
+        c.fp8[k] = v
+    return c
+
+
+def trainer_state(c):
+    """The train state ``train.setup`` builds for ``c``, abstract (nothing allocated)."""
+    return train_lib.setup(c)["abstract"]
+
+
+@pytest.mark.parametrize(
+    "level,fp8",
+    [("O0", {}), ("O1", {}), ("O2", {}), ("O3", {}),
+     ("O2", {"m_format": "e5m2", "v_format": "bfloat16", "master_format": "bfloat16"})],
+)  # fmt: skip
+def test_estimate_matches_the_trainers_state(level, fp8):
+    """``state_bytes`` from the table gives, to the byte, what the trainer's state holds."""
+    c = tiny_config(level, **fp8)
+    state = trainer_state(c)
+    f32 = jax.eval_shape(optim.materialize, state.params)  # the f32 params the model sees
+    est = memory.state_bytes(f32, level, c.fp8)
+    got = memory.account(state.params, state.opt_state)
+    assert got["all"]["params"] == est["params"] and got["all"]["opt_state"] == est["opt_state"]
+    assert got["matmul"]["params"] == est["matmul_params"]
+    assert got["matmul"]["opt_state"] == est["matmul_opt_state"]
+    storage = optim.level_storage(level, c.fp8)
+    assert bool(jax.tree.leaves(state.fp8)) == storage["fp8_gemms"]  # FP8 GEMMs' scale state
+    kernel = state.params["blocks"]["mlp"]["wi"]["kernel"]
+    if storage["master_format"] == "float32":
+        assert kernel.dtype == jnp.float32  # O0 and O1 keep f32 params
     else:
-        tx = optax.adamw(1e-3)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
-    return jax.eval_shape(lambda p: (optim.to_master(p, opts["master_format"]), tx.init(p)), params)
+        assert kernel.data.dtype == optim.storage_dtype(c.fp8.master_format)
+
+
+def test_matmul_bytes_per_param_by_level():
+    params = abstract_params()
+    n_mm = D * 3 * D + D * D + D * 2 * F + F * D + D * V
+    n_all = n_mm + V * D + 3 * D + V
+    for level in ("O0", "O1"):  # f32 params, f32 m and v
+        est = memory.state_bytes(params, level)
+        assert est["matmul_params"] + est["matmul_opt_state"] == 12 * n_mm
+        assert est["params"] + est["opt_state"] == 12 * n_all + 8  # + two int32 step counts
+    # O2: FP16 master (2) + E4M3 m (1) + FP16 v (2), and an f32 scale each per kernel (five).
+    est = memory.state_bytes(params, "O2")
+    assert est["matmul_params"] == 2 * n_mm + 5 * 4
+    assert est["matmul_opt_state"] == 3 * n_mm + 5 * 2 * 4
+    # Embedding, norms and head bias keep f32 params and f32 moments.
+    assert est["params"] + est["opt_state"] == 5 * n_mm + 15 * 4 + 12 * (n_all - n_mm) + 8
 
 
 @pytest.fixture(scope="module")
 def rows():
-    params = abstract_params()
+    """``bytes_per_param`` rows of the trainer's O0, O1 and O2 states."""
     out = []
     for level in ("O0", "O1", "O2"):
-        p, s = level_trees(level, params)
-        # level=: from O1 on the matmul weights' gradients count as FP8 (1 byte), others f32.
-        out.append(memory.bytes_per_param(p, s, level=level))
+        state = trainer_state(tiny_config(level))
+        out.append(memory.bytes_per_param(state.params, state.opt_state, level=level))
     print("\n" + memory.memory_table(out))
     return {r["label"]: r for r in out}
 
 
-def test_matmul_bytes_per_param_by_level(rows):
-    # O0: 4 master + 4 grad + 4 m + 4 v; O1: 2 (FP16 master) + 1 (FP8 grad) + 8; O2: 2 + 1 + 1 + 2.
-    assert rows["O0"]["matmul_total"] == pytest.approx(16.0, abs=1e-9)
-    assert rows["O1"]["matmul_total"] == pytest.approx(11.0, abs=1e-5)
-    assert rows["O2"]["matmul_total"] == pytest.approx(6.0, abs=1e-5)
-    # The only excess over 6 is three f32 scales per kernel (master, m, v).
-    assert rows["O2"]["matmul_total"] - 6.0 < 1e-6
-    o2 = rows["O2"]
-    assert (o2["matmul_params"], o2["matmul_grads"]) == (pytest.approx(2.0, abs=1e-5), 1.0)
-    assert o2["matmul_opt_state"] == pytest.approx(3.0, abs=1e-5)
-
-
-def test_overall_includes_fp32_leaves(rows):
-    o2 = rows["O2"]
-    # Embedding, norms and head bias keep f32 params, f32 grads and f32 moments: 16 B each.
-    n_other = o2["n_params"] - o2["n_matmul"]
-    expect = (6.0 * o2["n_matmul"] + 16.0 * n_other) / o2["n_params"]
-    assert o2["total"] == pytest.approx(expect, rel=1e-5)
-    assert rows["O0"]["total"] == pytest.approx(16.0, rel=1e-6)  # + step counters
-    assert rows["O0"]["total_mib"] > rows["O1"]["total_mib"] > rows["O2"]["total_mib"]
+def test_rows_by_level(rows):
+    o0, o1, o2 = rows["O0"], rows["O1"], rows["O2"]
+    # O0: 4 param + 4 grad + 8 moments; O1 stores the same, with FP8-LM's 1-byte FP8 gradients.
+    assert o0["matmul_total"] == 16.0 and o1["matmul_total"] == 13.0
+    assert o0["matmul_params"] == o1["matmul_params"] == 4.0
+    # O2: FP16 master + FP8 grad + E4M3 m + FP16 v = 6, plus three f32 scales per kernel.
+    n_kernels = 6  # q, kv, o, wi, wo (one stacked layer) and the head: rank-2 'kernel' leaves
+    assert o2["matmul_total"] == pytest.approx(6.0 + 3 * 4 * n_kernels / o2["n_matmul"])
+    assert o0["total_mib"] > o1["total_mib"] > o2["total_mib"]
 
 
 def test_table_lists_levels(rows):
     table = memory.memory_table(list(rows.values()))
     lines = table.splitlines()
     assert len(lines) == 6 and all(level in table for level in ("O0", "O1", "O2"))
-    assert "6.00" in lines[-1]
+    assert f"{rows['O2']['matmul_total']:.2f}" in lines[-1]
 
 
 def test_concrete_trees_exact_bytes():

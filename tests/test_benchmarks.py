@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 import os
 import pathlib
 import sys
@@ -295,7 +296,7 @@ def test_step_child_times_and_profiles_one_run(tmp_path):
         assert 0 < dispatch <= ms
     assert rec["power"] is None  # no nvidia-smi on a CPU machine: no power figures, no error
     assert 0 < rec["setup_s"] + rec["init_s"] <= rec["build_s"]
-    assert rec["loss"] == pytest.approx(rec["loss"]) and 0 < rec["loss"] < 10  # finite
+    assert math.isfinite(rec["loss"]) and 0 < rec["loss"] < 10
     assert 0 < rec["state_gib"] * 2**30 < 2**24 and rec["init_peak_gib"] >= 0  # tiny: < 16 MiB
     ops, small = rec["hlo_ops_and_small"]
     assert 0 < small < ops  # tiny's O1 step has both scale-state scalars and real tensors

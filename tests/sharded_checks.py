@@ -117,12 +117,13 @@ def run(prepared: dict) -> dict:
     # The same initial values on every mesh (sharding-invariant RNG would give them too).
     state = jax.device_put(initial_state(config), prepared["state_sharding"])
     params0 = jax.device_get(optim.materialize(state.params))
-    metrics, fp8_after_0 = [], None
+    metrics, fp8_after_0, params_after_0 = [], None, None
     for i, b in enumerate(batches(config)):
         state, m = prepared["step"](state, sharding.put_batch(b, prepared["batch_sharding"]))
         metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
         if i == 0:
             fp8_after_0 = jax.device_get(state.fp8)
+            params_after_0 = jax.device_get(optim.materialize(state.params))
     identical = all(
         all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0].data))
             for s in x.addressable_shards)
@@ -134,6 +135,7 @@ def run(prepared: dict) -> dict:
         params0=params0,
         params=jax.device_get(optim.materialize(state.params)),
         fp8_after_0=fp8_after_0,
+        params_after_0=params_after_0,
         scales_identical_across_devices=bool(identical),
         hlo=prepared["step"].as_text(),
         seconds=prepared["seconds"],
@@ -161,6 +163,14 @@ def compare(base: dict, other: dict) -> dict:
             for a, b in zip(base["metrics"], other["metrics"], strict=True)
         ],
         update_rel_l2=float(np.linalg.norm(u_other - u_base) / np.linalg.norm(u_base)),
+        # Step 1's loss is taken after the first update: to first order the runs' losses differ
+        # by g . (u_other - u_base), at most |g| |u_other - u_base| (Cauchy-Schwarz).
+        loss1_diff=abs(other["metrics"][1]["loss"] - base["metrics"][1]["loss"]),
+        loss1_first_order=float(
+            base["metrics"][0]["grad_norm"]
+            * np.linalg.norm(_flat(other["params_after_0"]) - _flat(base["params_after_0"]))
+        ),
+        loss1_scale=abs(base["metrics"][1]["loss"]),
         fp8_state_step0_rel=float(np.max(np.abs(fp8_o - fp8_b) / np.maximum(np.abs(fp8_b), 1e-30))),
         scales_identical_across_devices=other["scales_identical_across_devices"],
         comm=[{k: v for k, v in m.items() if k.startswith("comm_")} for m in other["metrics"]],

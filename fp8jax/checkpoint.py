@@ -73,7 +73,9 @@ class Checkpointer:
             return False
         if step in self.manager.all_steps():
             return False
+        t0 = time.perf_counter()
         bad = non_finite_leaves(state)
+        t1 = time.perf_counter()
         if bad:
             logging.error(
                 "not checkpointing step %d: NaN/Inf in %s; the latest checkpoint stays step %s",
@@ -92,7 +94,11 @@ class Checkpointer:
             force=True,
         )
         if saved:
-            logging.info("saving checkpoint step %d to %s", step, self.directory)
+            logging.info(
+                "saving checkpoint step %d to %s (finite check %.1f s, copy to host %.1f s; "
+                "written in the background)",
+                step, self.directory, t1 - t0, time.perf_counter() - t1,
+            )  # fmt: skip
         return saved
 
     def restore(self, abstract_state, step: int | None = None):

@@ -2,7 +2,7 @@
 
 Called by ``train.py``, the notebooks and the tests. The step itself (pure, jitted once with
 explicit shardings and donation) lives in ``fp8jax.step``; it skips the update of a step whose
-loss, gradient norm or update norm is not finite and counts it. The loop around it:
+loss, gradient norm or learning rate is not finite and counts it. The loop around it:
 
 * validates the config, the data and any checkpoint before it writes anything, raising a
   one-line ``fp8jax.errors.UserError`` naming the fix;
@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fp8jax import comm, errors, models
+from fp8jax import comm, errors, models, provenance
 from fp8jax import metrics as metrics_lib
 from fp8jax import sharding as sharding_lib
 from fp8jax import step as step_lib
@@ -285,7 +285,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         finally:
             ckpt.close()
     summary_path = os.path.join(workdir, "summary.json")
-    before = _read_json(summary_path)
+    before = provenance.read_json(pathlib.Path(summary_path)) or {}
     before.pop("preempted_at", None)
     if step >= config.num_train_steps:  # restored a finished run: nothing trained
         logging.info("the run in %s already reached step %d: nothing to train", workdir, step)
@@ -297,7 +297,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         )
         logging.info("sample (%.1f s): %s", time.perf_counter() - t0, summary["sample"])
     summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
-    _write_json(summary_path, summary)
+    provenance.write_json(pathlib.Path(summary_path), summary)
     return summary
 
 
@@ -321,7 +321,7 @@ def _record_schedule(workdir: str, config, step: int) -> None:
     """
     path = os.path.join(workdir, "schedule.json")
     now = {k: config[k] for k in _SCHEDULE_FIELDS}
-    before = _read_json(path)
+    before = provenance.read_json(pathlib.Path(path)) or {}
     changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v}
     if step > 0 and changed:
         old = config.copy_and_resolve_references()
@@ -337,17 +337,7 @@ def _record_schedule(workdir: str, config, step: int) -> None:
             config.num_train_steps,
         )  # fmt: skip
     if now != before:
-        _write_json(path, now)
-
-
-def _read_json(path: str) -> dict:
-    """The JSON object in ``path``, or {} if there is none (or it is unreadable)."""
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        provenance.write_json(pathlib.Path(path), now)
 
 
 def _restore_or_init(config, env, ckpt, train_iter):
@@ -529,11 +519,3 @@ class _Log:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _write_json(path: str, value) -> None:
-    """Write JSON atomically (a kill mid-write leaves the old file, never half a new one)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)

@@ -1,4 +1,6 @@
-"""Shared tolerances and helpers of the FP8 core tests (dot, linen, nnx)."""
+"""Shared tolerances and helpers of the tests (FP8 core: dot, linen, nnx; small configs)."""
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,3 +36,25 @@ def f32_div(a, b):
 def randn(seed, shape, scale=1.0):
     """Normal f32 data from numpy (eager jax.random compiles a kernel per shape on CPU)."""
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32) * scale)
+
+
+def nnx_grads(model, x, r):
+    """Output and grads of sum(model(x) * r) w.r.t. an NNX model's params and FP8 state."""
+    from flax import nnx
+
+    from fp8jax import nnx as fnnx
+
+    def loss(model):
+        y = model(x)
+        return jnp.sum(y * r), y
+
+    (_, y), grads = nnx.value_and_grad(loss, argnums=fnnx.diff_state(), has_aux=True)(model)
+    return y, *fnnx.split_grads(grads)
+
+
+def with_overrides(config, overrides: dict):
+    """``config`` with each dotted key of ``overrides`` (``'model.d_model'``) set in place."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        functools.reduce(lambda d, k: d[k], parents, config)[leaf] = value
+    return config

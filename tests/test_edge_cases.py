@@ -14,7 +14,7 @@ import fp8jax
 from fp8jax import FP8, FP8_STATS, dot, kernels, mlp
 from fp8jax import nnx as fnnx
 
-from fp8_testing import randn
+from fp8_testing import nnx_grads, randn
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 HI = jax.lax.Precision.HIGHEST
@@ -215,15 +215,6 @@ def test_linen_einsum_propagates_inf_forward_and_backward():
     )  # fmt: skip
 
 
-def _nnx_grads(model, x, r):
-    def loss(model):
-        y = model(x)
-        return jnp.sum(y * r), y
-
-    (_, y), grads = nnx.value_and_grad(loss, argnums=fnnx.diff_state(), has_aux=True)(model)
-    return y, *fnnx.split_grads(grads)
-
-
 @pytest.mark.parametrize("kind", ["linear", "einsum"])
 def test_nnx_propagates_inf_forward_and_backward(kind):
     eq = "bsd,dhk->bshk"
@@ -239,9 +230,9 @@ def test_nnx_propagates_inf_forward_and_backward(kind):
     r = randn(5, y_shape, 1e-3)
     cases = ((_with(x, (0,) * x.ndim, np.inf), r), (x, _with(r, (1,) * len(y_shape), np.inf)))
     for i, (xi, ri) in enumerate(cases):
-        y, grads, fp8_grads = nnx.jit(_nnx_grads)(model, xi, ri)
+        y, grads, fp8_grads = nnx.jit(nnx_grads)(model, xi, ri)
         with jax.default_matmul_precision("highest"):
-            y_ref, grads_ref, _ = nnx.jit(_nnx_grads)(ref, xi, ri)
+            y_ref, grads_ref, _ = nnx.jit(nnx_grads)(ref, xi, ri)
         assert_same_non_finite(y, y_ref, "y", reads_bad=i == 0)
         assert_same_non_finite(grads["kernel"][...], grads_ref["kernel"][...], "dkernel")
         fnnx.update_fp8_state(model, fp8_grads)
@@ -364,8 +355,8 @@ def test_zero_size_nnx_linear_matches_plain_nnx():
         model = nnx.Linear(d_in, d_out, dot_general=fnnx.Fp8DotGeneral(), **kw)
         ref = nnx.Linear(d_in, d_out, **kw)
         x, r = jnp.ones(shape), jnp.full((shape[0], d_out), 2.0)
-        y, grads, fp8_grads = _nnx_grads(model, x, r)
-        y_ref, grads_ref, _ = _nnx_grads(ref, x, r)
+        y, grads, fp8_grads = nnx_grads(model, x, r)
+        y_ref, grads_ref, _ = nnx_grads(ref, x, r)
         assert y.shape == y_ref.shape
         np.testing.assert_array_equal(y, y_ref)
         np.testing.assert_array_equal(grads["kernel"][...], grads_ref["kernel"][...])
@@ -388,7 +379,7 @@ def test_zero_size_nnx_einsum_and_fused_mlp_match_plain():
     model = nnx.Einsum(eq, (16, 3, 5), (3, 5), einsum_op=fnnx.Fp8Einsum(), **kw)
     ref = nnx.Einsum(eq, (16, 3, 5), (3, 5), rngs=nnx.Rngs(0))
     x, r = jnp.ones((2, 0, 16)), jnp.ones((2, 0, 3, 5))
-    (y, grads, fp8_grads), (y_ref, grads_ref, _) = _nnx_grads(model, x, r), _nnx_grads(ref, x, r)
+    (y, grads, fp8_grads), (y_ref, grads_ref, _) = nnx_grads(model, x, r), nnx_grads(ref, x, r)
     assert y.shape == y_ref.shape == (2, 0, 3, 5)
     np.testing.assert_array_equal(grads["kernel"][...], grads_ref["kernel"][...])  # zeros
     fnnx.update_fp8_state(model, fp8_grads)

@@ -18,21 +18,12 @@ from fp8_testing import (
     MIN_ERR,
     amax,
     f32_div,
+    nnx_grads,
     randn,
     rel_err,
 )
 
-
-@nnx.jit
-def grad_step(model, x, r):
-    """Output and grads of sum(model(x) * r) w.r.t. params and FP8 state (state written back)."""
-
-    def loss(model):
-        y = model(x)
-        return jnp.sum(y * r), y
-
-    (_, y), grads = nnx.value_and_grad(loss, argnums=fnnx.diff_state(), has_aux=True)(model)
-    return y, *fnnx.split_grads(grads)
+grad_step = nnx.jit(nnx_grads)  # output, param grads, FP8 state grads (state written back)
 
 
 @nnx.jit

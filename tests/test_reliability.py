@@ -39,6 +39,8 @@ from fp8jax.checkpoint import Checkpointer, abstract_like
 from fp8jax.models import layers
 from fp8jax.scaling import ScaleState
 
+from fp8_testing import with_overrides
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
 STEPS = 40  # length of every run compared with the baseline (the LR schedule depends on it)
@@ -126,11 +128,8 @@ def baseline(shared, corpus, env):
 
 def load_config(corpus, **overrides):
     """configs/tiny.py with ``SMALL`` and ``overrides`` (dotted keys) applied."""
-    c = train_lib.load_config("tiny")
-    for key, value in {**SMALL, "data.path": str(corpus), **overrides}.items():
-        *parents, leaf = key.split(".")
-        functools.reduce(lambda d, k: d[k], parents, c)[leaf] = value
-    return c
+    overrides = {**SMALL, "data.path": str(corpus), **overrides}
+    return with_overrides(train_lib.load_config("tiny"), overrides)
 
 
 def cli(workdir, corpus, *extra, **overrides) -> list[str]:

@@ -1,6 +1,5 @@
 """What the loop reports: FP8 health summary, the end sample, summary.json, schedule changes."""
 
-import functools
 import gzip
 import json
 import logging
@@ -13,6 +12,8 @@ import pytest
 from fp8jax import data as data_lib
 from fp8jax import metrics as metrics_lib
 from fp8jax import train as train_lib
+
+from fp8_testing import with_overrides
 
 SMALL = {
     "model.num_layers": 2,
@@ -45,11 +46,8 @@ def corpus(tmp_path_factory):
 
 
 def small_config(corpus, **overrides):
-    c = train_lib.load_config("tiny")
-    for key, value in {**SMALL, "data.path": str(corpus), **overrides}.items():
-        *parents, leaf = key.split(".")
-        functools.reduce(lambda d, k: d[k], parents, c)[leaf] = value
-    return c
+    overrides = {**SMALL, "data.path": str(corpus), **overrides}
+    return with_overrides(train_lib.load_config("tiny"), overrides)
 
 
 def records(workdir):

@@ -3,7 +3,7 @@
     python train.py --config configs/tiny.py --workdir /tmp/fp8jax_tiny
     python train.py --config configs/tiny.py --config.fp8.level=O0 --config.num_train_steps=50
 
-This file is intentionally short: the logic lives in ``fp8jax.train`` so notebooks and tests
+This file is intentionally short: the logic lives in ``fp8jax.trainer.loop`` so notebooks and tests
 call the same ``train_and_evaluate``. Rerunning with the same ``--workdir`` resumes; SIGTERM
 checkpoints and exits 0. Bad flags, config, data or checkpoints exit 2 with one line on stderr
 (FP8JAX_DEBUG=1 shows the traceback instead), as does a run stopped by repeated NaN/Inf.
@@ -55,7 +55,7 @@ def main(argv):
     _default_xla_flags()
     # Imported after flag parsing so `--help` and config errors are fast.
     from fp8jax import errors
-    from fp8jax.train import train_and_evaluate
+    from fp8jax.trainer.loop import train_and_evaluate
 
     logging.set_verbosity(logging.INFO)
     try:

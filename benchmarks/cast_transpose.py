@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cast_transpose.py --out "$OUT"
 
 For each tensor that gpt_1b3's train step quantizes (the x and dy of its linears, the f32
-weights at O1), times ``fp8jax.kernels.cast_transpose`` with ``impl='xla'`` and ``'pallas'``
+weights at O1), times ``fp8jax.ops.kernels.cast_transpose`` with ``impl='xla'`` and ``'pallas'``
 under jit (median of ``--iters`` calls after a warm-up), checks that both give the same bits,
 and reports the effective bandwidth: bytes read once plus both FP8 layouts written, over time.
 ``--quick`` uses small shapes (a CPU smoke test, where 'pallas' is XLA ops too).
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import formats, kernels
+from fp8jax.ops import formats, kernels
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
 SHAPES = [

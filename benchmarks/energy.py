@@ -10,7 +10,7 @@ step for each:
 
 * ``gemm_bf16``: the 288 bf16 GEMMs (forward, dgrad, wgrad) of O0's linears;
 * ``gemm_fp8``: the same 288 GEMMs on FP8 operands (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2);
-* ``casts``: O1's FP8 cast kernels (``fp8jax.kernels``): per layer four activations (wo's
+* ``casts``: O1's FP8 cast kernels (``fp8jax.ops.kernels``): per layer four activations (wo's
   with the GELU and wi's unscale and bias), four f32 weights, three output gradients and the
   GELU' + E5M2 cast of wi's;
 * ``gemm_fp8+casts``: both in one program.
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import kernels
+from fp8jax.ops import kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step as step_bench  # noqa: E402  (a script beside this one, as kernel_profile.py does)

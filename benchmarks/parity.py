@@ -1,6 +1,6 @@
 """Loss parity: the same config and seed trained at two FP8 levels on the shipped corpus.
 
-Runs ``fp8jax.train.train_and_evaluate`` once per level in its own work dir (sharing the
+Runs ``fp8jax.trainer.loop.train_and_evaluate`` once per level in its own work dir (sharing the
 tokenizer and token cache) and compares the final validation losses; the issue's target is a
 relative difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O1.
 
@@ -27,7 +27,7 @@ import step as step_bench  # noqa: E402  (a script beside this one: its run-opti
 
 def level_config(name: str, level: str, steps: int, vocab: int, mesh: str):
     """The config one parity run trains: ``level`` is 'O1' or 'O1:key=value+key=value'."""
-    from fp8jax import train as train_lib
+    from fp8jax.trainer import loop as train_lib
 
     c = train_lib.load_config(name)
     _, c.fp8.level, options = step_bench.parse_run(f"{name}:{level}")
@@ -49,7 +49,7 @@ def main():
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8jax_parity"))
     a = p.parse_args()
-    from fp8jax import train as train_lib
+    from fp8jax.trainer import loop as train_lib
 
     os.makedirs(a.out, exist_ok=True)
     rows = {}

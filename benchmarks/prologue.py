@@ -24,7 +24,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cast_transpose import _in_loop, _time  # noqa: E402
 
-from fp8jax import formats, kernels  # noqa: E402
+from fp8jax.ops import (
+    formats,  # noqa: E402
+    kernels,
+)
 
 C = 0.7978845608028654  # sqrt(2 / pi)
 

@@ -29,8 +29,8 @@ def measure(config_name: str, level: str, mesh: tuple[int, int, int]) -> dict:
     """Per-device bytes of params, optimizer state and FP8 scale state."""
     import jax
 
-    from fp8jax import train as train_lib
-    from fp8jax.master import is_matmul_weight, is_scaled
+    from fp8jax.optim.master import is_matmul_weight, is_scaled
+    from fp8jax.trainer import loop as train_lib
 
     c = train_lib.load_config(config_name)
     c.fp8.level = level

@@ -66,8 +66,8 @@ def build(run: str, quick: bool, batch: int = 0, mesh="-1,1,1"):
     import jax.numpy as jnp
     import numpy as np
 
-    from fp8jax import step as step_lib
-    from fp8jax import train as train_lib
+    from fp8jax.trainer import loop as train_lib
+    from fp8jax.trainer import step as step_lib
 
     name, level, options = parse_run(run)
     c = train_lib.load_config(name)
@@ -189,7 +189,8 @@ def child(
     """
     import jax
 
-    from fp8jax import comm, models
+    from fp8jax import models
+    from fp8jax.parallel import comm
 
     t_build = time.perf_counter()
     c, env, state, batch = build(run, quick, batch, mesh)
@@ -316,7 +317,7 @@ def launches(hlo: str) -> tuple[int, int]:
     """``(ops, small)``: instructions of the compiled step's entry computation that run on the
     device (an upper bound on kernel launches per step outside loops), and how many of them
     write at most ``_SMALL`` elements (the tiny kernels of the FP8 scale state)."""
-    from fp8jax import comm
+    from fp8jax.parallel import comm
 
     comps, entry = comm._computations(hlo)
     ops = small = 0

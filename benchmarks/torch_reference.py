@@ -4,7 +4,8 @@
 PyTorch reference of the train step of configs/gpt_1b3.py and configs/llama_1b.py (shapes copied
 here: no ml_collections needed), for absolute tokens/s next to benchmarks/step.py. The models
 mirror fp8jax/models (fused K/V and SwiGLU gate/up linears, f32 RoPE and norm statistics, bf16
-residual stream, untied LM head, same init and parameter counts); the step mirrors fp8jax/step.py:
+residual stream, untied LM head, same init and parameter counts); the step mirrors
+fp8jax/trainer/step.py:
 f32 master params, bf16 autocast, f32 cross-entropy, global-norm clip 1.0, fused AdamW (betas
 (0.9, 0.95), eps 1e-8, decay 0.1 on linear weights only, constant peak lr); batch 8 x 2048 random
 tokens (targets = inputs, as step.py). ``float8``: torchao's tensorwise recipe (dynamic

@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     # step time within run-to-run spread (benchmarks/RESULTS.md, 2026-11-30, sixth).
     f.fuse_activation = True  # False: a separate GELU, autodiff keeping its intermediates
     # GPT's whole MLP as one custom VJP: the backward folds GELU's derivative and the bias
-    # gradient into wi's E5M2 cast (fp8jax/mlp.py). gpt_1b3 O1 on an H200: 3.2% faster
+    # gradient into wi's E5M2 cast (fp8jax/ops/mlp.py). gpt_1b3 O1 on an H200: 3.2% faster
     # pipelined, same peak (benchmarks/RESULTS.md, 2026-11-30, seventh). Applies to GPT's GELU
     # MLP with fuse_activation, delayed scaling and the fused casts; ignored elsewhere (LLaMA).
     f.fuse_mlp = True  # False: the MLP as two FP8 matmuls, autodiff between them

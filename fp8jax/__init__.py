@@ -1,11 +1,8 @@
 """fp8jax: FP8 mixed-precision training (FP8-LM levels O1/O2/O3) for JAX and Flax."""
 
-from fp8jax import formats, kernels, nnx, scaling
-from fp8jax.coverage import CoverageReport, coverage_report
-from fp8jax.dot import Fp8Meta, dot_general, init_meta
-from fp8jax.formats import E4M3, E5M2, amax, dequantize, quantize
-from fp8jax.kernels import cast_transpose
-from fp8jax.linen import (
+from fp8jax.diagnostics.coverage import CoverageReport, coverage_report
+from fp8jax.nn import nnx
+from fp8jax.nn.linen import (
     Einsum,
     Fp8DotGeneral,
     Fp8Einsum,
@@ -14,8 +11,7 @@ from fp8jax.linen import (
     fp8_scan,
     keep_kernel_dtype,
 )
-from fp8jax.scaling import CurrentScaling, DelayedScaling, ScaleState, make_recipe
-from fp8jax.state import (
+from fp8jax.nn.state import (
     FP8,
     FP8_STATS,
     commit,
@@ -24,8 +20,25 @@ from fp8jax.state import (
     summarize,
     update_state,
 )
+from fp8jax.ops import formats, kernels, scaling
+from fp8jax.ops.dot import Fp8Meta, dot_general, init_meta
+from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
+from fp8jax.ops.kernels import cast_transpose
+from fp8jax.ops.scaling import CurrentScaling, DelayedScaling, ScaleState, make_recipe
 
 __version__ = "0.1.0"
+
+_TRAINER = {"train_and_evaluate"}
+
+
+def __getattr__(name: str):
+    """``fp8jax.train_and_evaluate``, imported on first use (the trainer imports orbax, grain)."""
+    if name in _TRAINER:
+        from fp8jax.trainer import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
+
 
 __all__ = [
     "E4M3",
@@ -60,5 +73,6 @@ __all__ = [
     "quantize",
     "scaling",
     "summarize",
+    "train_and_evaluate",
     "update_state",
 ]

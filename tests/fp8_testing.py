@@ -42,7 +42,7 @@ def nnx_grads(model, x, r):
     """Output and grads of sum(model(x) * r) w.r.t. an NNX model's params and FP8 state."""
     from flax import nnx
 
-    from fp8jax import nnx as fnnx
+    from fp8jax.nn import nnx as fnnx
 
     def loss(model):
         y = model(x)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fp8jax import train as train_lib
+from fp8jax.trainer import loop as train_lib
 
 # The benchmarks are scripts, not a package: import them as kernel_profile.py imports step.py.
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -309,7 +309,7 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     import jax.numpy as jnp
     import numpy as np
 
-    from fp8jax import kernels
+    from fp8jax.ops import kernels
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((128, 64)) * 300, jnp.bfloat16)
     scale = jnp.float32(2.0)  # some values saturate at E4M3's 448
@@ -347,7 +347,8 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     import jax
     import jax.numpy as jnp
 
-    from fp8jax import comm, kernels
+    from fp8jax.ops import kernels
+    from fp8jax.parallel import comm
 
     x, scale = jnp.ones((64, 32), jnp.bfloat16), jnp.float32(8.0)
     cast = lambda x, s: kernels.cast_transpose(x, s, "e4m3", "xla")  # noqa: E731

@@ -18,10 +18,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fp8jax import data as data_lib
 from fp8jax import errors
-from fp8jax import step as step_lib
-from fp8jax.checkpoint import Checkpointer, abstract_like
+from fp8jax.trainer import data as data_lib
+from fp8jax.trainer import step as step_lib
+from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -209,7 +209,7 @@ import asyncio, pathlib, sys, threading
 import orbax.checkpoint as ocp
 sys.path.insert(0, sys.argv[2])
 from test_checkpoint import tiny_state
-from fp8jax.checkpoint import Checkpointer
+from fp8jax.trainer.checkpoint import Checkpointer
 
 ckpt = Checkpointer(sys.argv[1])
 ckpt.save(1, tiny_state(1), {"step": 1}, force=True, wait=True)

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8jax import comm, models
-from fp8jax import train as train_lib
+from fp8jax import models
 from fp8jax.models import config as model_config
+from fp8jax.parallel import comm
+from fp8jax.trainer import loop as train_lib
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))

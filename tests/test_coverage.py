@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import coverage
-from fp8jax.coverage import coverage_report
+from fp8jax.diagnostics import coverage
+from fp8jax.diagnostics.coverage import coverage_report
 
 DENSE = (((1,), (0,)), ((), ()))
 

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from fp8jax import data, tokenizer
+from fp8jax.trainer import data, tokenizer
 
 VOCAB = 300
 

@@ -19,7 +19,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from fp8jax import data, errors, tokenizer
+from fp8jax import errors
+from fp8jax.trainer import data, tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 300
@@ -76,7 +77,7 @@ def corpora(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A real (tiny) checkpoints/ folder written by fp8jax's Checkpointer."""
-    from fp8jax.checkpoint import Checkpointer
+    from fp8jax.trainer.checkpoint import Checkpointer
 
     root = tmp_path_factory.mktemp("ckpt")
     ckpt = Checkpointer(str(root), keep=1)

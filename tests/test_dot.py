@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import dot
-from fp8jax.coverage import coverage_report
+from fp8jax.diagnostics.coverage import coverage_report
+from fp8jax.ops import dot
 
 from fp8_testing import FWD_TOL, GRAD_TOL, MIN_ERR, rel_err
 

@@ -11,8 +11,9 @@ from flax import linen as nn
 from flax import nnx
 
 import fp8jax
-from fp8jax import FP8, FP8_STATS, dot, kernels, mlp
-from fp8jax import nnx as fnnx
+from fp8jax import FP8, FP8_STATS
+from fp8jax.nn import nnx as fnnx
+from fp8jax.ops import dot, kernels, mlp
 
 from fp8_testing import nnx_grads, randn
 
@@ -115,7 +116,7 @@ def test_quantize_keeps_non_finite_values_and_still_saturates_overflow():
     both formats (E4M3 has no Inf, and Triton's E5M2 convert would saturate an Inf)."""
     x = jnp.array([1e30, -1e30, 3e38, np.inf, -np.inf, np.nan, 1.0], jnp.float32)
     for fmt in ("e4m3", "e5m2"):
-        limit = fp8jax.formats.fmax(fmt)
+        limit = fp8jax.ops.formats.fmax(fmt)
         q = np.asarray(fp8jax.quantize(x, jnp.float32(1e10), fmt).astype(jnp.float32))
         np.testing.assert_array_equal(q[:3], [limit, -limit, limit])
         assert np.all(np.isnan(q[3:6])) and np.isfinite(q[6])

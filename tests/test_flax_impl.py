@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fp8jax import models
-from fp8jax import train as train_lib
-from fp8jax.state import FLAX_FP8
+from fp8jax.nn.state import FLAX_FP8
+from fp8jax.trainer import loop as train_lib
 
 OP = "Fp8DirectDotGeneralOp_0"
 HISTORY = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
@@ -160,7 +160,7 @@ def test_training_with_flax_op_is_refused():
     models.check_config(c)  # a valid model config: benchmarks/step.py builds it
     with pytest.raises(ValueError, match=r"fp8\.impl='flax'.*train with fp8\.impl='fp8jax'"):
         train_lib.validate(c)
-    train_lib.validate(c, training=False)  # fp8jax.inspect reports on flax's op too
+    train_lib.validate(c, training=False)  # fp8jax.diagnostics.inspect reports on flax's op too
     c.fp8.impl = "foo"
     for check in (models.check_config, train_lib.validate):
         with pytest.raises(ValueError, match=r"unknown fp8\.impl 'foo'.*'fp8jax', 'flax'"):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import formats
+from fp8jax.ops import formats
 
 # Round to nearest with m mantissa bits: |q - v| <= 2^-(m+1) * |v| for normal values.
 GRID = {

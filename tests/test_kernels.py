@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import dot, kernels
-from fp8jax import train as train_lib
+from fp8jax.ops import dot, kernels
+from fp8jax.trainer import loop as train_lib
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
@@ -29,7 +29,7 @@ def test_kernel_matches_xla_quantize_bit_for_bit(fmt, dtype):
     scale = jnp.float32(1.7)
     q, q_t, amax = jax.jit(lambda x, s: kernels.cast_transpose(x, s, fmt, "interpret"))(x, scale)
     ref_q, ref_t, ref_amax = kernels.cast_transpose(x, scale, fmt, "xla")
-    assert q.dtype == fp8jax.formats.as_dtype(fmt) and q.shape == (48, 272)
+    assert q.dtype == fp8jax.ops.formats.as_dtype(fmt) and q.shape == (48, 272)
     assert q_t.shape == (272, 48)
     np.testing.assert_array_equal(_bits(q), _bits(ref_q))
     np.testing.assert_array_equal(_bits(q_t), _bits(ref_t))
@@ -138,7 +138,7 @@ def test_kernel_lowers_to_triton_on_cuda_and_xla_on_cpu():
 
 def test_current_scaling_keeps_the_xla_path():
     # The scale depends on this call's amax, so the kernel (one pass, scale known) cannot apply.
-    assert TRITON not in _cuda_text("pallas", fp8jax.scaling.CurrentScaling())
+    assert TRITON not in _cuda_text("pallas", fp8jax.ops.scaling.CurrentScaling())
 
 
 def test_config_field_reaches_every_fp8_linear():
@@ -162,14 +162,14 @@ def test_nnx_linear_with_kernel_equals_xla_path():
 
     def run(impl):
         layer = nnx.Linear(
-            48, 80, dot_general=fp8jax.nnx.Fp8DotGeneral(cast_kernel=impl), rngs=nnx.Rngs(0)
+            48, 80, dot_general=fp8jax.nn.nnx.Fp8DotGeneral(cast_kernel=impl), rngs=nnx.Rngs(0)
         )
         x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 48)), jnp.float32)
         return np.asarray(nnx.jit(lambda m, x: m(x))(layer, x))
 
     np.testing.assert_array_equal(run("xla"), run("interpret"))
     with pytest.raises(ValueError, match="unknown FP8 cast kernel"):
-        fp8jax.nnx.Fp8DotGeneral(cast_kernel="cuda")
+        fp8jax.nn.nnx.Fp8DotGeneral(cast_kernel="cuda")
 
 
 def test_kernel_under_vmap_as_the_data_parallel_step_runs_it():

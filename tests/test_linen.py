@@ -9,8 +9,8 @@ from flax import linen as nn
 
 import fp8jax
 from fp8jax import FP8, FP8_STATS, Fp8DotGeneral
-from fp8jax.coverage import coverage_report
-from fp8jax.linen import fp8_scan
+from fp8jax.diagnostics.coverage import coverage_report
+from fp8jax.nn.linen import fp8_scan
 
 from fp8_testing import (
     E4M3_MAX,

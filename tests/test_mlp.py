@@ -9,8 +9,9 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import FP8, dot, kernels, mlp, models
-from fp8jax import train as train_lib
+from fp8jax import FP8, models
+from fp8jax.ops import dot, kernels, mlp
+from fp8jax.trainer import loop as train_lib
 
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"

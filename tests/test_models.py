@@ -10,7 +10,7 @@ import pytest
 from flax import linen as nn
 
 from fp8jax import FP8, FP8_STATS, models
-from fp8jax import train as train_lib
+from fp8jax.trainer import loop as train_lib
 
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
@@ -65,7 +65,7 @@ def apply_mutable(model, variables, tokens_BxL):
 
 @functools.partial(jax.jit, static_argnums=0)
 def loss_and_grads(model, variables, tokens_BxL):
-    """Next-token loss and grads, the train-step pattern of fp8jax/state.py."""
+    """Next-token loss and grads, the train-step pattern of fp8jax/nn/state.py."""
 
     def loss_fn(params, fp8):
         logits_BxLxV, mutated = model.apply({"params": params, FP8: fp8}, tokens_BxL, mutable=[FP8])

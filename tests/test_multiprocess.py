@@ -1,7 +1,7 @@
 """A real two-process run: ``jax.distributed`` on localhost with CPU (gloo) collectives.
 
 Two worker processes with 2 CPU devices each form one 4-device data-parallel mesh, read their own
-rows of every global batch (``fp8jax.data``'s process sharding) and train the tiny model at O1
+rows of every global batch (``trainer.data``'s process sharding) and train the tiny model at O1
 (FP8 gradient reduction across the processes) for a few steps; the losses must match one process
 driving the same 4-device mesh. The workers are this file run as a script.
 """
@@ -96,9 +96,9 @@ def _worker(mode: str, out: str) -> None:
     import jax
     import numpy as np
 
-    from fp8jax import data as data_lib
-    from fp8jax import sharding
-    from fp8jax import train as train_lib
+    from fp8jax.parallel import sharding
+    from fp8jax.trainer import data as data_lib
+    from fp8jax.trainer import loop as train_lib
 
     if mode == "worker":
         sharding.initialize_distributed()  # what train.py does for config.distributed

@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 import fp8jax
-from fp8jax import nnx as fnnx
+from fp8jax.nn import nnx as fnnx
 
 from fp8_testing import (
     E4M3_MAX,

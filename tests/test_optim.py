@@ -7,8 +7,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from fp8jax import optim
-from fp8jax.master import ScaledTensor, encode, hash_bits, quantize_scaled
+from fp8jax.optim import adam as optim
+from fp8jax.optim.master import ScaledTensor, encode, hash_bits, quantize_scaled
 
 FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
 DTYPES = {
@@ -494,7 +494,7 @@ def test_assume_finite_changes_nothing_on_finite_steps(sr):
 
 
 def test_amaxes_of_one_reduction_equal_separate_ones():
-    from fp8jax import formats
+    from fp8jax.ops import formats
 
     xs = [jax.random.normal(jax.random.PRNGKey(i), (7, 33)) * 10.0**i for i in range(3)]
     xs[1] = xs[1].at[3, 5].set(-1e4)  # the amax is a magnitude

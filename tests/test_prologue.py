@@ -13,8 +13,9 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import FP8, dot, kernels, models
-from fp8jax import train as train_lib
+from fp8jax import FP8, models
+from fp8jax.ops import dot, kernels
+from fp8jax.trainer import loop as train_lib
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
@@ -115,7 +116,7 @@ def test_unknown_prologue_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown FP8 cast prologue 'relu'.*gelu_tanh"):
         dot.dot_general(h, w, DENSE, meta, prologue="relu")
     with pytest.raises(ValueError, match="unknown FP8 cast prologue"):
-        fp8jax.nnx.Fp8DotGeneral(prologue="swish")
+        fp8jax.nn.nnx.Fp8DotGeneral(prologue="swish")
 
 
 def _model(fuse: bool, dtype="bfloat16"):

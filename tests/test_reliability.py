@@ -31,13 +31,13 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import data as data_lib
 from fp8jax import errors, models
-from fp8jax import step as step_lib
-from fp8jax import train as train_lib
-from fp8jax.checkpoint import Checkpointer, abstract_like
 from fp8jax.models import layers
-from fp8jax.scaling import ScaleState
+from fp8jax.ops.scaling import ScaleState
+from fp8jax.trainer import data as data_lib
+from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import step as step_lib
+from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
 from fp8_testing import with_overrides
 
@@ -447,7 +447,7 @@ def test_overflow_saturates_never_inf_and_reports_share():
     g = jnp.full(y.shape, 1e9, jnp.float32)
     grads = jax.jit(backward)(variables, x, g)
     assert all(np.all(np.isfinite(t)) for t in jax.tree.leaves(grads))
-    sat, _ = fp8jax.formats.saturation_stats(g, jnp.float32(1.0), "e5m2")
+    sat, _ = fp8jax.ops.formats.saturation_stats(g, jnp.float32(1.0), "e5m2")
     assert float(sat) == 1.0
 
 
@@ -713,7 +713,7 @@ def test_failed_restore_drops_only_the_closed_loop_errors_after_it(monkeypatch):
     """
     from types import SimpleNamespace
 
-    from fp8jax import checkpoint
+    from fp8jax.trainer import checkpoint
 
     late = [RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")]
     for how in ("caught, as restore does", "raised through"):

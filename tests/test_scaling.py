@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import scaling
-from fp8jax.scaling import CurrentScaling, DelayedScaling
+from fp8jax.ops import scaling
+from fp8jax.ops.scaling import CurrentScaling, DelayedScaling
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 DIV_RTOL = 2.5e-7  # 2 ulp of f32: XLA:GPU divides through a reciprocal, CPU rounds exactly
@@ -118,7 +118,7 @@ def test_stacked_states_commit_per_layer():
 def test_current_scaling_scale_from_own_amax():
     m = fp8jax.init_meta(CurrentScaling())
     x = jnp.array([[0.5, -2.0]])
-    scale = fp8jax.dot._use_scale(m.x, fp8jax.amax(x))
+    scale = fp8jax.ops.dot._use_scale(m.x, fp8jax.amax(x))
     assert float(scale) == E4M3_MAX / 2.0
 
 

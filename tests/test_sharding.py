@@ -22,7 +22,10 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp8jax import comm, master, models, sharding, step
+from fp8jax import models
+from fp8jax.optim import master
+from fp8jax.parallel import comm, sharding
+from fp8jax.trainer import step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -49,7 +52,7 @@ def mesh_config(data=-1, fsdp=1, tensor=1):
 
 def test_pallas_casts_only_where_spmd_does_not_split_them():
     """Pallas casts run on one device or per-device replicas; TP and O0-style SPMD get XLA's."""
-    from fp8jax import train as train_lib
+    from fp8jax.trainer import loop as train_lib
 
     devices = [object()] * 4
     c = tiny_config("O1")
@@ -72,7 +75,7 @@ def test_pallas_casts_only_where_spmd_does_not_split_them():
 
 def test_step_rejects_pallas_casts_that_spmd_would_split(monkeypatch):
     """Built without train.setup's fallback, a TP step with Pallas casts fails with the fix."""
-    from fp8jax import train as train_lib
+    from fp8jax.trainer import loop as train_lib
 
     c = tiny_config("O1", data=2, tensor=2)
     c.fp8.cast_kernel = "pallas"

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax import data as data_lib
-from fp8jax import metrics as metrics_lib
-from fp8jax import train as train_lib
+from fp8jax.trainer import data as data_lib
+from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import metrics as metrics_lib
 
 from fp8_testing import with_overrides
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import inspect as inspect_lib
-from fp8jax import train as train_lib
+from fp8jax.diagnostics import inspect as inspect_lib
+from fp8jax.trainer import loop as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -165,7 +165,7 @@ def plain_gpt_loss(params, inputs_BxL, targets_BxL):
 
 def test_o0_step_matches_plain_jax_gpt():
     """O0's first loss and gradients are GPT-2's, computed here without fp8jax's modules."""
-    from fp8jax import step as step_lib
+    from fp8jax.trainer import step as step_lib
 
     c = _micro_config("O0")
     env = train_lib.setup(c)
@@ -215,7 +215,7 @@ def test_fp8_levels_track_o0():
 @pytest.mark.parametrize("level", ["O0", "O1"])
 def test_grad_accumulation_matches_one_batch(level):
     """Two micro-batches give the full batch's mean gradients, in the step and out of it."""
-    from fp8jax import step as step_lib
+    from fp8jax.trainer import step as step_lib
 
     c1 = _micro_config(level)
     c2 = _micro_config(level, grad_accum_steps=2)
@@ -281,11 +281,11 @@ def test_coverage_of_block_linears(level, share):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN attention is valid on a GPU")
 def test_inspect_cli_names_the_fix_for_a_gpu_config_on_cpu():
-    """``python -m fp8jax.inspect`` on a GPU config without a GPU: exit 2, one line, the fix."""
+    """``python -m fp8jax.diagnostics.inspect`` on a GPU config without a GPU: exit 2, the fix."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "fp8jax.inspect", "--config", "configs/gpt2_125m.py"]
+    cmd = [sys.executable, "-m", "fp8jax.diagnostics.inspect", "--config", "configs/gpt2_125m.py"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -301,7 +301,7 @@ def _unigram_entropy(dataset, vocab: int) -> float:
 
 @pytest.mark.slow
 def test_train_and_evaluate_end_to_end(tmp_path):
-    from fp8jax import data as data_lib
+    from fp8jax.trainer import data as data_lib
 
     c = load_config()
     c.num_train_steps, c.eval_every_steps, c.log_every_steps = 40, 20, 10
@@ -341,8 +341,8 @@ def test_o2_masters_dequantized_inside_layers_match_outside(scan):
     """O2 in bf16: masters handed to the FP8 layers still encoded give bit-identical grads."""
     import jax.numpy as jnp
 
-    from fp8jax import optim
-    from fp8jax import step as step_lib
+    from fp8jax.optim import adam as optim
+    from fp8jax.trainer import step as step_lib
 
     c = _bf16_config("O2")
     c.model.num_layers, c.model.remat_policy, c.model.scan_layers = 2, "full", scan
@@ -373,8 +373,8 @@ def test_o2_sums_bf16_micro_batch_gradients_in_f32(monkeypatch):
     exact mean of the micro-batch gradients rounded once to bf16; the bf16 sum ('') is worse."""
     import jax.numpy as jnp
 
-    from fp8jax import optim
-    from fp8jax import step as step_lib
+    from fp8jax.optim import adam as optim
+    from fp8jax.trainer import step as step_lib
 
     c = _bf16_config("O2")
     c.batch_size, accum = 16, 8

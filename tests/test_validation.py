@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from fp8jax import errors
-from fp8jax import train as train_lib
+from fp8jax.trainer import loop as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = math.nan, math.inf
@@ -174,7 +174,7 @@ def test_tiny_and_edge_values_validate():
 @pytest.fixture
 def no_work_after_validation(monkeypatch):
     """Any data, tokenizer or model work after validation fails the test at once."""
-    from fp8jax import data as data_lib
+    from fp8jax.trainer import data as data_lib
 
     def refuse(*args, **kwargs):
         raise AssertionError("validation let a bad config through")
@@ -222,7 +222,7 @@ def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.C
 
 def test_o3_with_fsdp_validates():
     code = (
-        "from fp8jax import train as t; c = t.load_config('tiny'); c.fp8.level = 'O3'; "
+        "from fp8jax.trainer import loop as t; c = t.load_config('tiny'); c.fp8.level = 'O3'; "
         "c.mesh.data, c.mesh.fsdp = 1, 2; t.validate(c); c.mesh.fsdp = -1; t.validate(c)"
     )
     proc = _cli(devices=2, code=code)
@@ -262,7 +262,7 @@ def _two_steps(level: str, lr, eps: float = 1e-8):
     import numpy as np
 
     from fp8jax import models
-    from fp8jax import step as step_lib
+    from fp8jax.trainer import step as step_lib
 
     c = tiny()
     c.fp8.level, c.eps = level, eps

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import kernels, scaling
 from fp8jax.errors import ConfigError
+from fp8jax.ops import kernels, scaling
 
 STYLES = ("gpt", "llama")
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -181,7 +181,7 @@ def check_data_config(config, corpus: bool = False) -> None:
         raise ConfigError(
             f"config.data.path={d.path!r} does not exist: {fix} ('' = the shipped corpus)"
         )
-    from fp8jax import tokenizer  # its BPE sets the vocabulary's floor
+    from fp8jax.trainer import tokenizer  # its BPE sets the vocabulary's floor
 
     if config.model.vocab_size < tokenizer.MIN_VOCAB_SIZE:
         low = tokenizer.MIN_VOCAB_SIZE

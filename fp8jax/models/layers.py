@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import mlp as fp8_mlp
-from fp8jax.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.models.config import ModelConfig
-from fp8jax.scaling import CurrentScaling
-from fp8jax.sharding import constrain  # inert unless a step binds a mesh
-from fp8jax.state import FP8_STATS
+from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
+from fp8jax.nn.state import FP8_STATS
+from fp8jax.ops import mlp as fp8_mlp
+from fp8jax.ops.scaling import CurrentScaling
+from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
 NORM_EPS = 1e-5
@@ -65,7 +65,7 @@ def fuses_activation(cfg: ModelConfig) -> bool:
 
 
 def fuses_mlp(cfg: ModelConfig) -> bool:
-    """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.mlp``, ``fp8.fuse_mlp``).
+    """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.ops.mlp``, ``fp8.fuse_mlp``).
 
     Only where that VJP applies (delayed scaling, the fused cast kernel): elsewhere, as where
     ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path keeps its
@@ -203,7 +203,7 @@ class Mlp(nn.Module):
         return out(h_BxLxF)
 
     def _fused(self, x_BxLxD):
-        """``fp8jax.mlp.gelu_mlp`` on wi's and wo's params and FP8 state."""
+        """``fp8jax.ops.mlp.gelu_mlp`` on wi's and wo's params and FP8 state."""
         c = self.cfg
         wi = _MlpLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
         wo = _MlpLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
 from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init, promote_for
-from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
+from fp8jax.nn.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
 
 
 @jax.custom_vjp

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from fp8jax import state as fp8_state
+from fp8jax.nn import state as fp8_state
 
 
 class _QuietLibraries:

@@ -6,10 +6,10 @@ backward pass returns the dy amax as the "gradient" of that variable. Train step
 
     def loss_fn(model):
         return loss(model(x), y)
-    loss, grads = nnx.value_and_grad(loss_fn, argnums=fp8jax.nnx.diff_state())(model)
-    param_grads, fp8_grads = fp8jax.nnx.split_grads(grads)
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=fp8jax.nn.nnx.diff_state())(model)
+    param_grads, fp8_grads = fp8jax.nn.nnx.split_grads(grads)
     optimizer.update(model, param_grads)          # the optimizer never sees fp8_grads
-    fp8jax.nnx.update_fp8_state(model, fp8_grads)  # merge dy amax, roll history, rescale
+    fp8jax.nn.nnx.update_fp8_state(model, fp8_grads)  # merge dy amax, roll history, rescale
 
 With gradient accumulation call ``merge_fp8_grads`` per micro-batch and ``commit_fp8_state``
 once per step. ``model.eval()`` stops amax recording (like BatchNorm's running statistics).
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from fp8jax import dot, kernels, scaling, state
+from fp8jax.nn import state
+from fp8jax.ops import dot, kernels, scaling
 
 
 class Fp8State(nnx.Variable):
@@ -39,7 +40,7 @@ class _Fp8Op(nnx.Module):
         prologue: str | None = None,
     ):
         self.meta = Fp8State(dot.init_meta(recipe, w_recipe))
-        # How operands are quantized: 'xla' or fp8jax.kernels' fused cast+transpose ('pallas').
+        # How operands are quantized: 'xla' or fp8jax.ops.kernels' fused cast+transpose ('pallas').
         self.cast_kernel = kernels.check_impl(cast_kernel)
         # An activation applied to lhs inside its quantization ('gelu_tanh'; None: plain lhs).
         kernels.activation(prologue)

@@ -1,4 +1,4 @@
-"""``python -m fp8jax.inspect --config configs/tiny.py [--memory]``: FP8 coverage and memory.
+"""``python -m fp8jax.diagnostics.inspect --config configs/tiny.py``: FP8 coverage and memory.
 
 Lowers (and on GPU compiles) the real train step of a config with abstract inputs, so no
 parameters are allocated, and prints every matmul with its operand formats. ``--memory`` adds
@@ -15,8 +15,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from fp8jax import coverage, errors, memory
-from fp8jax import train as train_lib
+from fp8jax import errors
+from fp8jax.diagnostics import coverage, memory
+from fp8jax.trainer import loop as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
 _MEMORY = flags.DEFINE_bool("memory", False, "Also report bytes/param at O0/O1/O2.")

@@ -18,16 +18,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8jax import scaling
-from fp8jax.dot import Fp8Meta
-from fp8jax.scaling import ScaleState
+from fp8jax.ops import scaling
+from fp8jax.ops.dot import Fp8Meta
+from fp8jax.ops.scaling import ScaleState
 
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
 # flax's own FP8 ops keep their scales here; the gradient of these variables is their new value.
 FLAX_FP8 = "_overwrite_with_gradient"
 # O2+ train step: FP16 master scales of the kernels handed to FP8 matmuls still encoded
-# (fp8jax.master.carry_masters); read-only, at the matmul's path, keyed by storage dtype.
+# (fp8jax.optim.master.carry_masters); read-only, at the matmul's path, keyed by storage dtype.
 MASTER_SCALE = "master_scale"
 
 

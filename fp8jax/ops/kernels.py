@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax import formats, scaling
+from fp8jax.ops import formats, scaling
 
 IMPLS = ("xla", "pallas", "interpret")
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from fp8jax import formats
+from fp8jax.ops import formats
 
 _AMAX_ALGOS = ("max", "most_recent")
 

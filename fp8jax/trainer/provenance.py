@@ -17,9 +17,9 @@ from typing import Any
 
 from absl import logging
 
-from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
-from fp8jax.tokenizer import Tokenizer
+from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer.tokenizer import Tokenizer
 
 MANIFEST = "data.json"
 # Tokenizer settings a user chose, by config field: a checkpoint's tokenizer keeps them.

@@ -4,7 +4,7 @@ With separate FP8 matmuls the backward pass writes ``dpre = gelu'(pre) * da`` in
 fusion that also sums the bias gradient), and the first layer's E5M2 cast reads it back. As
 one custom VJP, ``kernels.act_grad_cast_transpose`` computes ``dpre`` from the second layer's
 raw dgrad output and writes only its E5M2 layouts, its amax and the bias gradient. The forward
-is the two fused-cast matmuls of ``fp8jax.dot``; the second one's cast reads the first GEMM's raw
+is the two fused-cast matmuls of ``ops.dot``; the second one's cast reads the first GEMM's raw
 output and applies its unscale, the bias and the GELU in f32, so no XLA pass writes the
 pre-activation (a [tokens, d_ff] read and write per layer).
 
@@ -22,8 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax import dot, formats, kernels
-from fp8jax.dot import Fp8Meta
+from fp8jax.ops import dot, formats, kernels
+from fp8jax.ops.dot import Fp8Meta
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 ACT = "gelu_tanh"

@@ -2,7 +2,7 @@
 kernels and embeddings in the model's compute dtype (the layers' own first cast, moved before
 the gather), the rest in their stored dtype. At O3 the matmul kernels of FP8 layers are
 quantized to E4M3 with the layer's own weight scale on their shard first, so only FP8 bytes
-move (in ``fp8jax.comm``'s wire format). The gathered FP8 weight is handed to the model
+move (in ``fp8jax.parallel.comm``'s wire format). The gathered FP8 weight is handed to the model
 dequantized; the FP8 matmul re-quantizes it with the same scale, which lands exactly on the
 gathered FP8 values (the round trip's error is far below half an E4M3 step), so the GEMM sees
 the gathered bytes.
@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from fp8jax import formats, scaling
-from fp8jax import sharding as sharding_lib
-from fp8jax.comm import Plan, _amax_stacked, _bcast, _recv, _send, _wire
-from fp8jax.master import fp8_op_name
-from fp8jax.sharding import MESH_AXES
+from fp8jax.ops import formats, scaling
+from fp8jax.optim.master import fp8_op_name
+from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.parallel.comm import Plan, _amax_stacked, _bcast, _recv, _send, _wire
+from fp8jax.parallel.sharding import MESH_AXES
 
 P = PartitionSpec
 # Parameters the model uses only cast to its compute dtype (flax's Dense and Embed promote

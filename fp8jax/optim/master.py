@@ -2,7 +2,7 @@
 
 A ``ScaledTensor(data, scale)`` stores ``x`` as ``data = saturate(x * scale)`` in a narrow dtype
 (``x ~= data / scale``), with one f32 scale per tensor. The same type holds the master weights
-(``to_master``) and the optimizer moments (``fp8jax.optim``), so orbax and ``jax.tree`` see plain
+(``to_master``) and the optimizer moments (``optim.adam``), so orbax and ``jax.tree`` see plain
 arrays.
 
 Scale rule (``scale_for``), recomputed from the new amax every time a tensor is written:
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct, traverse_util
 
-from fp8jax import formats
-from fp8jax.state import MASTER_SCALE
+from fp8jax.nn.state import MASTER_SCALE
+from fp8jax.ops import formats
 
 # Accepted spellings of the storage formats (lower-cased before lookup).
 STORAGE_FORMATS = {

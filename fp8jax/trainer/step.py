@@ -17,10 +17,11 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp8jax import comm, gather, optim
-from fp8jax import sharding as sharding_lib
-from fp8jax import state as fp8_state
-from fp8jax.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
+from fp8jax.nn import state as fp8_state
+from fp8jax.nn.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
+from fp8jax.optim import adam as optim
+from fp8jax.parallel import comm, gather
+from fp8jax.parallel import sharding as sharding_lib
 
 LEVELS = tuple(optim.LEVELS)  # ("O0", "O1", "O2", "O3")
 
@@ -294,8 +295,8 @@ def _on_gpu(mesh) -> bool:
 def make_train_step(model, tx, config, mesh=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: config's)."""
     # With more than one data-parallel replica at O1+ gradients are reduced in FP8 with a shared
-    # scale (fp8jax.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8
-    # (fp8jax.gather). The mesh must be the one the step is jitted over (train.setup's:
+    # scale (fp8jax.parallel.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8
+    # (fp8jax.parallel.gather). The mesh must be the one the step is jitted over (train.setup's:
     # make_mesh(config.mesh)).
     accum = int(config.grad_accum_steps)
     wide = jnp.dtype(config.grad_accum_dtype) if config.get("grad_accum_dtype") else None
@@ -307,7 +308,7 @@ def make_train_step(model, tx, config, mesh=None):
         raise ValueError(
             f"fp8.cast_kernel='pallas' on mesh {dict(mesh.shape)}: XLA's partitioner cannot split "
             "the Pallas cast kernel and would all-gather every operand. Build the model from "
-            "fp8jax.train.partitionable(config, mesh) (as train.setup does) or set "
+            "fp8jax.trainer.loop.partitionable(config, mesh) (as train.setup does) or set "
             "fp8.cast_kernel='xla'"
         )
     plan = comm.make_plan(model, config, mesh, level) if mesh is not None else None

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from fp8jax import formats, kernels, scaling
-from fp8jax.scaling import CurrentScaling, Recipe, ScaleState
+from fp8jax.ops import formats, kernels, scaling
+from fp8jax.ops.scaling import CurrentScaling, Recipe, ScaleState
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
 
@@ -320,7 +320,7 @@ def dot_general(
     Any dimension numbers are reduced to one (optionally batched) GEMM by transposing and
     reshaping the high-precision operands before quantization, so XLA sees the single
     contracting / single free axis layout cuBLASLt's FP8 GEMM needs. ``cast_kernel``
-    ('xla', 'pallas', 'interpret'; see fp8jax.kernels) picks how operands are quantized.
+    ('xla', 'pallas', 'interpret'; see fp8jax.ops.kernels) picks how operands are quantized.
     ``prologue`` (a name in ``kernels.ACTIVATIONS``, e.g. 'gelu_tanh') multiplies ``act(lhs)``
     instead of ``lhs``, with the activation fused into lhs' quantization.
     """

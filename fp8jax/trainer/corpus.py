@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).parent / "data"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
 FIX = (

@@ -3,7 +3,7 @@
 Mesh axes: ``data`` (pure data parallel: params replicated), ``fsdp`` (data parallel with params,
 master weights and optimizer state sharded, ZeRO-3 style) and ``tensor`` (Megatron tensor
 parallel). The batch is split over ``data`` x ``fsdp``; both are the data-parallel axes over
-which gradients are reduced (in FP8 at O1+, see ``fp8jax.comm``).
+which gradients are reduced (in FP8 at O1+, see ``fp8jax.parallel.comm``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fp8jax import master
+from fp8jax.optim import master
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
@@ -143,7 +143,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def put_batch(batch, sharding: NamedSharding):
     """Place a host batch on the mesh; with several processes ``batch`` is this process's rows."""
-    # fp8jax.data yields each process its own rows of the global batch; the global array is
+    # fp8jax.trainer.data yields each process its own rows of the global batch; the global array is
     # assembled from every process's rows.
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax import dot, formats, kernels, master, scaling
-from fp8jax.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
-from fp8jax.state import FP8, FP8_STATS
+from fp8jax.nn.state import FP8, FP8_STATS
+from fp8jax.ops import dot, formats, kernels, scaling
+from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
+from fp8jax.optim import master
 
 
 class _Fp8Op(nn.Module):
@@ -25,7 +26,7 @@ class _Fp8Op(nn.Module):
 
     recipe: scaling.Recipe = scaling.DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
-    cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.kernels' fused cast+transpose
+    cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.ops.kernels' fused cast+transpose
     prologue: str | None = None  # an activation applied to lhs in its cast (kernels.ACTIVATIONS)
 
     def _with_meta(self, lhs, rhs, matmul):
@@ -97,7 +98,7 @@ class Fp8DotGeneral(_Fp8Op):
 
 
 class Fp8Meta(_Fp8Op):
-    """The state of an FP8 matmul that a fused op (``fp8jax.mlp``) runs: read, then ``write``."""
+    """The state of an FP8 matmul that a fused op (``ops.mlp``) runs: read, then ``write``."""
 
     @nn.compact
     def __call__(self, lhs, rhs):

@@ -1,7 +1,7 @@
 """The training loop: ``train_and_evaluate(config, workdir)``.
 
 Called by ``train.py``, the notebooks and the tests. The step itself (pure, jitted once with
-explicit shardings and donation) lives in ``fp8jax.step``; it skips the update of a step whose
+explicit shardings and donation) lives in ``trainer.step``; it skips the update of a step whose
 loss, gradient norm or learning rate is not finite and counts it. The loop around it:
 
 * validates the config, the data and any checkpoint before it writes anything, raising a
@@ -30,12 +30,14 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fp8jax import comm, errors, models, provenance
-from fp8jax import metrics as metrics_lib
-from fp8jax import sharding as sharding_lib
-from fp8jax import step as step_lib
-from fp8jax.checkpoint import Checkpointer, abstract_like
+from fp8jax import errors, models
 from fp8jax.models import config as model_config
+from fp8jax.parallel import comm
+from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.trainer import metrics as metrics_lib
+from fp8jax.trainer import provenance
+from fp8jax.trainer import step as step_lib
+from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
 
 class _Preempted:
@@ -92,7 +94,7 @@ def validate(
 ) -> None:
     """Check every field's type and range, then the settings against each other and the devices.
 
-    ``training=False`` (fp8jax.inspect) also accepts fp8.impl='flax', which only the trainer
+    ``training=False`` (diagnostics.inspect) also accepts fp8.impl='flax', which only the trainer
     rejects. ``corpus=True`` (train_and_evaluate) also checks that the corpus and tokenizer
     can be built: the data path exists and the vocabulary fits the byte-level BPE.
     """
@@ -128,7 +130,7 @@ def validate(
         )
 
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # in a source checkout
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"  # in a source checkout
 
 
 def load_config(name_or_path: str, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -229,7 +231,7 @@ def sample(model, state, tokenizer, prompt: str, num_tokens: int, max_len: int, 
     The parameters and FP8 state are arguments of the one jitted step, not constants captured
     in its program (at 1.3B those would be gigabytes of constants to lower and compile).
     """
-    from fp8jax import optim
+    from fp8jax.optim import adam as optim
 
     ids = tokenizer.encode(prompt)[-(max_len - num_tokens) :] or [0]
     n0 = len(ids)
@@ -267,7 +269,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
         with errors.reraise_as(errors.DataError, ValueError, OSError):
-            from fp8jax import data as data_lib  # here: setup() must not need grain
+            from fp8jax.trainer import data as data_lib  # here: setup() must not need grain
 
             dataset = data_lib.build(config, workdir)
             train_iter = dataset.train_iter()
@@ -309,7 +311,7 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
 
 
-# Fields that define the learning-rate schedule (fp8jax.step.learning_rate_schedule).
+# Fields that define the learning-rate schedule (fp8jax.trainer.step.learning_rate_schedule).
 _SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
 
 

@@ -9,7 +9,7 @@ and O3 store FP16 masters, E4M3 m and FP16 v for the matmul weights (5 B/param p
 scales per tensor). Gradients are not stored in these trees, so their width is a parameter:
 FP8-LM counts the matmul weights' gradients in FP8 from O1 on (``level='O1'`` or later implies
 ``matmul_grads_dtype='e5m2'``, 1 byte); fp8jax computes them in the compute dtype and sends
-them over the wire in FP8 (fp8jax.comm).
+them over the wire in FP8 (fp8jax.parallel.comm).
 
 Optimizer-state leaves are attributed to a parameter when the end of their tree path is that
 parameter's path (optax states mirror the params tree); leaves that match nothing (step counts,
@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp8jax import optim
-from fp8jax.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
+from fp8jax.optim import adam as optim
+from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
 
 _MIB = 2.0**20
 

@@ -2,7 +2,7 @@
 
 Precision decoupling: the first moment m is stored in E4M3 and the second moment v in FP16,
 each with a per-tensor f32 scale recomputed from the new amax at every step (rule: see
-``fp8jax.master``). The update is computed in f32 from the dequantized moments. By default only
+``optim.master``). The update is computed in f32 from the dequantized moments. By default only
 the matmul weights ('kernel' leaves of rank >= 2) get low-precision states; embeddings, norms and
 biases keep f32 moments.
 
@@ -15,14 +15,14 @@ removes that bias at the price of more noise (3.7% vs 2.6% per cast) and ~13% mo
 
 Train-step pattern with FP16 master weights::
 
-    tx = fp8jax.optim.fp8_adamw(schedule, weight_decay=0.1)
+    tx = fp8jax.optim.adam.fp8_adamw(schedule, weight_decay=0.1)
     opt_state = tx.init(params)
-    params = fp8jax.optim.to_master(params)                  # kernels -> ScaledTensor(f16, scale)
+    params = fp8jax.optim.adam.to_master(params)    # kernels -> ScaledTensor(f16, scale)
     ...
-    p32 = fp8jax.optim.materialize(params)                   # f32 view for model.apply
+    p32 = fp8jax.optim.adam.materialize(params)                   # f32 view for model.apply
     grads = jax.grad(loss_fn)(p32, batch)
     updates, opt_state = tx.update(grads, opt_state, p32)
-    params = fp8jax.optim.apply_updates(params, updates)     # add in f32, re-quantize
+    params = fp8jax.optim.adam.apply_updates(params, updates)     # add in f32, re-quantize
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp8jax.master import (
+from fp8jax.optim.master import (
     ScaledTensor,
     apply_updates,
     carry_masters,
@@ -71,7 +71,8 @@ __all__ = [
 # What the train state stores for the matmul weights at each FP8-LM level: the master copy's
 # format, whether Adam is fp8jax's (moments with per-tensor scales) or optax's (f32), its
 # moments' formats, and whether the FP8 GEMMs keep scale state. "config" reads config.fp8's
-# field of that name. fp8jax.step builds the state from this table; fp8jax.memory estimates it.
+# field of that name. trainer.step builds the state from this table; diagnostics.memory
+# estimates it.
 LEVELS = {
     "O0": {"master_format": "float32", "fp8_adam": False, "m_format": "float32",
            "v_format": "float32", "fp8_gemms": False},
@@ -189,7 +190,7 @@ def scale_by_fp8_adam(
     ``stochastic_rounding``: narrow moment casts round up with probability equal to the
     remainder (noise hashed from ``seed``, the step and the leaf), so m and v stay unbiased;
     off by default (round to nearest, as FP8-LM). ``assume_finite=True``: the caller discards
-    any step with a non-finite gradient itself (as ``fp8jax.step``'s train step does), so the
+    any step with a non-finite gradient itself (as ``trainer.step``'s train step does), so the
     transform skips its own pass over the gradients.
     """
     m_dtype, v_dtype = storage_dtype(m_format), storage_dtype(v_format)

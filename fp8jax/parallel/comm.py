@@ -1,4 +1,4 @@
-"""FP8 data-parallel communication (FP8-LM): gradient reduction (weight gathers: fp8jax.gather).
+"""FP8 data-parallel communication (FP8-LM): gradient reduction (weight gathers: gather.py).
 
 Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (N replicas):
 
@@ -42,11 +42,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from fp8jax import formats
-from fp8jax import sharding as sharding_lib
 from fp8jax.errors import ConfigError
 from fp8jax.models.config import check_bool, check_int, check_number
-from fp8jax.sharding import DP_AXES, MESH_AXES
+from fp8jax.ops import formats
+from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
 
 P = PartitionSpec
 

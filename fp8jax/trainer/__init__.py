@@ -1,0 +1,1 @@
+"""The trainer: run spec, loop, train step, checkpoints, data, tokenizer and metrics."""

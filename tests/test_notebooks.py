@@ -1,10 +1,13 @@
 """The colab/ notebooks: stored clean, well-formed, and run top to bottom on CPU."""
 
+import importlib.util
 import json
 import pathlib
 import re
+import subprocess
 import sys
 import time
+import tomllib
 
 import nbformat
 import pytest
@@ -17,12 +20,18 @@ EXPECTED = [
     "02_train_gpt_fp8_vs_bf16.ipynb",
     "03_fp8_optimizer_memory.ipynb",
 ]
-BADGE = "https://colab.research.google.com/github/fp8jax/fp8jax/blob/main/colab/{}"
+REPO_URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+GITHUB = REPO_URL.removeprefix("https://github.com/")
+BADGE = f"https://colab.research.google.com/github/{GITHUB}/blob/main/colab/{{}}"
 ids = [p.stem for p in NOTEBOOKS]
 
 
 def _read(path):
     return nbformat.read(path, as_version=4)
+
+
+def _install_cell(path) -> str:
+    return [c for c in _read(path).cells if c.cell_type == "code"][0].source
 
 
 def test_the_three_notebooks_exist():
@@ -48,7 +57,8 @@ def test_structure(path):
     code = [c for c in cells if c.cell_type == "code"]
     install = code[0].source
     assert 'find_spec("fp8jax") is None' in install and "pip" in install, "first code cell: install"
-    assert "github.com/fp8jax/fp8jax" in install
+    assert f'REPO_URL = "{REPO_URL}"' in install, "the URL of pyproject's [project.urls]"
+    assert "[notebooks]" in install, "installs the notebooks extra (matplotlib)"
     for prev, cell in zip(cells, cells[1:], strict=False):
         if cell.cell_type == "code":
             assert prev.cell_type == "markdown", f"{path.name}: markdown before every code cell"
@@ -56,6 +66,44 @@ def test_structure(path):
     assert "FP8JAX_NB_WORKDIR" in text, "work folder from FP8JAX_NB_WORKDIR"
     assert 'jax.default_backend() == "gpu"' in text, "sizes picked by backend"
     assert "matplotlib" in text
+
+
+def _run_install_cell(path, cwd, monkeypatch, importable=("fp8jax", "matplotlib")):
+    """Run a notebook's install cell in cwd with pip and git stubbed out; the commands it ran."""
+    calls = []
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in ("fp8jax", "matplotlib") and name not in importable:
+            return None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(list(cmd)))
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    exec(compile(_install_cell(path), str(path), "exec"), {"__name__": "__main__"})
+    return calls
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_install_cell_does_nothing_in_an_installed_checkout(path, monkeypatch):
+    assert _run_install_cell(path, COLAB, monkeypatch) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_install_cell_installs_the_checkout_it_sits_in(path, monkeypatch):
+    calls = _run_install_cell(path, COLAB, monkeypatch, importable=("fp8jax",))
+    assert len(calls) == 1 and calls[0][-2:] == ["-e", f"{ROOT}[notebooks]"], calls
+    assert sys.path[0] == str(ROOT), "importable without restarting the kernel"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_install_cell_clones_the_repository_on_colab(path, tmp_path, monkeypatch):
+    calls = _run_install_cell(path, tmp_path, monkeypatch, importable=())
+    clone = tmp_path.resolve() / "fp8jax_repo"
+    assert calls[0] == ["git", "clone", "-q", "--depth", "1", REPO_URL, str(clone)], calls
+    assert calls[1][-2:] == ["-e", f"{clone}[notebooks]"], calls
 
 
 @pytest.fixture(scope="module")

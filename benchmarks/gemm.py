@@ -18,22 +18,23 @@ XLA_FLAGS is read once at start-up).
 
 Run from the repository root (GPU)::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gemm.py --out "$OUT"
+    PYTHONUNBUFFERED=1 python -m benchmarks.gemm --out "$OUT"
 
-``--quick`` uses tiny shapes (CPU smoke test). JSON goes to ``<out>/gemm.json``.
+``--quick`` uses tiny shapes (CPU smoke test). JSON goes to ``<out>/gemm.json`` (every record,
+rewritten after each one).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
+
+from benchmarks import runner
 
 SHAPES = [(16384, 4096, 16384), (16384, 16384, 4096), (8192, 8192, 8192), (4096, 4096, 4096)]
 QUICK_SHAPES = [(64, 32, 48), (32, 64, 16)]
@@ -41,7 +42,6 @@ VARIANTS = ["bf16", "fp8jax-delayed", "fp8jax-current", "flax-direct"]
 FWD_EXTRA = ["fp8jax-delayed-eval"]  # forward without recording amax (what flax's fwd computes)
 MODES = {"fwd": 2, "linear": 6, "mlp": 12}  # flop = factor * M * K * N
 TRITON_FLAG = "--xla_gpu_enable_triton_gemm"
-MARK = "@@REC "  # prefix of machine-readable lines a child prints for the driver
 
 
 def _set_triton_flag(flags: str, value: str | None) -> str:
@@ -52,10 +52,6 @@ def _set_triton_flag(flags: str, value: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 # Child process: everything that imports jax lives below this line's functions.
 # --------------------------------------------------------------------------------------------
-
-
-def _emit(rec: dict) -> None:
-    print(MARK + json.dumps(rec), flush=True)
 
 
 def _hlo_stats(text: str) -> dict:
@@ -298,7 +294,7 @@ def child_main(args) -> None:
     import jax
 
     info = _versions()
-    _emit({"kind": "versions", **info})
+    runner.emit({"kind": "versions", **info})
     print(f"# versions: {info}", flush=True)
     b = _Bench()
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -336,7 +332,7 @@ def child_main(args) -> None:
                         }
                 del outs
                 rec["kind"] = "main"
-                _emit(rec)
+                runner.emit(rec)
                 if "error" in rec:
                     print(f"  {mode:6s} {shape} {variant:20s} ERROR {rec['error'][:300]}")
                 else:
@@ -362,7 +358,7 @@ def child_probe(args) -> None:
     for variant in args.variants.split(","):
         rec, _ = run_one(b, variant, "linear", shape, args)
         rec.update(kind="probe", triton=args.triton, XLA_FLAGS=info["XLA_FLAGS"])
-        _emit(rec)
+        runner.emit(rec)
         print(
             f"  probe triton={args.triton} {variant:16s} compile {rec['compile_s']:.1f} s, "
             f"{rec['ms']:.3f} ms, {rec['tflops']:.1f} TF/s, f8={rec['f8_gemms']} "
@@ -378,40 +374,13 @@ def child_probe(args) -> None:
 
 def _run_child(argv: list[str], env: dict, timeout: float, records: list, save) -> str:
     """Run a child, echo its output, collect its records; kill it at ``timeout`` seconds."""
-    import selectors
-
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-    )
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    status = "ok"
-    while True:
-        left = timeout - (time.perf_counter() - t0)
-        if left <= 0:
-            proc.kill()
-            status = f"killed after {timeout:.0f} s"
-            break
-        if not sel.select(timeout=min(left, 5.0)):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(MARK):
-            records.append(json.loads(line[len(MARK) :]))
-            save()
-        else:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-    proc.wait()
-    if status == "ok" and proc.returncode != 0:
-        status = f"exit {proc.returncode}"
+
+    def keep(rec):
+        records.append(rec)
+        save()
+
+    status = runner.spawn(runner.command("gemm", *argv), env, timeout, True, keep).status
     print(f"# child {argv} -> {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return status
 
@@ -464,14 +433,11 @@ def _table(records: list) -> str:
 
 def driver(args) -> None:
     t_start = time.perf_counter()
-    out = args.out or os.environ.get("OUT") or "bench_out"
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "gemm.json")
+    out = args.out
     records: list = []
 
     def save():
-        with open(path, "w") as f:
-            json.dump({"records": records}, f, indent=1)
+        return runner.write_json(out, "gemm", {"records": records})
 
     common = ["--out", out, "--reps", str(args.reps), "--min-rep-s", str(args.min_rep_s)]
     common += ["--max-iters", str(args.max_iters)] + (["--quick"] if args.quick else [])
@@ -525,20 +491,19 @@ def driver(args) -> None:
                 }
             )
             save()
-    save()
+    path = save()
     print("\n" + _table(records), flush=True)
     print(f"# wrote {path}; total {time.perf_counter() - t_start:.1f} s", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None) -> None:
+    p = runner.parser(__doc__, child=False)
     p.add_argument(
         "--quick",
         action="store_true",
         default=bool(os.environ.get("GEMM_QUICK")),
         help="tiny shapes (CPU smoke test); also env GEMM_QUICK=1",
     )
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--min-rep-s", type=float, default=0.03, help="min seconds per repetition")
     p.add_argument("--max-iters", type=int, default=50, help="max calls per repetition")
@@ -550,7 +515,7 @@ def main() -> None:
     p.add_argument("--triton", default="default", help=argparse.SUPPRESS)
     p.add_argument("--variants", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--dump-hlo", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = runner.parse_args(p, argv)
     if args.child == "main":
         child_main(args)
     elif args.child == "probe":
@@ -560,4 +525,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -76,6 +76,54 @@ def peak_bytes(dev) -> int:
     return (stats or {}).get("peak_bytes_in_use", 0)
 
 
+def memory_analysis(compiled) -> dict:
+    """XLA's temp, argument, output (and peak, where known) bytes of a compiled program."""
+    ma = compiled.memory_analysis()
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+    out = {k: int(getattr(ma, k, -1)) for k in keys} if ma is not None else {}
+    if getattr(ma, "peak_memory_in_bytes", None) is not None:
+        out["peak_memory_in_bytes"] = int(ma.peak_memory_in_bytes)
+    return out
+
+
+def versions() -> dict:
+    """jax, jaxlib and flax versions, backend, device kind, XLA_FLAGS and Python."""
+    import flax
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
+        "flax": flax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "python": sys.version.split()[0],
+    }
+
+
+def time_calls(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[float, list]:
+    """Median seconds per call of ``fn(*args)`` over ``reps`` repetitions (after a warm-up call)
+    of enough back-to-back calls to last ``min_rep_s`` (at most ``max_iters``), and every one."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(2, min(max_iters, math.ceil(min_rep_s / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), times
+
+
 def save_hlo(out: str, run: str, text: str) -> str:
     """Write a compiled step's HLO, gzipped, as ``<out>/hlo_<run>.txt.gz``; return the path."""
     path = os.path.join(out, f"hlo_{runner.safe_name(run)}.txt.gz")

@@ -27,14 +27,12 @@ rewritten after each one).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
-import statistics
 import sys
 import time
 
-from benchmarks import runner
+from benchmarks import common, runner
 
 SHAPES = [(16384, 4096, 16384), (16384, 16384, 4096), (8192, 8192, 8192), (4096, 4096, 4096)]
 QUICK_SHAPES = [(64, 32, 48), (32, 64, 16)]
@@ -54,22 +52,20 @@ def _set_triton_flag(flags: str, value: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+_TRIVIAL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "copy-start",
+            "copy-done"}  # fmt: skip
+# (mode, variant) whose compiled HLO --dump-hlo writes, for the first shape.
+DUMPED = {("linear", "fp8jax-delayed"), ("linear", "flax-direct"), ("linear", "fp8jax-current"),
+          ("mlp", "fp8jax-delayed"), ("mlp", "flax-direct")}  # fmt: skip
+
+
 def _hlo_stats(text: str) -> dict:
     """Count GEMM kinds and top-level kernels of a compiled HLO module."""
     targets = re.findall(r'custom_call_target="([^"]+)"', text)
     entry = text[text.find("\nENTRY ") :] if "\nENTRY " in text else ""
     entry = entry[: entry.find("\n}")] if entry else ""
     ops = re.findall(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(", entry)
-    trivial = {
-        "parameter",
-        "tuple",
-        "get-tuple-element",
-        "bitcast",
-        "constant",
-        "copy-start",
-        "copy-done",
-    }
-    kernels = [o for o in ops if o not in trivial]
+    kernels = [o for o in ops if o not in _TRIVIAL]
     return {
         "f8_gemms": sum(t == "__cublas$lt$matmul$f8" for t in targets),
         "cublas_gemms": sum(t in ("__cublas$lt$matmul", "__cublas$gemm") for t in targets),
@@ -80,24 +76,6 @@ def _hlo_stats(text: str) -> dict:
         "transpose_ops": len(re.findall(r"\stranspose\(", text)),
         "copy_ops": len(re.findall(r"\scopy\(", text)),
     }
-
-
-def _bench(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[float, list[float]]:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    iters = max(2, min(max_iters, math.ceil(min_rep_s / one)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times), times
 
 
 class _Bench:
@@ -215,23 +193,6 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def _versions() -> dict:
-    import flax
-    import jax
-    import jaxlib
-
-    dev = jax.devices()[0]
-    return {
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
-        "flax": flax.__version__,
-        "backend": jax.default_backend(),
-        "device": getattr(dev, "device_kind", str(dev)),
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-        "python": sys.version.split()[0],
-    }
-
-
 def _compile(fn, args):
     import jax
 
@@ -241,19 +202,6 @@ def _compile(fn, args):
     compiled = lowered.compile()
     t2 = time.perf_counter()
     return compiled, t1 - t0, t2 - t1
-
-
-def _mem(compiled) -> dict:
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return {}
-    out = {}
-    for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
-        out[key] = int(getattr(ma, key, -1))
-    peak = getattr(ma, "peak_memory_in_bytes", None)
-    if peak is not None:
-        out["peak_memory_in_bytes"] = int(peak)
-    return out
 
 
 def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
@@ -270,20 +218,19 @@ def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
         "lower_s": round(lower_s, 3),
         "compile_s": round(compile_s, 3),
         **_hlo_stats(text),
-        **_mem(compiled),
+        **common.memory_analysis(compiled),
     }
     if dump_dir:
         name = f"hlo_{variant}_{mode}_{'x'.join(map(str, shape))}.txt"
         with open(os.path.join(dump_dir, name), "w") as f:
             f.write(text)
     # Two warm-up steps threading the state: the second uses scales from the first's amax.
-    outs = compiled(params, state, x, dy)
-    if mode != "fwd" and variant != "bf16":
-        state = outs[-1]
-    outs = compiled(params, state, x, dy)
-    if mode != "fwd" and variant != "bf16":
-        state = outs[-1]
-    med, times = _bench(compiled, (params, state, x, dy), args.reps, args.min_rep_s, args.max_iters)
+    for _ in range(2):
+        outs = compiled(params, state, x, dy)
+        if mode != "fwd" and variant != "bf16":
+            state = outs[-1]
+    timing = (args.reps, args.min_rep_s, args.max_iters)
+    med, times = common.time_calls(compiled, (params, state, x, dy), *timing)
     m, k, n = shape
     flop = MODES[mode] * m * k * n
     rec.update(ms=med * 1e3, tflops=flop / med / 1e12, rep_ms=[t * 1e3 for t in times])
@@ -293,7 +240,7 @@ def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
 def child_main(args) -> None:
     import jax
 
-    info = _versions()
+    info = common.versions()
     runner.emit({"kind": "versions", **info})
     print(f"# versions: {info}", flush=True)
     b = _Bench()
@@ -304,15 +251,7 @@ def child_main(args) -> None:
             variants = VARIANTS + (FWD_EXTRA if mode == "fwd" else [])
             ref = None
             for variant in variants:
-                dump = (
-                    dump_dir
-                    if shape == shapes[0]
-                    and (
-                        (mode in ("linear", "mlp") and variant in ("fp8jax-delayed", "flax-direct"))
-                        or (mode == "linear" and variant == "fp8jax-current")
-                    )
-                    else None
-                )
+                dump = dump_dir if shape == shapes[0] and (mode, variant) in DUMPED else None
                 try:
                     rec, outs = run_one(b, variant, mode, shape, args, dump, keep=mode == "linear")
                 except Exception as e:  # keep going: one broken variant must not hide the rest
@@ -333,25 +272,24 @@ def child_main(args) -> None:
                 del outs
                 rec["kind"] = "main"
                 runner.emit(rec)
+                head = f"  {mode:6s} {'x'.join(map(str, shape)):18s} {variant:20s}"
                 if "error" in rec:
-                    print(f"  {mode:6s} {shape} {variant:20s} ERROR {rec['error'][:300]}")
-                else:
-                    print(
-                        f"  {mode:6s} {'x'.join(map(str, shape)):18s} {variant:20s} "
-                        f"{rec['ms']:8.3f} ms {rec['tflops']:7.1f} TF/s  f8={rec['f8_gemms']} "
-                        f"cublas={rec['cublas_gemms']} triton={rec['triton_gemms']} "
-                        f"tr={rec['transpose_ops']} "
-                        f"temp={rec.get('temp_size_in_bytes', -1) / 2**20:8.1f} MiB  "
-                        f"compile={rec['compile_s']:.1f}s "
-                        f"err={rec.get('rel_err_vs_bf16', '')}",
-                        flush=True,
-                    )
+                    print(f"{head} ERROR {rec['error'][:300]}", flush=True)
+                    continue
+                print(
+                    f"{head} {rec['ms']:8.3f} ms {rec['tflops']:7.1f} TF/s  f8={rec['f8_gemms']} "
+                    f"cublas={rec['cublas_gemms']} triton={rec['triton_gemms']} "
+                    f"tr={rec['transpose_ops']} "
+                    f"temp={rec.get('temp_size_in_bytes', -1) / 2**20:8.1f} MiB  "
+                    f"compile={rec['compile_s']:.1f}s err={rec.get('rel_err_vs_bf16', '')}",
+                    flush=True,
+                )
             ref = None
 
 
 def child_probe(args) -> None:
     """One fresh process: compile + time the linear fwd+bwd of the given variants."""
-    info = _versions()
+    info = common.versions()
     print(f"# probe triton={args.triton} versions: {info}", flush=True)
     b = _Bench()
     shape = QUICK_SHAPES[0] if args.quick else SHAPES[0]
@@ -368,7 +306,7 @@ def child_probe(args) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Driver (no jax import): runs the children, collects records, writes JSON, prints the table.
+# Driver (no jax import: the GPU is the children's): runs them, collects records, prints.
 # --------------------------------------------------------------------------------------------
 
 
@@ -388,10 +326,7 @@ def _run_child(argv: list[str], env: dict, timeout: float, records: list, save) 
 def _table(records: list) -> str:
     main = [r for r in records if r.get("kind") == "main"]
     by = {(r["mode"], tuple(r["shape"]), r["variant"]): r for r in main}
-    shapes = []
-    for r in main:
-        if tuple(r["shape"]) not in shapes:
-            shapes.append(tuple(r["shape"]))
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in main))
     cols = VARIANTS
     lines = [
         "TFLOP/s (x bf16) | FP8 GEMMs | transient MiB   (bf16 inputs/weights, median of reps)",
@@ -410,8 +345,7 @@ def _table(records: list) -> str:
                 mib = r.get("temp_size_in_bytes", -1) / 2**20
                 cells.append(f"{r['tflops']:7.1f} {sp:>6s} {r['f8_gemms']:2d} {mib:8.0f}")
             lines.append(f"{mode:6s} {'x'.join(map(str, shape)):18s} " + " ".join(cells))
-    extra = [r for r in main if r["variant"] in FWD_EXTRA and "tflops" in r]
-    for r in extra:
+    for r in (r for r in main if r["variant"] in FWD_EXTRA and "tflops" in r):
         lines.append(
             f"fwd    {'x'.join(map(str, r['shape'])):18s} {r['variant']}: {r['tflops']:.1f} TF/s, "
             f"{r['f8_gemms']} FP8 GEMMs, {r.get('temp_size_in_bytes', -1) / 2**20:.0f} MiB"
@@ -447,50 +381,25 @@ def driver(args) -> None:
         env["XLA_FLAGS"] = _set_triton_flag(base_flags, "false")
     print(f"# main child XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
     left = args.budget_s - (time.perf_counter() - t_start)
-    _run_child(
-        ["--child", "main", *common] + ([] if args.no_dump else ["--dump-hlo"]),
-        env,
-        left,
-        records,
-        save,
-    )
-
-    if not args.no_probe:
-        probes = [
-            ("off", "fp8jax-delayed,bf16", "false"),
-            ("on", "bf16", "true"),
-            ("on", "fp8jax-delayed", "true"),  # last: it may need minutes (then it is killed)
-        ]
-        for name, variants, value in probes:
-            left = args.budget_s - (time.perf_counter() - t_start)
-            if left < 20:
-                records.append(
-                    {
-                        "kind": "probe_status",
-                        "name": f"{name}:{variants}",
-                        "status": "skipped: budget",
-                    }
-                )
-                continue
-            penv = dict(os.environ)
-            penv["XLA_FLAGS"] = _set_triton_flag(base_flags, value)
-            cap = min(left - 5, args.probe_cap_s)
-            status = _run_child(
-                ["--child", "probe", "--triton", name, "--variants", variants, *common],
-                penv,
-                cap,
-                records,
-                save,
-            )
-            records.append(
-                {
-                    "kind": "probe_status",
-                    "name": f"{name}:{variants}",
-                    "status": status,
-                    "timeout_s": round(cap, 1),
-                }
-            )
-            save()
+    dump = [] if args.no_dump else ["--dump-hlo"]
+    _run_child(["--child", "main", *common, *dump], env, left, records, save)
+    probes = [
+        ("off", "fp8jax-delayed,bf16", "false"),
+        ("on", "bf16", "true"),
+        ("on", "fp8jax-delayed", "true"),  # last: it may need minutes (then it is killed)
+    ]
+    for name, variants, value in [] if args.no_probe else probes:
+        left = args.budget_s - (time.perf_counter() - t_start)
+        status = {"kind": "probe_status", "name": f"{name}:{variants}"}
+        if left < 20:
+            records.append({**status, "status": "skipped: budget"})
+            continue
+        penv = dict(os.environ, XLA_FLAGS=_set_triton_flag(base_flags, value))
+        cap = min(left - 5, args.probe_cap_s)
+        argv = ["--child", "probe", "--triton", name, "--variants", variants, *common]
+        done = _run_child(argv, penv, cap, records, save)
+        records.append({**status, "status": done, "timeout_s": round(cap, 1)})
+        save()
     path = save()
     print("\n" + _table(records), flush=True)
     print(f"# wrote {path}; total {time.perf_counter() - t_start:.1f} s", flush=True)

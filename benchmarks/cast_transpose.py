@@ -1,6 +1,6 @@
 """FP8 quantize in both GEMM layouts plus amax: XLA's fusions vs fp8jax's Pallas kernel.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cast_transpose.py --out "$OUT"
+    PYTHONUNBUFFERED=1 python -m benchmarks.cast_transpose --out "$OUT"
 
 For each tensor that gpt_1b3's train step quantizes (the x and dy of its linears, the f32
 weights at O1), times ``fp8jax.ops.kernels.cast_transpose`` with ``impl='xla'`` and ``'pallas'``
@@ -10,21 +10,21 @@ and reports the effective bandwidth: bytes read once plus both FP8 layouts writt
 
 ``--sweep`` also times the kernel's tunings (block rows x columns, Triton warps and stages) on
 each shape, checks each against XLA's bits, and names the fastest (on CPUs through Pallas'
-interpreter: a check of the sweep, not a timing).
+interpreter: a check of the sweep, not a timing). Writes ``cast_transpose.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import runner
 from fp8jax.ops import formats, kernels
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
@@ -73,7 +73,7 @@ def _in_loop(cast, reps: int, vary_input: bool = False):
 
 
 # (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one);
-# the kernel's default is (64, 128, 4, 1, False) (before 2026-11-30: (128, 128, 8, 1, False)).
+# the kernel's default is (64, 128, 4, 1, False).
 TUNINGS = [
     (bm, bk, w, 1, cast_first)
     for bm, bk in ((64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256))
@@ -115,86 +115,87 @@ def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool, reps=20) 
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser()
+def measure(name, shape, dtype, fmt, iters: int, sweep_too: bool, on_gpu: bool) -> dict:
+    """One tensor's row: XLA's and the kernel's time and bandwidth, same bits, the sweep."""
+    reps = 20 if on_gpu else 2  # calls per in-loop program (CPU: a check, not a timing)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    scale = jnp.float32(8.0)
+    moved = x.size * jnp.dtype(dtype).itemsize + 2 * x.size  # read once, two FP8 writes
+    row = {"tensor": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name, "fmt": fmt}
+    outs = {}
+    for impl in ("xla", "pallas"):
+        cast = lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl)  # noqa: E731
+        fn = jax.jit(cast)
+        try:
+            outs[impl] = jax.device_get(fn(x, scale))
+            sec = _time(fn, (x, scale), iters)
+            row[f"{impl}_us"] = sec * 1e6
+            row[f"{impl}_gb_s"] = moved / sec / 1e9
+            if sweep_too:  # the same without host dispatch, as the sweep times its tunings
+                loop = _in_loop(cast, reps, vary_input=impl == "xla")
+                sec = _time(loop, (x, scale), iters) / reps
+                row[f"{impl}_loop_us"] = sec * 1e6
+                row[f"{impl}_loop_gb_s"] = moved / sec / 1e9
+        except Exception as e:  # a kernel that does not compile here is a result too
+            row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if len(outs) == 2:
+        row["same_bits"] = _same(outs["xla"], outs["pallas"])
+    if sweep_too and "xla" in outs:
+        sweep_iters = iters if on_gpu else 1
+        row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, sweep_iters, not on_gpu, reps)
+        timed = [t for t in row["sweep"] if "us" in t]
+        row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
+    return row
+
+
+def _tuning(b: dict) -> str:
+    return str((b["bm"], b["bk"], b["warps"], b["stages"], b["cast_first"]))
+
+
+COLUMNS = {
+    "shape": lambda r: "x".join(map(str, r["shape"])),
+    "xla us": lambda r: f"{r['xla_us']:.1f}",
+    "GB/s": lambda r: f"{r['xla_gb_s']:.0f}",
+    "pallas us": lambda r: f"{r['pallas_us']:.1f}",
+    "pallas GB/s": lambda r: f"{r['pallas_gb_s']:.0f}",
+    "same": lambda r: r["same_bits"],
+    "error": lambda r: (r.get("xla_error") or r["pallas_error"])[:60],
+}
+LOOP_COLUMNS = {
+    "in one program: xla us": lambda r: f"{r['xla_loop_us']:.1f}",
+    "GB/s": lambda r: f"{r['xla_loop_gb_s']:.0f}",
+    "pallas us": lambda r: f"{r['pallas_loop_us']:.1f}",
+    "pallas GB/s": lambda r: f"{r['pallas_loop_gb_s']:.0f}",
+}
+BEST_COLUMNS = {
+    "best (bm, bk, warps, stages, cast first)": lambda r: _tuning(r["best"]),
+    "us": lambda r: f"{r['best']['us']:.1f}",
+    "GB/s": lambda r: f"{r['best']['gb_s']:.0f}",
+    "same": lambda r: r["best"]["same_bits"],
+    "errors": lambda r: sum("error" in t for t in r["sweep"]),
+}
+
+
+def main(argv=None):
+    p = runner.parser(__doc__, child=False)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--sweep", action="store_true", help="also time the kernel's tunings")
-    a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)  # a fresh $OUT subfolder is fine
+    a = runner.parse_args(p, argv)
     on_gpu = jax.devices()[0].platform == "gpu"
-    reps = 20 if on_gpu else 2  # calls per in-loop program (CPU: a check, not a timing)
     rows = []
     for name, shape, dtype, fmt in SHAPES:
         if a.quick:
             shape = (shape[0] // 128, shape[1] // 64)
-        x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
-        scale = jnp.float32(8.0)
-        moved = x.size * jnp.dtype(dtype).itemsize + 2 * x.size  # read once, two FP8 writes
-        row = {"tensor": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name, "fmt": fmt}
-        outs = {}
-        for impl in ("xla", "pallas"):
-            cast = lambda x, s, impl=impl: kernels.cast_transpose(x, s, fmt, impl)  # noqa: E731
-            fn = jax.jit(cast)
-            try:
-                outs[impl] = jax.device_get(fn(x, scale))
-                sec = _time(fn, (x, scale), a.iters)
-                row[f"{impl}_us"] = sec * 1e6
-                row[f"{impl}_gb_s"] = moved / sec / 1e9
-                if a.sweep:  # the same without host dispatch, as the sweep times its tunings
-                    loop = _in_loop(cast, reps, vary_input=impl == "xla")
-                    sec = _time(loop, (x, scale), a.iters) / reps
-                    row[f"{impl}_loop_us"] = sec * 1e6
-                    row[f"{impl}_loop_gb_s"] = moved / sec / 1e9
-            except Exception as e:  # a kernel that does not compile here is a result too
-                row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if len(outs) == 2:
-            row["same_bits"] = _same(outs["xla"], outs["pallas"])
-        if a.sweep and "xla" in outs:
-            iters = a.iters if on_gpu else 1
-            row["sweep"] = sweep(x, scale, fmt, outs["xla"], moved, iters, not on_gpu, reps)
-            timed = [t for t in row["sweep"] if "us" in t]
-            row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    with open(os.path.join(a.out, "cast_transpose.json"), "w") as f:
-        json.dump(
-            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-            f,
-            indent=1,
-        )
-    print(
-        f"\n{'tensor':24} {'shape':>13} {'xla us':>8} {'GB/s':>6} {'pallas us':>9} {'GB/s':>6} same"
-    )
-    for r in rows:
-        shape = "x".join(map(str, r["shape"]))
-        if "pallas_us" not in r or "xla_us" not in r:
-            err = r.get("pallas_error", r.get("xla_error", "?"))
-            print(f"{r['tensor']:24} {shape:>13} ERROR {err[:80]}")
-            continue
-        print(
-            f"{r['tensor']:24} {shape:>13} {r['xla_us']:8.1f} {r['xla_gb_s']:6.0f} "
-            f"{r['pallas_us']:9.1f} {r['pallas_gb_s']:6.0f} {r['same_bits']}"
-        )
+        rows.append(measure(name, shape, dtype, fmt, a.iters, a.sweep, on_gpu))
+        print(json.dumps(rows[-1]), flush=True)
+    info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    runner.write_json(a.out, "cast_transpose", {**info, "rows": rows})
+    print("\n" + runner.table(rows, COLUMNS, "tensor"))
     if a.sweep:
-        print(f"\n{'tensor':24} in one program: xla us  GB/s  pallas us  GB/s")
-        for r in rows:
-            if "pallas_loop_us" in r and "xla_loop_us" in r:
-                print(
-                    f"{r['tensor']:24} {r['xla_loop_us']:22.1f} {r['xla_loop_gb_s']:5.0f} "
-                    f"{r['pallas_loop_us']:10.1f} {r['pallas_loop_gb_s']:5.0f}"
-                )
-        print(f"\n{'tensor':24} best (bm, bk, warps, stages, cast first)  us   GB/s  same  errors")
-        for r in rows:
-            b, errors = r.get("best"), sum("error" in t for t in r.get("sweep", []))
-            if b:
-                tuning = (b["bm"], b["bk"], b["warps"], b["stages"], b["cast_first"])
-                print(
-                    f"{r['tensor']:24} {str(tuning):34} {b['us']:7.1f} {b['gb_s']:6.0f} "
-                    f"{str(b['same_bits']):5} {errors}"
-                )
+        print("\n" + runner.table(rows, LOOP_COLUMNS, "tensor"))
+        print("\n" + runner.table(rows, BEST_COLUMNS, "tensor"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,22 +18,21 @@ XLA_FLAGS is read once at start-up).
 
 Run from the repository root (GPU)::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gemm.py --out "$OUT"
+    PYTHONUNBUFFERED=1 python -m benchmarks.gemm --out "$OUT"
 
-``--quick`` uses tiny shapes (CPU smoke test). JSON goes to ``<out>/gemm.json``.
+``--quick`` uses tiny shapes (CPU smoke test). JSON goes to ``<out>/gemm.json`` (every record,
+rewritten after each one).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import re
-import statistics
-import subprocess
 import sys
 import time
+
+from benchmarks import common, runner
 
 SHAPES = [(16384, 4096, 16384), (16384, 16384, 4096), (8192, 8192, 8192), (4096, 4096, 4096)]
 QUICK_SHAPES = [(64, 32, 48), (32, 64, 16)]
@@ -41,7 +40,6 @@ VARIANTS = ["bf16", "fp8jax-delayed", "fp8jax-current", "flax-direct"]
 FWD_EXTRA = ["fp8jax-delayed-eval"]  # forward without recording amax (what flax's fwd computes)
 MODES = {"fwd": 2, "linear": 6, "mlp": 12}  # flop = factor * M * K * N
 TRITON_FLAG = "--xla_gpu_enable_triton_gemm"
-MARK = "@@REC "  # prefix of machine-readable lines a child prints for the driver
 
 
 def _set_triton_flag(flags: str, value: str | None) -> str:
@@ -54,8 +52,11 @@ def _set_triton_flag(flags: str, value: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _emit(rec: dict) -> None:
-    print(MARK + json.dumps(rec), flush=True)
+_TRIVIAL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "copy-start",
+            "copy-done"}  # fmt: skip
+# (mode, variant) whose compiled HLO --dump-hlo writes, for the first shape.
+DUMPED = {("linear", "fp8jax-delayed"), ("linear", "flax-direct"), ("linear", "fp8jax-current"),
+          ("mlp", "fp8jax-delayed"), ("mlp", "flax-direct")}  # fmt: skip
 
 
 def _hlo_stats(text: str) -> dict:
@@ -64,16 +65,7 @@ def _hlo_stats(text: str) -> dict:
     entry = text[text.find("\nENTRY ") :] if "\nENTRY " in text else ""
     entry = entry[: entry.find("\n}")] if entry else ""
     ops = re.findall(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(", entry)
-    trivial = {
-        "parameter",
-        "tuple",
-        "get-tuple-element",
-        "bitcast",
-        "constant",
-        "copy-start",
-        "copy-done",
-    }
-    kernels = [o for o in ops if o not in trivial]
+    kernels = [o for o in ops if o not in _TRIVIAL]
     return {
         "f8_gemms": sum(t == "__cublas$lt$matmul$f8" for t in targets),
         "cublas_gemms": sum(t in ("__cublas$lt$matmul", "__cublas$gemm") for t in targets),
@@ -84,24 +76,6 @@ def _hlo_stats(text: str) -> dict:
         "transpose_ops": len(re.findall(r"\stranspose\(", text)),
         "copy_ops": len(re.findall(r"\scopy\(", text)),
     }
-
-
-def _bench(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[float, list[float]]:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    iters = max(2, min(max_iters, math.ceil(min_rep_s / one)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times), times
 
 
 class _Bench:
@@ -219,23 +193,6 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def _versions() -> dict:
-    import flax
-    import jax
-    import jaxlib
-
-    dev = jax.devices()[0]
-    return {
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
-        "flax": flax.__version__,
-        "backend": jax.default_backend(),
-        "device": getattr(dev, "device_kind", str(dev)),
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-        "python": sys.version.split()[0],
-    }
-
-
 def _compile(fn, args):
     import jax
 
@@ -245,19 +202,6 @@ def _compile(fn, args):
     compiled = lowered.compile()
     t2 = time.perf_counter()
     return compiled, t1 - t0, t2 - t1
-
-
-def _mem(compiled) -> dict:
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return {}
-    out = {}
-    for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
-        out[key] = int(getattr(ma, key, -1))
-    peak = getattr(ma, "peak_memory_in_bytes", None)
-    if peak is not None:
-        out["peak_memory_in_bytes"] = int(peak)
-    return out
 
 
 def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
@@ -274,20 +218,19 @@ def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
         "lower_s": round(lower_s, 3),
         "compile_s": round(compile_s, 3),
         **_hlo_stats(text),
-        **_mem(compiled),
+        **common.memory_analysis(compiled),
     }
     if dump_dir:
         name = f"hlo_{variant}_{mode}_{'x'.join(map(str, shape))}.txt"
         with open(os.path.join(dump_dir, name), "w") as f:
             f.write(text)
     # Two warm-up steps threading the state: the second uses scales from the first's amax.
-    outs = compiled(params, state, x, dy)
-    if mode != "fwd" and variant != "bf16":
-        state = outs[-1]
-    outs = compiled(params, state, x, dy)
-    if mode != "fwd" and variant != "bf16":
-        state = outs[-1]
-    med, times = _bench(compiled, (params, state, x, dy), args.reps, args.min_rep_s, args.max_iters)
+    for _ in range(2):
+        outs = compiled(params, state, x, dy)
+        if mode != "fwd" and variant != "bf16":
+            state = outs[-1]
+    timing = (args.reps, args.min_rep_s, args.max_iters)
+    med, times = common.time_calls(compiled, (params, state, x, dy), *timing)
     m, k, n = shape
     flop = MODES[mode] * m * k * n
     rec.update(ms=med * 1e3, tflops=flop / med / 1e12, rep_ms=[t * 1e3 for t in times])
@@ -297,8 +240,8 @@ def run_one(b: _Bench, variant, mode, shape, args, dump_dir=None, keep=False):
 def child_main(args) -> None:
     import jax
 
-    info = _versions()
-    _emit({"kind": "versions", **info})
+    info = common.versions()
+    runner.emit({"kind": "versions", **info})
     print(f"# versions: {info}", flush=True)
     b = _Bench()
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -308,15 +251,7 @@ def child_main(args) -> None:
             variants = VARIANTS + (FWD_EXTRA if mode == "fwd" else [])
             ref = None
             for variant in variants:
-                dump = (
-                    dump_dir
-                    if shape == shapes[0]
-                    and (
-                        (mode in ("linear", "mlp") and variant in ("fp8jax-delayed", "flax-direct"))
-                        or (mode == "linear" and variant == "fp8jax-current")
-                    )
-                    else None
-                )
+                dump = dump_dir if shape == shapes[0] and (mode, variant) in DUMPED else None
                 try:
                     rec, outs = run_one(b, variant, mode, shape, args, dump, keep=mode == "linear")
                 except Exception as e:  # keep going: one broken variant must not hide the rest
@@ -336,33 +271,32 @@ def child_main(args) -> None:
                         }
                 del outs
                 rec["kind"] = "main"
-                _emit(rec)
+                runner.emit(rec)
+                head = f"  {mode:6s} {'x'.join(map(str, shape)):18s} {variant:20s}"
                 if "error" in rec:
-                    print(f"  {mode:6s} {shape} {variant:20s} ERROR {rec['error'][:300]}")
-                else:
-                    print(
-                        f"  {mode:6s} {'x'.join(map(str, shape)):18s} {variant:20s} "
-                        f"{rec['ms']:8.3f} ms {rec['tflops']:7.1f} TF/s  f8={rec['f8_gemms']} "
-                        f"cublas={rec['cublas_gemms']} triton={rec['triton_gemms']} "
-                        f"tr={rec['transpose_ops']} "
-                        f"temp={rec.get('temp_size_in_bytes', -1) / 2**20:8.1f} MiB  "
-                        f"compile={rec['compile_s']:.1f}s "
-                        f"err={rec.get('rel_err_vs_bf16', '')}",
-                        flush=True,
-                    )
+                    print(f"{head} ERROR {rec['error'][:300]}", flush=True)
+                    continue
+                print(
+                    f"{head} {rec['ms']:8.3f} ms {rec['tflops']:7.1f} TF/s  f8={rec['f8_gemms']} "
+                    f"cublas={rec['cublas_gemms']} triton={rec['triton_gemms']} "
+                    f"tr={rec['transpose_ops']} "
+                    f"temp={rec.get('temp_size_in_bytes', -1) / 2**20:8.1f} MiB  "
+                    f"compile={rec['compile_s']:.1f}s err={rec.get('rel_err_vs_bf16', '')}",
+                    flush=True,
+                )
             ref = None
 
 
 def child_probe(args) -> None:
     """One fresh process: compile + time the linear fwd+bwd of the given variants."""
-    info = _versions()
+    info = common.versions()
     print(f"# probe triton={args.triton} versions: {info}", flush=True)
     b = _Bench()
     shape = QUICK_SHAPES[0] if args.quick else SHAPES[0]
     for variant in args.variants.split(","):
         rec, _ = run_one(b, variant, "linear", shape, args)
         rec.update(kind="probe", triton=args.triton, XLA_FLAGS=info["XLA_FLAGS"])
-        _emit(rec)
+        runner.emit(rec)
         print(
             f"  probe triton={args.triton} {variant:16s} compile {rec['compile_s']:.1f} s, "
             f"{rec['ms']:.3f} ms, {rec['tflops']:.1f} TF/s, f8={rec['f8_gemms']} "
@@ -372,46 +306,19 @@ def child_probe(args) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Driver (no jax import): runs the children, collects records, writes JSON, prints the table.
+# Driver (no jax import: the GPU is the children's): runs them, collects records, prints.
 # --------------------------------------------------------------------------------------------
 
 
 def _run_child(argv: list[str], env: dict, timeout: float, records: list, save) -> str:
     """Run a child, echo its output, collect its records; kill it at ``timeout`` seconds."""
-    import selectors
-
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-    )
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    status = "ok"
-    while True:
-        left = timeout - (time.perf_counter() - t0)
-        if left <= 0:
-            proc.kill()
-            status = f"killed after {timeout:.0f} s"
-            break
-        if not sel.select(timeout=min(left, 5.0)):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(MARK):
-            records.append(json.loads(line[len(MARK) :]))
-            save()
-        else:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-    proc.wait()
-    if status == "ok" and proc.returncode != 0:
-        status = f"exit {proc.returncode}"
+
+    def keep(rec):
+        records.append(rec)
+        save()
+
+    status = runner.spawn(runner.command("gemm", *argv), env, timeout, True, keep).status
     print(f"# child {argv} -> {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return status
 
@@ -419,10 +326,7 @@ def _run_child(argv: list[str], env: dict, timeout: float, records: list, save) 
 def _table(records: list) -> str:
     main = [r for r in records if r.get("kind") == "main"]
     by = {(r["mode"], tuple(r["shape"]), r["variant"]): r for r in main}
-    shapes = []
-    for r in main:
-        if tuple(r["shape"]) not in shapes:
-            shapes.append(tuple(r["shape"]))
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in main))
     cols = VARIANTS
     lines = [
         "TFLOP/s (x bf16) | FP8 GEMMs | transient MiB   (bf16 inputs/weights, median of reps)",
@@ -441,8 +345,7 @@ def _table(records: list) -> str:
                 mib = r.get("temp_size_in_bytes", -1) / 2**20
                 cells.append(f"{r['tflops']:7.1f} {sp:>6s} {r['f8_gemms']:2d} {mib:8.0f}")
             lines.append(f"{mode:6s} {'x'.join(map(str, shape)):18s} " + " ".join(cells))
-    extra = [r for r in main if r["variant"] in FWD_EXTRA and "tflops" in r]
-    for r in extra:
+    for r in (r for r in main if r["variant"] in FWD_EXTRA and "tflops" in r):
         lines.append(
             f"fwd    {'x'.join(map(str, r['shape'])):18s} {r['variant']}: {r['tflops']:.1f} TF/s, "
             f"{r['f8_gemms']} FP8 GEMMs, {r.get('temp_size_in_bytes', -1) / 2**20:.0f} MiB"
@@ -464,14 +367,11 @@ def _table(records: list) -> str:
 
 def driver(args) -> None:
     t_start = time.perf_counter()
-    out = args.out or os.environ.get("OUT") or "bench_out"
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "gemm.json")
+    out = args.out
     records: list = []
 
     def save():
-        with open(path, "w") as f:
-            json.dump({"records": records}, f, indent=1)
+        return runner.write_json(out, "gemm", {"records": records})
 
     common = ["--out", out, "--reps", str(args.reps), "--min-rep-s", str(args.min_rep_s)]
     common += ["--max-iters", str(args.max_iters)] + (["--quick"] if args.quick else [])
@@ -481,64 +381,38 @@ def driver(args) -> None:
         env["XLA_FLAGS"] = _set_triton_flag(base_flags, "false")
     print(f"# main child XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
     left = args.budget_s - (time.perf_counter() - t_start)
-    _run_child(
-        ["--child", "main", *common] + ([] if args.no_dump else ["--dump-hlo"]),
-        env,
-        left,
-        records,
-        save,
-    )
-
-    if not args.no_probe:
-        probes = [
-            ("off", "fp8jax-delayed,bf16", "false"),
-            ("on", "bf16", "true"),
-            ("on", "fp8jax-delayed", "true"),  # last: it may need minutes (then it is killed)
-        ]
-        for name, variants, value in probes:
-            left = args.budget_s - (time.perf_counter() - t_start)
-            if left < 20:
-                records.append(
-                    {
-                        "kind": "probe_status",
-                        "name": f"{name}:{variants}",
-                        "status": "skipped: budget",
-                    }
-                )
-                continue
-            penv = dict(os.environ)
-            penv["XLA_FLAGS"] = _set_triton_flag(base_flags, value)
-            cap = min(left - 5, args.probe_cap_s)
-            status = _run_child(
-                ["--child", "probe", "--triton", name, "--variants", variants, *common],
-                penv,
-                cap,
-                records,
-                save,
-            )
-            records.append(
-                {
-                    "kind": "probe_status",
-                    "name": f"{name}:{variants}",
-                    "status": status,
-                    "timeout_s": round(cap, 1),
-                }
-            )
-            save()
-    save()
+    dump = [] if args.no_dump else ["--dump-hlo"]
+    _run_child(["--child", "main", *common, *dump], env, left, records, save)
+    probes = [
+        ("off", "fp8jax-delayed,bf16", "false"),
+        ("on", "bf16", "true"),
+        ("on", "fp8jax-delayed", "true"),  # last: it may need minutes (then it is killed)
+    ]
+    for name, variants, value in [] if args.no_probe else probes:
+        left = args.budget_s - (time.perf_counter() - t_start)
+        status = {"kind": "probe_status", "name": f"{name}:{variants}"}
+        if left < 20:
+            records.append({**status, "status": "skipped: budget"})
+            continue
+        penv = dict(os.environ, XLA_FLAGS=_set_triton_flag(base_flags, value))
+        cap = min(left - 5, args.probe_cap_s)
+        argv = ["--child", "probe", "--triton", name, "--variants", variants, *common]
+        done = _run_child(argv, penv, cap, records, save)
+        records.append({**status, "status": done, "timeout_s": round(cap, 1)})
+        save()
+    path = save()
     print("\n" + _table(records), flush=True)
     print(f"# wrote {path}; total {time.perf_counter() - t_start:.1f} s", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None) -> None:
+    p = runner.parser(__doc__, child=False)
     p.add_argument(
         "--quick",
         action="store_true",
         default=bool(os.environ.get("GEMM_QUICK")),
         help="tiny shapes (CPU smoke test); also env GEMM_QUICK=1",
     )
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--min-rep-s", type=float, default=0.03, help="min seconds per repetition")
     p.add_argument("--max-iters", type=int, default=50, help="max calls per repetition")
@@ -550,7 +424,7 @@ def main() -> None:
     p.add_argument("--triton", default="default", help=argparse.SUPPRESS)
     p.add_argument("--variants", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--dump-hlo", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = runner.parse_args(p, argv)
     if args.child == "main":
         child_main(args)
     elif args.child == "probe":
@@ -560,4 +434,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,36 +1,33 @@
 """What is alive at a train step's memory peak: XLA's own live-range report, summarised.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/memory_peak.py --out "$OUT" \\
+    PYTHONUNBUFFERED=1 python -m benchmarks.memory_peak --out "$OUT" \
         --runs llama_7b:O0,llama_7b:O2
 
-Each run (``config:level[:options]``, as in ``step.py``) builds the trainer's jitted step in a
-fresh process and compiles it, without running it, with XLA dumping the step's buffer
-assignment. XLA's ``*-live-range.txt`` names the buffers live at the peak and breaks the peak
-down by the JAX operation that made each buffer (``jit(train_step)/transpose(jvp(...))/...``).
-Printed per run: compiled temp/argument bytes, the peak's top buffers and the top of that
-breakdown. Writes ``memory_peak.json``. Works on CPU too (a proxy: CPU fusion differs).
+Each run spec (``config:level[:options]`` plus ``--set``, as in ``benchmarks.step``) builds
+the trainer's jitted step in a fresh process and compiles it, without running it, with XLA
+dumping the step's buffer assignment. XLA's ``*-live-range.txt`` names the buffers live at the
+peak and breaks the peak down by the JAX operation that made each buffer
+(``jit(train_step)/transpose(jvp(...))/...``). Printed per run: compiled temp/argument bytes,
+the peak's top buffers and the top of that breakdown. Writes ``memory_peak_<program>_<run>.json``
+per run. Works on CPU too (a proxy: CPU fusion differs).
 
-``--program init`` does the same for the jitted init: llama_7b O3 at fsdp=2 peaked at
-54.45 GiB per H200 while making 16.12 GiB of state, above the step's 48.5 (RESULTS.md,
-2026-11-30 fifth): ``--program init --runs llama_7b:O3:mesh.data=1+mesh.fsdp=2``.
+``--program init`` does the same for the jitted init, whose transient can exceed the step's
+(an O3 init at fsdp=2): ``--program init --runs llama_7b:O3:mesh.data=1+mesh.fsdp=2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step as step_bench  # noqa: E402
+from benchmarks import common, runner
 
-MARK = "@@MEMPEAK "
 MODULES = {"step": "train_step", "init": "init_state"}  # --program: the jitted function's name
+DUMP = "FP8JAX_DUMP"  # the child's XLA dump folder (the parent sets XLA_FLAGS to match)
 
 
 def parse_live_range(text: str, top: int) -> dict:
@@ -60,22 +57,28 @@ def parse_live_range(text: str, top: int) -> dict:
     return out
 
 
-def child(run: str, quick: bool, top: int, program: str = "step") -> dict:
+def config_for(run: str, quick: bool, sets=()):
+    """The ConfigDict of one run (``--quick``: the CPU smoke-test shapes)."""
+    return runner.load(run, sets, runner.step_settings(quick))
+
+
+def child(run: str, quick: bool, top: int, program: str = "step", sets=()) -> dict:
     """Build and compile one run with XLA dumping its buffer assignment (child process).
 
     ``program``: 'step' (the train step) or 'init' (the jitted init that makes the state).
     """
     import jax
 
-    c, env, state, batch = step_bench.build(run, quick)
-    with step_bench.mesh_context(c, env):
+    c = config_for(run, quick, sets)
+    p = common.prepare(c, run)
+    with common.mesh_context(c, p.setup):
         if program == "init":
-            compiled = env["init"].lower(jax.random.PRNGKey(0)).compile()
+            compiled = p.setup.init.lower(jax.random.PRNGKey(0)).compile()
         else:
-            compiled = env["train_step"].lower(state, batch).compile()
+            compiled = p.setup.train_step.lower(p.state, p.batch).compile()
     ma = compiled.memory_analysis()
     name = MODULES[program]
-    files = glob.glob(os.path.join(os.environ["FP8JAX_DUMP"], f"*{name}*live-range.txt"))
+    files = glob.glob(os.path.join(os.environ[DUMP], f"*{name}*live-range.txt"))
     rec = {
         "run": run,
         "program": program,
@@ -90,37 +93,42 @@ def child(run: str, quick: bool, top: int, program: str = "step") -> dict:
     return rec
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = runner.parser(__doc__, sets=True)
     p.add_argument("--runs", default="llama_7b:O0,llama_7b:O2")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke test")
     p.add_argument("--program", choices=sorted(MODULES), default="step", help="which to analyse")
-    a = step_bench.parse_bench_args(p)
-    if a.child:
-        print(MARK + json.dumps(child(a.child, a.quick, a.top, a.program)), flush=True)
+    a = runner.parse_args(p, argv)
+
+    def measure(run: str, a: argparse.Namespace) -> dict:
+        return child(run, a.quick, a.top, a.program, a.set)
+
+    with tempfile.TemporaryDirectory(prefix="fp8jax_xla_dump_") as dumps:
+
+        def env(run: str) -> dict:
+            dump = os.path.join(dumps, runner.safe_name(run))
+            flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{MODULES[a.program]}.*"
+            xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+            return dict(os.environ, **{DUMP: dump, "XLA_FLAGS": xla_flags})
+
+        check = lambda run: config_for(run, a.quick, a.set)  # noqa: E731
+        stem = f"memory_peak_{a.program}"
+        rows = runner.drive(
+            "memory_peak", a, measure, a.runs.split(","), check=check, env=env, stem=stem
+        )
+    if rows is None:
         return
-    rows = []
-    for run in a.runs.split(","):
-        dump = tempfile.mkdtemp(prefix="fp8jax_xla_dump_")
-        env = dict(os.environ, FP8JAX_DUMP=dump)
-        flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{MODULES[a.program]}.*"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
-        cmd = [sys.executable, __file__, "--child", run, "--top", str(a.top)]
-        cmd += ["--program", a.program]
-        cmd += ["--quick"] if a.quick else []
-        rows.append(step_bench.run_child(cmd, MARK, run, env=env))
-        shutil.rmtree(dump, ignore_errors=True)
-        with open(os.path.join(a.out, "memory_peak.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    columns = {
+        "temp GiB": lambda r: f"{r['temp_gib']:.2f}",
+        "arguments GiB": lambda r: f"{r['argument_gib']:.2f}",
+        "peak GiB": lambda r: f"{r['peak_bytes'] / 2**30:.2f}",
+    }
+    print(f"\n{a.program}:\n" + runner.table(rows, columns))
     for r in rows:
-        print(f"\n=== {r['run']} ({a.program})")
-        if "temp_gib" not in r:
-            print("ERROR", r.get("error"))
+        if "error" in r:
             continue
-        peak = r.get("peak_bytes", 0) / 2**30
-        head = f"temp {r['temp_gib']:.2f} GiB, arguments {r['argument_gib']:.2f} GiB"
-        print(f"{head}, peak {peak:.2f} GiB")
+        print(f"\n=== {r['run']} ({a.program})")
         for b in r.get("breakdown", []):
             print(f"  {b['bytes'] / 2**30:8.2f} GiB  {b['op'][:110]}")
         print("  largest buffers live at the peak:")
@@ -129,4 +137,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

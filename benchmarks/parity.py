@@ -1,83 +1,76 @@
 """Loss parity: the same config and seed trained at two FP8 levels on the shipped corpus.
 
 Runs ``fp8jax.trainer.loop.train_and_evaluate`` once per level in its own work dir (sharing the
-tokenizer and token cache) and compares the final validation losses; the issue's target is a
-relative difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O1.
+tokenizer and token cache) and compares the final validation losses; the target is a relative
+difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O1.
 
-    PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. \
-        python3 benchmarks/parity.py --config gpt2_125m --steps 300 --out "$OUT"
+    PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
+        python -m benchmarks.parity --config gpt2_125m --steps 300 --out "$OUT"
 
 ``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes). On several GPUs,
 ``--levels O0,O3 --mesh 1,-1,1 --steps 200`` compares O3 (FP8 Adam and masters sharded over
 ``fsdp``, FP8 weight all-gather) with O0 on the same mesh. A level may carry config overrides
-as ``benchmarks/step.py``'s runs do: ``--levels O0,O1,O1:model.fp8_lm_head=True``.
+as ``benchmarks.step``'s runs do: ``--levels O0,O1,O1:model.fp8_lm_head=True``; ``--set
+key=value`` overrides every level. Writes ``parity.json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import math
 import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step as step_bench  # noqa: E402  (a script beside this one: its run-option parser)
+from benchmarks import runner
 
 
-def level_config(name: str, level: str, steps: int, vocab: int, mesh: str):
+def level_config(name: str, level: str, steps: int, vocab: int, mesh: str, sets=()):
     """The config one parity run trains: ``level`` is 'O1' or 'O1:key=value+key=value'."""
-    from fp8jax.trainer import loop as train_lib
-
-    c = train_lib.load_config(name)
-    _, c.fp8.level, options = step_bench.parse_run(f"{name}:{level}")
-    step_bench.apply_overrides(c, options)
-    c.model.vocab_size = vocab
-    c.num_train_steps = steps
-    c.eval_every_steps = c.checkpoint_every_steps = steps
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (int(v) for v in mesh.split(","))
-    c.sample_tokens = 0
-    return c
+    settings = runner.step_settings(mesh=mesh)
+    settings.update({"model.vocab_size": vocab, "num_train_steps": steps, "sample_tokens": 0})
+    settings.update({"eval_every_steps": steps, "checkpoint_every_steps": steps})
+    return runner.load(f"{name}:{level}", sets, settings)
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = runner.parser(__doc__, child=False, sets=True)
     p.add_argument("--config", default="gpt2_125m")
     p.add_argument("--levels", default="O0,O1")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--vocab", type=int, default=8192, help="BPE size (the corpus is ~4 MB)")
     p.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1: the rest)")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8jax_parity"))
-    a = p.parse_args()
-    from fp8jax.trainer import loop as train_lib
+    a = runner.parse_args(p, argv)
+    levels = a.levels.split(",")
+    try:  # every level's config before the first trains: a typo stops the run at once
+        configs = [level_config(a.config, lv, a.steps, a.vocab, a.mesh, a.set) for lv in levels]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+    from fp8jax.trainer import loop
 
-    os.makedirs(a.out, exist_ok=True)
     rows = {}
     first_dir = None
-    for level in a.levels.split(","):
-        c = level_config(a.config, level, a.steps, a.vocab, a.mesh)
-        workdir = os.path.join(a.out, step_bench.safe_name(f"{a.config}_{level}"))
+    for level, c in zip(levels, configs, strict=True):
+        workdir = os.path.join(a.out, runner.safe_name(f"{a.config}_{level}"))
         shutil.rmtree(workdir, ignore_errors=True)
         if first_dir is not None:  # same tokenizer and token ids for every level
             skip = shutil.ignore_patterns("checkpoints", "tensorboard", "*.jsonl", "summary.json")
             shutil.copytree(first_dir, workdir, ignore=skip)
-        summary = train_lib.train_and_evaluate(c, workdir)
+        summary = loop.train_and_evaluate(c, workdir)
         first_dir = first_dir or workdir
         rows[level] = {k: summary.get(k) for k in ("val_loss", "train_loss", "train_tokens_per_s")}
         print(level, rows[level], flush=True)
-    base = rows[a.levels.split(",")[0]]["val_loss"]
+    base = rows[levels[0]]["val_loss"]
     for r in rows.values():  # a run stopped early (SIGTERM) has no final validation loss
         ok = r["val_loss"] is not None and base is not None
-        r["rel_diff_vs_first"] = (r["val_loss"] - base) / base if ok else float("nan")
-    with open(os.path.join(a.out, "parity.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    width = max(6, *map(len, rows))
-    print(f"\n{'level':{width}} {'val_loss':>9} {'rel diff':>9} {'tok/s':>9}")
-    for level, r in rows.items():
-        tps = r["train_tokens_per_s"] or 0.0
-        val = r["val_loss"] if r["val_loss"] is not None else float("nan")
-        print(f"{level:{width}} {val:9.4f} {r['rel_diff_vs_first']:9.3%} {tps:9.0f}")
+        r["rel_diff_vs_first"] = (r["val_loss"] - base) / base if ok else math.nan
+    runner.write_json(a.out, "parity", rows)
+    columns = {
+        "val_loss": lambda r: f"{r['val_loss']:.4f}",
+        "rel diff": lambda r: f"{r['rel_diff_vs_first']:.3%}",
+        "tok/s": lambda r: f"{r['train_tokens_per_s']:.0f}",
+    }
+    print("\n" + runner.table([{"level": k, **r} for k, r in rows.items()], columns, "level"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,31 +1,32 @@
-"""PYTHONUNBUFFERED=1 python3 benchmarks/torch_reference.py --out "$OUT" --no-optim \
-    --runs gpt_1b3:bf16,gpt_1b3:float8,llama_1b:bf16,llama_1b:float8
+"""PyTorch reference of the train step of configs/gpt_1b3.py and configs/llama_1b.py.
 
-PyTorch reference of the train step of configs/gpt_1b3.py and configs/llama_1b.py (shapes copied
-here: no ml_collections needed), for absolute tokens/s next to benchmarks/step.py. The models
+    PYTHONUNBUFFERED=1 python -m benchmarks.torch_reference --out "$OUT" --no-optim \
+        --runs gpt_1b3:bf16,gpt_1b3:float8,llama_1b:bf16,llama_1b:float8
+
+The shapes are copied here (no jax, fp8jax or ml_collections needed: this runs with torch),
+for absolute tokens/s next to ``benchmarks.step``. The models
 mirror fp8jax/models (fused K/V and SwiGLU gate/up linears, f32 RoPE and norm statistics, bf16
 residual stream, untied LM head, same init and parameter counts); the step mirrors
 fp8jax/trainer/step.py:
 f32 master params, bf16 autocast, f32 cross-entropy, global-norm clip 1.0, fused AdamW (betas
 (0.9, 0.95), eps 1e-8, decay 0.1 on linear weights only, constant peak lr); batch 8 x 2048 random
-tokens (targets = inputs, as step.py). ``float8``: torchao's tensorwise recipe (dynamic
+tokens (targets = inputs, as benchmarks.step). ``float8``: torchao's tensorwise recipe (dynamic
 per-tensor scales, E4M3 forward, E5M2 grads) on every block linear, LM head bf16; install
 torchao with ``pip install --no-deps .whl/torchao-0.18.0-*.whl``.
 
 One fresh process per run (own peak memory; a failure is an error row). ``torch.compile`` in its
 default mode (max-autotune was not used because of its compile time) on the model and loss; clip
 and AdamW run eagerly (multi-tensor kernels). 3 warm-up steps, then the median of ``--steps``.
-``--no-optim`` adds a fwd+bwd-only row per run; the docs/h200-measured.md reference (gpt_1b3:
-241 ms bf16, 214 ms float8) used bf16 weights: add ``--bf16-params`` to reproduce it.
+``--no-optim`` adds a fwd+bwd-only row per run; ``--bf16-params`` keeps the weights in bf16
+without autocast (the setup of references that train with bf16 weights). A run is
+``config:level`` (level ``bf16`` or ``float8``); each writes ``torch_reference_<run>.json``.
 
-    python3 benchmarks/torch_reference.py --quick --no-compile --runs gpt_1b3:bf16 --out /tmp  # CPU
+    python -m benchmarks.torch_reference --quick --no-compile --runs gpt_1b3:bf16 --out /tmp  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -34,11 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step as step_bench  # noqa: E402  (run_child only; step.py imports jax lazily)
+from benchmarks import runner
 
-MARK = "@@TORCH "
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, as benchmarks/step.py
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, as benchmarks.step
 WARMUP = 3  # torch.compile compiles the forward and backward graphs in the first step
 INIT_STD = 0.02  # fp8jax/models/layers.py
 NORM_EPS = 1e-5
@@ -237,7 +236,7 @@ def child(name: str, level: str, optim: bool, a) -> dict:
         loss = step()
         sync()
         times.append(time.perf_counter() - t)
-    # Pipelined: steps back to back, one synchronize at the end (as step.py measures it).
+    # Pipelined: steps back to back, one synchronize at the end (as benchmarks.step does).
     t = time.perf_counter()
     for _ in range(a.steps):
         loss = step()
@@ -269,8 +268,31 @@ def child(name: str, level: str, optim: bool, a) -> dict:
     }
 
 
-def main():
-    p = argparse.ArgumentParser()
+LEVELS = ("bf16", "float8")
+
+
+def parse(run: str) -> tuple[str, str, bool]:
+    """'gpt_1b3:bf16:optim' -> ('gpt_1b3', 'bf16', True): config, level, with the optimizer."""
+    name, level, optim = run.split(":")
+    if name not in CONFIGS or level not in LEVELS or optim not in ("optim", "fwdbwd"):
+        raise ValueError(f"run {run!r}: use one of {sorted(CONFIGS)}, then {'/'.join(LEVELS)}")
+    return name, level, optim == "optim"
+
+
+COLUMNS = {
+    "ms": lambda r: f"{r['step_ms']:.1f}",
+    "tok/s": lambda r: f"{r['tokens_per_s']:.0f}",
+    "pipe ms": lambda r: f"{r['step_ms_pipelined']:.1f}",
+    "pipe tok/s": lambda r: f"{r['tokens_per_s_pipelined']:.0f}",
+    "MFU": lambda r: f"{r['mfu']:.1%}",
+    "peak GiB": lambda r: f"{r['peak_gib']:.2f}",
+    "compile s": lambda r: f"{r['compile_s']:.1f}",
+    "loss": lambda r: f"{r['loss']:.3f}",
+}
+
+
+def main(argv=None):
+    p = runner.parser(__doc__)
     p.add_argument("--runs", default="gpt_1b3:bf16,gpt_1b3:float8,llama_1b:bf16,llama_1b:float8")
     p.add_argument("--steps", type=int, default=5, help="timed steps after 3 warm-up steps")
     p.add_argument("--no-optim", action="store_true", help="also measure fwd+bwd only")
@@ -278,40 +300,19 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="eager (CPU smoke test)")
     p.add_argument("--bf16-params", action="store_true", help="bf16 weights, no autocast")
     p.add_argument("--attn", choices=("flash", "default"), default="flash", help="SDPA backends")
-    p.add_argument(
-        "--timeout", type=int, default=540, help="seconds per run (device: 600 per call)"
-    )
-    a = step_bench.parse_bench_args(p)
-    if a.child:
-        name, level, optim = a.child.split(":")
-        print(MARK + json.dumps(child(name, level, optim == "optim", a)), flush=True)
+    p.add_argument("--timeout", type=int, default=540, help="seconds per run")
+    a = runner.parse_args(p, argv)
+    optims = ("optim", "fwdbwd") if a.no_optim else ("optim",)
+    runs = [f"{run}:{optim}" for run in a.runs.split(",") for optim in optims]
+
+    def measure(run: str, a: argparse.Namespace) -> dict:
+        return {"run": run, **child(*parse(run), a)}
+
+    rows = runner.drive("torch_reference", a, measure, runs, check=parse, timeout=a.timeout)
+    if rows is None:
         return
-    flags = [f"--steps={a.steps}", f"--attn={a.attn}"]
-    flags += [f for f, on in (("--quick", a.quick), ("--no-compile", a.no_compile),
-                              ("--bf16-params", a.bf16_params)) if on]  # fmt: skip
-    rows = []
-    for run in a.runs.split(","):
-        for optim in ("optim", "fwdbwd") if a.no_optim else ("optim",):
-            name, level = run.split(":")
-            cmd = [sys.executable, __file__, f"--child={run}:{optim}", *flags]
-            row = step_bench.run_child(cmd, MARK, f"{run}:{optim}", timeout=a.timeout)
-            rows.append({"config": name, "level": level, "optimizer": optim == "optim", **row})
-            print(json.dumps(rows[-1]), flush=True)
-            with open(os.path.join(a.out, "torch_reference.json"), "w") as f:
-                json.dump(rows, f, indent=1)
-    head = ("run", "ms", "tok/s", "pipe ms", "pipe tok/s", "MFU", "peak GiB", "compile s", "loss")
-    print("\n{:26} {:>8} {:>9} {:>8} {:>10} {:>6} {:>9} {:>9} {:>7}".format(*head))
-    for r in rows:
-        name = f"{r['config']}:{r['level']}:{'optim' if r['optimizer'] else 'fwdbwd'}"
-        if "error" in r:
-            print(f"{name:26} ERROR {r['error'][:80]}")
-            continue
-        print(
-            f"{name:26} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['step_ms_pipelined']:8.1f} "
-            f"{r['tokens_per_s_pipelined']:10.0f} {r['mfu']:6.1%} "
-            f"{r['peak_gib']:9.2f} {r['compile_s']:9.1f} {r['loss']:7.3f}"
-        )
+    print("\n" + runner.table(rows, COLUMNS))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,16 +5,16 @@ steps with evaluation, periodic checkpoints, FP8 health and the end sample; the 
 again (the run is finished: nothing to train); and a resume to ``--steps + --more`` steps,
 which reloads the checkpoint and, with JAX's persistent cache, the compiled step. Each stage's
 wall time is taken from when its log line reaches this process. Prints a table and writes
-``<out>/user_path.json``.
+``<out>/user_path.json``. Extra ``--config.<field>=<value>`` flags (or ``--set field=value``)
+go to every ``train.py`` command.
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/user_path.py --config configs/gpt_1b3.py --out $OUT
-    PYTHONPATH=. python3 benchmarks/user_path.py --config configs/tiny.py --steps 6 --more 2 \\
+    python -m benchmarks.user_path --config configs/gpt_1b3.py --out "$OUT"
+    python -m benchmarks.user_path --config configs/tiny.py --steps 6 --more 2 \\
         --out /tmp/user_path   # CPU smoke test
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -22,6 +22,8 @@ import re
 import subprocess
 import sys
 import time
+
+from benchmarks import runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,17 +81,15 @@ def step_gaps(steps: dict, every: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = runner.parser(__doc__, child=False, sets=True)
     p.add_argument("--config", default="configs/gpt_1b3.py")
     p.add_argument("--steps", type=int, default=30, help="steps of the first run")
     p.add_argument("--more", type=int, default=10, help="steps the resume adds")
     p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--workdir", default="")
     p.add_argument("overrides", nargs="*", help="extra --config.<field>=<value> flags")
-    args = p.parse_args(argv)
+    args = runner.parse_args(p, argv)
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     workdir = pathlib.Path(args.workdir or out / "workdir")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
         f"--config.checkpoint_every_steps={every}", "--config.log_every_steps=1",
         f"--config.eval_every_steps={args.steps // 2}", "--config.eval_batches=4",
         f"--config.fp8_stats_every_steps={args.steps // 2}", *args.overrides,
+        *(f"--config.{kv}" for kv in args.set),
     ]  # fmt: skip
     runs = {}
     for name, steps in (("first", args.steps), ("rerun", args.steps),
@@ -111,7 +112,14 @@ def main(argv=None) -> int:
         print(name, json.dumps(summary), flush=True)
         if r["rc"] != 0:
             break
-    (out / "user_path.json").write_text(json.dumps({"command": common, "runs": runs}, indent=1))
+    runner.write_json(args.out, "user_path", {"command": common, "runs": runs})
+    columns = {
+        "rc": lambda r: r["rc"],
+        "wall s": lambda r: f"{r['wall_s']:.1f}",
+        "compile s": lambda r: f"{r['marks']['compile_s']:.1f}",
+        "median step s": lambda r: f"{r['median_step_s']:.3f}",
+    }
+    print("\n" + runner.table([{"stage": k, **r} for k, r in runs.items()], columns, "stage"))
     return 0 if all(r["rc"] == 0 for r in runs.values()) else 1
 
 

@@ -1,26 +1,42 @@
-"""Pure helpers of benchmarks/: kernel categories, trace summaries, run strings, notebook cells."""
+"""benchmarks/ as a package: the runner (run specs, overrides, child processes, tables), the
+shared measurement helpers, each benchmark's CPU-cheap path, and the package's import rules."""
 
+import ast
 import gzip
+import importlib.util
 import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
+from benchmarks import cast_transpose, common, memory_peak, parity, runner, step
+from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 
-# The benchmarks are scripts, not a package: import them as kernel_profile.py imports step.py.
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import cast_transpose  # noqa: E402
-import kernel_profile  # noqa: E402
-import memory_peak  # noqa: E402
-import notebooks  # noqa: E402
-import parity  # noqa: E402
-import prologue  # noqa: E402
-import step as step_bench  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+KEPT = [
+    "gemm",
+    "cast_transpose",
+    "step",
+    "kernel_profile",
+    "parity",
+    "torch_reference",
+    "user_path",
+    "memory_peak",
+]
+SHARED = {"runner", "common"}  # what a benchmark may import from the package
+
+
+def _module(name: str, *args: str, env=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.<name> args`` from the repository root."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+
 
 FP8_GEMM = "nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_bias_TNT"
 
@@ -43,7 +59,7 @@ KERNELS = [
 
 @pytest.mark.parametrize("name,expected", KERNELS, ids=[k[1] + ":" + k[0][:24] for k in KERNELS])
 def test_kernel_category(name, expected):
-    assert kernel_profile.category(name) == expected
+    assert common.category(name) == expected
 
 
 def _write_trace(root: pathlib.Path, events, pids):
@@ -81,7 +97,7 @@ def test_summarize_trace_per_step_numbers(tmp_path):
         _x(HOST, "ExecuteOnLocalDevices", 0, 90_000),
     ]
     _write_trace(tmp_path, events, {GPU: "/device:GPU:0", HOST: "/host:CPU"})
-    s = kernel_profile.summarize_trace(str(tmp_path), steps=2, top=3)
+    s = common.summarize_trace(str(tmp_path), steps=2, top=3)
     approx = lambda v: pytest.approx(v, rel=1e-12)
     assert s["timeline"] == "gpu"
     # Kernel sum 3250 us; busy is the union of intervals (the overlap and the gaps don't
@@ -138,39 +154,65 @@ def test_summarize_trace_cpu_threads_and_missing_trace(tmp_path):
         _x(HOST, "PjitFunction(train_step)", 0, 5000, tid=6),  # the Python thread: not an op
     ]
     _write_trace(tmp_path / "cpu", events, {HOST: "/host:CPU"})
-    s = kernel_profile.summarize_trace(str(tmp_path / "cpu"), steps=1, top=5)
+    s = common.summarize_trace(str(tmp_path / "cpu"), steps=1, top=5)
     assert s["timeline"] == "cpu threads"
     assert s["kernel_ms_per_step"] == pytest.approx(0.3)
     assert [(k["name"], k["calls_per_step"]) for k in s["top"]] == [("loop_add_fusion", 1.0)]
     with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz"):
-        kernel_profile.summarize_trace(str(tmp_path / "empty"), steps=1, top=5)
+        common.summarize_trace(str(tmp_path / "empty"), steps=1, top=5)
 
 
 def test_parse_run():
-    assert step_bench.parse_run("gpt_1b3:O1") == ("gpt_1b3", "O1", [])
-    assert step_bench.parse_run("gpt_1b3:O1:model.scan_layers=False+plain") == (
+    assert runner.parse_run("gpt_1b3:O1") == ("gpt_1b3", "O1", [])
+    assert runner.parse_run("gpt_1b3:O1:model.scan_layers=False+plain") == (
         "gpt_1b3",
         "O1",
         ["model.scan_layers=False", "plain"],
     )
     # A value may hold ':' (a path); it stays whole.
-    assert step_bench.parse_run("tiny:O0:data.path=/a:b")[2] == ["data.path=/a:b"]
+    assert runner.parse_run("tiny:O0:data.path=/a:b")[2] == ["data.path=/a:b"]
+    for bad in ("tiny", "tiny:", ":O1"):
+        with pytest.raises(ValueError, match="expected config:level"):
+            runner.parse_run(bad)
 
 
-def test_apply_overrides():
+def _one_line_error(call, match: str) -> str:
+    """The message of the ConfigError ``call()`` raises: one line, naming ``match``."""
+    with pytest.raises(errors.ConfigError, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_apply_overrides_through_ml_collections():
     c = train_lib.load_config("tiny")
     assert (c.model.scan_layers, c.seq_len, c.model.dtype) == (True, 64, "float32")
-    opts = ["model.scan_layers=False", "plain", "seq_len=32", "model.dtype=bfloat16"]
-    step_bench.apply_overrides(c, opts)  # 'plain' is a flag, not an override: skipped
-    # Literals are parsed (a bool, not the string 'False'); a bare word stays a string.
+    runner.apply_overrides(c, ["model.scan_layers=False", "seq_len=32", "model.dtype=bfloat16"])
+    # Literals are parsed (a bool, not the string 'False'); a str field takes the text as is.
     assert c.model.scan_layers is False
     assert c.seq_len == 32 and isinstance(c.seq_len, int)
     assert c.model.dtype == "bfloat16"
-    with pytest.raises(KeyError, match="model.foo"):
-        step_bench.apply_overrides(c, ["model.foo=1"])
+    runner.apply_overrides(c, ["model.dtype=1"])  # a str field: '1' stays a string
+    assert c.model.dtype == "1"
+    _one_line_error(lambda: runner.apply_overrides(c, ["model.foo=1"]), "'model.foo'")
     assert "foo" not in c.model  # a typo must not add a field
-    with pytest.raises(KeyError, match="unknown config field 'modl.dtype'"):
-        step_bench.apply_overrides(c, ["modl.dtype=float32"])  # a misspelled parent too
+    assert not c.is_locked  # and the config is left as unlocked as it came
+    # A misspelled parent too, and a value ml_collections cannot give the field's type.
+    msg = "unknown config field 'modl.dtype'"
+    _one_line_error(lambda: runner.apply_overrides(c, ["modl.dtype=float32"]), msg)
+    _one_line_error(lambda: runner.apply_overrides(c, ["seq_len=long"]), "override 'seq_len=long'")
+    assert c.seq_len == 32
+    _one_line_error(lambda: runner.apply_overrides(c, ["plain"]), "expected key=value")
+
+
+def test_load_applies_settings_then_options_then_sets():
+    c = runner.load("tiny:O2:seq_len=16+plain", sets=["model.d_ff=96"], flags={"plain"},
+                    settings={"seq_len": 8, "batch_size": 2, "model.d_ff": 64})  # fmt: skip
+    assert (c.fp8.level, c.seq_len, c.batch_size, c.model.d_ff) == ("O2", 16, 2, 96)
+    c = runner.load("tiny:O1", sets=["seq_len=24"], settings=runner.step_settings(quick=True))
+    assert (c.seq_len, c.model.d_model, c.mesh.data, c.model.attention_impl) == (24, 64, -1, "xla")
+    _one_line_error(lambda: runner.load("tiny:O1:plian"), "unknown option")
+    _one_line_error(lambda: runner.load("tiny:O1", settings={"model.d_modl": 1}), "model.d_modl")
 
 
 def test_parity_levels_carry_config_overrides():
@@ -178,50 +220,195 @@ def test_parity_levels_carry_config_overrides():
     c = parity.level_config("tiny", "O1:model.fp8_lm_head=True+seq_len=32", 40, 512, "-1,1,1")
     assert (c.fp8.level, c.model.fp8_lm_head, c.seq_len) == ("O1", True, 32)
     assert (c.num_train_steps, c.eval_every_steps, c.model.vocab_size) == (40, 40, 512)
-    plain = parity.level_config("tiny", "O0", 40, 512, "-1,1,1")
-    assert (plain.fp8.level, plain.model.fp8_lm_head) == ("O0", False)
-    safe = step_bench.safe_name("tiny_O1:model.fp8_lm_head=True")
+    plain = parity.level_config("tiny", "O0", 40, 512, "-1,1,1", sets=["seq_len=48"])
+    assert (plain.fp8.level, plain.model.fp8_lm_head, plain.seq_len) == ("O0", False, 48)
+    safe = runner.safe_name("tiny_O1:model.fp8_lm_head=True")
     assert safe == "tiny_O1_model-fp8_lm_head-True"
-    with pytest.raises(KeyError, match="model.fp8_head"):
+    with pytest.raises(errors.ConfigError, match="model.fp8_head"):
         parity.level_config("tiny", "O1:model.fp8_head=True", 40, 512, "-1,1,1")
 
 
-def test_notebook_code_cells(tmp_path):
-    nb = {
-        "cells": [
-            {"cell_type": "markdown", "source": ["# Title\n"]},
-            {"cell_type": "code", "source": ["!pip install fp8jax\n", "import fp8jax\n"]},
-            {
-                "cell_type": "code",
-                "source": ["%matplotlib inline\n", "if True:\n", "    !nvidia-smi\n", "y = 7 % 3"],
-            },
-            {"cell_type": "markdown", "source": "text"},
-            {"cell_type": "code", "source": "print(y)"},
-        ],
-        "metadata": {},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-    path = tmp_path / "01_demo.ipynb"
-    path.write_text(json.dumps(nb))
-    cells = notebooks.code_cells(str(path))
-    # The install cell is skipped; indices count every cell; magics become `pass` at their
-    # indent (the `if` block stays valid) and `%` as an operator is left alone.
-    assert cells == [(2, "pass\nif True:\n    pass\ny = 7 % 3\n"), (4, "print(y)\n")]
-    namespace = {}
-    exec(compile(cells[0][1], "cell", "exec"), namespace)
-    assert namespace["y"] == 1
+def test_bad_override_stops_before_any_child(tmp_path):
+    """A typo in the second run: one line on stderr, nothing measured, nothing written."""
+    runs = "tiny:O1,tiny:O1:model.foo=1"
+    proc = _module("step", "--quick", "--runs", runs, "--set", "seq_len=16", "--out", str(tmp_path))
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == (
+        "error: unknown config field 'model.foo' in override 'model.foo=1'"
+    ), proc.stderr[-800:]
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
 
 
-def test_notebook_keys_and_numbers():
-    assert notebooks.nb_key("colab/01_fp8_in_your_flax_model.ipynb") == "nb01"
-    assert notebooks.nb_key("/x/scratch.ipynb") == "scratch"
-    rec = {
-        "notebook": "colab/01_fp8_in_your_flax_model.ipynb",
-        "results": {"final_loss": {"O0": 3.21, "O1": 3.25}, "compiled_fp8_gemms": 12},
+def test_every_benchmark_has_a_module_cli():
+    """``python -m benchmarks.<name> --help`` for each kept benchmark (the PyTorch reference
+    where torch is installed), and nothing left of the retired ones."""
+    names = [n for n in KEPT if n != "torch_reference" or importlib.util.find_spec("torch")]
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, "-m", f"benchmarks.{n}", "--help"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in names
     }
-    assert notebooks.key_numbers(rec) == "final loss O0 3.21, O1 3.25; compiled FP8 GEMMs 12"
-    assert notebooks.key_numbers({"notebook": "colab/02_x.ipynb"}) == "(no results)"
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-800:])
+        assert "--out" in out and f"python -m benchmarks.{name}" in out, (name, out)
+    assert sorted(p.stem for p in BENCH.glob("*.py")) == sorted(KEPT + ["__init__", *SHARED])
+
+
+def _imports(path: pathlib.Path) -> tuple[set[str], set[str]]:
+    """(top-level modules imported anywhere in the file, benchmarks modules it imports)."""
+    tree = ast.parse(path.read_text())
+    roots, local = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import"
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            roots.add(name.split(".")[0])
+            if name.startswith("benchmarks."):
+                local.add(name.split(".")[1])
+    return roots, local
+
+
+def test_package_imports_no_sys_path_and_no_cycles():
+    graph = {}
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path":
+                assert not (isinstance(node.value, ast.Name) and node.value.id == "sys"), (
+                    f"{path.name}:{node.lineno}: sys.path"
+                )
+        roots, local = _imports(path)
+        assert local <= SHARED, f"{path.name} imports benchmarks {sorted(local - SHARED)}"
+        graph[path.stem] = local
+    seen, done = set(), set()
+
+    def visit(name, trail):
+        assert name not in seen - done, f"import cycle: {' -> '.join([*trail, name])}"
+        if name not in seen:
+            seen.add(name)
+            for dep in graph.get(name, ()):
+                visit(dep, [*trail, name])
+            done.add(name)
+
+    for name in graph:
+        visit(name, [])
+    # The runner and the package import nothing of the JAX side at import time, and the
+    # PyTorch reference nowhere: it runs with torch alone.
+    jax_side = {"jax", "jaxlib", "flax", "fp8jax", "optax", "ml_collections", "numpy"}
+    tree = ast.parse((BENCH / "runner.py").read_text())
+    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert not top & jax_side, top
+    assert not _imports(BENCH / "torch_reference.py")[0] & jax_side
+    code = "import sys, benchmarks.runner; print(sorted({'jax', 'fp8jax'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr[-800:]
+
+
+def test_table_aligns_rows_and_reports_errors():
+    rows = [
+        {"run": "tiny:O1", "ms": 12.345, "power": None},
+        {"run": "a_longer_run:O0", "error": "MemoryError: out of memory"},
+        {"run": "x:O2", "ms": 1.0, "power": {"watts": 690.4}},
+    ]
+    cols = {"ms": lambda r: f"{r['ms']:.1f}", "W": lambda r: f"{r['power']['watts']:.0f}"}
+    assert runner.table(rows, cols).splitlines() == [
+        "run                ms    W",
+        "tiny:O1          12.3    -",
+        "a_longer_run:O0  ERROR MemoryError: out of memory",
+        "x:O2              1.0  690",
+    ]
+
+
+def test_failed_run_row_keeps_the_compile_line_with_xla_memory():
+    """An out-of-memory child: its row names XLA's temp need first, then the exception."""
+    script = (
+        "import sys\n"
+        "print('llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB, arguments 42.00 GiB',"
+        " file=sys.stderr)\n"
+        "raise MemoryError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate')\n"
+    )
+    row = runner.run_child([sys.executable, "-c", script], "llama_7b:O1")
+    assert row["error"].startswith("llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB"), row
+    assert "MemoryError: RESOURCE_EXHAUSTED" in row["error"], row
+    ok = f"import json; print({runner.MARK!r} + json.dumps({{'run': 'r', 'ms': 1.5}}))"
+    assert runner.run_child([sys.executable, "-c", ok], "r") == {"run": "r", "ms": 1.5}
+    slow = "import sys, time; print('r: compiling', file=sys.stderr, flush=True); time.sleep(60)"
+    row = runner.run_child([sys.executable, "-c", slow], "r", timeout=1)
+    assert row == {"run": "r", "error": "r: compiling | timed out after 1 s"}, row
+
+
+@pytest.mark.parametrize("program", ["step", "init"])
+def test_memory_peak_reads_xla_report_through_the_runner(program, tmp_path):
+    """End to end on CPU, parent and child: the compiled tiny O2 step's (init's) peak, by JAX
+    operation, in the run's own JSON file."""
+    args = ["--quick", "--runs", "tiny:O2", "--set", "seq_len=16", "--program", program]
+    proc = _module("memory_peak", *args, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-800:]
+    row = json.loads((tmp_path / f"memory_peak_{program}_tiny_O2.json").read_text())
+    assert "error" not in row and row["program"] == program, row
+    jit_name = {"step": "train_step", "init": "init_state"}[program]
+    assert any(f"jit({jit_name})" in b["op"] for b in row["breakdown"]), row["breakdown"]
+    assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
+    assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
+    assert "temp GiB" in proc.stdout and "tiny:O2" in proc.stdout  # the printed table
+
+
+O3_STATE = """
+import json, math, sys
+import jax
+from benchmarks import runner
+from fp8jax.optim.master import is_matmul_weight, is_scaled
+
+def state_bytes(level, mesh):
+    s = runner.build(runner.load(f"tiny:{level}", settings=runner.step_settings(mesh=mesh)))
+    out = {}
+    for part in ("params", "opt_state", "fp8"):
+        leaves = jax.tree.leaves(getattr(s.abstract, part))
+        shardings = jax.tree.leaves(getattr(s.state_shardings, part))
+        out[part] = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+                        for x, sh in zip(leaves, shardings, strict=True))
+    flat = jax.tree_util.tree_flatten_with_path(s.abstract.params, is_leaf=is_scaled)[0]
+    out["matmul_params"] = sum(math.prod(x.shape) for p, x in flat if is_matmul_weight(p, x))
+    return out
+
+print(json.dumps({"O2": state_bytes("O2", "4,1,1"), "O3": state_bytes("O3", "1,4,1")}))
+"""
+
+
+def test_o3_shards_the_o2_state_over_fsdp():
+    """tiny on 4 simulated devices: O3's train state per device is O2's over 4 (+ scalars)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", O3_STATE], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-800:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    o2, o3 = (sum(r[lv][k] for k in ("params", "opt_state", "fp8")) for lv in ("O2", "O3"))
+    assert r["O2"]["opt_state"] > r["O2"]["params"] > 0
+    assert r["O3"]["matmul_params"] == r["O2"]["matmul_params"] > 0
+    # Replicated per-tensor scales, norms and biases are all that O3 does not divide by 4.
+    assert o2 / 4 <= o3 <= 1.05 * o2 / 4, r
+
+
+def test_build_gives_the_setup_fields_and_a_plain_step():
+    c = runner.load("tiny:O1", settings=runner.step_settings(quick=True))
+    s, plain = runner.build(c), runner.build(c, plain=True)
+    for name in ("mesh", "model", "tx", "init", "abstract", "state_shardings", "batch_sharding"):
+        assert getattr(s, name) is not None and getattr(plain, name) is not None
+    assert s.mesh.size == 1 and s.train_step is not plain.train_step
+    assert s.eval_step is not None and s.stats_step is not None
 
 
 # The shape of XLA's *-live-range.txt (jaxlib 0.10.2, CPU), trimmed.
@@ -251,41 +438,9 @@ def test_parse_live_range():
     ]
 
 
-@pytest.mark.parametrize("program", ["step", "init"])
-def test_memory_peak_script_reads_xla_report(program, tmp_path):
-    """End to end on CPU: the compiled tiny O2 step's (init's) peak, by JAX operation."""
-    import subprocess
-
-    cmd = [sys.executable, str(BENCH / "memory_peak.py"), "--quick", "--runs", "tiny:O2"]
-    cmd += ["--program", program, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-800:]
-    (row,) = json.loads((tmp_path / "memory_peak.json").read_text())
-    assert "error" not in row and row["program"] == program, row
-    jit_name = {"step": "train_step", "init": "init_state"}[program]
-    assert any(f"jit({jit_name})" in b["op"] for b in row["breakdown"]), row["breakdown"]
-    assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
-    assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
-
-
-def test_state_per_device_o3_shards_o2_state(tmp_path):
-    """tiny on 4 simulated devices: O3's train state per device is O2's over 4 (+ scalars)."""
-    import subprocess
-
-    cmd = [sys.executable, str(BENCH / "state_per_device.py"), "--config", "tiny", "--devices", "4"]
-    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
-    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-800:]
-    r = json.loads((tmp_path / "state_per_device.json").read_text())
-    o2, o3 = r["O2"], r["O3"]
-    assert o2["opt_state"] > o2["params"] > 0 and o3["matmul_params"] == o2["matmul_params"]
-    # Replicated per-tensor scales, norms and biases are all that O3 does not divide by 4.
-    assert o2["state"] / 4 <= o3["state"] <= 1.05 * o2["state"] / 4
-
-
 def test_step_child_times_and_profiles_one_run(tmp_path):
-    """One quick run of benchmarks/step.py's child: timings, loss, kernel summary, HLO file."""
-    rec = step_bench.child("tiny:O1", quick=True, steps=1, profile=1, hlo_dir=str(tmp_path))
+    """One quick run of benchmarks.step's child: timings, loss, kernel summary, HLO file."""
+    rec = step.child("tiny:O1", quick=True, steps=1, profile=1, hlo_dir=str(tmp_path))
     with gzip.open(tmp_path / "hlo_tiny_O1.txt.gz", "rt") as f:
         assert "HloModule" in f.read()
     assert rec["step_ms"] > 0 and rec["tokens_per_s"] > 0 and rec["devices"] == 1
@@ -321,25 +476,6 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
 
 
-def test_prologue_rows_check_each_formula_against_xla_gelu():
-    """Through the interpreter every formula gives the exact GELU's FP8 codes (the kernel's
-    hardware tanh only exists on GPUs); rounding GELU to bf16 first, as the unfused path does,
-    changes some of them."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    h = jnp.asarray(np.random.default_rng(0).standard_normal((32, 128)) * 2, jnp.bfloat16)
-    rows = prologue.measure(h, jnp.float32(64.0), True, reps=1, iters=1, tunings=[(16, 128, 4)])
-    assert [r["variant"] for r in rows] == [
-        "cast only (no GELU)",
-        "XLA GELU (bf16) then cast",
-        *(f"kernel GELU {f}" for f in prologue.FORMULAS),
-    ]
-    assert all("error" not in r and r["us"] > 0 for r in rows), rows
-    assert rows[1]["differ"] > 0.01
-    assert all(r["differ"] == 0 for r in rows[2:]), rows
-
-
 def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     """XLA's amax depends on x alone: without vary_input, XLA hoists it out of the timed loop."""
     import re
@@ -366,72 +502,13 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     assert reduces_in_body(True)
 
 
-def test_failed_run_row_keeps_the_compile_line_with_xla_memory():
-    """An out-of-memory child: its row names XLA's temp need first, then the exception."""
-    script = (
-        "import sys\n"
-        "print('llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB, arguments 42.00 GiB',"
-        " file=sys.stderr)\n"
-        "raise MemoryError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate')\n"
-    )
-    row = step_bench.run_child([sys.executable, "-c", script], "MARK", "llama_7b:O1")
-    assert row["error"].startswith("llama_7b:O1: compiled in 121.0 s; XLA temp 97.52 GiB"), row
-    assert "MemoryError: RESOURCE_EXHAUSTED" in row["error"], row
-
-
-def test_gemm_epilogue_forms_compute_the_same_linear():
-    """Each way of writing the FP8 linear gives y = x.w / (sx sw) + b up to bf16 rounding."""
-    import gemm_epilogue
-
-    rows = gemm_epilogue.measure(64, 32, 48, reps=1, iters=1)
-    assert [r["form"] for r in rows] == list(gemm_epilogue.FORMS)
-    for r in rows:
-        assert "error" not in r, r
-        # One or two bf16 roundings of outputs up to max_abs_out: a few ulps at most.
-        assert r["max_abs_diff_vs_direct"] <= 2**-6 * r["max_abs_out"], r
-        assert r["f8_gemms"] == 0 and r["kernels"] > 0  # CPU: no cuBLASLt
-
-
 def test_power_samples_parse_and_summarize():
     text = "690.12, 1545\n[N/A], 1980\n680.00, 1605\n"  # one unreadable sample is skipped
-    assert step_bench.parse_power(text) == [(690.12, 1545.0), (680.0, 1605.0)]
-    power = step_bench._GpuPower()
-    power.samples = step_bench.parse_power(text)
+    assert common.parse_power(text) == [(690.12, 1545.0), (680.0, 1605.0)]
+    power = common.GpuPower()
+    power.samples = common.parse_power(text)
     s = power.summary(200.0)
     assert s["watts"] == pytest.approx(685.06) and s["sm_mhz"] == pytest.approx(1575.0)
     assert s["joules_per_step"] == pytest.approx(685.06 * 0.2) and s["samples"] == 2
     power.samples = []
     assert power.summary(200.0) is None
-
-
-def test_energy_pieces_keep_every_layer_and_kernel():
-    """benchmarks/energy.py: 3 GEMMs per linear per layer, 12 casts per layer on CUDA."""
-    import energy
-
-    s = energy.QUICK
-    for fp8 in (False, True):
-        fn, args = energy.gemms(s, fp8)
-        text = fn.trace(*args).lower().as_text()
-        dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
-        assert len(dots) == 3 * 4 * s["layers"]
-        assert all(("f8E" in ln) == fp8 for ln in dots)
-    fn, args = energy.casts(s, "pallas")
-    cuda = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert cuda.count("__gpu$xla.gpu.triton") == 12 * s["layers"]
-    row = energy.measure(*energy.casts(s, "interpret"), seconds=0.0)
-    assert row["ms"] > 0 and row["power"] is None and row["f8_gemms"] == 0
-
-
-def test_energy_step_with_pass_times_each_variant():
-    import energy
-
-    rec = energy.step_with_pass("tiny:O1", [1e-6, 2e-6], steps=2, quick=True)
-    assert rec["step"]["ms"] > 0 and rec["step"]["power"] is None  # no nvidia-smi here
-    assert [r["gb"] for r in rec["passes"]] == [1e-6, 2e-6]
-    for r in rec["passes"]:
-        for name in ("pass", "with_pass", "step_after"):
-            assert r[name]["ms"] > 0 and r[name]["power"] is None
-        assert r["with_pass"]["ms"] > r["pass"]["ms"]
-        assert (
-            r["cost_ms"] == r["with_pass"]["ms"] - (rec["step"]["ms"] + r["step_after"]["ms"]) / 2
-        )

@@ -1,0 +1,305 @@
+"""Measurement helpers the benchmarks share: HLO text, profiler traces, GPU power samples.
+
+jax and fp8jax are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks import runner
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet FLOP/s, the usual MFU denominator
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One run ready to time: its config, the trainer's setup, an initial state and a batch."""
+
+    config: Any
+    setup: Any
+    state: Any
+    batch: Any
+    times: dict  # setup_s, init_s, init_compile_s: where the minutes go before the step compiles
+
+
+def prepare(config, label: str, plain: bool = False) -> Prepared:
+    """``build``, then compile and run the jitted init and put a random batch on the mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    s = runner.build(config, plain)
+    setup_s = time.perf_counter() - t0
+    print(f"{label}: setup (trace) {setup_s:.1f} s", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    key = jax.random.PRNGKey(0)
+    init = s.init.lower(key).compile()
+    init_compile_s = time.perf_counter() - t0
+    state = init(key)
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    msg = f"{label}: init {init_s:.1f} s (compile {init_compile_s:.1f} s)"
+    print(msg, file=sys.stderr, flush=True)
+    tok = np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (config.batch_size, config.seq_len)
+    )
+    tok = jnp.asarray(tok, jnp.int32)
+    batch = jax.device_put({"inputs": tok, "targets": tok}, s.batch_sharding)
+    times = dict(setup_s=setup_s, init_s=init_s, init_compile_s=init_compile_s)
+    return Prepared(config, s, state, batch, times)
+
+
+def mesh_context(config, setup):
+    """The legacy ``with mesh:`` only where flax's FP8 op needs it; shardings are explicit."""
+    return setup.mesh if config.fp8.get("impl") == "flax" else contextlib.nullcontext()
+
+
+def peak_bytes(dev) -> int:
+    """The process's peak device memory so far (0 where the backend keeps no statistics)."""
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    return (stats or {}).get("peak_bytes_in_use", 0)
+
+
+def memory_analysis(compiled) -> dict:
+    """XLA's temp, argument, output (and peak, where known) bytes of a compiled program."""
+    ma = compiled.memory_analysis()
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+    out = {k: int(getattr(ma, k, -1)) for k in keys} if ma is not None else {}
+    if getattr(ma, "peak_memory_in_bytes", None) is not None:
+        out["peak_memory_in_bytes"] = int(ma.peak_memory_in_bytes)
+    return out
+
+
+def versions() -> dict:
+    """jax, jaxlib and flax versions, backend, device kind, XLA_FLAGS and Python."""
+    import flax
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
+        "flax": flax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "python": sys.version.split()[0],
+    }
+
+
+def time_calls(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[float, list]:
+    """Median seconds per call of ``fn(*args)`` over ``reps`` repetitions (after a warm-up call)
+    of enough back-to-back calls to last ``min_rep_s`` (at most ``max_iters``), and every one."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(2, min(max_iters, math.ceil(min_rep_s / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), times
+
+
+def save_hlo(out: str, run: str, text: str) -> str:
+    """Write a compiled step's HLO, gzipped, as ``<out>/hlo_<run>.txt.gz``; return the path."""
+    path = os.path.join(out, f"hlo_{runner.safe_name(run)}.txt.gz")
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    return path
+
+
+# Instructions that launch nothing: views, tuples, constants, and the second half of async pairs.
+_NO_LAUNCH = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"}
+SMALL = 4096  # elements: the scale states' histories, scalars, norms' vectors
+
+
+def launches(hlo: str) -> tuple[int, int]:
+    """``(ops, small)``: instructions of the compiled step's entry computation that run on the
+    device (an upper bound on kernel launches per step outside loops), and how many of them
+    write at most ``SMALL`` elements (the tiny kernels of the FP8 scale state)."""
+    from fp8jax.parallel import comm
+
+    comps, entry = comm._computations(hlo)
+    ops = small = 0
+    for line in comps[entry]:
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)
+        if not m or m.group(2) in _NO_LAUNCH or m.group(2).endswith("-done"):
+            continue
+        ops += 1
+        sizes = [
+            math.prod(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"\[([\d,]*)\]", m.group(1))
+        ]
+        small += max(sizes, default=0) <= SMALL
+    return ops, small
+
+
+class GpuPower:
+    """Samples ``nvidia-smi`` (power draw, SM clock) every 100 ms inside a ``with`` block."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits"]
+
+    def __enter__(self):
+        self.samples, self.proc = [], None
+        # nvidia-smi ignores CUDA_VISIBLE_DEVICES: ask for the first GPU this process sees.
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        cmd = self.QUERY + ["-i", gpu, "-lms", "100"]
+        with contextlib.suppress(OSError):  # no nvidia-smi (CPU): no samples
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.samples = parse_power(out)
+        return False
+
+    def summary(self, ms_per_step: float) -> dict | None:
+        """Mean W and MHz over the samples (first GPU) and joules per step; None if none."""
+        if not self.samples:
+            return None
+        watts = statistics.mean(w for w, _ in self.samples)
+        return {
+            "watts": watts,
+            "sm_mhz": statistics.mean(mhz for _, mhz in self.samples),
+            "joules_per_step": watts * ms_per_step / 1e3,
+            "samples": len(self.samples),
+        }
+
+
+def parse_power(text: str) -> list[tuple[float, float]]:
+    """``(watts, sm_mhz)`` per ``nvidia-smi`` csv line; lines that are not numbers are skipped."""
+    rows = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        with contextlib.suppress(ValueError, IndexError):
+            rows.append((float(fields[0]), float(fields[1])))
+    return rows
+
+
+def category(name: str) -> str:
+    """Coarse class of a GPU kernel from its name (cuBLAS/cuDNN/XLA naming conventions)."""
+    n = name.lower()
+    if "nccl" in n:
+        return "collective"
+    # cuBLASLt's nvjet kernels spell operand types first: 'tst' bf16, 'qqtst' E4M3 x E4M3,
+    # 'rqtst'/'qrtst' with an E5M2 ('r') operand.
+    nvjet = re.match(r"nvjet_sm\d+_([a-z]+)_", n)
+    if nvjet:
+        return "gemm_fp8" if set(nvjet.group(1)[:2]) & set("qr") else "gemm_other"
+    gemm = "gemm" in n or "nvjet" in n or "xmma" in n or "cutlass" in n
+    if gemm and any(t in n for t in ("e4m3", "e5m2", "f8f8", "qqtst", "_f8", "fp8")):
+        return "gemm_fp8"
+    if gemm or "cublas" in n:
+        return "gemm_other"
+    if "flash" in n or "fmha" in n or "cudnn" in n or "sdpa" in n or "attention" in n:
+        return "attention"
+    if "memcpy" in n or "memset" in n or n.startswith("copy") or "transpose" in n:
+        return "copy/transpose"
+    if "reduce" in n or "reduction" in n:
+        return "reduction fusion"
+    if "fusion" in n or "loop_" in n or "input_" in n or "wrapped" in n:
+        return "elementwise fusion"
+    return "other"
+
+
+def summarize_trace(trace_dir: str, steps: int, top: int) -> dict:
+    """Kernel totals per step from the newest ``*.trace.json.gz`` under ``trace_dir``."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pids, tids = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pids[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tids[(e["pid"], e["tid"])] = e["args"]["name"]
+    # Device timelines: XLA names them '/device:GPU:0' (streams are their threads). On CPU
+    # (smoke tests) the ops run on XLA's Eigen worker threads instead.
+    gpu = {p for p, n in pids.items() if "/device:GPU" in n or "/device:TPU" in n}
+    on_device = lambda e: e.get("pid") in gpu  # noqa: E731
+    if not gpu:
+        on_device = lambda e: tids.get((e.get("pid"), e.get("tid")), "").startswith("tf_XLAEigen")  # noqa: E731
+    by_name, by_cat = collections.Counter(), collections.Counter()
+    count = collections.Counter()
+    spans = []
+    for e in events:
+        if e.get("ph") != "X" or not on_device(e) or "dur" not in e:
+            continue
+        # One fusion per unrolled layer ('loop_add_fusion_17'): group them by their kind.
+        name = re.sub(r"(fusion|copy|transpose)[._]\d+$", r"\1", e.get("name", "?"))
+        dur = float(e["dur"])  # microseconds
+        by_name[name] += dur
+        count[name] += 1
+        by_cat[category(name)] += dur
+        spans.append((float(e["ts"]), float(e["ts"]) + dur))
+    busy = 0.0
+    end = -1.0
+    for s, t in sorted(spans):  # union of kernel intervals: time the GPU had work
+        if t > end:
+            busy += t - max(s, end)
+            end = t
+    wall = (max(t for _, t in spans) - min(s for s, _ in spans)) if spans else 0.0
+    total = sum(by_name.values())
+    per = lambda us: us / steps / 1e3  # noqa: E731  (ms per step)
+    return {
+        "timeline": "gpu" if gpu else "cpu threads",
+        "kernel_ms_per_step": per(total),
+        "busy_ms_per_step": per(busy),
+        "span_ms_per_step": per(wall),
+        "categories": {k: per(v) for k, v in by_cat.most_common()},
+        "top": [
+            {
+                "name": n,
+                "ms_per_step": per(v),
+                "share": v / total if total else 0.0,
+                "calls_per_step": count[n] / steps,
+                "category": category(n),
+            }
+            for n, v in by_name.most_common(top)
+        ],
+    }
+
+
+def trace_steps(compiled, state, batch, steps: int, top: int) -> dict:
+    """Run ``steps`` more steps under ``jax.profiler`` and summarise their device kernels."""
+    import jax
+
+    with tempfile.TemporaryDirectory(prefix="fp8jax_trace_") as trace_dir:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        return {"traced_wall_ms_per_step": wall_ms, **summarize_trace(trace_dir, steps, top)}

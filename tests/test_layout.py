@@ -19,10 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp8jax"
 MAX_LINES = 400
 
-# Modules allowed over MAX_LINES, with the reason.
+# Modules allowed over MAX_LINES, with what keeps them long; drop an entry once it fits.
 LONG_MODULES = {
-    "fp8jax.trainer.loop": "the trainer's setup and loop; being split by the trainer-spec work",
-    "fp8jax.trainer.step": "the train step; being split by the trainer-spec work",
+    "fp8jax.trainer.loop": "setup, validation and the run loop of the trainer in one module",
+    "fp8jax.trainer.step": "the train state, optimizer and every step builder in one module",
 }
 
 # Subpackage edges that close a cycle, with the reason.

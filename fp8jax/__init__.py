@@ -21,10 +21,17 @@ from fp8jax.nn.state import (
     update_state,
 )
 from fp8jax.ops import formats, kernels, scaling
-from fp8jax.ops.dot import Fp8Meta, dot_general, init_meta
+from fp8jax.ops.dot import dot_general
 from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
 from fp8jax.ops.kernels import cast_transpose
-from fp8jax.ops.scaling import CurrentScaling, DelayedScaling, ScaleState, make_recipe
+from fp8jax.ops.scaling import (
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Meta,
+    ScaleState,
+    init_meta,
+    make_recipe,
+)
 
 __version__ = "0.1.0"
 

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8jax.diagnostics import hlo  # noqa: E402
 from fp8jax.ops import formats  # noqa: E402
 from fp8jax.optim import adam as optim  # noqa: E402
 from fp8jax.parallel import comm, sharding  # noqa: E402
@@ -181,7 +182,7 @@ def compare(base: dict, other: dict) -> dict:
 
 
 def bytes_rows(name: str, r: dict, num_devices: int) -> dict:
-    rows = comm.collectives(r["hlo"], num_devices)
+    rows = hlo.collectives(r["hlo"], num_devices)
     out: dict = {"run": name, "mesh": r["mesh"], "by_op": {}}
     for row in rows:
         key = f"{row['op']} {row['dtype']} x{row['group']}"
@@ -244,7 +245,7 @@ def stablehlo_fp8(config) -> dict:
     """Element types of all_to_all / all_gather in the lowered step with ``wire='fp8'``."""
     c = copy.deepcopy(config)
     c.comm = ml_collections.ConfigDict(dict(wire="fp8"))
-    return comm.fp8_collectives_in_stablehlo(lowered_step(c).as_text())
+    return hlo.fp8_collectives_in_stablehlo(lowered_step(c).as_text())
 
 
 def activation_constraints(config) -> int:

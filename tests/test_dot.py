@@ -106,8 +106,8 @@ def test_dot_general_dims_unsorted_batch_and_contract():
 
 
 def test_unaligned_shapes_are_padded_to_16_before_the_fp8_gemm():
-    # XLA:GPU's own padding of unaligned FP8 GEMMs read out of bounds (inf/NaN on an H200,
-    # jax 0.11.2); dot_general pads M, K, N itself. CPU cannot show the bug, so pin the layout.
+    # XLA:GPU's own padding of unaligned FP8 GEMMs can read out of bounds (inf/NaN);
+    # dot_general pads M, K, N itself. CPU cannot show the bug, so pin the layout.
     x, w, r = _inputs(9, (2, 4, 6), (2, 6, 8), (2, 4, 8))
     eq = "bmk,bkn->bmn"
     report = coverage_report(_einsum_step(eq), x, w, r, fp8jax.init_meta(), compile=False)
@@ -222,7 +222,7 @@ def test_bf16_output_carries_no_scale_rounding_bias():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((48, 80)) * 0.1, jnp.bfloat16)
-    meta = dot.init_meta()
+    meta = fp8jax.init_meta()
     sx, sw = jnp.float32(3.0), jnp.float32(1.1)
     meta = meta.replace(x=meta.x.replace(scale=sx), w=meta.w.replace(scale=sw))
     y, _ = _dot(x, w, DENSE, meta)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fp8jax import models
-from fp8jax.nn.state import FLAX_FP8
+from fp8jax.models.layers import FLAX_FP8
 from fp8jax.trainer import loop as train_lib
 
 OP = "Fp8DirectDotGeneralOp_0"

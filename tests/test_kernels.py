@@ -79,8 +79,28 @@ def test_unaligned_shapes_take_the_xla_path():
 def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown FP8 cast kernel 'triton'.*fp8.cast_kernel"):
         dot.dot_general(
-            jnp.ones((16, 16)), jnp.ones((16, 16)), DENSE, dot.init_meta(), None, "triton"
+            jnp.ones((16, 16)), jnp.ones((16, 16)), DENSE, fp8jax.init_meta(), None, "triton"
         )
+
+
+def test_auto_cast_is_xla_on_cpu_and_the_kernel_on_gpus():
+    assert jax.default_backend() == "cpu"
+    assert kernels.resolve_impl("auto") == "xla"
+    assert kernels.resolve_impl("auto", "cpu") == "xla"
+    assert kernels.resolve_impl("auto", "gpu") == "pallas"
+    assert kernels.resolve_impl("auto", "tpu") == "xla"
+    for impl in kernels.IMPLS:  # explicit choices stand on every platform
+        assert kernels.resolve_impl(impl, "gpu") == kernels.resolve_impl(impl, "cpu") == impl
+    with pytest.raises(ValueError, match="unknown FP8 cast kernel 'triton'"):
+        kernels.resolve_impl("triton", "gpu")
+    # The ops' default is 'auto': on CPU it runs, and traces, as the explicit 'xla'.
+    x, w, meta = _linear_inputs()
+    default = jax.jit(lambda x, w, m: dot.dot_general(x, w, DENSE, m))
+    xla = jax.jit(lambda x, w, m: dot.dot_general(x, w, DENSE, m, cast_kernel="xla"))
+    assert default.lower(x, w, meta).as_text() == xla.lower(x, w, meta).as_text()
+    a, b = jax.tree.leaves(default(x, w, meta)), jax.tree.leaves(xla(x, w, meta))
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
 def _step(impl, recipe=None):
@@ -99,7 +119,7 @@ def _linear_inputs():
     x = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)  # [M, K]
     w = jnp.asarray(rng.standard_normal((48, 80)) * 0.1, jnp.float32)  # [K, N]
     # A meta after one step, so the scales in use are not all 1.
-    (_, (_, m)), (_, _, dm) = _step("xla")(x, w, dot.init_meta())
+    (_, (_, m)), (_, _, dm) = _step("xla")(x, w, fp8jax.init_meta())
     return x, w, fp8jax.update_state(m, dm)
 
 
@@ -119,7 +139,7 @@ def test_fp8_linear_with_kernel_equals_xla_path():
 
 def _cuda_text(impl, recipe=None):
     x, w, _ = _linear_inputs()
-    meta = dot.init_meta(recipe) if recipe else dot.init_meta()
+    meta = fp8jax.init_meta(recipe) if recipe else fp8jax.init_meta()
     return _step(impl).trace(x, w, meta).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import models
+from fp8jax.diagnostics import hlo
 from fp8jax.optim import master
 from fp8jax.parallel import comm, sharding
 from fp8jax.trainer import step
@@ -224,7 +225,7 @@ def test_gradient_buckets_follow_layers():
 
 
 def test_hlo_collective_bytes_count_loops_and_groups():
-    rows = comm.collectives(_HLO, num_devices=8)
+    rows = hlo.collectives(_HLO, num_devices=8)
     by_op = {(r["op"], r["dtype"]): r for r in rows}
     ar = next(r for r in rows if r["op"] == "all-reduce" and r["bytes"] == 256)
     assert (ar["group"], ar["runs"], ar["sent"]) == (4, 3, 256 * 2 * 3 / 4 * 3)  # in a loop x3
@@ -240,12 +241,12 @@ def test_hlo_collective_bytes_count_loops_and_groups():
         (12, 12.0),
         (20, 20.0),
     ]
-    assert comm.bytes_summary(rows)["total"] == pytest.approx(sum(r["sent"] for r in rows))
+    assert hlo.bytes_summary(rows)["total"] == pytest.approx(sum(r["sent"] for r in rows))
     stablehlo = (
         '%3 = "stablehlo.all_to_all"(%2) <{split_dimension = 0 : i64}> : '
         "(tensor<8x3xf8E5M2>) -> tensor<8x3xf8E5M2>"
     )
-    assert comm.fp8_collectives_in_stablehlo(stablehlo) == {"all_to_all": ["f8E5M2"]}
+    assert hlo.fp8_collectives_in_stablehlo(stablehlo) == {"all_to_all": ["f8E5M2"]}
 
 
 # ------------------------------------------------------------------ 8 simulated devices

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.optim import adam as optim
-from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
+from fp8jax.optim.master import ScaledTensor, is_scaled, path_key, resolve_mask, storage_dtype
 
 _MIB = 2.0**20
 
@@ -58,18 +58,6 @@ def _width(dtype, default_leaf) -> float:
         return float(jnp.dtype(dtype).itemsize)
 
 
-def _path_key(path) -> tuple[str, ...]:
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(str(getattr(k, attr)))
-                break
-        else:
-            out.append(str(k))
-    return tuple(out)
-
-
 def account(params, opt_state, grads_dtype=None, matmul_grads_dtype=None, mask=None) -> dict:
     """Raw counts: elements and bytes of params, grads and opt state, overall and matmul-only.
 
@@ -92,7 +80,7 @@ def account(params, opt_state, grads_dtype=None, matmul_grads_dtype=None, mask=N
             "params": _nbytes(leaf),
             "grads": n * _width(mm_grads if is_mm else grads_dtype, leaf),
         }
-        by_path[_path_key(path)] = (bool(is_mm), n)
+        by_path[path_key(path)] = (bool(is_mm), n)
         for k, v in row.items():
             totals[k] += v
             if is_mm:
@@ -100,7 +88,7 @@ def account(params, opt_state, grads_dtype=None, matmul_grads_dtype=None, mask=N
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_scaled)[0]:
         nbytes = _nbytes(leaf)
         totals["opt_state"] += nbytes
-        key = _path_key(path)
+        key = path_key(path)
         for start in range(len(key)):  # longest suffix first
             hit = by_path.get(key[start:])
             if hit is not None and hit[1] == _count(leaf):

@@ -94,7 +94,7 @@ def check_config(config) -> None:
     _check_choice(f.level, LEVELS, "fp8.level")
     _check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
     check_int(f.history_len, "fp8.history_len", 1)
-    _check_choice(f.amax_compute_algo, scaling._AMAX_ALGOS, "fp8.amax_compute_algo")
+    _check_choice(f.amax_compute_algo, scaling.AMAX_ALGOS, "fp8.amax_compute_algo")
     # scale = fmax / (amax * 2**margin): negative margins clip on purpose, positive ones leave
     # headroom; past 16 binades either way an E4M3 operand would clip or flush almost entirely.
     check_int(f.margin, "fp8.margin", -16, 16)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from fp8jax.models.config import ModelConfig
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
@@ -28,6 +29,9 @@ from fp8jax.parallel.sharding import constrain  # inert unless a step binds a me
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
 NORM_EPS = 1e-5
 ROPE_THETA = 10_000.0  # LLaMA/LLaMA-2 RoPE base
+# The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
+# new value.
+FLAX_FP8 = OVERWRITE_WITH_GRADIENT
 
 
 def normal_init(names, std: float = INIT_STD):
@@ -143,7 +147,7 @@ class Attention(nn.Module):
         q_BxLxNxH = constrain(q_BxLxNxH, ("batch", "length", "heads", None))
         k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", None))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
-        # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on H200.
+        # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on Hopper.
         o_BxLxNxH = jax.nn.dot_product_attention(
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=c.attention_impl
         )

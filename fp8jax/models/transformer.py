@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
-from fp8jax.models.layers import Block, constrain, fp8_cls, norm, normal_init, promote_for
-from fp8jax.nn.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
+from fp8jax.models.layers import FLAX_FP8, Block, constrain, fp8_cls, norm, normal_init, promote_for
+from fp8jax.nn.state import FP8, FP8_STATS
 
 
 @jax.custom_vjp
@@ -86,8 +86,6 @@ class Transformer(nn.Module):
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0},
-                # One scale per stacked master (per-tensor over all layers): the same each layer.
-                variable_broadcast=MASTER_SCALE,
                 split_rngs={"params": True},
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},

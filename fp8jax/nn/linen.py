@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.nn.state import FP8, FP8_STATS
-from fp8jax.ops import dot, formats, kernels, scaling
+from fp8jax.ops import activations, dot, formats, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
-from fp8jax.optim import master
 
 
 class _Fp8Op(nn.Module):
@@ -26,8 +25,12 @@ class _Fp8Op(nn.Module):
 
     recipe: scaling.Recipe = scaling.DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
-    cast_kernel: str = "xla"  # quantize with XLA ops or fp8jax.ops.kernels' fused cast+transpose
-    prologue: str | None = None  # an activation applied to lhs in its cast (kernels.ACTIVATIONS)
+    # 'auto' (the fused cast+transpose kernel on GPUs, XLA ops elsewhere), 'xla', 'pallas' or
+    # 'interpret': how operands are quantized (fp8jax.ops.kernels)
+    cast_kernel: str = kernels.AUTO
+    prologue: str | None = (
+        None  # an activation applied to lhs in its cast (activations.ACTIVATIONS)
+    )
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
@@ -39,25 +42,24 @@ class _Fp8Op(nn.Module):
     def _read(self, lhs, rhs):
         """``(rhs, meta)``: the weight and the stored scales; health stats when asked for
         (``lhs=None``: none for x). Call from a compact method."""
-        # O2+ train step: the kernel may arrive as its FP16 master's bits (master.carry_masters),
-        # dequantized here, inside the layer (and its remat), not kept alive outside it.
-        rhs = master.dequantize_in_layer(self, rhs)
-        meta = self.variable(FP8, "meta", dot.init_meta, self.recipe, self.w_recipe).value
+        meta = self.variable(FP8, "meta", scaling.init_meta, self.recipe, self.w_recipe).value
         if lhs is not None and self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
             self._sow_stats(lhs, rhs, meta)
         return rhs, meta
 
-    def _write(self, new_meta: dot.Fp8Meta) -> None:
+    def _write(self, new_meta: scaling.Fp8Meta) -> None:
         """Store the meta with this call's amax (train steps; evaluation writes nothing)."""
         if self.is_mutable_collection(FP8) and not self.is_initializing():
             self.put_variable(FP8, "meta", new_meta)
 
-    def _sow_stats(self, lhs, rhs, meta: dot.Fp8Meta):
+    def _sow_stats(self, lhs, rhs, meta: scaling.Fp8Meta):
         """Record the share of saturated and flushed values under the scales in use."""
-        act_lhs = kernels.activation(self.prologue)(jax.lax.stop_gradient(lhs).astype(jnp.float32))
+        act_lhs = activations.activation(self.prologue)(
+            jax.lax.stop_gradient(lhs).astype(jnp.float32)
+        )
         for name, x, s in (("x", act_lhs, meta.x), ("w", rhs, meta.w)):
             x = jax.lax.stop_gradient(x)
-            scale = dot._use_scale(s, formats.amax(x))
+            scale = scaling.use_scale(s, formats.amax(x))
             sat, flush = formats.saturation_stats(x, scale, s.fmt)
             self.sow(FP8_STATS, f"{name}_saturated", sat)
             self.sow(FP8_STATS, f"{name}_flushed", flush)
@@ -102,10 +104,10 @@ class Fp8Meta(_Fp8Op):
 
     @nn.compact
     def __call__(self, lhs, rhs):
-        """``(rhs, meta)``: the weight (dequantized from an O2 master) and the stored scales."""
+        """``(rhs, meta)``: the weight and the stored scales."""
         return self._read(lhs, rhs)
 
-    def write(self, new_meta: dot.Fp8Meta) -> None:
+    def write(self, new_meta: scaling.Fp8Meta) -> None:
         """Store the meta with this step's amax (train steps; evaluation writes nothing)."""
         self._write(new_meta)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from flax import nnx
 
 from fp8jax.nn import state
-from fp8jax.ops import dot, kernels, scaling
+from fp8jax.ops import activations, dot, kernels, scaling
 
 
 class Fp8State(nnx.Variable):
@@ -36,20 +36,21 @@ class _Fp8Op(nnx.Module):
         w_recipe: scaling.Recipe | None = None,
         *,
         use_running_average: bool = False,
-        cast_kernel: str = "xla",
+        cast_kernel: str = kernels.AUTO,
         prologue: str | None = None,
     ):
-        self.meta = Fp8State(dot.init_meta(recipe, w_recipe))
-        # How operands are quantized: 'xla' or fp8jax.ops.kernels' fused cast+transpose ('pallas').
+        self.meta = Fp8State(scaling.init_meta(recipe, w_recipe))
+        # How operands are quantized: 'auto' (the fused cast+transpose kernel on GPUs, XLA ops
+        # elsewhere, resolved when traced), 'xla', 'pallas' or 'interpret' (fp8jax.ops.kernels).
         self.cast_kernel = kernels.check_impl(cast_kernel)
         # An activation applied to lhs inside its quantization ('gelu_tanh'; None: plain lhs).
-        kernels.activation(prologue)
+        activations.activation(prologue)
         self.prologue = prologue
         # True (set by model.eval()): use the stored scales and record no amax, so evaluation
         # batches never leak into the next training step's scales.
         self.use_running_average = use_running_average
 
-    def _write(self, new_meta: dot.Fp8Meta) -> None:
+    def _write(self, new_meta: scaling.Fp8Meta) -> None:
         if not self.use_running_average:
             self.meta.set_value(new_meta)
 

@@ -19,16 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.ops import scaling
-from fp8jax.ops.dot import Fp8Meta
-from fp8jax.ops.scaling import ScaleState
+from fp8jax.ops.scaling import Fp8Meta, ScaleState
 
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
-# flax's own FP8 ops keep their scales here; the gradient of these variables is their new value.
-FLAX_FP8 = "_overwrite_with_gradient"
-# O2+ train step: FP16 master scales of the kernels handed to FP8 matmuls still encoded
-# (fp8jax.optim.master.carry_masters); read-only, at the matmul's path, keyed by storage dtype.
-MASTER_SCALE = "master_scale"
 
 
 def _is_state(x) -> bool:
@@ -44,8 +38,8 @@ def merge_grads(state, state_grads):
 
     Call once per micro-batch when accumulating gradients; the amax stays the max over them.
     Of an ``Fp8Meta`` only dy is merged: x and w were recorded in the forward pass and their
-    cotangents are zero (``dot``'s backward), so merging them changed nothing but cost about
-    four tiny GPU kernels per tensor per step (benchmarks/RESULTS.md, 2026-11-30, second).
+    cotangents are zero (``dot``'s backward), so merging them would change nothing but cost
+    tiny GPU kernels per tensor per step.
     """
 
     def merge(s, g):
@@ -90,7 +84,7 @@ def summarize(state) -> dict[str, jax.Array]:
     out = {}
     leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_state)[0]
     for path, s in leaves:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
         amax, scale = s.last_amax, s.scale
         if scale.ndim == 0:
             out[f"{name}/amax"], out[f"{name}/scale"] = amax, scale

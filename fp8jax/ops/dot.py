@@ -14,7 +14,7 @@ pass, so it comes back as the cotangent of the meta *input*, max-merged with the
 the meta *output*. When callers thread the returned meta into the next use of the same state
 (which the Flax modules do), repeated uses form a chain and the amax combines by max.
 
-With a ``prologue`` (an elementwise activation, ``kernels.ACTIVATIONS``) the matmul computes
+With a ``prologue`` (an elementwise activation, ``activations.ACTIVATIONS``) the matmul computes
 ``act(x) . w``: the activation is applied inside the pass that quantizes x, and the backward pass
 keeps the pre-activation x (not act(x)) and applies act' to dgrad's output in f32.
 
@@ -30,35 +30,25 @@ from __future__ import annotations
 import functools
 import math
 import string
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax import lax
 
-from fp8jax.ops import formats, kernels, scaling
-from fp8jax.ops.scaling import CurrentScaling, Recipe, ScaleState
+from fp8jax.ops import activations, formats, gemm, kernels, scaling
+from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.scaling import CurrentScaling, Fp8Meta
+
+__all__ = [
+    "PAD",
+    "check_operand",
+    "check_shapes",
+    "dot_general",
+    "einsum_dimension_numbers",
+    "fp8_einsum",
+]
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
-
-
-@struct.dataclass
-class Fp8Meta:
-    """Scale state of one FP8 matmul: inputs x, weights w, output gradients dy."""
-
-    x: ScaleState
-    w: ScaleState
-    dy: ScaleState
-
-
-def init_meta(recipe: Recipe = scaling.DEFAULT_RECIPE, w_recipe: Recipe | None = None) -> Fp8Meta:
-    """Fresh state for one FP8 matmul (E4M3 for x and w, E5M2 for dy)."""
-    return Fp8Meta(
-        x=scaling.init_scale_state("e4m3", recipe),
-        w=scaling.init_scale_state("e4m3", w_recipe or recipe),
-        dy=scaling.init_scale_state("e5m2", recipe),
-    )
 
 
 def check_operand(name: str, x: jax.Array) -> None:
@@ -71,193 +61,62 @@ def check_operand(name: str, x: jax.Array) -> None:
         )
 
 
-class _Cfg(NamedTuple):
-    """Static facts the backward pass needs (hashable, passed as a non-diff argument)."""
-
-    x_dtype: jnp.dtype
-    w_dtype: jnp.dtype
-    out_dtype: jnp.dtype
-    batched: bool
-    cast: str = "xla"  # kernels.IMPLS: how operands are quantized (fused kernel or XLA ops)
-    prologue: str | None = None  # kernels.ACTIVATIONS: x is a pre-activation
-
-
-def _use_scale(state: ScaleState, amax: jax.Array) -> jax.Array:
-    """Delayed scaling uses the stored scale; current scaling derives it from this amax."""
-    if isinstance(state.recipe, CurrentScaling):
-        return scaling.scale_from_amax(amax, state.scale, state.fmt, state.recipe)
-    return state.scale
-
-
-def _mm(a, b, contract_a: int, contract_b: int, batched: bool, out_dtype):
-    """GEMM of FP8 operands on one contracting and one free axis (plus an optional batch)."""
-    batch = ((0,), (0,)) if batched else ((), ())
-    return lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), batch), preferred_element_type=out_dtype
-    )
-
-
-def _inverse_scales(sx, sw, sg) -> jax.Array:
-    """``1 / (s_a * s_b)`` of the forward, dgrad and wgrad GEMMs, as one f32[3].
-
-    With delayed scaling all three scales are known before the forward GEMM, so one tiny
-    kernel serves the layer's three GEMMs; computed apart, each was a kernel of its own (XLA
-    does not copy a divide into the large fusion that uses it): 240 launches per step fewer at
-    gpt_1b3. Same f32 operations, same bits.
-    """
-    return 1.0 / jnp.stack([sx * sw, sg * sw, sx * sg])
-
-
-def _unscale(y, inv, dtype):
-    """``y * inv`` in ``dtype`` (``inv = 1 / (s_a * s_b)``), multiplied in f32, fused with the cast.
-
-    The inverse scale is not rounded to bf16 first: that would bias every element of the GEMM
-    output the same way, by up to 2**-9 relative.
-    """
-    return (y.astype(jnp.float32) * inv).astype(dtype)
-
-
-def _dgrad_out(cfg: _Cfg, dx, inv, x_pre):
-    """dgrad's GEMM output unscaled; through act' of the prologue when there is one."""
-    if cfg.prologue is None:
-        return _unscale(dx, inv, cfg.x_dtype)
-    da = dx.astype(jnp.float32) * inv  # d loss / d act(x), kept in f32 until after act'
-    _, act_vjp = jax.vjp(kernels.activation(cfg.prologue), x_pre.astype(jnp.float32))
-    return act_vjp(da)[0].astype(cfg.x_dtype)
-
-
-def _acc_dtype(dtype):
-    # f32 outputs stay f32; bf16/f16 outputs come straight from the GEMM epilogue.
-    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else dtype
-
-
-def _wgrad_dtype(cfg: _Cfg):
-    """The dtype dw leaves its GEMM in: the narrower of x's and w's. An f32 master weight
-    multiplied by bf16 activations gets its gradient as a bf16 matmul on a bf16 copy of it
-    would (then unscaled into f32); f32 only when both operands are."""
-    return min(cfg.x_dtype, cfg.w_dtype, key=lambda d: jnp.dtype(d).itemsize)
-
-
-def _fused(cfg: _Cfg, meta: Fp8Meta) -> bool:
-    """Quantize with kernels.cast_transpose: 2-D GEMMs whose scales are known beforehand."""
-    delayed = not any(isinstance(s.recipe, CurrentScaling) for s in (meta.x, meta.w, meta.dy))
-    return cfg.cast != "xla" and not cfg.batched and delayed
-
-
-def _fwd_fused(cfg: _Cfg, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
-    """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
-
-    ``affine`` (``kernels.cast_transpose``'s) makes x's pass quantize ``act(x * alpha + bias)``;
-    ``raw`` returns the GEMM's output still scaled by ``sx * sw`` (``inv[0]`` unscales it).
-    """
-    sx, sw = meta.x.scale, meta.w.scale
-    # E4M3 for both forward operands, as in _fwd_impl. x [M, K] -> xq [M, K] for this GEMM and
-    # xq_t [K, M] for the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here.
-    # With a prologue the same pass computes act(x) first: act(x) is never written out.
-    # Each pass also records its amax into its state's pending slot (in place on GPUs).
-    xq, xq_t, hist_x = kernels.cast_transpose(
-        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine
-    )
-    wq, wq_t, hist_w = kernels.cast_transpose(
-        w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history
-    )
-    inv = _inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
-    y = _mm(xq, wq_t, 1, 1, False, _acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
-    if not raw:
-        y = _unscale(y, inv[0], cfg.out_dtype)
-    new_meta = meta.replace(
-        x=meta.x.replace(amax_history=hist_x), w=meta.w.replace(amax_history=hist_w)
-    )
-    x_pre = x if cfg.prologue else None  # act' needs the pre-activation (bf16), not act(x)
-    return y, new_meta, (xq_t, wq, inv, x_pre)
-
-
-def _fused_grads(cfg: _Cfg, xq_t, wq, inv, gq, gq_t, dw_dtype=None):
-    """``(dgrad's raw GEMM output, dw)`` from dy already in E5M2, in both layouts.
-
-    dw leaves the GEMM in ``_wgrad_dtype(cfg)`` and is unscaled into ``dw_dtype`` (default
-    ``cfg.w_dtype``).
-    """
-    dx = _mm(gq, wq, 1, 1, False, _acc_dtype(cfg.x_dtype))  # [M, K]: N innermost in both
-    dw = _mm(xq_t, gq_t, 1, 1, False, _acc_dtype(_wgrad_dtype(cfg)))  # [K, N]: M innermost
-    return dx, _unscale(dw, inv[2], dw_dtype or cfg.w_dtype)
-
-
-def _bwd_fused(cfg: _Cfg, res, g, meta: Fp8Meta, ct_meta: Fp8Meta):
-    """dgrad and wgrad from one pass over dy (E5M2, both layouts), and the state cotangent."""
-    xq_t, wq, inv, x_pre = res
-    sg = meta.dy.scale
-    # [M, N], [N, M]; the amax goes straight into the cotangent's pending slot.
-    gq, gq_t, hist_g = kernels.cast_transpose(
-        g, sg, formats.E5M2, cfg.cast, pending=ct_meta.dy.amax_history
-    )
-    dx, dw = _fused_grads(cfg, xq_t, wq, inv, gq, gq_t)
-    return _dgrad_out(cfg, dx, inv[1], x_pre), dw, _dy_cotangent(meta, ct_meta, hist_g)
-
-
-def _dy_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, hist_g) -> Fp8Meta:
-    """The state cotangent from dy's recorded history (``ct_meta.dy``'s, with this amax)."""
-    zeros = jax.tree.map(jnp.zeros_like, meta)
-    return zeros.replace(dy=ct_meta.dy.replace(amax_history=hist_g))
-
-
 def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
-    """The state cotangent: amaxes, not derivatives. x and w were recorded in the forward pass
-    (zero here); dy's amax is max-merged into whatever later uses sent back."""
-    return _dy_cotangent(meta, ct_meta, scaling.record(ct_meta.dy, amax_g).amax_history)
+    """The state cotangent with dy's amax max-merged into what later uses sent back."""
+    return gemm.dy_cotangent(meta, ct_meta, scaling.record(ct_meta.dy, amax_g).amax_history)
 
 
-def _fwd_impl(cfg: _Cfg, x, w, meta: Fp8Meta):
-    if _fused(cfg, meta):
-        return _fwd_fused(cfg, x, w, meta)
+def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
+    if gemm.uses_fused_cast(cfg, meta):
+        return gemm.fwd_fused(cfg, x, w, meta)
     x_pre = x if cfg.prologue else None
     if cfg.prologue:
-        x = kernels.activation(cfg.prologue)(x.astype(jnp.float32))  # f32, as the kernel's
+        x = activations.activation(cfg.prologue)(x.astype(jnp.float32))  # f32, as the kernel's
     amax_x, amax_w = formats.amax(x), formats.amax(w)
-    sx, sw = _use_scale(meta.x, amax_x), _use_scale(meta.w, amax_w)
+    sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
     xq = formats.quantize(x, sx, formats.E4M3)
     wq = formats.quantize(w, sw, formats.E4M3)
     m_axis = 1 if cfg.batched else 0
     # Current scaling of dy: its scale comes from the backward's own amax, so no f32[3] here.
     current_dy = isinstance(meta.dy.recipe, CurrentScaling)
-    inv = None if current_dy else _inverse_scales(sx, sw, meta.dy.scale)
-    y = _mm(xq, wq, m_axis + 1, m_axis, cfg.batched, _acc_dtype(cfg.out_dtype))
-    y = _unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
+    inv = None if current_dy else gemm.inverse_scales(sx, sw, meta.dy.scale)
+    y = gemm.mm(xq, wq, m_axis + 1, m_axis, cfg.batched, gemm.acc_dtype(cfg.out_dtype))
+    y = gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta, (xq, wq, sx, sw, inv, x_pre)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(cfg: _Cfg, x, w, meta: Fp8Meta):
+def _fp8_matmul(cfg: GemmConfig, x, w, meta: Fp8Meta):
     y, new_meta, _ = _fwd_impl(cfg, x, w, meta)
     return y, new_meta
 
 
-def _fp8_matmul_fwd(cfg: _Cfg, x, w, meta: Fp8Meta):
+def _fp8_matmul_fwd(cfg: GemmConfig, x, w, meta: Fp8Meta):
     y, new_meta, res = _fwd_impl(cfg, x, w, meta)
     return (y, new_meta), (*res, meta)
 
 
-def _fp8_matmul_bwd(cfg: _Cfg, res, cts):
+def _fp8_matmul_bwd(cfg: GemmConfig, res, cts):
     g, ct_meta = cts  # g: [(B,) M, N] in the output dtype
     meta = res[-1]
-    if _fused(cfg, meta):
-        return _bwd_fused(cfg, res[:-1], g, meta, ct_meta)
+    if gemm.uses_fused_cast(cfg, meta):
+        return gemm.bwd_fused(cfg, res[:-1], g, meta, ct_meta)
     xq, wq, sx, sw, inv, x_pre, meta = res
     amax_g = formats.amax(g)
-    sg = _use_scale(meta.dy, amax_g)
+    sg = scaling.use_scale(meta.dy, amax_g)
     # E5M2 for gradients: they span many decades and need range more than mantissa.
     gq = formats.quantize(g, sg, formats.E5M2)
     b = 1 if cfg.batched else 0
     # dgrad: contract N (g axis b+1, w axis b+1) -> [(B,) M, K]
-    dx = _mm(gq, wq, b + 1, b + 1, cfg.batched, _acc_dtype(cfg.x_dtype))
+    dx = gemm.mm(gq, wq, b + 1, b + 1, cfg.batched, gemm.acc_dtype(cfg.x_dtype))
     if inv is None:
-        inv = _inverse_scales(sx, sw, sg)
-    dx = _dgrad_out(cfg, dx, inv[1], x_pre)
+        inv = gemm.inverse_scales(sx, sw, sg)
+    dx = gemm.dgrad_out(cfg, dx, inv[1], x_pre)
     # wgrad: contract M (x axis b, g axis b) -> [(B,) K, N]
-    dw = _mm(xq, gq, b, b, cfg.batched, _acc_dtype(_wgrad_dtype(cfg)))
-    dw = _unscale(dw, inv[2], cfg.w_dtype)
+    dw = gemm.mm(xq, gq, b, b, cfg.batched, gemm.acc_dtype(gemm.wgrad_dtype(cfg)))
+    dw = gemm.unscale(dw, inv[2], cfg.w_dtype)
     return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
 
 
@@ -275,11 +134,11 @@ PAD = 16  # cuBLASLt FP8 GEMMs need M, K, N in multiples of 16
 def _pad_to_tiles(x, w, batched: bool):
     """Zero-pad M, K, N to multiples of ``PAD`` (a no-op for aligned shapes).
 
-    XLA:GPU pads unaligned FP8 GEMM operands itself, but in jax 0.11.2 it kept the unpadded
-    strides (and left a saved FP8 residual unpadded), so the GEMM read out of bounds: inf/NaN
-    on an H200 for shapes like [4, 6] x [6, 8]. Padding the high-precision operands here keeps
-    XLA off that path. Zeros change neither the product nor any amax, and autodiff slices
-    the padding back off the gradients.
+    XLA:GPU pads unaligned FP8 GEMM operands itself, but can keep the unpadded strides (and
+    leave a saved FP8 residual unpadded), so the GEMM reads out of bounds: inf/NaN for shapes
+    like [4, 6] x [6, 8]. Padding the high-precision operands here keeps XLA off that path.
+    Zeros change neither the product nor any amax, and autodiff slices the padding back off
+    the gradients.
     """
     m, k = x.shape[-2:]
     n = w.shape[-1]
@@ -312,7 +171,7 @@ def dot_general(
     dimension_numbers: DimensionNumbers,
     meta: Fp8Meta,
     preferred_element_type=None,
-    cast_kernel: str = "xla",
+    cast_kernel: str = kernels.AUTO,
     prologue: str | None = None,
 ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
@@ -320,12 +179,13 @@ def dot_general(
     Any dimension numbers are reduced to one (optionally batched) GEMM by transposing and
     reshaping the high-precision operands before quantization, so XLA sees the single
     contracting / single free axis layout cuBLASLt's FP8 GEMM needs. ``cast_kernel``
-    ('xla', 'pallas', 'interpret'; see fp8jax.ops.kernels) picks how operands are quantized.
-    ``prologue`` (a name in ``kernels.ACTIVATIONS``, e.g. 'gelu_tanh') multiplies ``act(lhs)``
+    ('auto', 'xla', 'pallas', 'interpret'; see fp8jax.ops.kernels) picks how operands are
+    quantized; 'auto' (``kernels.resolve_impl``) is the fused kernel on GPUs, XLA ops elsewhere.
+    ``prologue`` (a name in ``activations.ACTIVATIONS``, e.g. 'gelu_tanh') multiplies ``act(lhs)``
     instead of ``lhs``, with the activation fused into lhs' quantization.
     """
-    kernels.check_impl(cast_kernel)
-    kernels.activation(prologue)  # a clear error for an unknown name
+    cast_kernel = kernels.resolve_impl(cast_kernel)
+    activations.activation(prologue)  # a clear error for an unknown name
     check_operand("lhs", lhs)
     check_operand("rhs", rhs)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -355,7 +215,9 @@ def dot_general(
     w = jnp.transpose(rhs, (*rb, *rc, *rf))
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
-    cfg = _Cfg(jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue)
+    cfg = GemmConfig(
+        jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue
+    )
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
@@ -400,7 +262,7 @@ def fp8_einsum(
     rhs,
     meta: Fp8Meta,
     preferred_element_type=None,
-    cast_kernel: str = "xla",
+    cast_kernel: str = kernels.AUTO,
     prologue: str | None = None,
 ):
     """Functional FP8 einsum (two operands): returns (result, updated meta)."""

@@ -2,19 +2,19 @@
 
 Hopper's FP8 GEMMs take both operands with the contracting axis innermost, so the forward
 pass's ``x`` [M, K] is also needed as [K, M] for the weight gradient, and ``dy`` [M, N] as
-[N, M]. XLA's fusion that writes both layouts ran at about a third of the H200's memory
-bandwidth, and the amax is a separate reduction pass over the same tensor
-(benchmarks/RESULTS.md, night of 2026-11-29). Under delayed scaling the scale is known before
-the pass, so a single kernel can read the tensor once, write the FP8 tensor and its
-transpose, and record the amax (into a history's pending slot, in place: ``pending=``).
+[N, M]. XLA's fusion that writes both layouts runs well below the GPU's memory bandwidth, and
+the amax is a separate reduction pass over the same tensor (measured: docs/performance.md).
+Under delayed scaling the scale is known before the pass, so a single kernel can read the
+tensor once, write the FP8 tensor and its transpose, and record the amax (into a history's
+pending slot, in place: ``pending=``).
 
 ``cast_transpose`` runs a Pallas kernel (Triton backend) on GPUs and the same arithmetic as
 plain XLA ops elsewhere; ``impl='interpret'`` runs the kernel through Pallas' interpreter on
 any backend (tests).
 
-An optional elementwise ``prologue`` (``ACTIVATIONS``) is applied in f32 to each block before the
-amax and the cast, so an MLP's activation needs no pass of its own: the pass that quantizes the
-second matmul's input reads the pre-activation instead of the activation.
+An optional elementwise ``prologue`` (``activations.ACTIVATIONS``) is applied in f32 to each
+block before the amax and the cast, so an MLP's activation needs no pass of its own: the pass
+that quantizes the second matmul's input reads the pre-activation instead of the activation.
 """
 
 from __future__ import annotations
@@ -24,48 +24,36 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import formats, scaling
+from fp8jax.ops import activations, formats, scaling
 
 IMPLS = ("xla", "pallas", "interpret")
+AUTO = "auto"  # the library ops' default cast: ``resolve_impl`` picks one of IMPLS per platform
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4
-# warps was the fastest tuning summed over gpt_1b3's five operand shapes on the H200 (616 vs
-# 683 us for the former 128 x 128 with 8 warps; benchmarks/RESULTS.md, 2026-11-30, second).
+# warps is the fastest tuning over GPT's operand shapes (measured: docs/performance.md).
 _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
 _WARPS = 4
 
 
-_C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
-
-
-def _gelu_tanh(x, tanh=jnp.tanh):
-    # GPT-2's tanh approximation (jax.nn.gelu(approximate=True)), written out with plain
-    # multiplies so Triton and XLA lower the same operations.
-    return 0.5 * x * (1.0 + tanh(_C * (x + _A * (x * x * x))))
-
-
-# Elementwise activations a cast may apply first, ``f(x, tanh)`` on f32 (act(0) = 0, so the
-# zero padding of unaligned GEMMs changes no amax).
-ACTIVATIONS = {"gelu_tanh": _gelu_tanh}
-
-
-def _check_activation(name: str, table) -> None:
-    if name not in table:
-        raise ValueError(f"unknown FP8 cast prologue {name!r}: use one of {sorted(table)}")
-
-
-def activation(name: str | None, tanh=jnp.tanh):
-    """The prologue ``name`` as a function of f32 arrays (identity for None); a clear error."""
-    if name is None:
-        return lambda x: x
-    _check_activation(name, ACTIVATIONS)
-    return functools.partial(ACTIVATIONS[name], tanh=tanh)
-
-
 def check_impl(impl: str) -> str:
-    """Return ``impl`` if known; a clear error otherwise."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown FP8 cast kernel {impl!r}: use one of {IMPLS} (fp8.cast_kernel)")
+    """Return ``impl`` if it is ``AUTO`` or one of ``IMPLS``; a clear error otherwise."""
+    if impl != AUTO and impl not in IMPLS:
+        raise ValueError(
+            f"unknown FP8 cast kernel {impl!r}: use one of {(AUTO, *IMPLS)} (fp8.cast_kernel)"
+        )
     return impl
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """``impl`` checked, with ``AUTO`` resolved for ``platform`` (default: JAX's default backend).
+
+    'pallas' on GPUs, where the fused kernel makes the whole train step faster (measured:
+    docs/performance.md), 'xla' elsewhere. 'pallas' itself lowers to the Triton kernel on CUDA
+    only and to XLA ops on other GPUs. Called at trace time.
+    """
+    if check_impl(impl) != AUTO:
+        return impl
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("gpu", "cuda") else "xla"
 
 
 def _block(n: int, blocks) -> int | None:
@@ -74,9 +62,8 @@ def _block(n: int, blocks) -> int | None:
 
 def _kernel_tanh(interpret: bool):
     """The tanh a kernel's activation uses: the GPU's tanh.approx.f32 (one instruction, relative
-    error ~2**-11, far below E4M3's 2**-4 spacing; libdevice's exact tanh made the GELU kernel
-    compute-bound, 1.7x slower than the plain cast: benchmarks/prologue.py). The interpreter
-    runs jnp.tanh."""
+    error ~2**-11, far below E4M3's 2**-4 spacing; libdevice's exact tanh makes the GELU kernel
+    compute-bound). The interpreter runs jnp.tanh."""
     if interpret:
         return jnp.tanh
     from jax.experimental.pallas import triton as plt
@@ -91,7 +78,7 @@ def _dispatch(impl: str, shape, reference, pallas, *args):
     kernel through Pallas' interpreter; 'pallas' picks per platform when lowering: the Triton
     kernel for CUDA, XLA ops anywhere else.
     """
-    check_impl(impl)
+    impl = resolve_impl(impl)
     bm, bk = _block(shape[0], _ROW_BLOCKS), _block(shape[1], _COL_BLOCKS)
     if impl == "xla" or bm is None or bk is None or 0 in shape:
         return reference(*args)
@@ -126,7 +113,9 @@ def _reference(x, scale, dtype, prologue=None, affine=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
     x = _affine(x, affine)
     if prologue is not None:
-        x = activation(prologue)(x.astype(jnp.float32))  # [M, K] f32: quantized unrounded
+        x = activations.activation(prologue)(
+            x.astype(jnp.float32)
+        )  # [M, K] f32: quantized unrounded
     q = formats.quantize(x, scale, dtype)  # [M, K]
     return q, q.T, formats.amax(x)
 
@@ -135,8 +124,7 @@ def _record_amax(pending_ref, block_max):
     """Max this block's amax into ``pending_ref[0]`` (a history's pending slot), atomically.
 
     The kernel then records the whole tensor's amax itself: no per-block partials for XLA to
-    reduce and merge afterwards, one small kernel per tensor fewer (288 of 3,392 launches of a
-    gpt_1b3 O1 step; benchmarks/RESULTS.md, 2026-11-30, eighth). A non-finite block records 0,
+    reduce and merge afterwards, one small kernel per tensor fewer. A non-finite block records 0,
     as ``scaling.sanitize_amax`` does for a whole tensor (the XLA path sees the whole tensor, so
     there a single Inf records nothing at all).
     """
@@ -148,15 +136,7 @@ def _record_amax(pending_ref, block_max):
     plt.atomic_max(pending_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _kernel(
-    *refs,
-    limit: float,
-    dtype,
-    cast_first,
-    prologue,
-    tanh,
-    affine: bool,
-):
+def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool):
     if affine:  # scale_ref: [scale, alpha]; bias_ref: this block's [bk] of the bias
         scale_ref, x_ref, bias_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
     else:
@@ -164,7 +144,7 @@ def _kernel(
     x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
     if affine:
         x_bxk = _affine(x_bxk, (scale_ref[1], bias_ref[...]))
-    x_bxk = activation(prologue, tanh)(x_bxk)
+    x_bxk = activations.activation(prologue, tanh)(x_bxk)
     _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2); Inf and NaN become NaN.
@@ -172,8 +152,7 @@ def _kernel(
     q_bxk = y_bxk.astype(dtype)
     q_ref[...] = q_bxk
     # The transpose goes through shared memory: of the FP8 block (cast_first, a quarter of the
-    # bytes) or of the f32 one. The same bits either way; which is faster is the GPU's call
-    # (benchmarks/cast_transpose.py --sweep).
+    # bytes) or of the f32 one. The same bits either way; which is faster is the GPU's call.
     qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
 
 
@@ -196,9 +175,7 @@ def _pallas(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    m, k = x.shape
-    gm, gk = m // bm, k // bk
-    target = _target(pending)
+    (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = _layout(x, bm, bk, pending, affine)
     kernel = functools.partial(
         _kernel,
         limit=formats.fmax(dtype),
@@ -208,8 +185,6 @@ def _pallas(
         tanh=_kernel_tanh(interpret),
         affine=affine is not None,
     )
-    whole = pl.BlockSpec(target.shape, lambda i, j: (0,))  # every block maxes into slot 0
-    alpha, bias, bias_spec = _affine_operands(affine, bk)
     scalars = [scale, *alpha]
     q, qt, target = pl.pallas_call(
         kernel,
@@ -249,6 +224,17 @@ def _target(pending):
     return pending
 
 
+def _layout(x, bm: int, bk: int, pending, affine):
+    """What both kernels' calls share: ``x``'s [M, K], the grid, the amax target, its BlockSpec
+    (every block maxes into slot 0) and ``_affine_operands``."""
+    from jax.experimental import pallas as pl
+
+    target = _target(pending)
+    whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
+    m, k = x.shape
+    return (m, k), (m // bm, k // bk), target, whole, _affine_operands(affine, bk)
+
+
 def _untarget(target, pending):
     return target[0] if pending is None else target
 
@@ -271,15 +257,15 @@ def cast_transpose(
 
     ``impl``: 'pallas' (the fused kernel on GPUs, XLA ops elsewhere), 'interpret' (the kernel
     through Pallas' interpreter, any backend) or 'xla'. Shapes whose sides are not multiples of
-    16 take the XLA path. ``prologue`` (a name in ``ACTIVATIONS``) quantizes ``act(x)``. With
-    ``pending`` (an f32 amax history) the third output is that history with the amax
-    max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. Inf and NaN
+    16 take the XLA path. ``prologue`` (a name in ``activations.ACTIVATIONS``) quantizes
+    ``act(x)``. With ``pending`` (an f32 amax history) the third output is that history with the
+    amax max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. Inf and NaN
     come out NaN (``formats.saturate``); the amax of a non-finite tensor counts as 0.
     ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha + bias)`` (in f32): a GEMM's raw
     output is unscaled and biased in the same read.
     """
     dtype = formats.as_dtype(fmt)
-    activation(prologue)  # a clear error for an unknown name
+    activations.activation(prologue)  # a clear error for an unknown name
     _check_affine(affine, x.shape[-1])
 
     def reference(x, s, p, a):
@@ -311,19 +297,10 @@ def _check_affine(affine, k: int) -> None:
         )
 
 
-def _gelu_tanh_grad(x, tanh=jnp.tanh):
-    # d/dx of _gelu_tanh, written out (f32): 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x).
-    t = tanh(_C * (x + _A * (x * x * x)))
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_C * (1.0 + 3.0 * _A * (x * x)))
-
-
-ACTIVATION_GRADS = {"gelu_tanh": _gelu_tanh_grad}
-
-
 def _grad_reference(pre, da, inv, scale, pending, affine, dtype, act):
     """XLA version of ``act_grad_cast_transpose``."""
     pre = _affine(pre.astype(jnp.float32), affine)
-    d = ACTIVATION_GRADS[act](pre) * (da.astype(jnp.float32) * inv)
+    d = activations.ACTIVATION_GRADS[act](pre) * (da.astype(jnp.float32) * inv)
     q = formats.quantize(d, scale, dtype)  # [M, K]
     return q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0)
 
@@ -338,7 +315,9 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
     pre_bxk = pre_ref[...].astype(jnp.float32)
     if affine:
         pre_bxk = _affine(pre_bxk, (s_ref[2], bias_ref[...]))
-    d_bxk = ACTIVATION_GRADS[act](pre_bxk, tanh) * (da_ref[...].astype(jnp.float32) * s_ref[0])
+    d_bxk = activations.ACTIVATION_GRADS[act](pre_bxk, tanh) * (
+        da_ref[...].astype(jnp.float32) * s_ref[0]
+    )
     _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
     y_bxk = formats.saturate(d_bxk * s_ref[1], jnp.isfinite(d_bxk), limit)  # as quantize
@@ -350,9 +329,9 @@ def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, inter
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    m, k = pre.shape
-    gm, gk = m // bm, k // bk
-    target = _target(pending)
+    (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = _layout(
+        pre, bm, bk, pending, affine
+    )
     kernel = functools.partial(
         _grad_kernel,
         limit=formats.fmax(dtype),
@@ -362,8 +341,6 @@ def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, inter
         affine=affine is not None,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
-    alpha, bias, bias_spec = _affine_operands(affine, bk)
     # Power-of-two blocks for Triton: [inv, scale] or [inv, scale, alpha, unused].
     scalars = [inv, scale, *alpha, *alpha]
     q, qt, target, sums_GMxK = pl.pallas_call(
@@ -401,7 +378,7 @@ def act_grad_cast_transpose(
     pre-activation is ``pre * alpha + bias``): as in ``cast_transpose``.
     """
     dtype = formats.as_dtype(fmt)
-    _check_activation(act, ACTIVATION_GRADS)
+    activations.check_activation(act, activations.ACTIVATION_GRADS)
     _check_affine(affine, pre.shape[-1])
     return _dispatch(
         impl,

@@ -4,7 +4,7 @@ With separate FP8 matmuls the backward pass writes ``dpre = gelu'(pre) * da`` in
 fusion that also sums the bias gradient), and the first layer's E5M2 cast reads it back. As
 one custom VJP, ``kernels.act_grad_cast_transpose`` computes ``dpre`` from the second layer's
 raw dgrad output and writes only its E5M2 layouts, its amax and the bias gradient. The forward
-is the two fused-cast matmuls of ``ops.dot``; the second one's cast reads the first GEMM's raw
+is the two fused-cast matmuls of ``ops.gemm``; the second one's cast reads the first GEMM's raw
 output and applies its unscale, the bias and the GELU in f32, so no XLA pass writes the
 pre-activation (a [tokens, d_ff] read and write per layer).
 
@@ -22,16 +22,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import dot, formats, kernels
-from fp8jax.ops.dot import Fp8Meta
+from fp8jax.ops import dot, formats, gemm, kernels
+from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.scaling import Fp8Meta
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 ACT = "gelu_tanh"
 
 
 class _Cfg(NamedTuple):
-    layer1: dot._Cfg  # x . w1 -> h (the GEMM output, before the bias)
-    layer2: dot._Cfg  # gelu(pre) . w2 -> y
+    layer1: GemmConfig  # x . w1 -> h (the GEMM output, before the bias)
+    layer2: GemmConfig  # gelu(pre) . w2 -> y
     b_dtype: jnp.dtype
     w1_dtype: jnp.dtype  # the weights as given (f32 masters are quantized straight from f32)
     w2_dtype: jnp.dtype
@@ -42,11 +43,11 @@ def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
     with jax.named_scope("wi"):
         # h_raw = x . w1 still scaled by sx * sw (inv1[0] unscales it): the unscale and the
         # bias are left to wo's cast, so pre = h_raw * inv1[0] + b1 is never written out.
-        h_raw, m1_new, (xq_t, w1q, inv1, _) = dot._fwd_fused(cfg.layer1, x, w1, m1, raw=True)
+        h_raw, m1_new, (xq_t, w1q, inv1, _) = gemm.fwd_fused(cfg.layer1, x, w1, m1, raw=True)
     # E4M3 of gelu(h_raw * inv1[0] + b1), computed in f32 inside the cast from the raw output.
     affine = (inv1[0], b1)
     with jax.named_scope("wo"):
-        y, m2_new, (aq_t, w2q, inv2, _) = dot._fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
+        y, m2_new, (aq_t, w2q, inv2, _) = gemm.fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
     return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2)
 
 
@@ -71,7 +72,7 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
             g, m2.dy.scale, formats.E5M2, c2.cast, pending=ct_m2.dy.amax_history
         )
         # da [M, F] raw, dw2 [F, D]
-        da, dw2 = dot._fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t, cfg.w2_dtype)
+        da, dw2 = gemm.fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t, cfg.w2_dtype)
     with jax.named_scope("wi"):
         # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
         # The pre-activation is rebuilt from the raw forward output, as wo's cast built it.
@@ -86,23 +87,23 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
             ct_m1.dy.amax_history,
             affine=(inv1[0], b1),
         )
-        dx, dw1 = dot._fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t, cfg.w1_dtype)
+        dx, dw1 = gemm.fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t, cfg.w1_dtype)
     # Weight gradients leave the GEMMs in the compute dtype (as nn.Dense's do) and are unscaled
     # into the weights' own dtype, a widening XLA fuses into the optimizer's update.
     return (
-        dot._dgrad_out(c1, dx, inv1[1], None),
+        gemm.dgrad_out(c1, dx, inv1[1], None),
         dw1,
         db1.astype(cfg.b_dtype),
         dw2,
-        dot._dy_cotangent(m1, ct_m1, hist_g1),
-        dot._dy_cotangent(m2, ct_m2, hist_g2),
+        gemm.dy_cotangent(m1, ct_m1, hist_g1),
+        gemm.dy_cotangent(m2, ct_m2, hist_g2),
     )
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = "pallas"):
+def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = kernels.AUTO):
     """``gelu(x . w1 + b1) . w2`` in FP8 (x [..., D], w1 [D, F], b1 [F], w2 [F, D]).
 
     Computes in x's dtype; wider weights (f32 masters) are quantized as given, with no copy in
@@ -110,17 +111,19 @@ def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = "
     meta2)`` with this call's amaxes recorded, as two ``dot.dot_general`` calls would; the
     output bias is the caller's.
     """
-    kernels.check_impl(cast_kernel)
+    cast_kernel = kernels.resolve_impl(cast_kernel)
     for name, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
         dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
     dtype = jnp.dtype(x.dtype)
-    layer1 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel)
-    layer2 = dot._Cfg(dtype, dtype, dtype, False, cast_kernel, ACT)
+    layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel)
+    layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT)
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
     aligned = all(d % dot.PAD == 0 and d > 0 for d in dims)  # empty: dot_general's own path
-    if not (aligned and dot._fused(layer1, meta1) and dot._fused(layer2, meta2)):
+    if not (
+        aligned and gemm.uses_fused_cast(layer1, meta1) and gemm.uses_fused_cast(layer2, meta2)
+    ):
         w1, b1, w2 = w1.astype(dtype), b1.astype(dtype), w2.astype(dtype)
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
         pre = h + b1

@@ -10,8 +10,8 @@ Beyond the paper: a step with a non-finite gradient is skipped inside the transf
 is capped at twice the bound exact Adam obeys; ``stochastic_rounding=True`` rounds the narrow
 moment casts stochastically. Round-to-nearest (the default, as in FP8-LM) lets an E4M3 m stall
 when its per-step change ``(1-b1)|g-m|`` stays under half a grid step (3-6%): harmless with noisy
-mini-batch gradients, but on a smooth full-batch problem it cost 7% in loss after 50 steps. SR
-removes that bias at the price of more noise (3.7% vs 2.6% per cast) and ~13% more optimizer time.
+mini-batch gradients, but it slows a smooth full-batch problem. SR removes that bias at the price
+of more noise per cast and more optimizer time (measured: docs/performance.md).
 
 Train-step pattern with FP16 master weights::
 
@@ -37,6 +37,7 @@ from fp8jax.optim.master import (
     ScaledTensor,
     apply_updates,
     carry_masters,
+    dequantize_carried,
     dequantize_carrier,
     hash_bits,
     is_matmul_weight,
@@ -56,6 +57,7 @@ __all__ = [
     "ScaledTensor",
     "apply_updates",
     "carry_masters",
+    "dequantize_carried",
     "dequantize_carrier",
     "fp8_adamw",
     "is_matmul_weight",
@@ -156,8 +158,8 @@ def _write(new: jax.Array, old, ok: jax.Array, seed, amax=None) -> Any:
 def _amaxes(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """``formats.amax`` of each of ``xs`` (one shape) from one reduction: one read of the inputs.
 
-    Separate reductions of m and v each re-read the gradient and their moment; XLA kept them
-    apart on the H200 (O2 ran 4.2% more GPU time than O1, all of it reductions).
+    Separate reductions of m and v each re-read the gradient and their moment, and XLA does not
+    merge them.
     """
     abs_xs = [jnp.abs(x).astype(jnp.float32) for x in xs]
     zeros = [jnp.zeros((), jnp.float32)] * len(xs)
@@ -219,7 +221,7 @@ def scale_by_fp8_adam(
         # gradient and every square (hence every new m and v, stored moments reading as finite)
         # is finite. Deciding first lets each leaf's moments be computed, used and re-quantized
         # in one place, so XLA need not keep every leaf's f32 m/v (8 bytes/param) alive at once,
-        # and the graph is smaller: the CPU compile of a 4-layer O2 step fell from 21 to 15 s.
+        # and the graph (and its compile time) is smaller.
         if assume_finite:
             ok = jnp.array(True)
         else:
@@ -232,9 +234,8 @@ def scale_by_fp8_adam(
         for i, (g, mu, nu) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, strict=True)):
             if out_m:
                 # Leaves in order: this leaf's inputs wait for the previous leaf's update and
-                # new state, so XLA need not keep every leaf's f32 moments alive at once (with
-                # master.apply_updates' chain the O2 step's temp fell from 7.6 to 5.4 GiB in
-                # the CPU proxy of RESULTS.md; not yet measured on a GPU).
+                # new state, so XLA need not keep every leaf's f32 moments alive at once (as
+                # master.apply_updates' chain does for the masters).
                 prev = (out_u[-1], out_m[-1], out_v[-1])
                 g, mu, nu, _ = jax.lax.optimization_barrier((g, mu, nu, prev))
             salt = base + jnp.uint32((2 * i + 1) * 0x632BE5AB % 2**32)

@@ -20,15 +20,17 @@ scale, so an all-zero or broken tensor never poisons the scale.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import struct, traverse_util
 
-from fp8jax.nn.state import MASTER_SCALE
 from fp8jax.ops import formats
 
 # Accepted spellings of the storage formats (lower-cased before lookup).
@@ -197,16 +199,14 @@ def quantize_scaled(x, prev_scale, dtype, noise=None, amax=None) -> ScaledTensor
     return ScaledTensor(encode(x, scale, dtype, noise), scale)
 
 
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+def path_key(path) -> tuple[str, ...]:
+    """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
+    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
 def leaf_name(path) -> str:
     """Last meaningful key of a tree path (skipping the ``.value`` of flax Partitioned boxes)."""
-    names = [_key_name(k) for k in path]
+    names = list(path_key(path))
     while names and names[-1] == "value":
         names.pop()
     return names[-1] if names else ""
@@ -268,8 +268,8 @@ def apply_updates(params, updates, seed=None) -> Any:
             old = p.dequantize()
             new = old + u.astype(jnp.float32)  # the update is applied in f32
             new = jnp.where(jnp.isfinite(new), new, old)
-            # An update below half a storage step (FP16: 2**-11 of the weight; warm-up learning
-            # rates at 7B) is lost to round-to-nearest; rounding stochastically keeps it in
+            # An update below half a storage step (FP16: 2**-11 of the weight; small warm-up
+            # learning rates) is lost to round-to-nearest; rounding stochastically keeps it in
             # expectation, as FP32 masters would.
             narrow = p.data.dtype != jnp.dtype(jnp.float32)
             noise = hash_bits(p.shape, salt) if salt is not None and narrow else None
@@ -334,19 +334,20 @@ def fp8_op_name(fp8_state, module_path: tuple[str, ...]) -> str | None:
     return ops[0] if len(ops) == 1 else None
 
 
-def carry_masters(params, fp8_state, dtype):
-    """``(params, master scales)`` for ``model.apply``, masters dequantized inside their layers.
+def carry_masters(params, fp8_state, dtype) -> tuple[Any, dict[str, dict[str, jax.Array]]]:
+    """``(params, masters)`` for a train step's ``model.apply``, masters dequantized in the layers.
 
     A master kernel whose layer runs an fp8jax FP8 matmul is handed over as its ``data`` bit-cast
-    to the compute ``dtype`` (same width: no copy), with its scale in the ``master_scale``
-    collection at the matmul's path; the matmul dequantizes it (``dequantize_carrier``). Under
-    remat this keeps a dequantized copy of every weight from living between the forward pass
-    and each layer's backward pass (~2 bytes/param at 7B, measured on the GPU). Other masters
-    are dequantized here; the gradient tree is the one ``materialize(params, dtype)`` gives.
+    to the compute ``dtype`` (same width: no copy); ``masters`` maps that matmul's module path
+    ('blocks/mlp/wi/Fp8DotGeneral_0') to ``{storage dtype name: scale}``. Applied under
+    ``dequantize_carried(masters)``, each such matmul dequantizes its kernel itself
+    (``dequantize_carrier``), so under remat no dequantized copy of a weight lives between the
+    forward pass and the layer's backward pass. Other masters are dequantized here; the gradient
+    tree is the one ``materialize(params, dtype)`` gives.
     """
     dtype = jnp.dtype(dtype)
     flat = traverse_util.flatten_dict(params)
-    out, scales = {}, {}
+    out, masters = {}, {}
     for path, p in flat.items():
         if not is_scaled(p):
             out[path] = p
@@ -355,16 +356,37 @@ def carry_masters(params, fp8_state, dtype):
         data = p.data
         if op is not None and data.dtype.itemsize == dtype.itemsize:
             out[path] = jax.lax.bitcast_convert_type(data, dtype)
-            scales[(*path[:-1], op, jnp.dtype(data.dtype).name)] = p.scale
+            masters["/".join((*path[:-1], op))] = {jnp.dtype(data.dtype).name: p.scale}
         else:
             out[path] = p.dequantize(dtype)
-    return traverse_util.unflatten_dict(out), traverse_util.unflatten_dict(scales)
+    return traverse_util.unflatten_dict(out), masters
 
 
-def dequantize_in_layer(module, rhs: jax.Array) -> jax.Array:
-    """``rhs``, or the weight it carries when ``carry_masters`` left ``module`` a scale."""
-    entry = module.variables.get(MASTER_SCALE, {}) if not module.is_initializing() else {}
-    if not entry:
-        return rhs
-    ((storage, scale),) = entry.items()
-    return dequantize_carrier(rhs, scale, storage)
+@contextlib.contextmanager
+def dequantize_carried(masters: Mapping[str, Mapping[str, jax.Array]] | None) -> Iterator[None]:
+    """Within it, a Flax FP8 op that ``carry_masters`` handed a carried kernel gets it dequantized.
+
+    A method interceptor (``nn.intercept_methods``): when the ``__call__`` of a module whose path
+    is a key of ``masters`` runs, its ``rhs`` argument (the carried bits) is replaced by
+    ``dequantize_carrier(rhs, scale, storage)`` before the op sees it. It runs inside the op's
+    own call, so inside its ``nn.remat`` and ``nn.scan`` bodies, and the op itself knows nothing
+    of masters. No-op for empty ``masters``.
+    """
+    if not masters:
+        yield
+        return
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or module.scope is None:
+            return next_fun(*args, **kwargs)
+        entry = masters.get("/".join(module.path))
+        if entry is None:
+            return next_fun(*args, **kwargs)
+        ((storage, scale),) = entry.items()
+        bound = inspect.signature(context.orig_method).bind(*args, **kwargs)
+        bound.arguments["rhs"] = dequantize_carrier(bound.arguments["rhs"], scale, storage)
+        return next_fun(*bound.args, **bound.kwargs)
+
+    with nn.intercept_methods(interceptor):
+        yield

@@ -9,8 +9,8 @@ Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (
    default). ``mu`` is FP8-LM's automatic pre-scale factor (below).
 3. The FP8 bytes travel in one ``all_to_all`` per bucket (per layer with unrolled layers,
    ``bucket_by_layer``; one for all otherwise): replica r receives every replica's r-th chunk
-   and adds them in f32. An FP8 sum of N full-range values could overflow
-   (MS-AMP issue #41); the f32 sum cannot, and ``sum / N`` is again within the format's range.
+   and adds them in f32. An FP8 sum of N full-range values could overflow; the f32 sum
+   cannot, and ``sum / N`` is again within the format's range.
 4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data``
    only for parameters sharded over ``fsdp``, which keep just their shard: a reduce-scatter).
    The N goes back into the inverse scale: ``g = q * (N / s)``.
@@ -45,6 +45,7 @@ from jax.sharding import Mesh, PartitionSpec
 from fp8jax.errors import ConfigError
 from fp8jax.models.config import check_bool, check_int, check_number
 from fp8jax.ops import formats
+from fp8jax.optim.master import path_key
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
 
@@ -103,29 +104,29 @@ def next_mu(mu: jax.Array, saturated: jax.Array, cfg: CommConfig) -> jax.Array:
     )
 
 
-def _wire(mesh: Mesh, cfg: CommConfig) -> str:
+def wire_format(mesh: Mesh, cfg: CommConfig) -> str:
     """'fp8' or 'uint8': how FP8 payloads travel on this mesh's platform."""
     if cfg.wire != "auto":
         return cfg.wire
     return "uint8" if mesh.devices.flat[0].platform == "cpu" else "fp8"
 
 
-def _send(x_f8: jax.Array, wire: str) -> jax.Array:
+def to_wire(x_f8: jax.Array, wire: str) -> jax.Array:
     """FP8 payload as it goes on the wire (same bytes; uint8 view where FP8 would be upcast)."""
     return lax.bitcast_convert_type(x_f8, jnp.uint8) if wire == "uint8" else x_f8
 
 
-def _recv(x: jax.Array, dtype, wire: str) -> jax.Array:
+def from_wire(x: jax.Array, dtype, wire: str) -> jax.Array:
     """The FP8 array (E4M3 or E5M2, as sent) back from its wire form."""
     return lax.bitcast_convert_type(x, dtype) if wire == "uint8" else x
 
 
-def _bcast(s: jax.Array, ndim: int) -> jax.Array:
+def per_layer(s: jax.Array, ndim: int) -> jax.Array:
     """Per-layer scale ``[L]`` (or ``[]``) broadcast against a ``[L, ...]`` tensor."""
     return s.reshape(s.shape + (1,) * (ndim - s.ndim))
 
 
-def _amax_stacked(x: jax.Array, stack_ndim: int) -> jax.Array:
+def amax_stacked(x: jax.Array, stack_ndim: int) -> jax.Array:
     """Amax over all but the leading ``stack_ndim`` (layer) axes, f32."""
     axes = tuple(range(stack_ndim, x.ndim))
     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes)
@@ -215,8 +216,7 @@ def _layer_groups(tree) -> list[list[int]]:
     group for leaves without one: embeddings, final norm, head; and nn.scan's stacked layers)."""
     groups: dict[str, list[int]] = {}
     for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
-        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        layer = next((k for k in keys if re.fullmatch(r".+_\d+", k)), "")
+        layer = next((k for k in path_key(path) if re.fullmatch(r".+_\d+", k)), "")
         groups.setdefault(layer, []).append(i)
     return list(groups.values())
 
@@ -230,7 +230,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     n = a * f
     fmt = formats.as_dtype(cfg.grad_format)
     fmax = formats.fmax(fmt)
-    wire = _wire(mesh, cfg)
+    wire = wire_format(mesh, cfg)
     leaves, treedef = jax.tree.flatten(grads_N)
     specs = treedef.flatten_up_to(plan.specs)
     stacks = treedef.flatten_up_to(plan.stack_ndims)
@@ -245,7 +245,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     def bucket(ids, g_leaves, mu, out):
         """Reduce FP8 leaves ``ids`` (one bucket); fills ``out``; returns clipped values."""
         # Shared per-tensor (per-layer) scale from the global amax: one pmax per bucket.
-        amaxes = [_amax_stacked(g_leaves[i], stacks[i]) for i in ids]
+        amaxes = [amax_stacked(g_leaves[i], stacks[i]) for i in ids]
         flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
         splits = np.cumsum([x.size for x in amaxes])[:-1].tolist()
         amaxes = [x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)]
@@ -260,20 +260,19 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         rows, meta, clipped = [], [], []
         for i in order:
             g = g_leaves[i].astype(jnp.float32)
-            y = g * _bcast(scales[i], g.ndim)
+            y = g * per_layer(scales[i], g.ndim)
             clipped.append(jnp.sum(jnp.abs(y) > limit))
             # Gradient format (E5M2 default: range over precision), shared scale, saturating
             # (values past fmax only occur when mu > 1 and are counted above). Cast per leaf,
-            # before the bucket: one read of the gradient, no f32 copy of all of them (on two
-            # H200s the scaled f32 bucket cost ~8 GB of extra traffic per device per step).
+            # before the bucket: one read of the gradient, no f32 copy of all of them.
             q = jnp.clip(y, -fmax, fmax).astype(fmt)
             r, m = _arrange(q, fsdp_dims[i], a, f)
             rows.append(r)
             meta.append((i, r.shape[1], m))
         q_NxC = jnp.concatenate(rows, axis=1)
-        recv_NxC = lax.all_to_all(_send(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
+        recv_NxC = lax.all_to_all(to_wire(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
         # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
-        acc_C = _recv(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
+        acc_C = from_wire(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
         # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
         # N moves into the inverse scale below.
         q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
@@ -283,13 +282,13 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         if n_sharded:
             part = q_C[:c_sharded]
             if a > 1:
-                got = lax.all_gather(_send(part, wire), "data", axis=0, tiled=False)
-                parts["sharded"] = _recv(got, fmt, wire)  # [A, c_sharded]
+                got = lax.all_gather(to_wire(part, wire), "data", axis=0, tiled=False)
+                parts["sharded"] = from_wire(got, fmt, wire)  # [A, c_sharded]
             else:
                 parts["sharded"] = part[None]
         if n_sharded < len(meta):
-            got = lax.all_gather(_send(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
-            parts["replicated"] = _recv(got, fmt, wire)  # [N, c_replicated]
+            got = lax.all_gather(to_wire(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
+            parts["replicated"] = from_wire(got, fmt, wire)  # [N, c_replicated]
         off = {"sharded": 0, "replicated": 0}
         for i, k, m in meta:
             key = "sharded" if fsdp_dims[i] is not None else "replicated"
@@ -302,7 +301,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
                 local = list(g.shape)
                 local[fsdp_dims[i]] //= f
                 q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
-            out[i] = q.astype(jnp.float32) * _bcast(n / scales[i], q.ndim)
+            out[i] = q.astype(jnp.float32) * per_layer(n / scales[i], q.ndim)
         return sum(clipped)
 
     def body(mu, *g_leaves):
@@ -332,141 +331,18 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     return treedef.unflatten(reduced), saturated
 
 
-# --------------------------------------------------------------------------------------------
-# Bytes on the wire, read from compiled HLO
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP_RE = re.compile(
-    r"=\s*(?P<type>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\("
-)
-_SHAPE_RE = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def _group_size(line: str, num_devices: int) -> int:
-    """Devices per replica group of a collective (all devices when the groups are empty)."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:  # replica_groups=mesh['a'=2,'b'=4] {'b'}: groups span the named mesh axes
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-    m = re.search(r"replica_groups=\{(\{[^}]*\})", line)
-    if m:
-        return len([x for x in m.group(1).strip("{}").split(",") if x.strip()])
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    return num_devices
-
-
-_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALL_RE = re.compile(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """HLO text split into computations (name -> lines) and the entry computation's name."""
-    comps, entry, name = {}, "", None
-    for line in hlo_text.splitlines():
-        m = _COMP_RE.match(line)
-        if m and not line.startswith(" "):
-            name = m.group(2)
-            comps[name] = []
-            if m.group(1):
-                entry = name
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            comps[name].append(line)
-    return comps, entry
-
-
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per call of the entry (while bodies x trip count)."""
-    runs = {entry: 1}
-    todo = [entry]
-    while todo:
-        comp = todo.pop()
-        for line in comps.get(comp, []):
-            trips = 1
-            if " while(" in line:
-                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trips = int(m.group(1)) if m else 1
-            for callee in _CALL_RE.findall(line):
-                if callee in comps and callee not in runs:
-                    runs[callee] = runs[comp] * (trips if f"body=%{callee}" in line else 1)
-                    todo.append(callee)
-    return runs
-
-
-def collectives(hlo_text: str, num_devices: int) -> list[dict]:
-    """Collectives of a compiled HLO module with the bytes each device sends per step."""
-    # Per row: op, element type, result bytes, group size, runs per step (inside while loops:
-    # the trip count) and bytes sent under ring costs.
-    comps, entry = _computations(hlo_text)
-    runs = _executions(comps, entry) if entry else {}
-    rows = []
-    for comp, lines in comps.items() if comps else [("", hlo_text.splitlines())]:
-        for line in lines:
-            m = _OP_RE.search(line)
-            if not m:
-                continue
-            op, types = m.group("op"), _SHAPE_RE.findall(m.group("type"))
-            # Async starts return (operands, results); an all-reduce-start may return only its
-            # results (a flat tuple), and on the GPU returns ((operands), results) like the rest.
-            if m.group("start") and (op != "all-reduce" or m.group("type").startswith("((")):
-                types = types[len(types) // 2 :]
-            n = _group_size(line, num_devices)
-            times = runs.get(comp, 1)
-            for dtype, dims in types:
-                elems = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-                nbytes = elems * _DTYPE_BYTES.get(dtype, 4)
-                ring = {
-                    "all-reduce": 2 * (n - 1) / n,
-                    "all-gather": (n - 1) / n,
-                    "reduce-scatter": float(n - 1),
-                    "all-to-all": (n - 1) / n,
-                    "collective-permute": 1.0,
-                }[op]
-                sent = nbytes * ring * times if n > 1 else 0.0
-                rows.append(dict(op=op, dtype=dtype, bytes=nbytes, group=n, runs=times, sent=sent))
-    return rows
-
-
-def bytes_summary(rows: list[dict]) -> dict:
-    """Sent bytes per device, by '<op> <dtype>' and in total."""
-    out: dict[str, float] = {}
-    for r in rows:
-        key = f"{r['op']} {r['dtype']}"
-        out[key] = out.get(key, 0.0) + r["sent"]
-    out["total"] = sum(r["sent"] for r in rows)
-    return out
-
-
-def fp8_collectives_in_stablehlo(text: str) -> dict[str, list[str]]:
-    """Element types of the all_to_all / all_gather ops of a lowered (StableHLO) module."""
-    found: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        for op in ("all_to_all", "all_gather"):
-            if f"stablehlo.{op}" in line:
-                m = re.search(r":\s*\(tensor<[^>]*x(\w+)>", line)
-                if m:
-                    found.setdefault(op, []).append(m.group(1))
-    return found
-
-
 __all__ = [
     "CommConfig",
     "Plan",
-    "bytes_summary",
-    "collectives",
+    "amax_stacked",
+    "from_wire",
     "has_replicas",
     "init_state",
     "make_plan",
     "next_mu",
     "per_device",
+    "per_layer",
     "reduce_gradients",
+    "to_wire",
+    "wire_format",
 ]

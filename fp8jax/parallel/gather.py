@@ -18,9 +18,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from fp8jax.ops import formats, scaling
-from fp8jax.optim.master import fp8_op_name
+from fp8jax.optim.master import fp8_op_name, path_key
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.parallel.comm import Plan, _amax_stacked, _bcast, _recv, _send, _wire
+from fp8jax.parallel.comm import Plan, amax_stacked, from_wire, per_layer, to_wire, wire_format
 from fp8jax.parallel.sharding import MESH_AXES
 
 P = PartitionSpec
@@ -40,13 +40,6 @@ def _find_meta(fp8_state, path: tuple[str, ...]):
     return node["meta"]
 
 
-def _weight_scale(w_state, amax: jax.Array) -> jax.Array:
-    """The scale the FP8 matmul will use for this weight (stored, or from amax if current)."""
-    if isinstance(w_state.recipe, scaling.CurrentScaling):
-        return scaling.scale_from_amax(amax, w_state.scale, w_state.fmt, w_state.recipe)
-    return w_state.scale
-
-
 def gather_params(params, fp8_state, plan: Plan):
     """(fsdp-gathered params, {kernel path: global amax}); O3's FP8 kernels move as E4M3, the
     other kernels and embeddings in the compute dtype."""
@@ -63,8 +56,8 @@ def gather_params(params, fp8_state, plan: Plan):
     ]
     if not todo:
         return params, {}
-    wire = _wire(mesh, plan.cfg)
-    paths = [sharding_lib.path_key(p) for p, _ in flat]
+    wire = wire_format(mesh, plan.cfg)
+    paths = [path_key(p) for p, _ in flat]
     metas = {}
     if plan.level >= 3:
         for i in todo:
@@ -89,15 +82,15 @@ def gather_params(params, fp8_state, plan: Plan):
                 continue
             meta = meta_of[i]
             w_c = w.astype(plan.compute_dtype)  # what the layer hands its FP8 matmul
-            amax = lax.pmax(_amax_stacked(w_c, stacks[i]), MESH_AXES)  # global, per layer
-            s = _bcast(_weight_scale(meta, amax), w.ndim)
+            amax = lax.pmax(amax_stacked(w_c, stacks[i]), MESH_AXES)  # global, per layer
+            s = per_layer(scaling.use_scale(meta, amax), w.ndim)
             # E4M3 (the FP8 matmul's weight format), with the scale that matmul will use,
             # from the compute dtype exactly as the matmul quantizes it.
             q = formats.quantize(w_c, s, formats.E4M3)
-            got = lax.all_gather(_send(q, wire), "fsdp", axis=dim, tiled=True)
+            got = lax.all_gather(to_wire(q, wire), "fsdp", axis=dim, tiled=True)
             # Handed over in the compute dtype (what the layer casts its kernel to anyway): the
             # FP8 matmul's re-quantization with scale s then lands exactly on the gathered bytes.
-            w_full = _recv(got, formats.E4M3, wire).astype(jnp.float32) / s
+            w_full = from_wire(got, formats.E4M3, wire).astype(jnp.float32) / s
             outs.append(w_full.astype(plan.compute_dtype))
             amaxes.append(amax)
         return *outs, *amaxes

@@ -20,6 +20,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fp8jax.optim import master
+from fp8jax.optim.master import path_key
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
@@ -71,7 +72,7 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
 
     Without it XLA propagates the weights' fsdp shardings into activations as it likes: on
     GPUs q, k and v then reach cuDNN attention with different shardings, which its partitioner
-    rejects (gpt2_125m at fsdp = 2, benchmarks/RESULTS.md).
+    rejects.
     """
     bound = _ACTIVATIONS.get()
     if bound is None:
@@ -221,18 +222,6 @@ def param_logical_names(model, config):
     """Logical axis names of every parameter (tuples, e.g. ('layers', 'embed', 'mlp'))."""
     logical = nn.get_partition_spec(boxed_params(model, config))
     return jax.tree.map(lambda s: tuple(s), logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_key(path) -> tuple[str, ...]:
-    """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
-    return tuple(_key_name(k) for k in path)
 
 
 def _shard_like_params(tree, spec_by_path: dict, mesh: Mesh):

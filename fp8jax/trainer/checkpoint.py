@@ -230,8 +230,7 @@ def non_finite_leaves(tree) -> list[str]:
 
 def _dotted(path) -> str:
     """'params.blocks.mlp.wi.kernel' for a key path (orbax names arrays the same way)."""
-    keys = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    return ".".join(map(str, keys))
+    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 def _mismatch(path: str, abstract_state) -> str | None:

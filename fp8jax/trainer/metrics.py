@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from fp8jax.diagnostics import memory
 from fp8jax.nn import state as fp8_state
 
 
@@ -66,24 +67,11 @@ def fmt(values: dict) -> str:
     return " ".join(parts)
 
 
-def memory_summary(compiled) -> dict:
-    """Bytes of arguments, outputs and temporaries from ``compiled.memory_analysis()``."""
-    try:
-        ma = compiled.memory_analysis()
-    except Exception:  # some backends do not implement it
-        ma = None
-    if ma is None:
-        return {}
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-            "alias_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
-    return {k: int(getattr(ma, k)) for k in keys if hasattr(ma, k)}
-
-
 def log_memory(compiled):
     """Log the compiled train step's memory analysis before step 0."""
-    mem = memory_summary(compiled)
+    mem = memory.compiled_memory(compiled)
     if mem:
-        parts = ", ".join(f"{k[:-9]}={v / 2**20:.1f}MiB" for k, v in mem.items())
+        parts = ", ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in mem.items())
         logging.info("train step memory: %s", parts)
 
 

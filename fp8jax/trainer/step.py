@@ -17,8 +17,9 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fp8jax.models.layers import FLAX_FP8
 from fp8jax.nn import state as fp8_state
-from fp8jax.nn.state import FLAX_FP8, FP8, FP8_STATS, MASTER_SCALE
+from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.optim import adam as optim
 from fp8jax.parallel import comm, gather
 from fp8jax.parallel import sharding as sharding_lib
@@ -131,7 +132,7 @@ def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
 def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state.
 
-    ``masters``: the ``master_scale`` collection of ``master.carry_masters`` (O2+), if any.
+    ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
     """
     # ``weight`` scales the loss: 1/N for one of N data-parallel replicas, so the replicas'
     # gradients sum to the global batch's and dy (hence its FP8 amax) equals the unsharded one.
@@ -139,8 +140,8 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     coll = state_collection(model)
 
     def loss_fn(p, s):
-        variables = {"params": p, coll: s, **({MASTER_SCALE: masters} if masters else {})}
-        logits, mutated = model.apply(variables, batch["inputs"], mutable=[FP8])
+        with optim.dequantize_carried(masters):
+            logits, mutated = model.apply({"params": p, coll: s}, batch["inputs"], mutable=[FP8])
         return weight * cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
 
     (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(

@@ -1,0 +1,44 @@
+"""Elementwise activations an FP8 cast may apply first (a cast *prologue*), and their derivatives.
+
+Each is ``f(x, tanh)`` on f32 arrays, written with plain multiplies so Triton and XLA lower the
+same operations; ``tanh`` is a parameter so a GPU kernel can pass its fast approximation. Every
+activation has ``act(0) = 0``, so the zero padding of unaligned GEMMs changes no amax.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+_C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
+
+
+def gelu_tanh(x, tanh=jnp.tanh):
+    """GPT-2's tanh approximation of GELU (``jax.nn.gelu(approximate=True)``)."""
+    return 0.5 * x * (1.0 + tanh(_C * (x + _A * (x * x * x))))
+
+
+def gelu_tanh_grad(x, tanh=jnp.tanh):
+    """d/dx of ``gelu_tanh``, written out (f32): 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x)."""
+    t = tanh(_C * (x + _A * (x * x * x)))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_C * (1.0 + 3.0 * _A * (x * x)))
+
+
+ACTIVATIONS = {"gelu_tanh": gelu_tanh}
+ACTIVATION_GRADS = {"gelu_tanh": gelu_tanh_grad}
+
+
+def check_activation(name: str, table=ACTIVATIONS) -> None:
+    """A clear error for a prologue name that ``table`` does not hold."""
+    if name not in table:
+        raise ValueError(f"unknown FP8 cast prologue {name!r}: use one of {sorted(table)}")
+
+
+def activation(name: str | None, tanh=jnp.tanh) -> Callable:
+    """The prologue ``name`` as a function of f32 arrays (identity for None); a clear error."""
+    if name is None:
+        return lambda x: x
+    check_activation(name, ACTIVATIONS)
+    return functools.partial(ACTIVATIONS[name], tanh=tanh)

@@ -141,9 +141,9 @@ def launches(hlo: str) -> tuple[int, int]:
     """``(ops, small)``: instructions of the compiled step's entry computation that run on the
     device (an upper bound on kernel launches per step outside loops), and how many of them
     write at most ``SMALL`` elements (the tiny kernels of the FP8 scale state)."""
-    from fp8jax.parallel import comm
+    from fp8jax.diagnostics import hlo as hlo_lib
 
-    comps, entry = comm._computations(hlo)
+    comps, entry = hlo_lib.computations(hlo)
     ops = small = 0
     for line in comps[entry]:
         m = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)

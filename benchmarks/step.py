@@ -67,7 +67,7 @@ def child(
     import jax
 
     from fp8jax import models
-    from fp8jax.parallel import comm
+    from fp8jax.diagnostics import hlo as hlo_lib
 
     t_build = time.perf_counter()
     c = config_for(run, quick, batch, mesh, sets)
@@ -161,7 +161,7 @@ def child(
         "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
         "hlo_ops_and_small": common.launches(hlo),
         # Bytes each device sends per step under ring costs, by collective and element type.
-        "comm_bytes": comm.bytes_summary(comm.collectives(hlo, s.mesh.size)),
+        "comm_bytes": hlo_lib.bytes_summary(hlo_lib.collectives(hlo, s.mesh.size)),
         "compile_s": compile_s,
         "build_s": build_s,
         **p.times,

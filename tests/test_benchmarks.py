@@ -483,8 +483,8 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     import jax
     import jax.numpy as jnp
 
+    from fp8jax.diagnostics import hlo as hlo_lib
     from fp8jax.ops import kernels
-    from fp8jax.parallel import comm
 
     x, scale = jnp.ones((64, 32), jnp.bfloat16), jnp.float32(8.0)
     cast = lambda x, s: kernels.cast_transpose(x, s, "e4m3", "xla")  # noqa: E731
@@ -493,7 +493,7 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
         loop = cast_transpose._in_loop(cast, 3, vary_input=vary)
         hlo = loop.lower(x, scale).compile().as_text()
         body = re.search(r"while\(.*?body=%([\w.]+)", hlo).group(1)
-        text = "\n".join(comm._computations(hlo)[0][body])
+        text = "\n".join(hlo_lib.computations(hlo)[0][body])
         out = jax.device_get(loop(x, scale))
         assert all((a == b).all() for a, b in zip(out, jax.device_get(cast(x, scale)), strict=True))
         return "reduce" in text

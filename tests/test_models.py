@@ -268,12 +268,12 @@ def test_partition_names():
     flat = jax.tree_util.tree_flatten_with_path(specs)[0]
     shapes = jax.tree.leaves(nn.unbox(boxed))
     assert len(flat) == len(shapes)
-    for (path, spec), shape in zip(flat, shapes, strict=True):
+    for (path, axes), shape in zip(flat, shapes, strict=True):
         name = jax.tree_util.keystr(path)
-        assert len(spec) == len(shape.shape), name
-        assert {a for a in spec if a} <= LOGICAL_PARAM_AXES, name
-        assert any(spec), f"{name} has no logical axis names"
-        assert (spec[0] == "layers") == name.startswith("['blocks']"), name
+        assert len(axes) == len(shape.shape), name
+        assert {a for a in axes if a} <= LOGICAL_PARAM_AXES, name
+        assert any(axes), f"{name} has no logical axis names"
+        assert (axes[0] == "layers") == name.startswith("['blocks']"), name
 
 
 def test_matmul_params_match_model():

@@ -167,7 +167,9 @@ def test_every_field_has_bad_values():
 
 def validate(config) -> None:
     """Everything ``train_and_evaluate`` checks before it writes anything."""
-    spec.check_environment(spec.parse(config))
+    run = spec.parse(config)
+    spec.check_corpus(run)
+    spec.check_environment(run)
 
 
 def test_tiny_and_edge_values_validate():

@@ -171,6 +171,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     non-finite steps in a row raise ``NonFiniteLossError``.
     """
     run = config if isinstance(config, RunSpec) else spec.parse(config)
+    spec.check_corpus(run)
     if run.distributed:
         sharding_lib.initialize_distributed()
     spec.check_environment(run)

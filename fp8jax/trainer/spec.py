@@ -4,7 +4,7 @@ Config files stay ml_collections files (configs/*.py, every field in configs/bas
 alone decides the defaults). ``parse(config)`` reads each field once, checks its type and
 range and the fields against each other, and returns a ``RunSpec``; the library below takes
 the spec and never a ConfigDict. ``check_environment(run, devices)`` adds what depends on the
-machine and the files: the mesh against the devices, GPU-only kernels, the corpus path.
+machine (the mesh against the devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
 Every problem is a one-line ``fp8jax.errors.ConfigError`` naming the field and the fix.
 """
 
@@ -324,18 +324,16 @@ def _comm(raw) -> CommSpec:
 
 
 def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> Mesh:
-    """Check ``run`` against the machine (and, for training, the files); return its mesh.
+    """Check ``run`` against the machine; return its mesh (``check_corpus``: the files).
 
     ``devices`` default to ``jax.devices()``. ``training=False`` (diagnostics.inspect) also
-    accepts fp8.impl='flax' and does not look for the corpus.
+    accepts fp8.impl='flax', which only the step benchmark builds.
     """
-    if training:
-        if run.model.fp8_impl != "fp8jax":
-            raise ConfigError(
-                f"fp8.impl={run.model.fp8_impl!r} is for the step benchmark's comparison with "
-                f"flax's own FP8 op: train with fp8.impl='fp8jax'"
-            )
-        check_corpus(run)
+    if training and run.model.fp8_impl != "fp8jax":
+        raise ConfigError(
+            f"fp8.impl={run.model.fp8_impl!r} is for the step benchmark's comparison with "
+            f"flax's own FP8 op: train with fp8.impl='fp8jax'"
+        )
     with errors.reraise_as(ConfigError, ValueError):
         mesh = sharding_lib.make_mesh(run.mesh, devices)
     check_platform(run.model, mesh)

@@ -60,6 +60,7 @@ def main(argv):
 
     logging.set_verbosity(logging.INFO)
     cli.quiet_jax_backend_probe()
+    cli.drop_closed_event_loop_errors()
     try:
         summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except errors.USER_ERRORS as e:

@@ -60,6 +60,7 @@ def main(argv):
     from fp8jax import cli
 
     cli.quiet_jax_backend_probe()
+    cli.drop_closed_event_loop_errors()
     try:
         run = spec.parse(_CONFIG.value)
         spec.check_environment(run, training=False)

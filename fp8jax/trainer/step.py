@@ -284,10 +284,8 @@ def _on_gpu(mesh) -> bool:
 
 def make_train_step(model, tx, run: RunSpec, mesh=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's)."""
-    # With more than one data-parallel replica at O1+ gradients are reduced in FP8 with a shared
-    # scale (fp8jax.parallel.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8
-    # (fp8jax.parallel.gather). The mesh must be the one the step is jitted over (loop.setup's:
-    # make_mesh(run.mesh)).
+    # Several data-parallel replicas at O1+: gradients reduced in FP8 (parallel.comm), at O3 FP8
+    # kernels all-gathered (parallel.gather), over the mesh the step is jitted over.
     accum = run.optim.grad_accum_steps
     wide = jnp.dtype(run.optim.grad_accum_dtype) if run.optim.grad_accum_dtype else None
     level = run.fp8.level

@@ -328,7 +328,7 @@ def test_parse_errors(field, value, message):
     assert "\n" not in str(err.value) and ": " in str(err.value)  # one line, with the fix
 
 
-def test_recipe_from_config():
+def test_recipe_comes_from_the_fp8_section():
     config = tiny()
     config.fp8.update(recipe="delayed", history_len=4, margin=1, power_of_two=True)
     run = spec.parse(config)

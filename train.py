@@ -40,10 +40,11 @@ def _parse_flags(argv):
 
 
 def _default_xla_flags() -> None:
-    """Turn XLA:GPU's Triton GEMMs off unless the user chose: FP8 compiles 55x faster."""
-    # Measured on an H200 (benchmarks/RESULTS.md): with Triton GEMM autotuning an FP8 linear
-    # layer compiled in 60 s instead of 1.1 s and still ran cuBLASLt FP8 GEMMs. Must be set
-    # before jax is imported; harmless on CPU.
+    """Turn XLA:GPU's Triton GEMMs off unless the user chose: FP8 layers compile far faster.
+
+    With Triton GEMM autotuning FP8 linear layers still ran cuBLASLt FP8 GEMMs but compiled
+    much longer (measured: docs/performance.md). Set before jax is imported; harmless on CPU.
+    """
     flags_now = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_triton_gemm" not in flags_now:
         os.environ["XLA_FLAGS"] = f"{flags_now} --xla_gpu_enable_triton_gemm=false".strip()
@@ -54,10 +55,12 @@ def main(argv):
         _fail(f"unexpected arguments {argv[1:]}; set fields as --config.<field>=<value>")
     _default_xla_flags()
     # Imported after flag parsing so `--help` and config errors are fast.
-    from fp8jax import errors
+    from fp8jax import cli, errors
     from fp8jax.trainer.loop import train_and_evaluate
 
     logging.set_verbosity(logging.INFO)
+    cli.quiet_jax_backend_probe()
+    cli.drop_closed_event_loop_errors()
     try:
         summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except errors.USER_ERRORS as e:

@@ -1,6 +1,8 @@
 """Shared structure of every config: each field, its meaning and unit (not a run config itself).
 
-The defaults are the tiny CPU run (configs/tiny.py); named configs override what differs.
+This file is the one place that decides each field's default (fp8jax.trainer.spec.parse reads
+every field and supplies none). The defaults are the tiny CPU run (configs/tiny.py); named
+configs override what differs.
 Config files are loaded by path (``--config configs/x.py``), not as a package, so each one
 loads this file by its path next to ``__file__``.
 """
@@ -30,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.remat_policy = "none"  # block recompute: 'none', 'full', or a jax.checkpoint_policies name
     # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
     m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients
-    m.fp8_lm_head = False  # also run the LM head in FP8 (H200: -2% step time, loss +0.15% vs O1)
+    m.fp8_lm_head = False  # also run the LM head in FP8 (a little faster, a little more loss)
     m.tie_embeddings = False  # share the token embedding with the LM head
     m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
 
@@ -44,17 +46,16 @@ def get_config() -> ml_collections.ConfigDict:
     f.power_of_two = False  # round scales down to powers of two
     f.impl = "fp8jax"  # FP8 matmul: 'fp8jax'; 'flax' = flax's Fp8DirectDotGeneralOp (benchmarks)
     # 'pallas': one fused cast+transpose+amax kernel per operand on GPUs, XLA ops elsewhere
-    # (H200: 1.3-2.1x faster than XLA's casts, gpt_1b3 O1 step -7%; benchmarks/RESULTS.md);
-    # 'xla': XLA fusions only; 'interpret': the kernel through Pallas' interpreter (tests).
+    # (faster than XLA's casts; measured: docs/performance.md); 'xla': XLA fusions only;
+    # 'interpret': the kernel through Pallas' interpreter (tests).
     f.cast_kernel = "pallas"  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
     # GPT's GELU runs inside the E4M3 cast of the MLP's second matmul, and the backward keeps
-    # only the pre-activation (recomputing tanh). gpt_1b3 O1 on an H200: peak 46.5 -> 40.5 GiB,
-    # step time within run-to-run spread (benchmarks/RESULTS.md, 2026-11-30, sixth).
+    # only the pre-activation (recomputing tanh): a lower peak at the same step time.
     f.fuse_activation = True  # False: a separate GELU, autodiff keeping its intermediates
     # GPT's whole MLP as one custom VJP: the backward folds GELU's derivative and the bias
-    # gradient into wi's E5M2 cast (fp8jax/ops/mlp.py). gpt_1b3 O1 on an H200: 3.2% faster
-    # pipelined, same peak (benchmarks/RESULTS.md, 2026-11-30, seventh). Applies to GPT's GELU
-    # MLP with fuse_activation, delayed scaling and the fused casts; ignored elsewhere (LLaMA).
+    # gradient into wi's E5M2 cast (fp8jax/ops/mlp.py): a faster step at the same peak. Applies
+    # to GPT's GELU MLP with fuse_activation, delayed scaling and the fused casts; ignored
+    # elsewhere (LLaMA).
     f.fuse_mlp = True  # False: the MLP as two FP8 matmuls, autodiff between them
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)

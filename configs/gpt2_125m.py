@@ -2,12 +2,10 @@
 
 GPT-2 small shape (12 layers, d_model 768, 12 heads, GELU MLP 4x, learned positions, LayerNorm)
 with a 32768-token vocabulary and an untied LM head: 136M parameters (GPT-2 ties the head; tied,
-this vocabulary gives 111M). FP8 level O1, bf16 compute, one GPU, 32k tokens per step.
-Measured on one H200 (benchmarks/RESULTS.md, 2026-11-29; benchmarks/parity.py, 300 steps,
-vocabulary 8192): O0 and O1 both ~425k tokens/s (at this width FP8's quantize passes cost what
-its GEMMs save), final validation losses 4.640 and 4.635 (-0.1%), about a minute each. Point
-``--config.data.path`` at a few GB of text; the shipped corpus
-is far too small for this model and vocabulary.
+this vocabulary gives 111M). FP8 level O1, bf16 compute, one GPU, 32k tokens per step. At
+this width FP8's quantize passes cost about what its GEMMs save, and O1's loss tracks O0's
+(measured: docs/performance.md). Point ``--config.data.path`` at a few GB of text; the shipped
+corpus is far too small for this model and vocabulary.
 """
 
 import importlib.util
@@ -39,8 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 3072  # 4 x d_model
     m.max_len = 1024  # learned position table, tokens
     m.dtype = "bfloat16"  # compute dtype
-    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
-    m.remat_policy = "none"  # activations of 12 small layers fit an H200 easily
+    m.scan_layers = False  # unrolled blocks: nn.scan's stacked buffers cost copies
+    m.remat_policy = "none"  # no recompute: 12 small layers' activations fit one GPU
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 
     c.batch_size = 32  # sequences per step: 32k tokens

@@ -2,12 +2,8 @@
 
 LLaMA-style 1.1B (TinyLlama shape): d_model 2048, 22 layers, 32 heads sharing 4 key/value
 heads, SwiGLU d_ff 5632, RoPE, RMSNorm, no biases, seq 2048, vocabulary 32768, untied head:
-1.10B parameters. FP8 level O1, bf16 compute, one GPU, 16k tokens per step. Full train step
-with AdamW on one H200 (benchmarks/RESULTS.md, 2026-11-29, jax 0.11.2,
-XLA_FLAGS=--xla_gpu_enable_triton_gemm=false): O0 227 ms/step (72.0k tokens/s), O1 197 ms
-(83.1k; 85.8k pipelined); PyTorch compiled bf16 64.8k, torchao float8 72.0k.
-Full-run time and loss: not measured yet. Set
-``--config.data.path`` to a large corpus.
+1.10B parameters. FP8 level O1, bf16 compute, one GPU, 16k tokens per step; O1's step is
+faster than O0's (measured: docs/performance.md). Set ``--config.data.path`` to a large corpus.
 """
 
 import importlib.util
@@ -39,8 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 5632  # SwiGLU hidden width (~2.75 x d_model)
     m.max_len = 2048  # longest sequence, tokens (RoPE has no table; checked against seq_len)
     m.dtype = "bfloat16"  # compute dtype
-    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
-    m.remat_policy = "none"  # 16k tokens x 22 layers of activations fit in 141 GB
+    m.scan_layers = False  # unrolled blocks: nn.scan's stacked buffers cost copies
+    m.remat_policy = "none"  # no recompute: 16k tokens x 22 layers of activations fit one GPU
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 
     c.batch_size = 8  # sequences per step: 16384 tokens

@@ -3,11 +3,8 @@
 LLaMA-2-7B shapes: d_model 4096, 32 layers, 32 heads (no grouping), SwiGLU d_ff 11008, seq
 4096, vocabulary 32000, untied head: 6.74B parameters. Meant for 8 GPUs at FP8 level O3 (FP8
 Adam, optimizer state and master weights sharded over an fsdp axis of 8, weights all-gathered
-in FP8), full block remat, 64k tokens per step. Not run on 8 GPUs yet. One H200 at this
-config's batch (16 x 4096, unrolled layers, full train step, jax 0.11.2, 2026-11-29,
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): O0 5.91 s/step (11.1k tokens/s, 106 GiB peak), O2
-4.07 s (16.1k tokens/s, 79.6 GiB peak, 75% MFU; benchmarks/RESULTS.md). Training time and
-loss: not measured yet. Set ``--config.data.path`` to a large corpus.
+in FP8), full block remat, 64k tokens per step (one-GPU figures at this batch: measured:
+docs/performance.md). Set ``--config.data.path`` to a large corpus.
 """
 
 import importlib.util
@@ -39,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_ff = 11008  # SwiGLU hidden width
     m.max_len = 4096  # longest sequence, tokens (RoPE has no table; checked against seq_len)
     m.dtype = "bfloat16"  # compute dtype
-    m.scan_layers = False  # unrolled: nn.scan's stacked buffers cost copies (benchmarks/RESULTS.md)
+    m.scan_layers = False  # unrolled blocks: nn.scan's stacked buffers cost copies
     m.remat_policy = "full"  # recompute each block in the backward pass: 4k-token activations
     m.attention_impl = "cudnn"  # flash attention (GPU only; 'xla' to run on CPU)
 

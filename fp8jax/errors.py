@@ -8,6 +8,8 @@ message naming the fix) into one of these, for the phases where the input is to 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import re
 
 from absl import flags
@@ -55,6 +57,45 @@ def reraise_as(cls: type[UserError], *types: type[Exception]):
         raise
     except types as e:
         raise cls(str(e) or type(e).__name__) from e
+
+
+def check_choice(value, choices, field: str) -> None:
+    """Raise a one-line ConfigError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"unknown {field} {value!r}: use one of {list(choices)}")
+
+
+def check_int(value, field: str, low: int, high: int | None = None, also=()) -> None:
+    """Raise a one-line ConfigError unless ``value`` is an int in [low, high] or in ``also``."""
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if is_int and (value in also or (value >= low and (high is None or value <= high))):
+        return
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    extra = "".join(f" (or {a})" for a in also)
+    raise ConfigError(f"config.{field}={value!r}: use an integer {span}{extra}")
+
+
+def check_number(value, field: str, interval: str) -> None:
+    """Raise a one-line ConfigError unless ``value`` is a finite number in ``interval``.
+
+    ``interval`` reads as in mathematics: '(0, inf)', '[0, 1)', '[1, inf)' ...
+    """
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if is_real and math.isfinite(value):
+        above = value > lo if interval[0] == "(" else value >= lo
+        below = value < hi if interval[-1] == ")" else value <= hi
+        if above and below:
+            return
+    op = ">" if interval[0] == "(" else ">="
+    span = f"{op} {interval[1:-1].split(',')[0]}" if math.isinf(hi) else f"in {interval}"
+    raise ConfigError(f"config.{field}={value!r}: use a finite number {span}")
+
+
+def check_bool(value, field: str) -> None:
+    """Raise a one-line ConfigError unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.{field}={value!r}: use True or False")
 
 
 _FIELDS = "configs/base.py lists every field with its type"

@@ -58,3 +58,22 @@ def with_overrides(config, overrides: dict):
         *parents, leaf = key.split(".")
         functools.reduce(lambda d, k: d[k], parents, config)[leaf] = value
     return config
+
+
+def data_run(path, vocab, seed=0, val_fraction=0.2, batch_size=4, seq_len=16, **data):
+    """configs/tiny.py's run spec with these data settings (``data``: more ``run.data`` fields).
+
+    Built past ``spec.parse``'s checks, so library-only values (``val_fraction=0``) get through.
+    """
+    import dataclasses
+
+    from fp8jax.trainer import loop, spec
+
+    run = spec.parse(loop.load_config("tiny"))
+    return dataclasses.replace(
+        run,
+        seed=seed,
+        model=dataclasses.replace(run.model, vocab_size=vocab),
+        data=dataclasses.replace(run.data, path=str(path), val_fraction=val_fraction, **data),
+        optim=dataclasses.replace(run.optim, batch_size=batch_size, seq_len=seq_len),
+    )

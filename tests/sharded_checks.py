@@ -47,6 +47,7 @@ from fp8jax.ops import formats  # noqa: E402
 from fp8jax.optim import adam as optim  # noqa: E402
 from fp8jax.parallel import comm, sharding  # noqa: E402
 from fp8jax.trainer import loop as train_lib  # noqa: E402
+from fp8jax.trainer import spec  # noqa: E402
 
 STEPS = 2  # both move the parameters (a one-step warm-up: both at about the peak rate)
 
@@ -58,8 +59,7 @@ def tiny_config(level: str, data=-1, fsdp=1, tensor=1, **comm_fields) -> ml_coll
     c.model.update(d_model=64, d_ff=256, vocab_size=256, max_len=16)
     c.seq_len, c.batch_size, c.warmup_steps = 16, 16, 1
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
-    if comm_fields:
-        c.comm = ml_collections.ConfigDict(comm_fields)
+    c.comm.update(comm_fields)
     return c
 
 
@@ -79,10 +79,9 @@ def batches(config) -> list[dict]:
 
 
 def build(config, devices):
-    """(mesh, jitted init, jitted step, state shardings, batch sharding) as train.setup does."""
-    env = train_lib.setup(config, devices, donate=False)  # states are reused across runs
-    return (env["mesh"], env["init"], env["train_step"], env["state_shardings"],
-            env["batch_sharding"])  # fmt: skip
+    """(mesh, jitted init, jitted step, state shardings, batch sharding) as loop.setup does."""
+    env = train_lib.setup(spec.parse(config), devices, donate=False)  # states are reused
+    return env.mesh, env.init, env.train_step, env.state_shardings, env.batch_sharding
 
 
 _INITIAL: dict = {}
@@ -193,8 +192,7 @@ def bytes_rows(name: str, r: dict, num_devices: int) -> dict:
 
 def overflow_check() -> dict:
     """Gradients whose FP8 sum overflows naively: FP8 psum vs ``comm.reduce_gradients``."""
-    mc = ml_collections.ConfigDict(dict(data=8, fsdp=1, tensor=1))
-    mesh = sharding.make_mesh(mc)
+    mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1))
     specs, stacks = {"w": P()}, {"w": 0}
     plan = comm.Plan(mesh, comm.CommConfig(), 1, specs, stacks, jnp.float32)
     fmt = formats.E5M2
@@ -244,7 +242,7 @@ def lowered_step(config):
 def stablehlo_fp8(config) -> dict:
     """Element types of all_to_all / all_gather in the lowered step with ``wire='fp8'``."""
     c = copy.deepcopy(config)
-    c.comm = ml_collections.ConfigDict(dict(wire="fp8"))
+    c.comm.wire = "fp8"
     return hlo.fp8_collectives_in_stablehlo(lowered_step(c).as_text())
 
 

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from fp8jax import models
-from fp8jax.models import config as model_config
-from fp8jax.parallel import comm
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
@@ -43,13 +42,11 @@ def test_named_configs_exist():
 def test_config_builds_and_initialises(name):
     config = load(name)
     assert flat_keys(config) == flat_keys(load("tiny.py")), "configs must share tiny.py's fields"
-    models.check_config(config)
-    train_lib.check_loop_config(config)  # optimizer, loop and mesh fields in range
-    model_config.check_data_config(config, corpus=True)
-    comm.CommConfig.from_config(config)
+    run = spec.parse(config)  # every field in range, the fields consistent
+    spec.check_corpus(run)
     if jax.default_backend() != "gpu":
         config.model.attention_impl = "xla"  # cuDNN attention does not even trace without a GPU
-    model = models.build_model(config)
+    model = models.build_model(spec.parse(config).model)
     tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
     n = models.count_params(variables["params"])
@@ -77,7 +74,7 @@ def test_every_field_commented(name):
 def test_tiny_llama_variant():
     config = load("tiny.py", "llama")
     assert config.model.style == "llama" and config.model.num_kv_heads == 2
-    models.check_config(config)
+    spec.parse(config)
 
 
 def test_gpu_defaults():

@@ -3,11 +3,12 @@
 import gzip
 import json
 
-import ml_collections
 import numpy as np
 import pytest
 
 from fp8jax.trainer import data, tokenizer
+
+from fp8_testing import data_run
 
 VOCAB = 300
 
@@ -18,13 +19,7 @@ def _novel(num_chars: int, start: int = 0) -> str:
 
 
 def _config(path="", vocab=VOCAB, seed=0, val_fraction=0.2, batch_size=4, seq_len=16):
-    c = ml_collections.ConfigDict()
-    c.seed, c.batch_size, c.seq_len = seed, batch_size, seq_len
-    c.model = ml_collections.ConfigDict(dict(vocab_size=vocab))
-    c.data = ml_collections.ConfigDict(
-        dict(path=str(path), val_fraction=val_fraction, tokenizer_min_frequency=2)
-    )
-    return c
+    return data_run(path, vocab, seed, val_fraction, batch_size, seq_len, tokenizer_min_frequency=2)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ import shutil
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 
 from fp8jax import errors
 from fp8jax.trainer import data, tokenizer
+
+from fp8_testing import data_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 300
@@ -31,15 +32,9 @@ def _novel(num_chars: int, start: int = 0) -> str:
         return f.read()[start : start + num_chars]
 
 
-def _config(path, vocab=VOCAB, min_frequency=2, val_fraction=0.2, allow=None):
-    c = ml_collections.ConfigDict()
-    c.seed, c.batch_size, c.seq_len = 0, 4, 16
-    c.model = ml_collections.ConfigDict(dict(vocab_size=vocab))
-    fields = dict(path=str(path), val_fraction=val_fraction, tokenizer_min_frequency=min_frequency)
-    if allow is not None:
-        fields["allow_corpus_change"] = allow
-    c.data = ml_collections.ConfigDict(fields)
-    return c
+def _config(path, vocab=VOCAB, min_frequency=2, val_fraction=0.2, allow=False):
+    return data_run(path, vocab, 0, val_fraction, 4, 16, tokenizer_min_frequency=min_frequency,
+                    allow_corpus_change=allow)  # fmt: skip
 
 
 def _reference(text: str, vocab=VOCAB, min_frequency=2) -> tokenizer.Tokenizer:

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax import models
 from fp8jax.models.layers import FLAX_FP8
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 OP = "Fp8DirectDotGeneralOp_0"
 HISTORY = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
@@ -34,16 +34,16 @@ def _config(impl="flax", scan=True):
 
 def _two_steps(c, params=None):
     """(StableHLO of the step, states before/after each step, the two losses)."""
-    env = train_lib.setup(c, donate=False)  # the states before each step are inspected after
-    state = env["init"](jax.random.PRNGKey(c.seed))
+    env = train_lib.setup(spec.parse(c), donate=False)  # states are inspected after the steps
+    state = env.init(jax.random.PRNGKey(c.seed))
     if params is not None:
         state = state.replace(params=params)
     tok = np.random.default_rng(0).integers(0, c.model.vocab_size, (c.batch_size, c.seq_len + 1))
     tok = tok.astype(np.int32)
-    batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, env["batch_sharding"])
+    batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, env.batch_sharding)
     states, losses = [state], []
-    with env["mesh"]:
-        lowered = env["train_step"].lower(state, batch)
+    with env.mesh:
+        lowered = env.train_step.lower(state, batch)
         step = lowered.compile()  # the lowering above, compiled once (no second trace)
         for _ in range(2):
             state, metrics = step(state, batch)
@@ -157,13 +157,12 @@ def test_flax_state_collection_name():
 
 def test_training_with_flax_op_is_refused():
     c = _config("flax")
-    models.check_config(c)  # a valid model config: benchmarks/step.py builds it
+    run = spec.parse(c)  # a valid run spec: the step benchmark builds it
     with pytest.raises(ValueError, match=r"fp8\.impl='flax'.*train with fp8\.impl='fp8jax'"):
-        train_lib.validate(c)
-    train_lib.validate(c, training=False)  # fp8jax.diagnostics.inspect reports on flax's op too
+        spec.check_environment(run)
+    spec.check_environment(run, training=False)  # diagnostics.inspect reports on flax's op too
     c.fp8.impl = "foo"
-    for check in (models.check_config, train_lib.validate):
-        with pytest.raises(ValueError, match=r"unknown fp8\.impl 'foo'.*'fp8jax', 'flax'"):
-            check(c)
+    with pytest.raises(ValueError, match=r"unknown fp8\.impl 'foo'.*'fp8jax', 'flax'"):
+        spec.parse(c)
     c.fp8.impl = "fp8jax"
-    train_lib.validate(c)
+    spec.check_environment(spec.parse(c))

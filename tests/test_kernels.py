@@ -8,6 +8,7 @@ import pytest
 import fp8jax
 from fp8jax.ops import dot, kernels
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
@@ -165,16 +166,16 @@ def test_config_field_reaches_every_fp8_linear():
     c = train_lib.load_config("tiny")
     c.fp8.level, c.fp8.cast_kernel = "O1", "pallas"
     c.model.num_layers = 1
-    env = train_lib.setup(c, donate=False)
-    state = jax.eval_shape(env["init"], jax.random.PRNGKey(0))
+    env = train_lib.setup(spec.parse(c), donate=False)
+    state = jax.eval_shape(env.init, jax.random.PRNGKey(0))
     tok = jax.ShapeDtypeStruct((c.batch_size, c.seq_len), jnp.int32)
-    lowered = env["train_step"].trace(state, {"inputs": tok, "targets": tok})
+    lowered = env.train_step.trace(state, {"inputs": tok, "targets": tok})
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     # tiny's GPT block: q, kv, o, mlp wi, mlp wo; 3 kernels each (x, w, dy).
     assert text.count(TRITON) == 5 * 3
     c.fp8.cast_kernel = "fused"
     with pytest.raises(ValueError, match="unknown fp8.cast_kernel 'fused'"):
-        train_lib.setup(c)
+        spec.parse(c)
 
 
 def test_nnx_linear_with_kernel_equals_xla_path():

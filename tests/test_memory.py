@@ -6,7 +6,9 @@ import pytest
 
 from fp8jax.diagnostics import memory
 from fp8jax.optim import adam as optim
+from fp8jax.optim.levels import Level
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 D, F, V = 4096, 11008, 32000  # LLaMA-7B widths: one layer is enough for per-param figures
 
@@ -38,8 +40,8 @@ def tiny_config(level, **fp8):
 
 
 def trainer_state(c):
-    """The train state ``train.setup`` builds for ``c``, abstract (nothing allocated)."""
-    return train_lib.setup(c)["abstract"]
+    """The train state ``loop.setup`` builds for ``c``, abstract (nothing allocated)."""
+    return train_lib.setup(spec.parse(c)).abstract
 
 
 @pytest.mark.parametrize(
@@ -50,17 +52,16 @@ def trainer_state(c):
 def test_estimate_matches_the_trainers_state(level, fp8):
     """``state_bytes`` from the table gives, to the byte, what the trainer's state holds."""
     c = tiny_config(level, **fp8)
-    state = trainer_state(c)
+    state, run = trainer_state(c), spec.parse(c)
     f32 = jax.eval_shape(optim.materialize, state.params)  # the f32 params the model sees
-    est = memory.state_bytes(f32, level, c.fp8)
+    est = memory.state_bytes(f32, run.fp8.storage)
     got = memory.account(state.params, state.opt_state)
     assert got["all"]["params"] == est["params"] and got["all"]["opt_state"] == est["opt_state"]
     assert got["matmul"]["params"] == est["matmul_params"]
     assert got["matmul"]["opt_state"] == est["matmul_opt_state"]
-    storage = optim.level_storage(level, c.fp8)
-    assert bool(jax.tree.leaves(state.fp8)) == storage["fp8_gemms"]  # FP8 GEMMs' scale state
+    assert bool(jax.tree.leaves(state.fp8)) == run.fp8.level.fp8_gemms  # FP8 scale state
     kernel = state.params["blocks"]["mlp"]["wi"]["kernel"]
-    if storage["master_format"] == "float32":
+    if run.fp8.storage.master_format == "float32":
         assert kernel.dtype == jnp.float32  # O0 and O1 keep f32 params
     else:
         assert kernel.data.dtype == optim.storage_dtype(c.fp8.master_format)
@@ -70,12 +71,12 @@ def test_matmul_bytes_per_param_by_level():
     params = abstract_params()
     n_mm = D * 3 * D + D * D + D * 2 * F + F * D + D * V
     n_all = n_mm + V * D + 3 * D + V
-    for level in ("O0", "O1"):  # f32 params, f32 m and v
-        est = memory.state_bytes(params, level)
+    for level in (Level.O0, Level.O1):  # f32 params, f32 m and v
+        est = memory.state_bytes(params, level.storage())
         assert est["matmul_params"] + est["matmul_opt_state"] == 12 * n_mm
         assert est["params"] + est["opt_state"] == 12 * n_all + 8  # + two int32 step counts
     # O2: FP16 master (2) + E4M3 m (1) + FP16 v (2), and an f32 scale each per kernel (five).
-    est = memory.state_bytes(params, "O2")
+    est = memory.state_bytes(params, Level.O2.storage())
     assert est["matmul_params"] == 2 * n_mm + 5 * 4
     assert est["matmul_opt_state"] == 3 * n_mm + 5 * 2 * 4
     # Embedding, norms and head bias keep f32 params and f32 moments.
@@ -88,7 +89,8 @@ def rows():
     out = []
     for level in ("O0", "O1", "O2"):
         state = trainer_state(tiny_config(level))
-        out.append(memory.bytes_per_param(state.params, state.opt_state, level=level))
+        row = memory.bytes_per_param(state.params, state.opt_state, level=Level.parse(level))
+        out.append(row)
     print("\n" + memory.memory_table(out))
     return {r["label"]: r for r in out}
 

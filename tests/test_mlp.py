@@ -12,6 +12,7 @@ import fp8jax
 from fp8jax import FP8, models
 from fp8jax.ops import activations, dot, kernels, mlp
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
@@ -92,7 +93,7 @@ def _tiny(fuse_mlp, dtype, kernel="interpret", level="O1"):
 
 
 def _grads(config, variables, tok):
-    model = models.build_model(config)
+    model = models.build_model(spec.parse(config).model)
 
     def loss(params, fp8):
         logits, mutated = model.apply({"params": params, FP8: fp8}, tok, mutable=[FP8])
@@ -107,8 +108,9 @@ def test_fused_mlp_equals_two_fp8_matmuls_in_f32(kernel="interpret"):
     """Same params, loss, new scale state and FP8 cotangents; grads to f32 rounding."""
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 128, jnp.int32)
     fused, plain = _tiny(True, "float32", kernel), _tiny(False, "float32", kernel)
-    variables = nn.unbox(jax.jit(models.build_model(fused).init)(jax.random.key(0), tok))
-    plain_vars = nn.unbox(jax.jit(models.build_model(plain).init)(jax.random.key(0), tok))
+    fused_model, plain_model = (models.build_model(spec.parse(c).model) for c in (fused, plain))
+    variables = nn.unbox(jax.jit(fused_model.init)(jax.random.key(0), tok))
+    plain_vars = nn.unbox(jax.jit(plain_model.init)(jax.random.key(0), tok))
     for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain_vars), strict=True):
         np.testing.assert_array_equal(a, b)  # the same paths and initial values
     (loss_f, fp8_f), (g_f, gm_f) = _grads(fused, variables, tok)
@@ -179,13 +181,13 @@ def test_fused_mlp_train_step_at_o2_tracks_two_matmuls():
         c = _tiny(fuse, "float32", "pallas", "O2")  # 'pallas': XLA ops on this CPU
         tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
         batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
-        env = train_lib.setup(c)
-        state = env["init"](jax.random.PRNGKey(0))
+        env = train_lib.setup(spec.parse(c))
+        state = env.init(jax.random.PRNGKey(0))
         out = []
         for _ in range(3):
-            state, metrics = env["train_step"](state, batch)
+            state, metrics = env.train_step(state, batch)
             out.append(float(metrics["loss"]))
-        stats = env["stats_step"](state, batch)  # the FP8 health step takes the unfused path
+        stats = env.stats_step(state, batch)  # the FP8 health step takes the unfused path
         assert jax.tree.leaves(stats)
         return np.array(out)
 

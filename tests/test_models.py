@@ -11,6 +11,7 @@ from flax import linen as nn
 
 from fp8jax import FP8, FP8_STATS, models
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
@@ -34,13 +35,18 @@ def tiny(style="gpt", level="O1", **model):
     return config
 
 
+def build(config):
+    """The model of a config, as the trainer builds it."""
+    return models.build_model(spec.parse(config).model)
+
+
 def tokens(seed=0):
     return jax.random.randint(jax.random.key(seed), (B, L), 0, 512, jnp.int32)
 
 
 def init(config, abstract=False):
     """(model, unboxed variables); O0 gets an empty FP8 collection so one loss fits all."""
-    model = models.build_model(config)
+    model = build(config)
     init_fn = jax.eval_shape if abstract else lambda f, *a: jax.jit(f)(*a)
     variables = nn.unbox(init_fn(model.init, jax.random.key(0), tokens()))
     return model, {"params": variables["params"], FP8: variables.get(FP8, {})}
@@ -148,7 +154,7 @@ def restack(tree, num_layers):
 def test_scan_matches_loop():
     # LLaMA style: RoPE and grouped-query attention inside the scanned block too.
     loop_model, loop_vars = init(tiny("llama", scan_layers=False))
-    scan_model = models.build_model(tiny("llama", scan_layers=True))
+    scan_model = build(tiny("llama", scan_layers=True))
     scan_vars = {k: restack(v, 2) for k, v in loop_vars.items()}
     # The restacked tree has exactly the structure nn.scan initialises.
     expected = jax.eval_shape(scan_model.init, jax.random.key(0), tokens())
@@ -166,7 +172,7 @@ def test_scan_matches_loop():
 @pytest.mark.parametrize("policy", ["full", "dots_with_no_batch_dims_saveable"])
 def test_remat_matches_no_remat(policy):
     model, variables = cached_init("llama")
-    remat_model = models.build_model(tiny("llama", remat_policy=policy))
+    remat_model = build(tiny("llama", remat_policy=policy))
     (loss, fp8), grads = loss_and_grads(model, variables, tokens())
     (loss_r, fp8_r), grads_r = loss_and_grads(remat_model, variables, tokens())
     np.testing.assert_allclose(loss, loss_r, rtol=TOL)
@@ -179,7 +185,7 @@ def test_tied_block_grads_change_only_the_schedule():
     gradients (so XLA:GPU cannot defer the weight-gradient GEMMs); every number is the same."""
     cfg = dict(scan_layers=False, remat_policy="full")
     model, variables = init(tiny("llama", tie_block_grads=False, **cfg))
-    tied = models.build_model(tiny("llama", tie_block_grads=True, **cfg))
+    tied = build(tiny("llama", tie_block_grads=True, **cfg))
     (loss, fp8), grads = loss_and_grads(model, variables, tokens())
     (loss_t, fp8_t), grads_t = loss_and_grads(tied, variables, tokens())
     assert float(loss) == float(loss_t)
@@ -256,18 +262,18 @@ def test_fused_qkv_is_the_same_attention(style):
 
 
 def test_partition_names():
-    model = models.build_model(tiny("llama"))
+    model = build(tiny("llama"))
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens())["params"]
     specs = nn.get_partition_spec(boxed)
     flat = jax.tree_util.tree_flatten_with_path(specs)[0]
     shapes = jax.tree.leaves(nn.unbox(boxed))
     assert len(flat) == len(shapes)
-    for (path, spec), shape in zip(flat, shapes, strict=True):
+    for (path, axes), shape in zip(flat, shapes, strict=True):
         name = jax.tree_util.keystr(path)
-        assert len(spec) == len(shape.shape), name
-        assert {a for a in spec if a} <= LOGICAL_PARAM_AXES, name
-        assert any(spec), f"{name} has no logical axis names"
-        assert (spec[0] == "layers") == name.startswith("['blocks']"), name
+        assert len(axes) == len(shape.shape), name
+        assert {a for a in axes if a} <= LOGICAL_PARAM_AXES, name
+        assert any(axes), f"{name} has no logical axis names"
+        assert (axes[0] == "layers") == name.startswith("['blocks']"), name
 
 
 def test_matmul_params_match_model():
@@ -279,7 +285,7 @@ def test_matmul_params_match_model():
             for p, x in jax.tree_util.tree_flatten_with_path(variables["params"])[0]
             if "kernel" in jax.tree_util.keystr(p)
         ]
-        assert models.matmul_params(config.model) == sum(x.size for x in kernels)
+        assert models.matmul_params(spec.parse(config).model) == sum(x.size for x in kernels)
         n = models.count_params(variables["params"])
         assert n == models.count_params(nn.unbox(variables["params"]))
 
@@ -293,9 +299,9 @@ def test_fuse_mlp_applies_only_to_the_gpt_mlp_with_its_fused_gelu():
         config = tiny(style) if style == "llama" else tiny()
         config.fp8.fuse_activation = fuse_activation
         assert config.fp8.fuse_mlp  # the default
-        cfg = models.ModelConfig.from_config(config)
+        cfg = spec.parse(config).model
         assert layers.fuses_mlp(cfg) == want, (style, fuse_activation)
-        models.build_model(config)
+        models.build_model(cfg)
 
 
 @pytest.mark.parametrize(
@@ -313,17 +319,21 @@ def test_fuse_mlp_applies_only_to_the_gpt_mlp_with_its_fused_gelu():
         ("model.attention_impl", "flash", r"unknown model.attention_impl 'flash'"),
     ],
 )
-def test_check_config_errors(field, value, message):
+def test_parse_errors(field, value, message):
     config = tiny()
     section, _, key = field.rpartition(".")
     (config[section] if section else config)[key] = value
     with pytest.raises(ValueError, match=message) as err:
-        models.build_model(config)
+        spec.parse(config)
     assert "\n" not in str(err.value) and ": " in str(err.value)  # one line, with the fix
 
 
-def test_recipe_from_config():
+def test_recipe_comes_from_the_fp8_section():
     config = tiny()
     config.fp8.update(recipe="delayed", history_len=4, margin=1, power_of_two=True)
-    recipe = models.recipe_from_config(config.fp8)
+    run = spec.parse(config)
+    recipe = run.fp8.recipe
     assert (recipe.history_len, recipe.margin, recipe.power_of_two) == (4, 1, True)
+    assert run.model.recipe == recipe  # the model's matmuls use it from O1 on
+    config.fp8.level = "O0"
+    assert spec.parse(config).model.recipe is None  # plain matmuls

@@ -99,6 +99,7 @@ def _worker(mode: str, out: str) -> None:
     from fp8jax.parallel import sharding
     from fp8jax.trainer import data as data_lib
     from fp8jax.trainer import loop as train_lib
+    from fp8jax.trainer import spec
 
     if mode == "worker":
         sharding.initialize_distributed()  # what train.py does for config.distributed
@@ -115,12 +116,12 @@ def _worker(mode: str, out: str) -> None:
         seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len,
     )  # fmt: skip
     it = dataset.train_iter()  # this process's rows of each global batch
-    env = train_lib.setup(config)
-    state = env["init"](jax.random.PRNGKey(config.seed))
+    env = train_lib.setup(spec.parse(config))
+    state = env.init(jax.random.PRNGKey(config.seed))
     losses, grad_norms, m = [], [], {}
     for _ in range(STEPS):
-        batch = sharding.put_batch(next(it), env["batch_sharding"])
-        state, metrics = env["train_step"](state, batch)
+        batch = sharding.put_batch(next(it), env.batch_sharding)
+        state, metrics = env.train_step(state, batch)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         losses.append(m["loss"])
         grad_norms.append(m["grad_norm"])

@@ -16,6 +16,7 @@ import fp8jax
 from fp8jax import FP8, models
 from fp8jax.ops import dot, kernels
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
@@ -126,7 +127,7 @@ def _model(fuse: bool, dtype="bfloat16"):
     m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 256
     m.vocab_size, m.max_len, m.dtype = 128, 16, dtype
     c.seq_len = 16
-    return models.build_model(c)
+    return models.build_model(spec.parse(c).model)
 
 
 def _residuals(model, variables, tok):

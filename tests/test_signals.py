@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fp8jax.trainer import data as data_lib
+from fp8jax.trainer import generate, spec
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import metrics as metrics_lib
 
@@ -100,17 +101,17 @@ def test_sample_passes_parameters_as_arguments(corpus, tmp_path):
     ``jax_captured_constants_warn_bytes``; with the threshold at half the parameters' bytes, a
     sampler closing over the parameters warns, one passing them as arguments does not.
     """
-    config = small_config(corpus)
-    env = train_lib.setup(config)
-    state = env["init"](jax.random.PRNGKey(0))
-    dataset = data_lib.build(config, str(tmp_path))
+    run = spec.parse(small_config(corpus))
+    env = train_lib.setup(run)
+    state = env.init(jax.random.PRNGKey(0))
+    dataset = data_lib.build(run, str(tmp_path))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
     before = jax.config.jax_captured_constants_warn_bytes
     jax.config.update("jax_captured_constants_warn_bytes", param_bytes // 2)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*constants were captured.*")
-            text = train_lib.sample(env["model"], state, dataset.tokenizer, "The ", 3, 32)
+            text = generate.sample(env.model, state, dataset.tokenizer, "The ", 3, 32)
     finally:
         jax.config.update("jax_captured_constants_warn_bytes", before)
     assert text.startswith("The") and len(text) > len("The")
@@ -126,7 +127,7 @@ def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, t
     # A healthy run: its worst share stays under the warning threshold, and nothing warns.
     health = [r for r in records(tmp_path) if "fp8_max_saturated" in r]
     assert len(health) == 3, health
-    assert all(r["fp8_max_saturated"] <= train_lib.HEALTH_WARN_SHARE for r in health), health
+    assert all(r["fp8_max_saturated"] <= metrics_lib.HEALTH_WARN_SHARE for r in health), health
     assert "clip at the format max" not in caplog.text
     again = train_lib.train_and_evaluate(config, str(tmp_path))
     assert again == first

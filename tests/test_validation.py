@@ -1,8 +1,9 @@
 """Config validation: every field of configs/base.py is type- and range-checked up front.
 
-``train_and_evaluate`` must refuse each bad value in ``validate``, before the work dir exists
-and before any data, tokenizer or compile work, with a one-line ``ConfigError`` naming the
-field, the value and the fix; ``python train.py`` turns it into one stderr line and exit 2.
+``train_and_evaluate`` must refuse each bad value in ``spec.parse`` or
+``spec.check_environment``, before the work dir exists and before any data, tokenizer or compile
+work, with a one-line ``ConfigError`` naming the field, the value and the fix; ``python
+train.py`` turns it into one stderr line and exit 2.
 """
 
 import functools
@@ -17,6 +18,7 @@ import pytest
 
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = math.nan, math.inf
@@ -163,12 +165,19 @@ def test_every_field_has_bad_values():
     assert set(EDGES) <= fields
 
 
+def validate(config) -> None:
+    """Everything ``train_and_evaluate`` checks before it writes anything."""
+    run = spec.parse(config)
+    spec.check_corpus(run)
+    spec.check_environment(run)
+
+
 def test_tiny_and_edge_values_validate():
-    train_lib.validate(tiny(), corpus=True)
+    validate(tiny())
     for field, value in EDGES.items():
         c = tiny()
         set_field(c, field, value)
-        train_lib.validate(c, corpus=True)
+        validate(c)
 
 
 @pytest.fixture
@@ -222,8 +231,9 @@ def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.C
 
 def test_o3_with_fsdp_validates():
     code = (
-        "from fp8jax.trainer import loop as t; c = t.load_config('tiny'); c.fp8.level = 'O3'; "
-        "c.mesh.data, c.mesh.fsdp = 1, 2; t.validate(c); c.mesh.fsdp = -1; t.validate(c)"
+        "from fp8jax.trainer import loop as t, spec as s; c = t.load_config('tiny'); "
+        "c.fp8.level = 'O3'; c.mesh.data, c.mesh.fsdp = 1, 2; s.check_environment(s.parse(c)); "
+        "c.mesh.fsdp = -1; s.check_environment(s.parse(c))"
     )
     proc = _cli(devices=2, code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -270,15 +280,16 @@ def _two_steps(level: str, lr, eps: float = 1e-8):
     m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 128
     # Position rows 16..31 never see a token, so their gradient is exactly zero.
     m.vocab_size, m.max_len, c.seq_len, c.batch_size = 128, 32, 16, 4
+    run = spec.parse(c)
     real, fast = step_lib.learning_rate_schedule, jax.config.values[OPT_FLAG]
-    step_lib.learning_rate_schedule = lambda config: lr
+    step_lib.learning_rate_schedule = lambda optim: lr
     jax.config.update(OPT_FLAG, True)  # the compile dominates; exact checks need no speed
     try:
-        model = models.build_model(c)
-        tx = step_lib.make_optimizer(c)
-        init = jax.jit(lambda key: step_lib.init_state(model, tx, c, key))
+        model = models.build_model(run.model)
+        tx = step_lib.make_optimizer(run)
+        init = jax.jit(lambda key: step_lib.init_state(model, tx, run, key))
         states = [init(jax.random.PRNGKey(0))]
-        train_step = jax.jit(step_lib.make_train_step(model, tx, c))
+        train_step = jax.jit(step_lib.make_train_step(model, tx, run))
         tokens = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         metrics = []

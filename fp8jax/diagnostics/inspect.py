@@ -7,7 +7,6 @@ bytes per parameter at O0/O1/O2 and the compiled step's memory analysis.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -17,7 +16,9 @@ from ml_collections import config_flags
 
 from fp8jax import errors
 from fp8jax.diagnostics import coverage, memory
+from fp8jax.optim.levels import Level
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
 _MEMORY = flags.DEFINE_bool("memory", False, "Also report bytes/param at O0/O1/O2.")
@@ -26,44 +27,44 @@ _COMPILE = flags.DEFINE_bool(
 )
 
 
-def lower_train_step(config):
-    """The lowered train step of ``config`` (abstract state and batch: nothing allocated)."""
-    env = train_lib.setup(config)
+def lower_train_step(run: spec.RunSpec):
+    """``(setup, lowered train step)`` of ``run`` (abstract state and batch: nothing allocated)."""
+    env = train_lib.setup(run)
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        env["abstract"],
-        env["state_shardings"],
+        env.abstract,
+        env.state_shardings,
     )
-    return env, env["train_step"].lower(abstract_state, train_lib.abstract_batch(config))
+    return env, env.train_step.lower(abstract_state, train_lib.abstract_batch(run))
 
 
-def coverage_of(config, compile_step: bool | None = None) -> coverage.CoverageReport:
-    """Coverage report of ``config``'s train step."""
-    _, lowered = lower_train_step(config)
+def coverage_of(run: spec.RunSpec, compile_step: bool | None = None) -> coverage.CoverageReport:
+    """Coverage report of ``run``'s train step."""
+    _, lowered = lower_train_step(run)
     if compile_step is None:
         compile_step = jax.default_backend() == "gpu"
     return coverage.coverage_report(lowered, compile=compile_step)
 
 
-def memory_rows(config) -> list[dict]:
+def memory_rows(run: spec.RunSpec) -> list[dict]:
     """Bytes per parameter of params / grads / optimizer state at O0, O1 and O2."""
     rows = []
-    for level in ("O0", "O1", "O2"):
-        c = copy.deepcopy(config)
-        c.fp8.level = level
-        env = train_lib.setup(c)
-        abstract = env["abstract"]
+    for level in (Level.O0, Level.O1, Level.O2):
+        abstract = train_lib.setup(spec.with_level(run, level)).abstract
         rows.append(memory.bytes_per_param(abstract.params, abstract.opt_state, level=level))
     return rows
 
 
 def main(argv):
     del argv
-    config = _CONFIG.value
+    from fp8jax import cli
+
+    cli.quiet_jax_backend_probe()
+    cli.drop_closed_event_loop_errors()
     try:
-        with errors.reraise_as(errors.ConfigError, ValueError, TypeError):
-            train_lib.validate(config, training=False)
-        return _report(config)
+        run = spec.parse(_CONFIG.value)
+        spec.check_environment(run, training=False)
+        return _report(run)
     except errors.USER_ERRORS as e:  # a bad config is one line, as in train.py
         if os.environ.get("FP8JAX_DEBUG"):
             raise
@@ -71,14 +72,14 @@ def main(argv):
         return 2
 
 
-def _report(config) -> int:
-    """Print the coverage report (and memory tables) of ``config``."""
-    report = coverage_of(config, _COMPILE.value)
-    print(f"FP8 coverage of the train step ({config.fp8.level}, backend {jax.default_backend()}):")
+def _report(run: spec.RunSpec) -> int:
+    """Print the coverage report (and memory tables) of ``run``."""
+    report = coverage_of(run, _COMPILE.value)
+    print(f"FP8 coverage of the train step ({run.fp8.level}, backend {jax.default_backend()}):")
     print(report)
     if _MEMORY.value:
-        print(memory.memory_table(memory_rows(config)))
-        _, lowered = lower_train_step(config)
+        print(memory.memory_table(memory_rows(run)))
+        _, lowered = lower_train_step(run)
         print(memory.format_compiled_memory(memory.compiled_memory(lowered.compile())))
     return 0
 

@@ -1,15 +1,15 @@
 """Memory account: bytes per parameter of params, gradients and optimizer state, and XLA's view.
 
 ``bytes_per_param`` reads the actual trees (arrays or ``jax.eval_shape`` abstractions, such as
-``train.setup(config)['abstract']``), so it reports whatever level they represent.
-``state_bytes`` estimates the same bytes from the f32 params' shapes and ``optim.LEVELS``, the
-table the trainer builds its state from: O0 and O1 store f32 params and f32 Adam moments
-(12 B/param; O1 adds only the FP8 GEMMs' scale state, outside params and optimizer state); O2
-and O3 store FP16 masters, E4M3 m and FP16 v for the matmul weights (5 B/param plus three f32
-scales per tensor). Gradients are not stored in these trees, so their width is a parameter:
-FP8-LM counts the matmul weights' gradients in FP8 from O1 on (``level='O1'`` or later implies
-``matmul_grads_dtype='e5m2'``, 1 byte); fp8jax computes them in the compute dtype and sends
-them over the wire in FP8 (fp8jax.parallel.comm).
+``loop.setup(run).abstract``), so it reports whatever level they represent.
+``state_bytes`` estimates the same bytes from the f32 params' shapes and a level's
+``optim.levels.Storage``, which the trainer builds its state from: O0 and O1 store f32 params
+and f32 Adam moments (12 B/param; O1 adds only the FP8 GEMMs' scale state, outside params and
+optimizer state); O2 and O3 store FP16 masters, E4M3 m and FP16 v for the matmul weights
+(5 B/param plus three f32 scales per tensor). Gradients are not stored in these trees, so their
+width is a parameter: FP8-LM counts the matmul weights' gradients in FP8 from O1 on
+(``level=Level.O1`` or later implies ``matmul_grads_dtype='e5m2'``, 1 byte); fp8jax computes
+them in the compute dtype and sends them over the wire in FP8 (fp8jax.parallel.comm).
 
 Optimizer-state leaves are attributed to a parameter when the end of their tree path is that
 parameter's path (optax states mirror the params tree); leaves that match nothing (step counts,
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp8jax.optim import adam as optim
+from fp8jax.optim.levels import Level, Storage
 from fp8jax.optim.master import ScaledTensor, is_scaled, path_key, resolve_mask, storage_dtype
 
 _MIB = 2.0**20
@@ -98,17 +98,17 @@ def account(params, opt_state, grads_dtype=None, matmul_grads_dtype=None, mask=N
     return {"all": totals, "matmul": matmul}
 
 
-def state_bytes(params, level: str, fp8_config=None, mask=None) -> dict[str, int]:
-    """Bytes of params and optimizer state the trainer stores at ``level`` for f32 ``params``.
+def state_bytes(params, storage: Storage, mask=None) -> dict[str, int]:
+    """Bytes of params and optimizer state the trainer stores for f32 ``params``.
 
-    From the shapes of ``params`` and ``optim.level_storage(level, fp8_config)``; ``mask``
-    selects the matmul weights (default: 'kernel' leaves of rank >= 2). Keys: ``params``,
-    ``opt_state`` and the same with a ``matmul_`` prefix.
+    From the shapes of ``params`` and a level's ``storage`` (``Level.O2.storage()``, or
+    ``run.fp8.storage``); ``mask`` selects the matmul weights (default: 'kernel' leaves of
+    rank >= 2). Keys: ``params``, ``opt_state`` and the same with a ``matmul_`` prefix.
     """
-    s = optim.level_storage(level, fp8_config)
+    s = storage
     width = lambda fmt: storage_dtype(fmt).itemsize  # noqa: E731
     scale = jnp.dtype(jnp.float32).itemsize  # one f32 scale per ScaledTensor
-    narrow_master = storage_dtype(s["master_format"]) != jnp.dtype(jnp.float32)
+    narrow_master = storage_dtype(s.master_format) != jnp.dtype(jnp.float32)
     out = dict.fromkeys(("params", "opt_state", "matmul_params", "matmul_opt_state"), 0)
     flat = jax.tree.leaves(params, is_leaf=is_scaled)
     selected = jax.tree.leaves(resolve_mask(params, mask), is_leaf=is_scaled)
@@ -116,9 +116,9 @@ def state_bytes(params, level: str, fp8_config=None, mask=None) -> dict[str, int
         n = _count(leaf)
         p, o = 4 * n, 8 * n  # f32 param, f32 m and v
         if is_mm and narrow_master:
-            p = n * width(s["master_format"]) + scale
-        if is_mm and s["fp8_adam"]:
-            o = n * (width(s["m_format"]) + width(s["v_format"])) + 2 * scale
+            p = n * width(s.master_format) + scale
+        if is_mm and s.fp8_adam:
+            o = n * (width(s.m_format) + width(s.v_format)) + 2 * scale
         out["params"] += p
         out["opt_state"] += o
         if is_mm:
@@ -134,21 +134,21 @@ def bytes_per_param(
     grads_dtype=None,
     matmul_grads_dtype=None,
     mask=None,
-    level: str | None = None,
+    level: Level | None = None,
     label: str | None = None,
 ) -> dict[str, Any]:
     """One ``memory_table`` row: counts, bytes/param overall and for matmul weights, total MiB.
 
     Keys: ``params``, ``grads``, ``opt_state``, ``total`` (bytes/param over all params), the same
     with a ``matmul_`` prefix (matmul weights only), ``n_params``, ``n_matmul``, ``total_mib``.
-    ``level`` ('O0'..'O3') labels the row and, from O1 on, counts the matmul weights' gradients
-    as FP8 (1 byte) unless ``matmul_grads_dtype`` says otherwise.
+    ``level`` labels the row and, from O1 on, counts the matmul weights' gradients as FP8
+    (1 byte) unless ``matmul_grads_dtype`` says otherwise.
     """
-    if matmul_grads_dtype is None and level is not None and level != "O0":
+    if matmul_grads_dtype is None and level is not None and level.fp8_grad_comm:
         matmul_grads_dtype = "e5m2"  # FP8-LM: weight gradients in FP8 from O1 on
     raw = account(params, opt_state, grads_dtype, matmul_grads_dtype, mask)
     row: dict[str, Any] = {
-        "label": label if label is not None else (level or ""),
+        "label": label if label is not None else ("" if level is None else str(level)),
         "n_params": int(raw["all"]["n"]),
         "n_matmul": int(raw["matmul"]["n"]),
     }

@@ -1,13 +1,6 @@
-"""Decoder-only transformers (GPT-2 and LLaMA style) with FP8 linears, built from a config."""
+"""Decoder-only transformers (GPT-2 and LLaMA style) with FP8 linears, built from a ModelConfig."""
 
-from fp8jax.models.config import (
-    ModelConfig,
-    check_config,
-    count_params,
-    flops_per_token,
-    matmul_params,
-    recipe_from_config,
-)
+from fp8jax.models.config import ModelConfig, count_params, flops_per_token, matmul_params
 from fp8jax.models.layers import Attention, Block, Mlp
 from fp8jax.models.transformer import Transformer, build_model
 
@@ -18,9 +11,7 @@ __all__ = [
     "ModelConfig",
     "Transformer",
     "build_model",
-    "check_config",
     "count_params",
     "flops_per_token",
     "matmul_params",
-    "recipe_from_config",
 ]

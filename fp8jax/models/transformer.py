@@ -133,6 +133,6 @@ class Transformer(nn.Module):
         return jax.lax.dot_general(x_BxLxD.astype(c.dtype), table_VxD, dims)
 
 
-def build_model(config) -> Transformer:
-    """The model described by ``config.model`` and ``config.fp8`` (validated first)."""
-    return Transformer(ModelConfig.from_config(config))
+def build_model(model_cfg: ModelConfig) -> Transformer:
+    """The transformer ``model_cfg`` describes (``spec.parse(config).model`` for a config)."""
+    return Transformer(model_cfg)

@@ -51,8 +51,6 @@ from fp8jax.optim.master import (
 )
 
 __all__ = [
-    "DEFAULT_FORMATS",
-    "LEVELS",
     "Fp8AdamState",
     "ScaledTensor",
     "apply_updates",
@@ -61,7 +59,6 @@ __all__ = [
     "dequantize_carrier",
     "fp8_adamw",
     "is_matmul_weight",
-    "level_storage",
     "materialize",
     "scale_by_fp8_adam",
     "scale_for",
@@ -69,32 +66,6 @@ __all__ = [
     "to_master",
     "update_bound",
 ]
-
-# What the train state stores for the matmul weights at each FP8-LM level: the master copy's
-# format, whether Adam is fp8jax's (moments with per-tensor scales) or optax's (f32), its
-# moments' formats, and whether the FP8 GEMMs keep scale state. "config" reads config.fp8's
-# field of that name. trainer.step builds the state from this table; diagnostics.memory
-# estimates it.
-LEVELS = {
-    "O0": {"master_format": "float32", "fp8_adam": False, "m_format": "float32",
-           "v_format": "float32", "fp8_gemms": False},
-    "O1": {"master_format": "float32", "fp8_adam": False, "m_format": "float32",
-           "v_format": "float32", "fp8_gemms": True},
-    "O2": {"master_format": "config", "fp8_adam": True, "m_format": "config",
-           "v_format": "config", "fp8_gemms": True},
-    "O3": {"master_format": "config", "fp8_adam": True, "m_format": "config",
-           "v_format": "config", "fp8_gemms": True},
-}  # fmt: skip
-DEFAULT_FORMATS = {"master_format": "float16", "m_format": "e4m3", "v_format": "float16"}
-
-
-def level_storage(level: str, fp8_config=None) -> dict[str, Any]:
-    """``LEVELS[level]`` with "config" entries read from ``fp8_config`` (or ``DEFAULT_FORMATS``)."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown FP8 level {level!r}: use one of {tuple(LEVELS)}")
-    formats = DEFAULT_FORMATS if fp8_config is None else fp8_config
-    return {k: formats[k] if v == "config" else v for k, v in LEVELS[level].items()}
-
 
 # The clip sits at 2x the bound: quantized moments overshoot it by their rounding error (up to
 # 12.5% for E4M3 m), and clipping there would bias early steps, where Adam runs at the bound.

@@ -42,8 +42,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from fp8jax.errors import ConfigError
-from fp8jax.models.config import check_bool, check_int, check_number
+from fp8jax.errors import ConfigError, check_bool, check_int, check_number
 from fp8jax.ops import formats
 from fp8jax.optim.master import path_key
 from fp8jax.parallel import sharding as sharding_lib
@@ -54,7 +53,7 @@ P = PartitionSpec
 
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
-    """Settings of FP8 gradient communication (``config.comm``; every field optional)."""
+    """Settings of FP8 gradient communication (a config's ``comm``; defaults: configs/base.py's)."""
 
     enabled: bool = True  # FP8 gradient reduction at O1+ (False: XLA's own f32 all-reduce)
     grad_format: str = "e5m2"  # 'e5m2' (range) or 'e4m3' (precision) for gradients on the wire
@@ -79,17 +78,6 @@ class CommConfig:
         check_number(self.mu_init, "comm.mu_init", "(0, inf)")
         check_number(self.mu_growth, "comm.mu_growth", "[1, inf)")  # < 1 would only shrink mu
         check_number(self.saturation_limit, "comm.saturation_limit", "[0, 1]")  # a share
-
-    @classmethod
-    def from_config(cls, config) -> CommConfig:
-        """From ``config.comm`` (a dict or ConfigDict; missing fields take the defaults)."""
-        raw = config.get("comm", None) if hasattr(config, "get") else None
-        raw = dict(raw.to_dict() if hasattr(raw, "to_dict") else raw or {})
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - fields)
-        if unknown:
-            raise ValueError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
-        return cls(**raw)
 
 
 def init_state(level: int, cfg: CommConfig) -> dict:
@@ -168,19 +156,18 @@ def per_device(level: int, cfg: CommConfig, mesh: Mesh) -> bool:
     return has_replicas(level, cfg, mesh) and int(mesh.shape["tensor"]) == 1
 
 
-def make_plan(model, config, mesh: Mesh, level: int) -> Plan | None:
+def make_plan(model, cfg: CommConfig, mesh: Mesh, level: int) -> Plan | None:
     """The plan of FP8 communication, or None when there is none (O0, one replica, disabled)."""
-    cfg = CommConfig.from_config(config)
     if not has_replicas(level, cfg, mesh):
         return None
-    specs = sharding_lib.param_specs(model, config, mesh)
-    names = sharding_lib.param_logical_names(model, config)
+    specs = sharding_lib.param_specs(model, mesh)
+    names = sharding_lib.param_logical_names(model)
     stack = jax.tree.map(
         lambda n: next((i for i, a in enumerate(n) if a != "layers"), len(n)),
         names,
         is_leaf=lambda x: isinstance(x, tuple),
     )
-    return Plan(mesh, cfg, level, specs, stack, jnp.dtype(config.model.dtype))
+    return Plan(mesh, cfg, level, specs, stack, jnp.dtype(model.cfg.dtype))
 
 
 # --------------------------------------------------------------------------------------------

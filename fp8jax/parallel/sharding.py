@@ -82,10 +82,11 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def make_mesh(mesh_config, devices=None) -> Mesh:
-    """Mesh ('data', 'fsdp', 'tensor') from config sizes; -1 takes the remaining devices."""
+def make_mesh(mesh_spec, devices=None) -> Mesh:
+    """Mesh ('data', 'fsdp', 'tensor') from axis sizes (a ``spec.MeshSpec``: ``.data``,
+    ``.fsdp``, ``.tensor``); -1 takes the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [int(mesh_config.data), int(mesh_config.fsdp), int(mesh_config.tensor)]
+    sizes = [int(mesh_spec.data), int(mesh_spec.fsdp), int(mesh_spec.tensor)]
     named = dict(zip(MESH_AXES, sizes, strict=True))
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh sizes {sizes}: at most one of data/fsdp/tensor may be -1")
@@ -193,21 +194,20 @@ def axis_dim(spec: PartitionSpec, axis: str) -> int | None:
     return None
 
 
-def boxed_params(model, config):
-    """Abstract params with their logical-axis boxes (no allocation)."""
-    return _boxed_params(model, int(config.seq_len))
-
-
 @functools.lru_cache(maxsize=8)
-def _boxed_params(model, seq_len: int):
+def boxed_params(model):
+    """Abstract params of a transformer (``model.cfg``) with their logical-axis boxes.
+
+    Traced on one sequence of ``max_len`` tokens; nothing is allocated.
+    """
     # Tracing a 1B model's init takes seconds; setup and the step's plan ask for it 4 times.
-    tokens_BxL = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    tokens_BxL = jax.ShapeDtypeStruct((1, model.cfg.max_len), jnp.int32)
     return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens_BxL)["params"]
 
 
-def param_specs(model, config, mesh: Mesh):
+def param_specs(model, mesh: Mesh):
     """Mesh PartitionSpec of every (plain, unboxed) parameter, fitted to its shape."""
-    boxed = boxed_params(model, config)
+    boxed = boxed_params(model)
     logical = nn.get_partition_spec(boxed)
     abstract = nn.unbox(boxed)
 
@@ -218,9 +218,9 @@ def param_specs(model, config, mesh: Mesh):
     return jax.tree.map(one, logical, abstract, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def param_logical_names(model, config):
+def param_logical_names(model):
     """Logical axis names of every parameter (tuples, e.g. ('layers', 'embed', 'mlp'))."""
-    logical = nn.get_partition_spec(boxed_params(model, config))
+    logical = nn.get_partition_spec(boxed_params(model))
     return jax.tree.map(lambda s: tuple(s), logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
@@ -246,12 +246,12 @@ def _shard_like_params(tree, spec_by_path: dict, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=master.is_scaled)
 
 
-def state_shardings(model, config, abstract_state, mesh: Mesh):
+def state_shardings(model, abstract_state, mesh: Mesh):
     """TrainState shardings: params and moments by logical names, everything else replicated."""
     # FP8/FP16 ScaledTensor data is sharded like its parameter, its scale replicated; FP8 scale
     # state, the gradient-communication state and counters are replicated.
-    specs = param_specs(model, config, mesh)
-    shapes = nn.unbox(boxed_params(model, config))
+    specs = param_specs(model, mesh)
+    shapes = nn.unbox(boxed_params(model))
     flat_specs = jax.tree_util.tree_flatten_with_path(
         specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )[0]

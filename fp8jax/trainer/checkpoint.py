@@ -262,48 +262,22 @@ def _mismatch(path: str, abstract_state) -> str | None:
 
 @contextlib.contextmanager
 def _muted_background_errors():
-    """Silence tracebacks that orbax's I/O threads print when a read fails.
+    """Silence tracebacks that orbax's I/O threads print while a restore reads, for its length.
 
-    After the first unreadable array, every other pending read fails too and prints a
+    After the first unreadable array every other pending read fails too, each printing a
     multi-page TensorStore traceback from a background thread; the one exception we re-raise
-    already says what is wrong. Reads still in flight when the restore gives up finish later
-    and call back into orbax's asyncio loop, which is closed by then: each reports a
-    ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook`` at any time up to
-    interpreter exit. The caller that caught a failure (and dropped the exception, whose frames
-    hold orbax's tasks) calls the yielded ``failed()``: it frees those tasks while still muted.
-    After a failure, or an exception passing through, the hook goes back to the previous one
-    wrapped in a filter that drops that one error (and passes every other).
+    already says what is wrong. The caller that caught a failure (and dropped the exception,
+    whose frames hold orbax's tasks) calls the yielded ``failed()``: it frees those tasks while
+    still muted. On leaving, the hooks are the caller's again. Reads still in flight when a
+    restore gives up may later report asyncio's 'Event loop is closed' through
+    ``sys.unraisablehook``; the command line drops those (``fp8jax.cli``).
     """
-    hooks = sys.unraisablehook, sys.excepthook, threading.excepthook
-    sys.unraisablehook = sys.excepthook = threading.excepthook = lambda *args: None
-    failures = []
-
-    def failed():
-        failures.append(True)
-        _collect_orphans()
-
+    hooks = sys.unraisablehook, threading.excepthook
+    sys.unraisablehook = threading.excepthook = lambda *args: None
     try:
-        yield failed
-    except BaseException:
-        failures.append(True)
-        raise
+        yield _collect_orphans
     finally:
-        unraisable = _dropping_closed_loop(hooks[0]) if failures else hooks[0]
-        sys.unraisablehook, sys.excepthook, threading.excepthook = unraisable, *hooks[1:]
-
-
-def _dropping_closed_loop(previous):
-    """``previous`` (an unraisable hook) minus asyncio's 'Event loop is closed' errors."""
-    if getattr(previous, "drops_closed_loop", False):
-        return previous
-
-    def hook(args):
-        exc = args.exc_value
-        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-            previous(args)
-
-    hook.drops_closed_loop = True
-    return hook
+        sys.unraisablehook, threading.excepthook = hooks
 
 
 def _collect_orphans() -> None:

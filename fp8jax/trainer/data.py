@@ -1,6 +1,6 @@
 """Data pipeline: local BPE, memory-mapped token cache, grain batch streams (files: corpus.py).
 
-``build(config, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
+``build(run, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
 once into ``<workdir>/tokens/{train,val}.bin`` and returns a :class:`Dataset` whose training
 iterator is infinite, seed-deterministic, sharded by process and resumable from a JSON state.
 Both caches are keyed on the corpus bytes and every setting that shapes them, and are written
@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grain
 import numpy as np
@@ -29,6 +29,9 @@ from fp8jax.trainer import provenance
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.corpus import SHIPPED_DIR  # noqa: F401 (data.SHIPPED_DIR: the shipped corpus)
 from fp8jax.trainer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fp8jax.trainer.spec import RunSpec
 
 _CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
 _ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
@@ -343,31 +346,31 @@ class Dataset:
         return out
 
 
-def build(config, workdir: str | os.PathLike) -> Dataset:
-    """Tokenizer + token cache in ``workdir`` for ``config.data``; returns the :class:`Dataset`.
+def build(run: RunSpec, workdir: str | os.PathLike) -> Dataset:
+    """Tokenizer + token cache in ``workdir`` for ``run.data``; returns the :class:`Dataset`.
 
     Raises :class:`~fp8jax.errors.DataError` (or ValueError) for bad data, a corpus too small
-    for ``config.seq_len``/``batch_size``, or a resume on data other than the checkpoint's;
+    for the run's ``seq_len``/``batch_size``, or a resume on data other than the checkpoint's;
     then nothing in ``workdir`` has changed.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    data = config.data
-    val_fraction = float(data.get("val_fraction", 0.05))
-    if not 0.0 <= val_fraction < 1.0:
+    data, optim = run.data, run.optim
+    val_fraction = float(data.val_fraction)
+    if not 0.0 <= val_fraction < 1.0:  # 0: no validation split (library use; configs need > 0)
         raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
-    files, desc = corpus_lib.source_files(data.get("path", "") or "")
+    files, desc = corpus_lib.source_files(data.path)
     logging.info("data source: %s", desc)
     corpus_lib.check_not_empty(files, desc)
     identity = dict(corpus=corpus_lib.fingerprint(files), source=desc, val_fraction=val_fraction)
     resumed = provenance.has_checkpoint(workdir)
-    allow = bool(data.get("allow_corpus_change", False))
+    allow = data.allow_corpus_change
     record_data = provenance.check_resume(workdir, identity, resumed, allow)
     built_from = dict(
         version=_CACHE_VERSION,
         corpus=identity["corpus"],
-        vocab_size=int(config.model.vocab_size),
-        min_frequency=int(data.get("tokenizer_min_frequency", 2)),
+        vocab_size=int(run.model.vocab_size),
+        min_frequency=int(data.tokenizer_min_frequency),
         train_chars=_TOKENIZER_TRAIN_CHARS,
     )
     tok_path, out_dir = workdir / "tokenizer.json", workdir / "tokens"
@@ -379,9 +382,9 @@ def build(config, workdir: str | os.PathLike) -> Dataset:
     stage = workdir / f"tokens.tmp{os.getpid()}"
     try:
         meta, encoded = _load_or_encode(files, desc, tok, out_dir, stage, identity)
-        problem = _too_short_for_train(meta["num_train"], config.seq_len)
+        problem = _too_short_for_train(meta["num_train"], optim.seq_len)
         if not problem and val_fraction > 0:
-            problem = _too_short_for_eval(meta["num_val"], config.batch_size, config.seq_len)
+            problem = _too_short_for_eval(meta["num_val"], optim.batch_size, optim.seq_len)
         if problem:
             raise DataError(f"{desc}: {problem}")
         if new_tok:
@@ -394,5 +397,5 @@ def build(config, workdir: str | os.PathLike) -> Dataset:
         shutil.rmtree(stage, ignore_errors=True)
     train = _memmap(out_dir / "train.bin", meta["dtype"], meta["num_train"])
     val = _memmap(out_dir / "val.bin", meta["dtype"], meta["num_val"])
-    sizes = dict(seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len)
+    sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
     return Dataset(tok, train, val, key=meta["key"], **sizes)

@@ -1,13 +1,23 @@
-"""Console and TensorBoard metrics, compiled-memory logging and FP8 health summaries."""
+"""Console, TensorBoard and metrics.jsonl logging of a run; FP8 health summaries.
+
+``RunLog`` is what the loop writes through; ``NonFiniteGuard`` watches the skipped steps.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging as pylogging
 import os
+import sys
+import time
 
 import jax
 import numpy as np
 from absl import logging
+from tqdm.auto import tqdm
 
+from fp8jax import errors
 from fp8jax.diagnostics import memory
 from fp8jax.nn import state as fp8_state
 
@@ -27,6 +37,38 @@ def quiet_library_logs():
     handler = absl_logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
+
+
+class _AboveBar(pylogging.Handler):
+    """Writes records with ``tqdm.write``, so they print above an open progress bar."""
+
+    def __init__(self, like: pylogging.Handler):
+        super().__init__(like.level)
+        self.like = like
+        self.filters = list(like.filters)
+
+    def emit(self, record) -> None:
+        try:
+            tqdm.write(self.like.format(record), file=sys.stderr)
+        except Exception:  # as logging.Handler.emit: a broken record must not stop the run
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def logs_above_bar():
+    """While open, absl's console log lines print above the tqdm bar instead of through it."""
+    root, absl_handler = pylogging.getLogger(), logging.get_absl_handler()
+    if absl_handler not in root.handlers:  # logging set up some other way: leave it alone
+        yield
+        return
+    handler = _AboveBar(absl_handler)
+    root.removeHandler(absl_handler)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.addHandler(absl_handler)
 
 
 class Writer:
@@ -126,3 +168,118 @@ def fp8_worst(stats) -> dict:
         worst, where = nan[0] if nan else max(shares, default=(0.0, ""))
         out[f"fp8_max_{kind}"], out[f"fp8_max_{kind}_at"] = worst, where
     return out
+
+
+class NonFiniteGuard:
+    """Warns about each skipped step; raises NonFiniteLossError after ``max_bad`` in a row."""
+
+    def __init__(self, max_bad: int):
+        self.max_bad, self.checked = max_bad, 0
+
+    def check(self, step: int, metrics) -> None:
+        """Read ``metrics``' count of consecutive skipped steps (once per step)."""
+        if step <= self.checked:
+            return
+        self.checked = step
+        bad = int(jax.device_get(metrics["bad_steps"]))
+        if bad == 0:
+            return
+        loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+        lr = float(metrics["learning_rate"])
+        logging.warning(
+            "step %d: non-finite loss, gradients or learning rate (loss=%s, grad_norm=%s, "
+            "learning_rate=%s): update skipped, %d in a row, %d in total",
+            step, loss, gnorm, lr, bad, int(metrics["skipped_steps"]),
+        )  # fmt: skip
+        if bad >= self.max_bad:
+            raise errors.NonFiniteLossError(
+                f"{bad} consecutive non-finite steps ({step - bad + 1}..{step}, last loss={loss}, "
+                f"grad_norm={gnorm})"
+            )
+
+
+# A larger share of an operand's FP8 values clipped or flushed than this is logged as a warning:
+# delayed scaling keeps healthy operands far below it (a clip only while an amax grows).
+HEALTH_WARN_SHARE = 1e-3
+
+
+class RunLog:
+    """Metrics to the console, TensorBoard and ``<workdir>/metrics.jsonl`` (a JSON per line).
+
+    ``num_steps`` sizes the progress bar, ``tokens_per_step`` turns step times into tokens/s.
+    """
+
+    def __init__(self, workdir: str, num_steps: int, tokens_per_step: int, step: int):
+        main = jax.process_index() == 0
+        self.writer = Writer(workdir, enabled=main)
+        # One os.write per record on an O_APPEND file: a kill leaves whole lines only.
+        path = os.path.join(workdir, "metrics.jsonl")
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if main else None
+        self.bar = tqdm(total=num_steps, initial=step, desc="train", unit="step",
+                        disable=not main)  # fmt: skip
+        self._redirect = contextlib.ExitStack()
+        if main:
+            self._redirect.enter_context(logs_above_bar())
+        self.tokens_per_step = tokens_per_step
+        self.last_step, self.t_last = step, time.perf_counter()
+        self.summary = {}
+        self.seen = set()
+
+    def train(self, step: int, metrics) -> None:
+        """Log a train step's metrics with the tokens/s since the last call."""
+        m = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        m["tokens_per_s"] = (
+            (step - self.last_step) * self.tokens_per_step / max(now - self.t_last, 1e-9)
+        )
+        self.last_step, self.t_last = step, now
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+        self._emit(step, "train", m)
+        self.summary.update({f"train_{k}": v for k, v in m.items()})
+
+    def first(self, what: str) -> None:
+        """Log ``what`` the first time it is seen (a compile the console would otherwise hide)."""
+        if what not in self.seen:
+            self.seen.add(what)
+            logging.info("first %s", what)
+
+    def eval(self, step: int, values: dict) -> None:
+        """Log validation metrics."""
+        self._emit(step, "eval", values)
+        self.summary.update(values)
+
+    def fp8(self, step: int, health: dict, worst: dict) -> None:
+        """Log FP8 health (``fp8_health``, ``fp8_worst``); warn on a large clipped share."""
+        self.writer.scalars(step, health)
+        self.writer.scalars(step, worst)  # the two shares; the "_at" names are not scalars
+        logging.info("step %d: %s", step, fmt(worst))
+        for kind in ("saturated", "flushed"):
+            share = worst[f"fp8_max_{kind}"]
+            if not share <= HEALTH_WARN_SHARE:  # NaN too
+                logging.warning(
+                    "step %d: %.3g of %s's FP8 values %s (more than %.2g): its scale is off or "
+                    "an outlier sets it; see fp8_stats/* in TensorBoard (fp8.margin, "
+                    "fp8.history_len, fp8.recipe='current')",
+                    step, share, worst[f"fp8_max_{kind}_at"],
+                    "clip at the format max" if kind == "saturated" else "flush to zero",
+                    HEALTH_WARN_SHARE,
+                )  # fmt: skip
+        self._append({"step": step, **worst})
+
+    def _emit(self, step: int, prefix: str, values: dict) -> None:
+        self.writer.scalars(step, {f"{prefix}/{k}": v for k, v in values.items()})
+        logging.info("step %d: %s", step, fmt(values))
+        self._append({"step": step, **values})
+
+    def _append(self, record: dict) -> None:
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        """Close the bar, the event file and metrics.jsonl."""
+        self._redirect.close()
+        self.bar.close()
+        self.writer.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -1,8 +1,8 @@
-"""Train state, optimizer and the pure train / eval steps.
+"""Train state, optimizer and the pure train / eval steps, built from a ``spec.RunSpec``.
 
-Levels (FP8-LM; what each stores: ``optim.LEVELS``): O0 f32 params + f32 Adam; O1 adds FP8
-GEMMs (with their scale state), params and Adam still f32; O2 adds FP8/FP16 Adam moments and
-FP16 master weights for the matmul kernels; O3 shards those over ``fsdp`` (see sharding).
+Levels (FP8-LM; what each runs and stores: ``optim.levels.LEVELS``): O0 f32 params + f32 Adam;
+O1 adds FP8 GEMMs (with their scale state), params and Adam still f32; O2 adds FP8/FP16 Adam
+moments and FP16 master weights for the matmul kernels; O3 shards those over ``fsdp``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
@@ -23,8 +22,7 @@ from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.optim import adam as optim
 from fp8jax.parallel import comm, gather
 from fp8jax.parallel import sharding as sharding_lib
-
-LEVELS = tuple(optim.LEVELS)  # ("O0", "O1", "O2", "O3")
+from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
 @struct.dataclass
@@ -40,13 +38,6 @@ class TrainState:
     comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
 
 
-def level_index(level: str) -> int:
-    """0..3 for 'O0'..'O3'; a clear error otherwise."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown FP8 level {level!r}: use one of {LEVELS} (config.fp8.level)")
-    return LEVELS.index(level)
-
-
 def is_matmul_kernel(path, leaf) -> bool:
     """Matmul weights: 'kernel' leaves of rank >= 2 (embeddings, norms, biases are not)."""
     name = str(getattr(path[-1], "key", path[-1])) if path else ""
@@ -57,48 +48,47 @@ def _kernel_mask(params):
     return jax.tree_util.tree_map_with_path(is_matmul_kernel, params)
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate_schedule(o: OptimSpec) -> optax.Schedule:
     """Rate of the update that step ``count`` (0-based) applies: warm-up, then cosine decay.
 
     Linear warm-up reaching ``learning_rate`` at update ``warmup_steps`` (the first update
     already applies ``learning_rate / warmup_steps``), then cosine decay to ``min_lr_ratio``
     of the peak at update ``num_train_steps``.
     """
-    warmup = max(1, config.warmup_steps)
+    warmup = max(1, o.warmup_steps)
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=config.learning_rate,
+        peak_value=o.learning_rate,
         warmup_steps=warmup,
-        decay_steps=max(config.num_train_steps, warmup + 1),
-        end_value=config.learning_rate * config.min_lr_ratio,
+        decay_steps=max(o.num_train_steps, warmup + 1),
+        end_value=o.learning_rate * o.min_lr_ratio,
     )
     # optax counts from 0 and its warm-up starts at init_value: evaluated at count + 1, update
     # k (1-based) gets k / warmup of the peak, so no step is spent at a zero rate.
     return lambda count: base(count + 1)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(run: RunSpec) -> optax.GradientTransformation:
     """AdamW with clipping; O2+ keeps the matmul kernels' moments in FP8/FP16 with scales."""
-    lr = learning_rate_schedule(config)
-    clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    storage = optim.level_storage(config.fp8.level, config.fp8)
-    if storage["fp8_adam"]:
+    o, storage = run.optim, run.fp8.storage
+    lr = learning_rate_schedule(o)
+    clip = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+    if storage.fp8_adam:
         adam = optim.fp8_adamw(
             lr,
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
             weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
-            m_format=storage["m_format"],
-            v_format=storage["v_format"],
+            m_format=storage.m_format,
+            v_format=storage.v_format,
             assume_finite=True,  # the train step keeps the old state on a non-finite gradient
         )
     else:
         adam = optax.adamw(
-            lr, b1=config.b1, b2=config.b2, eps=config.eps,
-            weight_decay=config.weight_decay, mask=_kernel_mask,
-        )  # fmt: skip
+            lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_kernel_mask
+        )
     return optax.chain(*clip, adam)
 
 
@@ -107,16 +97,16 @@ def state_collection(model) -> str:
     return FLAX_FP8 if getattr(getattr(model, "cfg", None), "fp8_impl", "") == "flax" else FP8
 
 
-def init_state(model, tx, config, rng: jax.Array) -> TrainState:
+def init_state(model, tx, run: RunSpec, rng: jax.Array) -> TrainState:
     """Initialise params, FP8 state and optimizer state (run under jit with out_shardings)."""
-    tokens_BxL = jnp.zeros((1, config.seq_len), jnp.int32)
+    tokens_BxL = jnp.zeros((1, run.optim.seq_len), jnp.int32)
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
     params = variables["params"]
     opt_state = tx.init(params)
-    storage = optim.level_storage(config.fp8.level, config.fp8)
-    params = optim.to_master(params, master_format=storage["master_format"])  # f32: unchanged
+    master_format = run.fp8.storage.master_format
+    params = optim.to_master(params, master_format=master_format)  # f32: unchanged
     zero = jnp.zeros((), jnp.int32)
-    comm_state = comm.init_state(level_index(config.fp8.level), comm.CommConfig.from_config(config))
+    comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
     return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state)
 
@@ -275,55 +265,52 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, 
     return jnp.sum(loss_N), fp8, grads_N
 
 
-def splits_pallas_casts(config, mesh, cast_kernel: str | None = None) -> bool:
+def splits_pallas_casts(run: RunSpec, mesh, cast_kernel: str | None = None) -> bool:
     """Whether XLA's SPMD partitioner would split the Pallas FP8 cast kernel over ``mesh``.
 
     It cannot split a custom call, so it all-gathers the operands and every device casts the
-    global tensor (gpt_1b3 O1 on two H200s: 212.7 ms per step against 142.3 with per-device
-    replicas, benchmarks/RESULTS.md). Per-device replicas keep local arrays.
+    global tensor (measured: docs/performance.md). Per-device replicas keep local arrays.
+    ``cast_kernel``: the one the model runs (default: ``run.model``'s).
     """
-    level = level_index(config.fp8.level)
-    kernel = cast_kernel or config.fp8.get("cast_kernel", "xla")
-    if mesh is None or mesh.size <= 1 or level == 0 or kernel != "pallas":
+    level = run.fp8.level
+    kernel = cast_kernel or run.model.cast_kernel
+    if mesh is None or mesh.size <= 1 or not level.fp8_gemms or kernel != "pallas":
         return False
-    return not comm.per_device(level, comm.CommConfig.from_config(config), mesh)
+    return not comm.per_device(level, run.comm, mesh)
 
 
 def _on_gpu(mesh) -> bool:
     return getattr(mesh.devices.flat[0], "platform", "") == "gpu"  # elsewhere 'pallas' is XLA
 
 
-def make_train_step(model, tx, config, mesh=None):
-    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: config's)."""
-    # With more than one data-parallel replica at O1+ gradients are reduced in FP8 with a shared
-    # scale (fp8jax.parallel.comm) and, at O3, fsdp-sharded FP8 kernels are all-gathered as FP8
-    # (fp8jax.parallel.gather). The mesh must be the one the step is jitted over (train.setup's:
-    # make_mesh(config.mesh)).
-    accum = int(config.grad_accum_steps)
-    wide = jnp.dtype(config.grad_accum_dtype) if config.get("grad_accum_dtype") else None
-    level = level_index(config.fp8.level)
-    if mesh is None and level >= 1 and comm.CommConfig.from_config(config).enabled:
-        mesh = sharding_lib.make_mesh(config.mesh)
+def make_train_step(model, tx, run: RunSpec, mesh=None):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's)."""
+    # Several data-parallel replicas at O1+: gradients reduced in FP8 (parallel.comm), at O3 FP8
+    # kernels all-gathered (parallel.gather), over the mesh the step is jitted over.
+    accum = run.optim.grad_accum_steps
+    wide = jnp.dtype(run.optim.grad_accum_dtype) if run.optim.grad_accum_dtype else None
+    level = run.fp8.level
+    if mesh is None and level.fp8_grad_comm and run.comm.enabled:
+        mesh = sharding_lib.make_mesh(run.mesh)
     kernel = getattr(getattr(model, "cfg", None), "cast_kernel", None)  # what the model runs
-    if splits_pallas_casts(config, mesh, kernel) and _on_gpu(mesh):
+    if splits_pallas_casts(run, mesh, kernel) and _on_gpu(mesh):
         raise ValueError(
             f"fp8.cast_kernel='pallas' on mesh {dict(mesh.shape)}: XLA's partitioner cannot split "
             "the Pallas cast kernel and would all-gather every operand. Build the model from "
-            "fp8jax.trainer.loop.partitionable(config, mesh) (as train.setup does) or set "
+            "fp8jax.trainer.loop.partitionable(run, mesh) (as loop.setup does) or set "
             "fp8.cast_kernel='xla'"
         )
-    plan = comm.make_plan(model, config, mesh, level) if mesh is not None else None
+    plan = comm.make_plan(model, run.comm, mesh, level) if mesh is not None else None
     if plan is not None and state_collection(model) != FP8:
         raise ValueError("fp8.impl='flax' runs on one data-parallel replica only (benchmarks)")
 
-    carry = level >= 2 and state_collection(model) == FP8
-    stochastic = config.fp8.get("master_rounding", "nearest") == "stochastic"
+    carry = level.fp8_adam and state_collection(model) == FP8
+    stochastic = run.fp8.master_rounding == "stochastic"
+    seed, dtype, schedule = run.seed, run.model.dtype, learning_rate_schedule(run.optim)
 
     def master_seed(step):
-        # Fixed by (config.seed, step): a resumed run rounds exactly as an uninterrupted one.
-        return (
-            step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + config.seed if stochastic else None
-        )
+        # Fixed by (seed, step): a resumed run rounds exactly as an uninterrupted one.
+        return step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + seed if stochastic else None
 
     def train_step(state: TrainState, batch):
         with sharding_lib.activation_sharding(mesh):
@@ -334,7 +321,6 @@ def make_train_step(model, tx, config, mesh=None):
         # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B). The
         # FP8 layers' masters go in still encoded and are dequantized inside each layer, so no
         # bf16 copy lives across remat (unless fsdp gathers them: gather.py wants weights).
-        dtype = jnp.dtype(config.model.dtype)
         view = optim.materialize(state.params, dtype=dtype)  # also the weights decay reads
         params, masters = view, None
         if carry and (plan is None or int(plan.mesh.shape["fsdp"]) == 1):
@@ -362,9 +348,9 @@ def make_train_step(model, tx, config, mesh=None):
         # A finite norm means every gradient is finite. With finite weights and moments (a
         # skipped step commits nothing) and eps > 0 (validated), AdamW's update is then finite
         # exactly when its learning rate is, so that scalar is checked rather than the norm of
-        # every update: that second pass over the updates cost gpt_1b3 3% of its step time.
+        # every update (a second pass over the updates, which costs step time).
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
-        lr = learning_rate_schedule(config)(state.step)
+        lr = schedule(state.step)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)

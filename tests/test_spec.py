@@ -1,0 +1,263 @@
+"""The run spec: every config field lands in it, it is parsed once per run, it is typed.
+
+configs/base.py alone decides each default: library dataclasses that keep defaults for
+library users must agree with it, and the spec's own dataclasses carry none.
+"""
+
+import collections
+import dataclasses
+import gzip
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+from fp8jax import errors, models
+from fp8jax.ops import scaling
+from fp8jax.optim.levels import LEVELS, Level
+from fp8jax.parallel import comm
+from fp8jax.trainer import loop, spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Every field of configs/base.py: another valid value, and the RunSpec fields it must change.
+# A field renamed or dropped in base.py, or one parse() ignores, fails
+# test_every_base_field_lands_in_the_run_spec.
+CHANGES = {
+    "seed": (1, {"seed"}),
+    "model.style": ("llama", {"model"}),
+    "model.vocab_size": (1000, {"model"}),
+    "model.d_model": (256, {"model"}),
+    "model.num_layers": (3, {"model"}),
+    "model.num_heads": (8, {"model"}),
+    "model.num_kv_heads": (2, {"model"}),
+    "model.d_ff": (256, {"model"}),
+    "model.max_len": (128, {"model"}),
+    "model.dtype": ("bfloat16", {"model"}),
+    "model.param_dtype": ("bfloat16", {"model"}),
+    "model.scan_layers": (False, {"model"}),
+    "model.fused_qkv": (True, {"model"}),
+    "model.remat_policy": ("full", {"model"}),
+    "model.tie_block_grads": (False, {"model"}),
+    "model.fp8_lm_head": (True, {"model"}),
+    "model.tie_embeddings": (True, {"model"}),
+    "model.attention_impl": ("cudnn", {"model"}),
+    "fp8.level": ("O2", {"fp8"}),
+    "fp8.recipe": ("current", {"fp8", "model"}),  # the model's matmuls use the recipe
+    "fp8.history_len": (4, {"fp8", "model"}),
+    "fp8.amax_compute_algo": ("most_recent", {"fp8", "model"}),
+    "fp8.margin": (1, {"fp8", "model"}),
+    "fp8.power_of_two": (True, {"fp8", "model"}),
+    "fp8.impl": ("flax", {"model"}),
+    "fp8.cast_kernel": ("xla", {"model"}),
+    "fp8.fuse_activation": (False, {"model"}),
+    "fp8.fuse_mlp": (False, {"model"}),
+    "fp8.m_format": ("e5m2", {"fp8"}),
+    "fp8.v_format": ("bfloat16", {"fp8"}),
+    "fp8.master_format": ("bfloat16", {"fp8"}),
+    "fp8.master_rounding": ("nearest", {"fp8"}),
+    "data.path": ("corpus.txt", {"data"}),
+    "data.val_fraction": (0.1, {"data"}),
+    "data.tokenizer_min_frequency": (3, {"data"}),
+    "data.allow_corpus_change": (True, {"data"}),
+    "batch_size": (32, {"optim"}),
+    "seq_len": (32, {"optim"}),
+    "grad_accum_steps": (2, {"optim"}),
+    "grad_accum_dtype": ("", {"optim"}),
+    "num_train_steps": (10, {"optim"}),
+    "learning_rate": (1e-3, {"optim"}),
+    "warmup_steps": (5, {"optim"}),
+    "min_lr_ratio": (0.5, {"optim"}),
+    "weight_decay": (0.0, {"optim"}),
+    "b1": (0.8, {"optim"}),
+    "b2": (0.99, {"optim"}),
+    "eps": (1e-6, {"optim"}),
+    "grad_clip": (0.5, {"optim"}),
+    "eval_every_steps": (7, {"loop"}),
+    "eval_batches": (3, {"loop"}),
+    "log_every_steps": (3, {"loop"}),
+    "fp8_stats_every_steps": (7, {"loop"}),
+    "checkpoint_every_steps": (7, {"loop"}),
+    "keep_checkpoints": (3, {"loop"}),
+    "max_bad_steps": (2, {"loop"}),
+    "sample_tokens": (0, {"loop"}),
+    "compilation_cache_dir": ("", {"loop"}),
+    "mesh.data": (2, {"mesh"}),
+    "mesh.fsdp": (2, {"mesh"}),
+    "mesh.tensor": (2, {"mesh"}),
+    "distributed": (True, {"distributed"}),
+    "comm.enabled": (False, {"comm"}),
+    "comm.grad_format": ("e4m3", {"comm"}),
+    "comm.wire": ("uint8", {"comm"}),
+    "comm.min_fp8_size": (0, {"comm"}),
+    "comm.mu_init": (2.0, {"comm"}),
+    "comm.mu_growth": (1.0, {"comm"}),
+    "comm.saturation_limit": (0.0, {"comm"}),
+    "comm.bucket_by_layer": (False, {"comm"}),
+}
+
+
+def base_config():
+    """configs/base.py's get_config(), loaded by path as the config files load it."""
+    module_spec = importlib.util.spec_from_file_location("fp8jax_base", ROOT / "configs/base.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def flat_fields(config, prefix=""):
+    out = set()
+    for k, v in config.items():
+        out |= flat_fields(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
+    return out
+
+
+def set_field(config, field: str, value) -> None:
+    *parents, leaf = field.split(".")
+    target = config
+    for part in parents:
+        target = target[part]
+    target[leaf] = value
+
+
+def changed_sections(a: spec.RunSpec, b: spec.RunSpec) -> set[str]:
+    """The RunSpec fields in which ``a`` and ``b`` differ."""
+    names = [f.name for f in dataclasses.fields(spec.RunSpec)]
+    return {name for name in names if getattr(a, name) != getattr(b, name)}
+
+
+def test_every_base_field_lands_in_the_run_spec():
+    fields = flat_fields(base_config())
+    assert fields == set(CHANGES), (
+        f"base.py fields without a CHANGES entry: {sorted(fields - set(CHANGES))}; entries for "
+        f"no field: {sorted(set(CHANGES) - fields)}"
+    )
+    base = spec.parse(base_config())
+    for field, (value, sections) in CHANGES.items():
+        c = base_config()
+        set_field(c, field, value)
+        assert changed_sections(base, spec.parse(c)) == sections, field
+
+
+def test_parse_reads_no_field_twice_and_needs_every_one():
+    """A config without one of base.py's fields is refused by name (no hidden default)."""
+    for field in ("fp8.cast_kernel", "fp8.master_rounding", "distributed", "comm.wire"):
+        c = base_config()
+        *parents, leaf = field.split(".")
+        section = c
+        for part in parents:
+            section = section[part]
+        del section[leaf]
+        with pytest.raises(errors.ConfigError, match=rf"no field '{leaf}'.*configs/base.py"):
+            spec.parse(c)
+
+
+def test_library_defaults_agree_with_base():
+    """Defaults kept for library users equal configs/base.py's, the one place that decides."""
+    run = spec.parse(base_config())
+    assert comm.CommConfig() == run.comm
+    assert Level.O2.storage() == spec.with_level(run, Level.O2).fp8.storage
+    assert scaling.DelayedScaling() == run.fp8.recipe
+    for algo in spec.AMAX_ALGOS:  # the spec's choices are the recipe's
+        scaling.DelayedScaling(amax_compute_algo=algo)
+    with pytest.raises(ValueError):
+        scaling.DelayedScaling(amax_compute_algo="mean")
+    # The spec's own dataclasses (and the model's) carry no defaults at all.
+    for cls in (spec.RunSpec, spec.Fp8Spec, spec.DataSpec, spec.OptimSpec, spec.LoopSpec,
+                spec.MeshSpec, models.ModelConfig):  # fmt: skip
+        for f in dataclasses.fields(cls):
+            assert f.default is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
+            assert f.default_factory is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
+
+
+def test_no_config_defaults_in_the_library():
+    """No ``.get(field, default)`` on a config anywhere in fp8jax/, and only the edge (spec,
+    the loop's entry point, inspect's main) knows ml_collections."""
+    edge = {"trainer/spec.py", "trainer/loop.py", "diagnostics/inspect.py", "errors.py"}
+    sections = r"config\w*|c|cfg|m|f|d|fp8|data|model|comm|mesh|optim|loop"
+    pattern = re.compile(rf"\b({sections})\.get\(")
+    for path in sorted((ROOT / "fp8jax").rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(ROOT / "fp8jax").as_posix()
+        assert not pattern.search(text), f"{name}: {pattern.search(text).group(0)}"
+        if name not in edge:
+            assert "ml_collections" not in text and "ConfigDict" not in text, name
+
+
+def test_level_is_one_ordered_type_with_one_table():
+    assert [Level.parse(name) for name in LEVELS] == list(Level)
+    assert Level.O2 > Level.O1 and f"{Level.O3}" == str(Level.O3) == "O3"
+    with pytest.raises(ValueError, match=r"unknown fp8.level 'O4'.*'O0', 'O1', 'O2', 'O3'"):
+        Level.parse("O4")
+    rows = [level.capabilities for level in Level]
+    for name in ("fp8_gemms", "fp8_grad_comm", "fp8_adam", "sharded_state"):
+        flags = [getattr(r, name) for r in rows]
+        assert flags == sorted(flags), name  # each level adds to the one before it
+    assert Level.O1.storage().master_format == "float32"  # O1 keeps f32 masters
+    assert Level.O2.storage("e5m2", "bfloat16", "bfloat16").m_format == "e5m2"
+
+
+def test_with_level_keeps_model_and_fp8_in_step():
+    run = spec.parse(base_config())
+    o0 = spec.with_level(run, Level.O0)
+    assert o0.model.recipe is None and o0.fp8.recipe == run.fp8.recipe
+    assert spec.with_level(o0, Level.O1) == run
+    with pytest.raises(ValueError, match="with_level"):
+        dataclasses.replace(run, fp8=dataclasses.replace(run.fp8, level=Level.O0))
+
+
+def test_setup_is_a_frozen_dataclass_without_string_keys():
+    c = base_config()
+    c.model.num_layers, c.model.d_model, c.model.d_ff = 1, 64, 128
+    env = loop.setup(spec.parse(c))
+    names = {f.name for f in dataclasses.fields(loop.Setup)}
+    assert names == {"run", "mesh", "model", "tx", "init", "abstract", "state_shardings",
+                     "batch_sharding", "train_step", "eval_step", "stats_step"}  # fmt: skip
+    with pytest.raises(TypeError):
+        env["train_step"]  # noqa: B018
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        env.train_step = None
+    assert env.model.cfg == env.run.model
+
+
+def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
+    """One train_and_evaluate: parse, each section's checks, the comm and level parsing and the
+    environment checks all run exactly once; nothing below the entry point parses again."""
+    from fp8jax.trainer import data as data_lib
+
+    counts = collections.Counter()
+
+    def counted(owner, name):
+        real, key = getattr(owner, name), f"{owner.__name__}.{name}"
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    checks = ("parse", "_fp8_and_model", "_optim", "_loop", "_data", "_mesh", "_comm",
+              "check_corpus", "check_environment")  # fmt: skip
+    for name in checks:
+        counted(spec, name)
+    counted(spec.Level, "parse")
+    real_post_init = comm.CommConfig.__post_init__
+
+    def post_init(self):
+        counts["CommConfig"] += 1
+        real_post_init(self)
+
+    monkeypatch.setattr(comm.CommConfig, "__post_init__", post_init)
+    text = gzip.open(data_lib.SHIPPED_DIR / "persuasion.txt.gz", "rt").read()[:60_000]
+    (tmp_path / "corpus.txt").write_text(text)
+    c = loop.load_config("tiny")
+    c.model.update(num_layers=1, d_model=64, num_heads=2, num_kv_heads=2, d_ff=128)
+    c.model.update(vocab_size=300, max_len=16)
+    c.data.path = str(tmp_path / "corpus.txt")
+    c.seq_len, c.batch_size, c.num_train_steps, c.eval_batches = 16, 4, 1, 1
+    c.sample_tokens, c.compilation_cache_dir = 0, ""
+    summary = loop.train_and_evaluate(c, str(tmp_path / "work"))
+    assert summary["step"] == 1
+    expected = {f"{spec.__name__}.{name}" for name in checks} | {"Level.parse", "CommConfig"}
+    assert counts == dict.fromkeys(expected, 1), dict(counts)

@@ -67,7 +67,7 @@ def prepare(config, label: str, plain: bool = False) -> Prepared:
 
 def mesh_context(config, setup):
     """The legacy ``with mesh:`` only where flax's FP8 op needs it; shardings are explicit."""
-    return setup.mesh if config.fp8.get("impl") == "flax" else contextlib.nullcontext()
+    return setup.mesh if setup.run.model.fp8_impl == "flax" else contextlib.nullcontext()
 
 
 def peak_bytes(dev) -> int:

@@ -148,21 +148,6 @@ def load(
     return config
 
 
-# compat: pre-spec API. The fields of loop.Setup, for a trainer whose setup returns a dict.
-@dataclasses.dataclass(frozen=True)
-class _CompatSetup:
-    mesh: Any
-    model: Any
-    tx: Any
-    init: Any
-    abstract: Any
-    state_shardings: Any
-    batch_sharding: Any
-    train_step: Any
-    eval_step: Any
-    stats_step: Any
-
-
 def build(config, plain: bool = False):
     """The trainer's ``loop.Setup`` for a ConfigDict: parsed once, then ``loop.setup``.
 
@@ -171,21 +156,13 @@ def build(config, plain: bool = False):
     """
     import jax
 
-    from fp8jax.trainer import loop
+    from fp8jax.trainer import loop, spec
     from fp8jax.trainer import step as step_lib
 
-    try:
-        from fp8jax.trainer import spec
-    except ImportError:  # compat: pre-spec API
-        spec = None
-    if spec is None:  # compat: pre-spec API
-        s = _CompatSetup(**loop.setup(config))
-        run = config
-    else:
-        run = spec.parse(config)
-        s = loop.setup(run)
+    run = spec.parse(config)
+    s = loop.setup(run)
     if plain:
-        fn = step_lib.make_train_step(s.model, s.tx, run, mesh=None)
+        fn = step_lib.make_train_step(s.model, s.tx, s.run, mesh=None)
         s = dataclasses.replace(s, train_step=jax.jit(fn, donate_argnums=0))
     return s
 

@@ -153,7 +153,11 @@ def child(
         "devices": s.mesh.size,
         "tokens_per_s_per_device": tokens / (ms / 1e3) / s.mesh.size,
         # Against the peak of every device the step runs on.
-        "mfu": models.flops_per_token(c) * tokens / (ms / 1e3) / common.PEAK_BF16 / s.mesh.size,
+        "mfu": models.flops_per_token(s.run.model, s.run.optim.seq_len)
+        * tokens
+        / (ms / 1e3)
+        / common.PEAK_BF16
+        / s.mesh.size,
         "peak_gib": common.peak_bytes(dev) / 2**30,
         "temp_gib": temp / 2**30,
         "init_peak_gib": init_peak / 2**30,

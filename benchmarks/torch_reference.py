@@ -200,7 +200,7 @@ def child(name: str, level: str, optim: bool, a) -> dict:
     run_model = model if a.no_compile else torch.compile(model)
     opt = None
     if optim:
-        # Decay on matmul weights only (fp8jax's is_matmul_kernel): not embeddings, norms, biases.
+        # Decay on matmul weights only (fp8jax's is_matmul_weight): not embeddings, norms, biases.
         decay = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
         ids = {id(p) for p in decay}
         rest = [p for p in model.parameters() if id(p) not in ids]

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data, tokenizer
 
 from fp8_testing import data_run
@@ -14,7 +15,7 @@ VOCAB = 300
 
 
 def _novel(num_chars: int, start: int = 0) -> str:
-    with gzip.open(data.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(corpus_lib.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
         return f.read()[start : start + num_chars]
 
 
@@ -229,4 +230,4 @@ def test_shipped_corpus(tmp_path, monkeypatch):
     ds = data.build(_config("", vocab=512, val_fraction=0.05), tmp_path)
     assert ds.num_train_tokens > 1_000_000 and ds.num_val_tokens > 50_000
     assert ds.tokenizer.decode(ds.train_tokens[:8]).startswith("EMMA")
-    assert sum(f.stat().st_size for f in data.SHIPPED_DIR.glob("*.gz")) < 5 << 20
+    assert sum(f.stat().st_size for f in corpus_lib.SHIPPED_DIR.glob("*.gz")) < 5 << 20

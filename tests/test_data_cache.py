@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fp8jax import errors
-from fp8jax.trainer import data, tokenizer
+from fp8jax.trainer import corpus, data, tokenizer
 
 from fp8_testing import data_run
 
@@ -28,7 +28,7 @@ VOCAB = 300
 
 
 def _novel(num_chars: int, start: int = 0) -> str:
-    with gzip.open(data.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(corpus.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
         return f.read()[start : start + num_chars]
 
 

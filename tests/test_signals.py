@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import generate, spec
 from fp8jax.trainer import loop as train_lib
@@ -41,7 +42,7 @@ SMALL = {
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    text = gzip.open(data_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
     path.write_text(text[:100_000])
     return path
 

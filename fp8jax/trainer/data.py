@@ -27,7 +27,6 @@ from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import provenance
 from fp8jax.trainer import tokenizer as tokenizer_lib
-from fp8jax.trainer.corpus import SHIPPED_DIR  # noqa: F401 (data.SHIPPED_DIR: the shipped corpus)
 from fp8jax.trainer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -38,14 +38,8 @@ class TrainState:
     comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
 
 
-def is_matmul_kernel(path, leaf) -> bool:
-    """Matmul weights: 'kernel' leaves of rank >= 2 (embeddings, norms, biases are not)."""
-    name = str(getattr(path[-1], "key", path[-1])) if path else ""
-    return name == "kernel" and getattr(leaf, "ndim", 0) >= 2
-
-
 def _kernel_mask(params):
-    return jax.tree_util.tree_map_with_path(is_matmul_kernel, params)
+    return jax.tree_util.tree_map_with_path(optim.is_matmul_weight, params)
 
 
 def learning_rate_schedule(o: OptimSpec) -> optax.Schedule:

@@ -4,7 +4,7 @@ Shape suffixes: B batch, L sequence length, D d_model, V vocabulary.
 
 The embedding and the LM head stay in ``cfg.dtype`` unless ``fp8_lm_head``: the head's output
 feeds the softmax directly (DeepSeek-V3 keeps it in high precision, and so does the torchao
-float8 reference in docs/h200-measured.md).
+float8 reference of benchmarks/torch_reference.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ def _tie_bwd(_, cts):
     # A block's input gradient (what the block below needs) leaves only together with the
     # block's weight gradients. Beside collectives, XLA:GPU's latency-hiding scheduler moved
     # every weight-gradient GEMM to the end of the backward pass (gpt_1b3's HLO: 120 of 120),
-    # which under remat keeps each block's recomputed activations and output gradient alive.
-    # On two H200s llama_7b O1 at fsdp=2 asked for 97.5 GiB of temp without the tie, 40.7
-    # with it; O0 at data=2 99.2 and 31.1 (benchmarks/RESULTS.md, 2026-11-30, third).
+    # which under remat keeps each block's recomputed activations and output gradient alive
+    # (the temp memory it saves: docs/performance.md).
     return jax.lax.optimization_barrier(cts)
 
 

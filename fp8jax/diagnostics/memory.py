@@ -162,18 +162,18 @@ def bytes_per_param(
     return row
 
 
+# (row key, column title, format): bytes/param of params, grads, optimizer state and their sum,
+# over all params and over the matmul weights alone.
+_PARTS = (("params", "params"), ("grads", "grads"), ("opt_state", "opt"), ("total", "total"))
 _COLUMNS = (
     ("label", "level", "{}"),
     ("n_params", "#params", "{:,}"),
     ("n_matmul", "#matmul", "{:,}"),
-    ("params", "all: params", "{:.2f}"),
-    ("grads", "grads", "{:.2f}"),
-    ("opt_state", "opt", "{:.2f}"),
-    ("total", "total", "{:.2f}"),
-    ("matmul_params", "matmul: params", "{:.2f}"),
-    ("matmul_grads", "grads", "{:.2f}"),
-    ("matmul_opt_state", "opt", "{:.2f}"),
-    ("matmul_total", "total", "{:.2f}"),
+    *(
+        (prefix + key, (group + title) if i == 0 else title, "{:.2f}")
+        for prefix, group in (("", "all: "), ("matmul_", "matmul: "))
+        for i, (key, title) in enumerate(_PARTS)
+    ),
     ("total_mib", "MiB", "{:,.1f}"),
 )
 

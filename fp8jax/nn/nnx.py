@@ -58,16 +58,9 @@ class _Fp8Op(nnx.Module):
 class Fp8DotGeneral(_Fp8Op):
     """FP8 ``dot_general`` for ``nnx.Linear``/``nnx.LinearGeneral`` (pass as ``dot_general=``)."""
 
-    def __call__(
-        self,
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=None,
-        preferred_element_type=None,
-        **kwargs,
-    ):
-        del precision, kwargs  # FP8 GEMMs have one precision; out_sharding follows the inputs
+    def __call__(self, lhs, rhs, dimension_numbers, preferred_element_type=None, **kwargs):
+        # nnx passes precision (FP8 GEMMs have one) and out_sharding (it follows the inputs).
+        del kwargs
         out, new_meta = dot.dot_general(
             lhs,
             rhs,

@@ -43,6 +43,11 @@ class Storage:
     v_format: str  # Adam second moment
 
 
+def _capability(field: str, doc: str) -> property:
+    """A ``Level`` property: one field of the level's row of ``LEVELS``."""
+    return property(lambda level: getattr(LEVELS[level.name], field), doc=doc)
+
+
 class Level(enum.IntEnum):
     """An FP8-LM level; ordered (``Level.O2 > Level.O1``), printed as its name ('O2')."""
 
@@ -69,25 +74,17 @@ class Level(enum.IntEnum):
         """This level's row of ``LEVELS``."""
         return LEVELS[self.name]
 
-    @property
-    def fp8_gemms(self) -> bool:
-        """Matmuls run in FP8 (O1+)."""
-        return self.capabilities.fp8_gemms
-
-    @property
-    def fp8_grad_comm(self) -> bool:
-        """Data-parallel gradients are reduced in FP8 (O1+)."""
-        return self.capabilities.fp8_grad_comm
-
-    @property
-    def fp8_adam(self) -> bool:
-        """Adam moments and matmul masters are stored narrow, with scales (O2+)."""
-        return self.capabilities.fp8_adam
-
-    @property
-    def sharded_state(self) -> bool:
-        """Masters and Adam state are sharded over fsdp, kernels gathered in FP8 (O3)."""
-        return self.capabilities.sharded_state
+    fp8_gemms = _capability("fp8_gemms", "Matmuls run in FP8 (O1+).")
+    fp8_grad_comm = _capability(
+        "fp8_grad_comm", "Data-parallel gradients are reduced in FP8 (O1+)."
+    )
+    fp8_adam = _capability(
+        "fp8_adam", "Adam moments and matmul masters are stored narrow, with scales (O2+)."
+    )
+    sharded_state = _capability(
+        "sharded_state",
+        "Masters and Adam state are sharded over fsdp, kernels gathered in FP8 (O3).",
+    )
 
     def storage(
         self, m_format: str = "e4m3", v_format: str = "float16", master_format: str = "float16"

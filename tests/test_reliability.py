@@ -34,6 +34,7 @@ import fp8jax
 from fp8jax import errors, models
 from fp8jax.models import layers
 from fp8jax.ops.scaling import ScaleState
+from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
@@ -94,7 +95,7 @@ def corpus(shared):
     path = shared / "corpus.txt"
     with _locked(shared / "corpus.lock"):
         if not path.exists():
-            text = gzip.open(data_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+            text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
             path.with_suffix(".tmp").write_text(text[:200_000])
             path.with_suffix(".tmp").replace(path)
     return path

@@ -100,7 +100,7 @@ def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool, reps=20) 
         row = {"bm": bm, "bk": bk, "warps": warps, "stages": stages, "cast_first": cast_first}
 
         def cast(x, s, bm=bm, bk=bk, w=warps, st=stages, cf=cast_first):
-            return kernels._pallas(
+            return kernels.pallas_cast_transpose(
                 x, s, dtype, bm, bk, interpret, num_warps=w, num_stages=st, cast_first=cf
             )
 

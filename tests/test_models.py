@@ -126,7 +126,7 @@ def pending_amax(fp8):
     """Pending (this step's) amax of every x/w/dy state, by path."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(fp8)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
         if name.endswith("amax_history"):
             out[name] = float(jnp.min(leaf[..., 0]))
     return out

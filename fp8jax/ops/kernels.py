@@ -156,7 +156,7 @@ def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool
     qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
 
 
-def _pallas(
+def pallas_cast_transpose(
     x,
     scale,
     dtype,
@@ -170,8 +170,10 @@ def _pallas(
     pending=None,
     affine=None,
 ):
-    """The kernel on [M, K]; ``pending``: the f32[n] whose slot 0 takes the amax (updated in
-    place and returned in the amax's place), else a fresh zero and the amax itself."""
+    """The Pallas kernel on [M, K] with explicit tuning (blocks, warps, stages), for tuning runs.
+
+    ``pending``: the f32[n] whose slot 0 takes the amax (updated in place and returned in the
+    amax's place), else a fresh zero and the amax itself."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -276,7 +278,7 @@ def cast_transpose(
         impl,
         x.shape,
         reference,
-        lambda x, s, p, a, bm, bk, interpret: _pallas(
+        lambda x, s, p, a, bm, bk, interpret: pallas_cast_transpose(
             x, s, dtype, bm, bk, interpret=interpret, prologue=prologue, pending=p, affine=a
         ),
         x,

@@ -340,6 +340,16 @@ def drive(
     return rows
 
 
+# The throughput columns of a train-step table (benchmarks.step, benchmarks.torch_reference).
+STEP_COLUMNS = {
+    "ms": lambda r: f"{r['step_ms']:.1f}",
+    "tok/s": lambda r: f"{r['tokens_per_s']:.0f}",
+    "pipe ms": lambda r: f"{r['step_ms_pipelined']:.1f}",
+    "pipe tok/s": lambda r: f"{r['tokens_per_s_pipelined']:.0f}",
+    "MFU": lambda r: f"{r['mfu']:.1%}",
+}
+
+
 def table(rows: Sequence[dict], columns: Mapping[str, Callable[[dict], object]], first="run"):
     """Rows as aligned text, a column per ``columns`` entry (header -> cell of a row).
 

@@ -181,11 +181,7 @@ def _gib(v) -> str:
 
 
 COLUMNS = {
-    "ms": lambda r: f"{r['step_ms']:.1f}",
-    "tok/s": lambda r: f"{r['tokens_per_s']:.0f}",
-    "pipe ms": lambda r: f"{r['step_ms_pipelined']:.1f}",
-    "pipe tok/s": lambda r: f"{r['tokens_per_s_pipelined']:.0f}",
-    "MFU": lambda r: f"{r['mfu']:.1%}",
+    **runner.STEP_COLUMNS,
     "peak GiB": lambda r: _gib(r["peak_gib"]),
     "temp GiB": lambda r: _gib(r["temp_gib"]),
     "f8": lambda r: r["fp8_gemms"],

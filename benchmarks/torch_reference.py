@@ -280,11 +280,7 @@ def parse(run: str) -> tuple[str, str, bool]:
 
 
 COLUMNS = {
-    "ms": lambda r: f"{r['step_ms']:.1f}",
-    "tok/s": lambda r: f"{r['tokens_per_s']:.0f}",
-    "pipe ms": lambda r: f"{r['step_ms_pipelined']:.1f}",
-    "pipe tok/s": lambda r: f"{r['tokens_per_s_pipelined']:.0f}",
-    "MFU": lambda r: f"{r['mfu']:.1%}",
+    **runner.STEP_COLUMNS,
     "peak GiB": lambda r: f"{r['peak_gib']:.2f}",
     "compile s": lambda r: f"{r['compile_s']:.1f}",
     "loss": lambda r: f"{r['loss']:.3f}",

@@ -1,6 +1,8 @@
 """Shared tolerances and helpers of the tests (FP8 core: dot, linen, nnx; small configs)."""
 
 import functools
+import importlib.util
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ FWD_TOL = 0.05  # E4M3 x E4M3
 GRAD_TOL = 0.08  # E5M2 x E4M3 (dgrad) and E4M3 x E5M2 (wgrad)
 MIN_ERR = 0.01  # quantization really happened (a silent f32 fallback would be ~1e-7)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def rel_err(a, b) -> float:
@@ -77,3 +80,29 @@ def data_run(path, vocab, seed=0, val_fraction=0.2, batch_size=4, seq_len=16, **
         data=dataclasses.replace(run.data, path=str(path), val_fraction=val_fraction, **data),
         optim=dataclasses.replace(run.optim, batch_size=batch_size, seq_len=seq_len),
     )
+
+
+def base_config():
+    """configs/base.py's ``get_config()``: every field, with its default."""
+    module_spec = importlib.util.spec_from_file_location("fp8jax_base", ROOT / "configs/base.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def flat_fields(config, prefix="") -> set[str]:
+    """Dotted names of every leaf field of a ConfigDict."""
+    out = set()
+    for k, v in config.items():
+        out |= flat_fields(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
+    return out
+
+
+def set_field(config, field: str, value) -> None:
+    """``config.<field> = value``, past ml_collections' type check (a config file may do so)."""
+    section, _, key = field.rpartition(".")
+    target = config
+    for part in filter(None, section.split(".")):
+        target = target[part]
+    with target.ignore_type():
+        target[key] = value

@@ -7,7 +7,6 @@ library users must agree with it, and the spec's own dataclasses carry none.
 import collections
 import dataclasses
 import gzip
-import importlib.util
 import pathlib
 import re
 
@@ -18,6 +17,8 @@ from fp8jax.ops import scaling
 from fp8jax.optim.levels import LEVELS, Level
 from fp8jax.parallel import comm
 from fp8jax.trainer import corpus, loop, spec
+
+from fp8_testing import base_config, flat_fields, set_field
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -96,29 +97,6 @@ CHANGES = {
     "comm.saturation_limit": (0.0, {"comm"}),
     "comm.bucket_by_layer": (False, {"comm"}),
 }
-
-
-def base_config():
-    """configs/base.py's get_config(), loaded by path as the config files load it."""
-    module_spec = importlib.util.spec_from_file_location("fp8jax_base", ROOT / "configs/base.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def flat_fields(config, prefix=""):
-    out = set()
-    for k, v in config.items():
-        out |= flat_fields(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
-    return out
-
-
-def set_field(config, field: str, value) -> None:
-    *parents, leaf = field.split(".")
-    target = config
-    for part in parents:
-        target = target[part]
-    target[leaf] = value
 
 
 def changed_sections(a: spec.RunSpec, b: spec.RunSpec) -> set[str]:

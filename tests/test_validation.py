@@ -7,7 +7,6 @@ train.py`` turns it into one stderr line and exit 2.
 """
 
 import functools
-import importlib.util
 import math
 import os
 import pathlib
@@ -19,6 +18,8 @@ import pytest
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
+
+from fp8_testing import base_config, flat_fields, set_field
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = math.nan, math.inf
@@ -129,31 +130,6 @@ EDGES = {
 def tiny():
     """configs/tiny.py as train.py loads it."""
     return train_lib.load_config(str(ROOT / "configs" / "tiny.py"))
-
-
-def flat_fields(config, prefix=""):
-    """Dotted names of every leaf field."""
-    out = set()
-    for k, v in config.items():
-        out |= flat_fields(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
-    return out
-
-
-def set_field(config, field: str, value) -> None:
-    """``config.<field> = value``, past ml_collections' type check (a config file may do so)."""
-    section, _, key = field.rpartition(".")
-    target = config
-    for part in filter(None, section.split(".")):
-        target = target[part]
-    with target.ignore_type():
-        target[key] = value
-
-
-def base_config():
-    spec = importlib.util.spec_from_file_location("fp8jax_config_base", ROOT / "configs/base.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def test_every_field_has_bad_values():

@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients
     m.fp8_lm_head = False  # also run the LM head in FP8 (a little faster, a little more loss)
     m.tie_embeddings = False  # share the token embedding with the LM head
+    m.qkv_bias = False  # biases on the q/k/v projections also in 'llama' style (Qwen2)
+    m.norm_eps = 1e-5  # LayerNorm / RMSNorm epsilon
+    m.rope_theta = 10_000.0  # RoPE base ('llama' style; Llama 3 uses 500000)
     m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
 
     # --- FP8 (FP8-LM levels) ---

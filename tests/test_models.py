@@ -337,3 +337,49 @@ def test_recipe_comes_from_the_fp8_section():
     assert run.model.recipe == recipe  # the model's matmuls use it from O1 on
     config.fp8.level = "O0"
     assert spec.parse(config).model.recipe is None  # plain matmuls
+
+
+@pytest.mark.parametrize("style, scan", [("gpt", True), ("llama", True), ("llama", False)])
+def test_packed_examples_equal_each_alone(style, scan):
+    """Two examples packed in one row (segment ids, positions restarting at 0) give each one's
+    logits alone: attention does not cross the boundary and positions restart."""
+    model, variables = cached_init(style, "O0", scan_layers=scan)
+    n = 5  # the first example's length; the second fills the rest of the row
+    row = tokens(3)[:1]
+    positions = jnp.concatenate([jnp.arange(n), jnp.arange(L - n)])[None]
+    segments = jnp.concatenate([jnp.ones(n, jnp.int32), jnp.full(L - n, 2, jnp.int32)])[None]
+    packed = model.apply(variables, row, positions, segments)
+    first = model.apply(variables, row[:, :n])
+    second = model.apply(variables, row[:, n:])
+    np.testing.assert_allclose(packed[:, :n], first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[:, n:], second, rtol=1e-5, atol=1e-5)
+    # Without the segment ids the second example sees the first one: its logits differ.
+    unmasked = model.apply(variables, row, positions)
+    assert not np.allclose(unmasked[:, n:], second, rtol=1e-3, atol=1e-3)
+
+
+def test_rope_frequencies_follow_llama3_scaling():
+    """The scaled inverse frequencies against a direct evaluation of Llama 3's rule."""
+    from fp8jax.models.config import RopeScaling
+    from fp8jax.models.layers import rope_frequencies
+
+    s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=64)
+    half, theta = 16, 500_000.0
+    got = np.asarray(rope_frequencies(half, theta, s))
+    inv = theta ** (-np.arange(half) / half)
+    want = []
+    for f in inv:
+        wavelen = 2 * np.pi / f
+        if wavelen < s.original_max_len / s.high_freq_factor:
+            want.append(f)  # short wavelengths: unchanged
+        elif wavelen > s.original_max_len / s.low_freq_factor:
+            want.append(f / s.factor)  # long wavelengths: slowed by the factor
+        else:
+            t = (s.original_max_len / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            want.append((1 - t) * f / s.factor + t * f)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # All three regimes occur at this size, so each branch is checked.
+    kept, slowed = np.isclose(got, inv), np.isclose(got, inv / s.factor)
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()

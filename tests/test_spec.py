@@ -43,6 +43,9 @@ CHANGES = {
     "model.tie_block_grads": (False, {"model"}),
     "model.fp8_lm_head": (True, {"model"}),
     "model.tie_embeddings": (True, {"model"}),
+    "model.qkv_bias": (True, {"model"}),
+    "model.norm_eps": (1e-6, {"model"}),
+    "model.rope_theta": (5e5, {"model"}),
     "model.attention_impl": ("cudnn", {"model"}),
     "fp8.level": ("O2", {"fp8"}),
     "fp8.recipe": ("current", {"fp8", "model"}),  # the model's matmuls use the recipe

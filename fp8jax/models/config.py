@@ -30,7 +30,23 @@ REMAT_POLICIES = {
 }
 # Positive sizes of a model.
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")
-MODEL_FLAGS = ("scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings")
+MODEL_FLAGS = (
+    "scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings", "qkv_bias"
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling ('llama3' rope type): long wavelengths slowed by ``factor``.
+
+    Wavelengths above ``original_max_len / low_freq_factor`` are divided by ``factor``, those
+    below ``original_max_len / high_freq_factor`` kept, and those between interpolated.
+    """
+
+    factor: float  # slow-down of the low frequencies
+    low_freq_factor: float  # wavelengths longer than original_max_len / this are scaled
+    high_freq_factor: float  # wavelengths shorter than original_max_len / this are kept
+    original_max_len: int  # the context length the frequencies were trained at, tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +79,10 @@ class ModelConfig:
     cast_kernel: str  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
     fuse_activation: bool  # GPT's GELU inside the E4M3 cast of the MLP's second matmul
     fuse_mlp: bool  # GPT's whole MLP as one custom VJP
+    norm_eps: float  # epsilon of LayerNorm / RMSNorm
+    rope_theta: float  # RoPE base (LLaMA style)
+    rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
+    qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
 
     @property
     def head_dim(self) -> int:

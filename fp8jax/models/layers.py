@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from fp8jax.models.config import ModelConfig
+from fp8jax.models.config import ModelConfig, RopeScaling
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import mlp as fp8_mlp
@@ -27,8 +27,6 @@ from fp8jax.ops.scaling import CurrentScaling
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
-NORM_EPS = 1e-5
-ROPE_THETA = 10_000.0  # LLaMA/LLaMA-2 RoPE base
 # The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
 # new value.
 FLAX_FP8 = OVERWRITE_WITH_GRADIENT
@@ -80,19 +78,29 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
 
-def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None, prologue=None):
+def dense(
+    cfg: ModelConfig,
+    features,
+    names,
+    *,
+    axis=-1,
+    std=INIT_STD,
+    name=None,
+    prologue=None,
+    use_bias: bool | None = None,
+):
     """A linear layer; FP8 when ``cfg.recipe`` is set, else a plain matmul in ``cfg.dtype``.
 
     ``names`` label the kernel's axes (input axes then ``features``); the bias takes the
     trailing ``len(features)`` names. ``prologue`` (FP8 only) is an activation the layer applies
-    to its input inside the FP8 cast.
+    to its input inside the FP8 cast. ``use_bias`` defaults to the style's (``cfg.use_bias``).
     """
     features = tuple(features)
     fp8 = fp8_cls(cfg, prologue)
     return nn.DenseGeneral(
         features,
         axis=axis,
-        use_bias=cfg.use_bias,
+        use_bias=cfg.use_bias if use_bias is None else use_bias,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         kernel_init=normal_init(names, std),
@@ -105,23 +113,51 @@ def dense(cfg: ModelConfig, features, names, *, axis=-1, std=INIT_STD, name=None
 
 def norm(cfg: ModelConfig, name: str) -> nn.Module:
     """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
-    common = dict(epsilon=NORM_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    common = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
     if cfg.style == "gpt":
         return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
     return nn.RMSNorm(scale_init=scale_init, **common)
 
 
-def rope(x_BxLxNxH: jax.Array, positions_L: jax.Array) -> jax.Array:
+def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """RoPE's ``half`` inverse frequencies ``theta**(-i/half)``, Llama 3-scaled if ``scaling``."""
+    inv_freq_H2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return inv_freq_H2
+    s = scaling
+    wavelen_H2 = 2 * math.pi / inv_freq_H2
+    # 0 where the wavelength is long (fully slowed), 1 where short (kept), linear in between.
+    smooth_H2 = (s.original_max_len / wavelen_H2 - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smooth_H2 = jnp.clip(smooth_H2, 0.0, 1.0)
+    return (1 - smooth_H2) * inv_freq_H2 / s.factor + smooth_H2 * inv_freq_H2
+
+
+def rope(
+    x_BxLxNxH: jax.Array,
+    positions_BxL: jax.Array,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
     """Rotary position embedding, rotate-half layout (pairs dimension i with i + H/2)."""
     half = x_BxLxNxH.shape[-1] // 2
-    inv_freq = ROPE_THETA ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LxH2 = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    sin, cos = jnp.sin(angle_LxH2)[:, None, :], jnp.cos(angle_LxH2)[:, None, :]  # [L, 1, H/2]
+    inv_freq_H2 = rope_frequencies(half, theta, scaling)
+    angle_BxLxH2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_H2
+    sin = jnp.sin(angle_BxLxH2)[:, :, None, :]  # [B, L, 1, H/2]
+    cos = jnp.cos(angle_BxLxH2)[:, :, None, :]
     # Rotate in f32: bf16 angles lose the position for long sequences.
     x1, x2 = jnp.split(x_BxLxNxH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxH.dtype)
+
+
+def segment_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
+    """``[B, 1, L, L]`` True where query and key lie in the same packed example, or None."""
+    if segment_ids_BxL is None:
+        return None
+    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
 
 
 class Attention(nn.Module):
@@ -130,26 +166,36 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BxLxD: jax.Array, positions_BxL: jax.Array, mask_Bx1xLxL: jax.Array | None = None
+    ) -> jax.Array:
+        """Attention over ``x``; ``mask`` (True = may attend) narrows the causal mask."""
         c = self.cfg
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        bias = c.use_bias or c.qkv_bias
         if c.fused_qkv:
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD)
         else:
-            q_BxLxNxH = dense(c, (n, h), ("embed", "heads", "head_dim"), name="q")(x_BxLxD)
+            q_names = ("embed", "heads", "head_dim")
+            q_BxLxNxH = dense(c, (n, h), q_names, name="q", use_bias=bias)(x_BxLxD)
             # K and V share one GEMM: one quantization of x and a wider (faster) FP8 matmul.
             kv_names = ("embed", None, "kv_heads", "head_dim")
-            kv_BxLx2xKxH = dense(c, (2, k, h), kv_names, name="kv")(x_BxLxD)
+            kv_BxLx2xKxH = dense(c, (2, k, h), kv_names, name="kv", use_bias=bias)(x_BxLxD)
             k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
         if c.style == "llama":
-            positions_L = jnp.arange(x_BxLxD.shape[1])
-            q_BxLxNxH, k_BxLxKxH = rope(q_BxLxNxH, positions_L), rope(k_BxLxKxH, positions_L)
+            q_BxLxNxH = rope(q_BxLxNxH, positions_BxL, c.rope_theta, c.rope_scaling)
+            k_BxLxKxH = rope(k_BxLxKxH, positions_BxL, c.rope_theta, c.rope_scaling)
         q_BxLxNxH = constrain(q_BxLxNxH, ("batch", "length", "heads", None))
         k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", None))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
         # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on Hopper.
         o_BxLxNxH = jax.nn.dot_product_attention(
-            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=c.attention_impl
+            q_BxLxNxH,
+            k_BxLxKxH,
+            v_BxLxKxH,
+            mask=mask_Bx1xLxL,
+            is_causal=True,
+            implementation=c.attention_impl,
         )
         o_BxLxNxH = constrain(o_BxLxNxH, ("batch", "length", "heads", None))
         out = dense(
@@ -170,7 +216,8 @@ class Attention(nn.Module):
         # the grouping dot_product_attention expects, and a 'tensor' split of the kv axis keeps
         # each shard's queries with their keys (the flattened GEMM axis stays contiguous).
         names = ("embed", "kv_heads", None, "head_dim")
-        qkv_BxLxKxG2xH = dense(c, (k, g + 2, h), names, name="qkv")(x_BxLxD)
+        bias = c.use_bias or c.qkv_bias
+        qkv_BxLxKxG2xH = dense(c, (k, g + 2, h), names, name="qkv", use_bias=bias)(x_BxLxD)
         batch, length = x_BxLxD.shape[:2]
         q_BxLxNxH = qkv_BxLxKxG2xH[:, :, :, :g].reshape(batch, length, k * g, h)
         return q_BxLxNxH, qkv_BxLxKxG2xH[:, :, :, g], qkv_BxLxKxG2xH[:, :, :, g + 1]
@@ -246,11 +293,14 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(
+        self, x_BxLxD: jax.Array, positions_BxL: jax.Array, mask_Bx1xLxL: jax.Array | None
+    ) -> tuple[jax.Array, None]:
         c = self.cfg
         if isinstance(x_BxLxD, list):  # Transformer._blocks' tied input
             (x_BxLxD,) = x_BxLxD
-        x_BxLxD = x_BxLxD + Attention(c, name="attn")(norm(c, "attn_norm")(x_BxLxD))
+        attn = Attention(c, name="attn")
+        x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))

@@ -14,7 +14,16 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
-from fp8jax.models.layers import FLAX_FP8, Block, constrain, fp8_cls, norm, normal_init, promote_for
+from fp8jax.models.layers import (
+    FLAX_FP8,
+    Block,
+    constrain,
+    fp8_cls,
+    norm,
+    normal_init,
+    promote_for,
+    segment_mask,
+)
 from fp8jax.nn.state import FP8, FP8_STATS
 
 
@@ -41,13 +50,26 @@ tie_grads.defvjp(_tie_fwd, _tie_bwd)
 
 
 class Transformer(nn.Module):
-    """``tokens [B, L] int32 -> logits [B, L, V] float32``."""
+    """``tokens [B, L] int32 -> logits [B, L, V] float32``.
+
+    ``positions_BxL`` (default ``0..L-1`` in every row) place each token for RoPE or the learned
+    position table; ``segment_ids_BxL`` (packed examples, one id per example) keep attention
+    within an example.
+    """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BxL: jax.Array,
+        positions_BxL: jax.Array | None = None,
+        segment_ids_BxL: jax.Array | None = None,
+    ) -> jax.Array:
         c = self.cfg
+        default_positions = positions_BxL is None
+        if default_positions:
+            positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         embed = nn.Embed(
             c.vocab_size,
             c.d_model,
@@ -61,16 +83,20 @@ class Transformer(nn.Module):
             pos_table = self.param(
                 "pos_embed", normal_init((None, "embed")), (c.max_len, c.d_model), c.param_dtype
             )
-            x_BxLxD = x_BxLxD + pos_table[: tokens_BxL.shape[1]].astype(c.dtype)
+            if default_positions:  # a slice, not a gather (and a scatter in the backward)
+                pos_LxD = pos_table[: tokens_BxL.shape[1]]
+            else:
+                pos_LxD = jnp.take(pos_table, positions_BxL, axis=0)
+            x_BxLxD = x_BxLxD + pos_LxD.astype(c.dtype)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
-        x_BxLxD = self._blocks(x_BxLxD)
+        x_BxLxD = self._blocks(x_BxLxD, positions_BxL, segment_mask(segment_ids_BxL))
         x_BxLxD = norm(c, "final_norm")(x_BxLxD)
         logits_BxLxV = self._head(x_BxLxD, embed)
         # Logits come out of the GEMM in cfg.dtype (bf16 backward GEMMs, half the memory of an
         # f32 product) and are upcast here, so the loss and its softmax run in f32.
         return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def _blocks(self, x_BxLxD: jax.Array) -> jax.Array:
+    def _blocks(self, x_BxLxD: jax.Array, positions_BxL, mask_Bx1xLxL) -> jax.Array:
         c = self.cfg
         block = Block
         if c.remat_policy != "none":
@@ -86,15 +112,16 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0},
                 split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
                 length=c.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD)
+            x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD, positions_BxL, mask_Bx1xLxL)
             return x_BxLxD
         tie = c.tie_block_grads and c.remat_policy != "none" and not self.is_initializing()
         for i in range(c.num_layers):
             if not tie:
-                x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD)
+                x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD, positions_BxL, mask_Bx1xLxL)
                 continue
             # map_variables hands the block's params to tie_in before the block runs; tie_in
             # ties them to the block's input, which the block then reads from the box (a
@@ -105,7 +132,8 @@ class Transformer(nn.Module):
                 box[0], params = tie_grads(box[0], params)
                 return params
 
-            x_BxLxD, _ = nn.map_variables(block, "params", tie_in)(c, name=f"block_{i}")(box)
+            tied = nn.map_variables(block, "params", tie_in)(c, name=f"block_{i}")
+            x_BxLxD, _ = tied(box, positions_BxL, mask_Bx1xLxL)
         return x_BxLxD
 
     def _head(self, x_BxLxD: jax.Array, embed: nn.Embed) -> jax.Array:

@@ -179,6 +179,8 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     for name in model_lib.MODEL_FLAGS:
         check_bool(m[name], f"model.{name}")
     check_choice(m.remat_policy, tuple(model_lib.REMAT_POLICIES), "model.remat_policy")
+    check_number(m.norm_eps, "model.norm_eps", "(0, 1)")
+    check_number(m.rope_theta, "model.rope_theta", "(1, inf)")
     check_choice(m.attention_impl or "", model_lib.ATTENTION_IMPLS, "model.attention_impl")
     check_choice(f.level, tuple(Level.__members__), "fp8.level")
     check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
@@ -235,6 +237,9 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         cast_kernel=f.cast_kernel,
         fuse_activation=f.fuse_activation,
         fuse_mlp=f.fuse_mlp,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        rope_scaling=None,  # only an imported checkpoint brings Llama 3's scaling
     )
     return fp8, model
 

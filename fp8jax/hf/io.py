@@ -91,7 +91,9 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     fields = architecture(path) if recorded or model_cfg_base is None else {}
     model_cfg = dataclasses.replace(base, **fields)
     if kind == "workdir":
-        flat = workdir.restore_params(path, model_cfg)
+        saved_cfg = dataclasses.replace(model_cfg, **workdir.layout(path))
+        flat = workdir.restore_params(path, saved_cfg)
+        flat = weights.relayout(saved_cfg, flat, model_cfg)  # to the caller's scan / fused QKV
         tok = workdir.tokenizer(path)
     else:
         tok = _hf_tokenizer(path)

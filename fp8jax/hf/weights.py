@@ -239,6 +239,26 @@ def gather(model_cfg: ModelConfig, flat_params: dict, tensor: HfTensor, dtype) -
     return out
 
 
+def relayout(src_cfg: ModelConfig, flat: dict, dst_cfg: ModelConfig) -> dict:
+    """Flat params of ``src_cfg``'s layout (scan_layers, fused_qkv) in ``dst_cfg``'s."""
+    if (src_cfg.scan_layers, src_cfg.fused_qkv) == (dst_cfg.scan_layers, dst_cfg.fused_qkv):
+        return flat
+    buffers = empty_params(dst_cfg)
+    pairs = zip(hf_tensors(src_cfg), hf_tensors(dst_cfg), strict=True)
+    for src, dst in pairs:  # the same HF tensors, in the same order
+        fill(
+            dst_cfg,
+            buffers,
+            dst,
+            gather(src_cfg, flat, src, buffers[_first_leaf(dst_cfg, dst)].dtype),
+        )
+    return buffers
+
+
+def _first_leaf(model_cfg: ModelConfig, tensor: HfTensor) -> tuple[str, ...]:
+    return leaf_key(model_cfg, tensor.pieces[0], tensor.layer)[0]
+
+
 def unflatten(flat: dict) -> dict:
     """A nested params dict from a flat one."""
     return traverse_util.unflatten_dict(flat)

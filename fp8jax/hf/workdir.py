@@ -52,6 +52,16 @@ def architecture(workdir: Path) -> dict[str, Any]:
     return architectures.from_json(architectures.read_json(path), str(path))
 
 
+LAYOUT_FIELDS = ("scan_layers", "fused_qkv")  # what the params tree's structure depends on
+
+
+def layout(workdir: Path) -> dict[str, Any]:
+    """The params layout fields ``model.json`` records (empty without a record)."""
+    path = workdir / provenance.MODEL_RECORD
+    record = architectures.read_json(path) if path.is_file() else {}
+    return {k: record[k] for k in LAYOUT_FIELDS if isinstance(record.get(k), bool)}
+
+
 def _is_scaled_dict(x) -> bool:
     return isinstance(x, dict) and set(x) == {"data", "scale"}
 

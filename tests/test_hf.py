@@ -54,7 +54,7 @@ def ckpts(tmp_path_factory):
 def fp8jax_logits(directory, **training):
     base = dataclasses.replace(hf.default_model_cfg(), **training)
     loaded = hf.load(directory, base)
-    return np.asarray(build_model(loaded.model_cfg).apply({"params": loaded.params}, TOKENS))
+    return logits(loaded.model_cfg, loaded.params)
 
 
 LAYOUTS = [  # (family, scan_layers, fused_qkv): every family, both layouts of attention
@@ -124,15 +124,18 @@ def test_hf_round_trip_is_bit_identical_in_bf16(tmp_path, family):
 
 
 def random_params(model_cfg, seed=0):
-    """fp8jax's own init with every 1-D param (norm scales, biases) randomised too."""
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    params = jax.jit(build_model(model_cfg).init)(jax.random.PRNGKey(seed), tokens)["params"]
-    flat = weights.flatten(params)
+    """Random params of ``model_cfg``'s shapes (numpy: no init to compile); 1-D ones
+    (norm scales, biases) around 1 so that each matters."""
     rng = np.random.default_rng(seed)
-    return {
-        k: np.asarray(v) if v.ndim > 1 else (rng.standard_normal(v.shape) * 0.3 + 1).astype(v.dtype)
-        for k, v in flat.items()
-    }
+    out = {}
+    for k, shape in weights.param_shapes(model_cfg).items():
+        x = rng.standard_normal(shape.shape).astype(np.float32)
+        out[k] = x * 0.3 + 1 if x.ndim == 1 else x * 0.08
+    return out
+
+
+def logits(model_cfg, params):
+    return np.asarray(jax.jit(build_model(model_cfg).apply)({"params": params}, TOKENS))
 
 
 FP8JAX_MODELS = {  # style and switches exported as each HF family
@@ -156,7 +159,7 @@ def test_fp8jax_to_transformers_logits(tmp_path, kind):
     tok = tokenizer_lib.train(TEXTS * 4, VOCAB, min_frequency=1)
     hf.save_hf(tmp_path / "out", m, params, tok)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
-    ours = np.asarray(build_model(m).apply({"params": params}, TOKENS))
+    ours = logits(m, params)
     assert rel_max(ours, torch_logits(model.eval(), TOKENS)) <= F32_TOL
     fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert fast(TEXTS[2])["input_ids"] == tok.encode(TEXTS[2]) and fast.eos_token_id == tok.eos_id
@@ -275,7 +278,7 @@ def test_workdir_load_and_export_o2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
     bf16 = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), loaded.params)
-    ours = np.asarray(build_model(loaded.model_cfg).apply({"params": bf16}, TOKENS))
+    ours = logits(loaded.model_cfg, bf16)
     assert rel_max(ours, torch_logits(model.eval(), TOKENS)) <= F32_TOL
 
 

@@ -44,6 +44,7 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCHEMES = ("tensor", "block")
+SUFFIXES = {"block": "_scale_inv", "tensor": "_scale"}  # X.weight -> X.weight<suffix>
 TARGETS = {"bf16": None, "fp8-tensor": "tensor", "fp8-block": "block"}
 INDEX = "model.safetensors.index.json"
 # Activation scales of statically quantized checkpoints: meaningless once weights are BF16.
@@ -102,17 +103,10 @@ def _to_e4m3(x: np.ndarray) -> np.ndarray:
     return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3)
 
 
-def block_grid(shape, block: int) -> tuple[int, int]:
-    """The block-scale grid of a ``[rows, cols]`` weight: ``(ceil(rows/b), ceil(cols/b))``."""
-    rows, cols = shape
-    return math.ceil(rows / block), math.ceil(cols / block)
-
-
-def _expand(s_RbxCb: np.ndarray, shape, block: int) -> np.ndarray:
-    """Per-block scales repeated to every element of a ``shape`` weight (edges cut)."""
-    rows, cols = shape
-    s_RxC = np.repeat(np.repeat(s_RbxCb, block, axis=0), block, axis=1)
-    return s_RxC[:rows, :cols]
+def _expand(s_GrxGc: np.ndarray, shape, block_r: int, block_c: int) -> np.ndarray:
+    """Block scales (last two axes) repeated to every element of a ``shape`` weight."""
+    s = np.repeat(np.repeat(s_GrxGc, block_r, axis=-2), block_c, axis=-1)
+    return s[..., : shape[-2], : shape[-1]]
 
 
 def quantize_weight(name: str, w_RxC, scheme: str, block: int = 128):
@@ -126,18 +120,13 @@ def quantize_weight(name: str, w_RxC, scheme: str, block: int = 128):
         scale = _scale_of(np.asarray(np.abs(w).max(initial=0.0)))
         return _to_e4m3(w / scale), scale.reshape(())
     rows, cols = w.shape
-    grid_r, grid_c = block_grid(w.shape, block)
+    grid_r, grid_c = math.ceil(rows / block), math.ceil(cols / block)
     padded = np.zeros((grid_r * block, grid_c * block), np.float32)  # zeros leave amaxes alone
     padded[:rows, :cols] = np.abs(w)
     amax_RbxCb = padded.reshape(grid_r, block, grid_c, block).max(axis=(1, 3))
     del padded
     s_RbxCb = _scale_of(amax_RbxCb)
-    return _to_e4m3(w / _expand(s_RbxCb, w.shape, block)), s_RbxCb
-
-
-def scale_name(weight_name: str, scheme: str) -> str:
-    """Where ``scheme`` stores the scale of ``weight_name``: ``_scale`` or ``_scale_inv``."""
-    return f"{weight_name}_scale" if scheme == "tensor" else f"{weight_name}_scale_inv"
+    return _to_e4m3(w / _expand(s_RbxCb, w.shape, block, block)), s_RbxCb
 
 
 def quantize(
@@ -161,18 +150,21 @@ def quantize(
                 skipped.append(name.removesuffix(".weight"))
             continue
         q, scale = quantize_weight(name, w, scheme, block)
-        out[name], out[scale_name(name, scheme)] = q, scale
+        out[name], out[name + SUFFIXES[scheme]] = q, scale
     return out, quantization_config(scheme, block, skipped)
 
 
 def is_fp8(dtype) -> bool:
-    """Whether ``dtype`` is one of the FP8 formats (E4M3/E5M2 variants)."""
-    return np.dtype(dtype).name.startswith("float8_e") and np.dtype(dtype).itemsize == 1
+    """Whether ``dtype`` is an FP8 value format (E4M3/E5M2 variants; E8M0 scales are not)."""
+    return np.dtype(dtype).name.startswith(("float8_e4m3", "float8_e5m2"))
 
 
-def scale_names_of(weight_name: str) -> tuple[str, str]:
-    """The per-block and the per-tensor scale names an FP8 checkpoint may use for a weight."""
-    return f"{weight_name}_scale_inv", f"{weight_name}_scale"
+def weight_of_scale(name: str) -> str | None:
+    """The weight a scale name belongs to ('X.weight_scale_inv' -> 'X.weight'), else None."""
+    for suffix in SUFFIXES.values():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return None
 
 
 def _block_size(config: Mapping) -> tuple[int, int] | None:
@@ -203,8 +195,7 @@ def dequantize_weight(name: str, q, s, config: Mapping, dtype=BF16) -> np.ndarra
         *lead, rows, cols = q_f32.shape
         grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
         if tuple(s_f32.shape) == (*lead, *grid):  # leading axes: stacked experts
-            s_f32 = np.repeat(np.repeat(s_f32, block[0], axis=-2), block[1], axis=-1)
-            return (q_f32 * s_f32[..., :rows, :cols]).astype(dtype)
+            return (q_f32 * _expand(s_f32, q_f32.shape, *block)).astype(dtype)
     try:
         return (q_f32 * s_f32).astype(dtype)  # per-channel scales such as [rows, 1]
     except ValueError:
@@ -226,17 +217,17 @@ def dequantize(
     for name, w in tensors.items():
         if name.endswith(_ACTIVATION_SCALES):
             continue
+        weight = weight_of_scale(name)
+        if weight in tensors and is_fp8(tensors[weight].dtype):
+            continue  # a scale: applied to its weight
         if not is_fp8(np.asarray(w).dtype):
-            scale_of = name.rsplit("_scale", 1)[0]
-            if scale_of != name and scale_of in tensors and is_fp8(tensors[scale_of].dtype):
-                continue  # a scale: consumed with its weight
             out[name] = w
             continue
-        found = [n for n in scale_names_of(name) if n in tensors]
+        names = [name + suffix for suffix in SUFFIXES.values()]
+        found = [n for n in names if n in tensors]
         if not found:
             raise errors.CheckpointMismatchError(
-                f"FP8 tensor {name!r} has no scale ({' or '.join(scale_names_of(name))}): "
-                "the checkpoint is incomplete"
+                f"FP8 tensor {name!r} has no scale ({' or '.join(names)}): incomplete checkpoint"
             )
         out[name] = dequantize_weight(name, w, tensors[found[0]], quantization_config, dtype)
     return out
@@ -288,7 +279,8 @@ def load_tensors(path: os.PathLike, names=None) -> dict[str, np.ndarray]:
 
 def save_tensors(tensors: Mapping[str, np.ndarray], path: os.PathLike) -> None:
     """Write ``tensors`` as a safetensors file transformers and vLLM load (format 'pt')."""
-    contiguous = {name: np.ascontiguousarray(t) for name, t in tensors.items()}
+    # np.asarray, not np.ascontiguousarray, which turns a [] scale into [1].
+    contiguous = {name: np.asarray(t, order="C") for name, t in tensors.items()}
     safetensors.numpy.save_file(contiguous, str(path), metadata={"format": "pt"})
 
 
@@ -327,11 +319,11 @@ def _convert_file(src, file, headers, src_q, scheme, block):
     if src_q:
         for name in list(tensors):
             if is_fp8(tensors[name].dtype):
-                for scale in scale_names_of(name):
+                for scale in (name + suffix for suffix in SUFFIXES.values()):
                     if scale in where and scale not in tensors:
                         tensors[scale] = load_tensors(src / where[scale], [scale])[scale]
-            weight = name.rsplit("_scale", 1)[0]
-            if weight != name and where.get(weight, file) != file:
+            weight = weight_of_scale(name)
+            if weight in where and where[weight] != file:
                 del tensors[name]  # the scale of a weight in another shard: converted there
         tensors = dequantize(tensors, src_q, BF16 if scheme is None else np.float32)
     if scheme is None:

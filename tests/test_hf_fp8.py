@@ -377,3 +377,57 @@ def test_module_command_line_exit_code(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "is not a directory" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def torch_block_fp8(w, block=128):
+    """Reference block quantization in torch: per-tile amax / 448, E4M3 cast, dequant to BF16."""
+    import torch
+
+    w = w.float()
+    rows, cols = w.shape
+    pad_r, pad_c = -rows % block, -cols % block
+    tiles = torch.nn.functional.pad(w.abs(), (0, pad_c, 0, pad_r))
+    tiles = tiles.reshape((rows + pad_r) // block, block, (cols + pad_c) // block, block)
+    amax = tiles.amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    s_elem = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    q = (w / s_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return (q.float() * s_elem).bfloat16()
+
+
+def test_transformers_loads_the_block_export_on_cpu(tmp_path):
+    """transformers' FineGrainedFP8 loader reads the 'block' export; without a GPU it dequantizes
+    to BF16 on load (it needs accelerate). Its weights must be torch's own block quantization of
+    the BF16 model's, bit for bit, so its logits are the quantized model's."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,  # multiples of 128: see docs/hf.md on partial blocks
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert fp8.main([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--to", "fp8-block"]) == 0
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    loaded, reference, model = (load(tmp_path / d).eval() for d in ("fp8", "bf16", "bf16"))
+    state = model.state_dict()
+    for name, w in state.items():
+        if fp8.is_decoder_linear(name):
+            state[name] = torch_block_fp8(w)
+    reference.load_state_dict(state)
+    got = loaded.state_dict()
+    assert set(got) == set(state)
+    for name, w in state.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], w), name
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        logits, want, bf16 = (m(ids).logits.float() for m in (loaded, reference, model))
+    assert torch.equal(logits, want)
+    rel = float((logits - bf16).norm() / bf16.norm())
+    assert 1e-3 < rel < 0.1, rel  # quantized (not the BF16 weights), and still the same model

@@ -14,10 +14,8 @@ training side of fp8jax stores the inverse, ``q = w * scale``). Each scale comes
 tensor's or block's amax, ``s = amax / 448``, so the largest value lands on E4M3's max.
 
 Weights are E4M3, not E5M2: a trained weight's values span a few binades around its amax, so
-they need precision (3 mantissa bits) far more than E5M2's range.
-
-The command line converts a whole HF dir one safetensors file at a time:
-``python -m fp8jax.hf.fp8 SRC_DIR OUT_DIR [--to bf16|fp8-tensor|fp8-block] [--block 128]``.
+they need precision (3 mantissa bits) far more than E5M2's range. ``python -m fp8jax.hf.fp8``
+converts a whole HF dir, one safetensors file at a time (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ TARGETS = {"bf16": None, "fp8-tensor": "tensor", "fp8-block": "block"}
 INDEX = "model.safetensors.index.json"
 # Activation scales of statically quantized checkpoints: meaningless once weights are BF16.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
 _LINEAR = re.compile(
     r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$"
 )
@@ -81,16 +80,6 @@ def quantization_config(scheme: str, block: int = 128, skipped=()) -> dict:
     return config
 
 
-def _finite_f32(name: str, w) -> np.ndarray:
-    w_f32 = np.asarray(w, np.float32)
-    if not np.isfinite(w_f32).all():
-        bad = int(np.size(w_f32) - np.isfinite(w_f32).sum())
-        raise errors.CheckpointMismatchError(
-            f"tensor {name!r} has {bad} non-finite values: fix or re-export the checkpoint"
-        )
-    return w_f32
-
-
 def _scale_of(amax: np.ndarray) -> np.ndarray:
     """Dequant scales ``amax / 448``; 1 for an all-zero tensor/block (its q is 0 anyway)."""
     tiny = np.finfo(np.float32).smallest_subnormal  # amax / 448 may underflow for subnormal w
@@ -111,7 +100,12 @@ def _expand(s_GrxGc: np.ndarray, shape, block_r: int, block_c: int) -> np.ndarra
 
 def quantize_weight(name: str, w_RxC, scheme: str, block: int = 128):
     """One weight as ``(q_RxC E4M3, scale f32)``: scale ``[]`` ('tensor') or ``[Rb, Cb]``."""
-    w = _finite_f32(name, w_RxC)
+    w = np.asarray(w_RxC, np.float32)
+    if not np.isfinite(w).all():  # never laundered into finite FP8 values
+        bad = int(w.size - np.isfinite(w).sum())
+        raise errors.CheckpointMismatchError(
+            f"tensor {name!r} has {bad} non-finite values: fix or re-export the checkpoint"
+        )
     if w.ndim != 2:
         raise errors.CheckpointMismatchError(
             f"tensor {name!r} has shape {list(w.shape)}: FP8 export quantizes 2-D weights only"
@@ -171,7 +165,8 @@ def _block_size(config: Mapping) -> tuple[int, int] | None:
     size = config.get("weight_block_size")
     if size is None:
         return None
-    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(int(b) > 0 for b in size)):
+    pair = isinstance(size, (list, tuple)) and len(size) == 2
+    if not (pair and all(isinstance(b, int) and b > 0 for b in size)):
         raise errors.CheckpointMismatchError(
             f"quantization_config.weight_block_size={size!r}: expected two positive integers"
         )
@@ -268,12 +263,11 @@ def load_tensors(path: os.PathLike, names=None) -> dict[str, np.ndarray]:
         if dtype is None:
             raise errors.CheckpointMismatchError(f"{path}: {name!r} has dtype {entry['dtype']}")
         begin, end = entry["data_offsets"]
+        if end == begin:  # np.memmap cannot map zero bytes
+            out[name] = np.zeros(entry["shape"], dtype)
+            continue
         raw = np.memmap(path, np.uint8, "r", offset=entry["offset"] + begin, shape=(end - begin,))
-        out[name] = (
-            raw.view(dtype).reshape(entry["shape"])
-            if end > begin
-            else np.zeros(entry["shape"], dtype)
-        )
+        out[name] = raw.view(dtype).reshape(entry["shape"])
     return out
 
 
@@ -303,13 +297,6 @@ def _shards(src: pathlib.Path) -> dict[str, dict]:
     if missing:
         raise errors.CheckpointMismatchError(f"{src / INDEX} names missing files {missing}")
     return {f: read_header(src / f) for f in files}
-
-
-def _check_out(out: pathlib.Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise errors.ConfigError(f"output {out} exists and is not an empty dir: choose a new one")
-    if not out.parent.is_dir():
-        raise errors.ConfigError(f"the parent of {out} does not exist: create it first")
 
 
 def _convert_file(src, file, headers, src_q, scheme, block):
@@ -350,7 +337,10 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
     to = to or ("bf16" if src_q else "fp8-block")
     errors.check_choice(to, TARGETS, "--to")
     check_block(block)
-    _check_out(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise errors.ConfigError(f"output {out} exists and is not an empty dir: choose a new one")
+    if not out.parent.is_dir():
+        raise errors.ConfigError(f"the parent of {out} does not exist: create it first")
     headers = _shards(src)
     scheme = TARGETS[to]
     tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -373,8 +363,8 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
         else:
             config["quantization_config"] = quantization_config(scheme, block, skipped)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for path in src.iterdir():
-            if path.name not in {"config.json", INDEX, *headers}:
+        for path in src.iterdir():  # tokenizer, generation config...; not other weight files
+            if path.name not in {"config.json", INDEX} and not path.name.endswith(_WEIGHTS):
                 copy = shutil.copytree if path.is_dir() else shutil.copy2
                 copy(path, tmp / path.name)
         os.rename(tmp, out)  # atomic; replaces an empty dir

@@ -91,9 +91,10 @@ def chat_parts(tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(render(template, messages[:i], add_generation_prompt=True, **specials))
+            prompt = render(template, messages[:i], add_generation_prompt=True, **specials)
             turn = render(template, messages[: i + 1], **specials)
-            if not (whole.startswith(turn) and turn[:start] == whole[:start] and start >= done):
+            start = len(prompt)
+            if not (whole.startswith(turn) and turn.startswith(prompt) and start >= done):
                 raise ValueError(
                     "the chat template does not render the conversation turn by turn (an "
                     "earlier turn's text changes with later ones), so the assistant turns "
@@ -125,9 +126,9 @@ def plain_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 def check_record(record: Any, where: str) -> str:
     """Which kind of example a parsed .jsonl line is ('messages' or 'prompt'); DataError if none."""
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
-        for m in record["messages"]:
-            ok = isinstance(m, dict) and isinstance(m.get("role"), str)
-            if not (ok and isinstance(m.get("content"), str)):
+        for message in record["messages"]:
+            ok = isinstance(message, dict) and isinstance(message.get("role"), str)
+            if not (ok and isinstance(message.get("content"), str)):
                 raise DataError(f"{where}: each message needs a string 'role' and 'content'")
         return "messages"
     if isinstance(record, dict) and all(isinstance(record.get(k), str)

@@ -35,6 +35,7 @@ from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import generate, provenance, spec
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
+from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 from fp8jax.trainer.spec import RunSpec
 
@@ -168,33 +169,45 @@ def abstract_batch(run: RunSpec, batch_size: int | None = None) -> dict:
 
 
 def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
-    """``run`` with the ``init_from`` checkpoint's architecture, its tokenizer and its weights
-    (None when ``workdir`` already holds the run's own checkpoint: a resume restores that).
+    """``run`` with the ``init_from`` checkpoint's architecture, its tokenizer and its weights.
 
-    Without ``init_from``: ``(run, None, None)``. A missing or unsupported checkpoint is a
-    one-line UserError, raised before anything is written.
+    Without ``init_from``: ``(run, None, None)``. A resume (``workdir`` holds the run's own
+    checkpoint) takes the model and tokenizer the run recorded and no weights: it restores its
+    own. A missing or unsupported checkpoint is a one-line UserError, raised before any write.
     """
     if not run.init_from:
         return run, None, None
+    from fp8jax import hf  # the checkpoint readers (safetensors, orbax)
+
     path = pathlib.Path(run.init_from).expanduser()
-    if not path.is_dir():
+    resumed = provenance.has_checkpoint(workdir)
+    if not resumed and not path.is_dir():
         raise errors.ConfigError(
             f"config.init_from={run.init_from!r} is not a directory: name a Hugging Face model "
             f"dir (config.json, *.safetensors, tokenizer.json) or an fp8jax work dir"
         )
-    from fp8jax import hf  # the checkpoint readers (safetensors, orbax)
-
     with errors.reraise_as(errors.CheckpointMismatchError, ValueError, OSError, KeyError):
-        loaded = hf.load(str(path), run.model)
-    model = loaded.model_cfg
+        if resumed:
+            model = dataclasses.replace(run.model, **hf.architecture(workdir))
+            tokenizer, params = tokenizer_lib.load_hf(workdir), None
+        else:
+            loaded = hf.load(str(path), run.model)
+            model, tokenizer, params = loaded.model_cfg, loaded.tokenizer, loaded.params
     if run.optim.seq_len > model.max_len:
         raise errors.ConfigError(
             f"seq_len={run.optim.seq_len} exceeds the max_len={model.max_len} of the model in "
             f"{path}: lower seq_len"
         )
-    resumed = provenance.has_checkpoint(workdir)
-    return dataclasses.replace(run, model=model), loaded.tokenizer, (None if resumed else
-                                                                     loaded.params)  # fmt: skip
+    return dataclasses.replace(run, model=model), tokenizer, params
+
+
+def keep_tokenizer(workdir: str, tok) -> None:
+    """Save ``tok`` in ``workdir`` as a HF tokenizer (tokenizer.json + tokenizer_config.json
+    with its EOS, BOS and chat template), so the work dir reloads with everything it had."""
+    config = dict(eos_token=tok.eos_token, bos_token=tok.bos_token,
+                  chat_template=tok.chat_template)  # fmt: skip
+    provenance.write_json(pathlib.Path(workdir) / "tokenizer_config.json", config)
+    tok.save(pathlib.Path(workdir) / tokenizer_lib.HF_TOKENIZER)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict:
@@ -223,6 +236,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
                 from fp8jax.trainer import data as data_lib
 
             dataset = data_lib.build(run, workdir, tokenizer)
+            if init_params is not None:  # a fresh fine-tuning run: keep its tokenizer
+                keep_tokenizer(workdir, tokenizer)
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(run.loop.eval_batches)
         env = setup(run)

@@ -109,18 +109,9 @@ def chat_parts(tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:
 
 
 def plain_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text without the special tokens the tokenizer adds around any text.
-
-    Those are what it gives for the empty string (a BOS, for many HF tokenizers).
-    """
-    added = list(tokenizer.encode(""))
-    out = []
-    for ids in tokenizer.encode_batch(list(texts)):
-        ids = list(ids)
-        if added and ids[: len(added)] == added:
-            ids = ids[len(added) :]
-        out.append(ids)
-    return out
+    """Token ids of each text without the special tokens a tokenizer adds around any text (a
+    HF tokenizer's BOS); special tokens written in the text (a template's) are kept."""
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 
 def check_record(record: Any, where: str) -> str:

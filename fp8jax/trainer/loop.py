@@ -177,8 +177,6 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
     """
     if not run.init_from:
         return run, None, None
-    from fp8jax import hf  # the checkpoint readers (safetensors, orbax)
-
     path = pathlib.Path(run.init_from).expanduser()
     resumed = provenance.has_checkpoint(workdir)
     if not resumed and not path.is_dir():
@@ -186,6 +184,8 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
             f"config.init_from={run.init_from!r} is not a directory: name a Hugging Face model "
             f"dir (config.json, *.safetensors, tokenizer.json) or an fp8jax work dir"
         )
+    from fp8jax import hf  # the checkpoint readers (safetensors, orbax)
+
     with errors.reraise_as(errors.CheckpointMismatchError, ValueError, OSError, KeyError):
         if resumed:
             model = dataclasses.replace(run.model, **hf.architecture(workdir))

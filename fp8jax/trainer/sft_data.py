@@ -226,7 +226,7 @@ def build(run: RunSpec, workdir: str | os.PathLike, tokenizer=None) -> SftDatase
         files, desc = source_files(data.path)
         records, corpus = read_records(files), corpus_lib.fingerprint(files)
     else:
-        tasks = novel_task(seed=run.seed)
+        tasks = novel_task(passage_words=max(8, optim.seq_len // 4), seed=run.seed)
         records = [(r, f"novel task example {i}") for i, r in enumerate(tasks, 1)]
         corpus = tokenizer_lib.sha256(json.dumps(tasks, sort_keys=True))
         desc = f"novel task ({len(records)} passages of the shipped corpus)"

@@ -209,6 +209,12 @@ def test_overlong_examples_are_dropped_or_truncated():
     assert len(kept) == 1 and counts["overlong"] == 1
     kept, _ = sft_data.fit([long_, short], 16, "truncate")
     assert [len(ids) for ids, _ in kept] == [17, 5]
+    # Row layout: targets shift by one; a target's weight is whether it is a completion token.
+    ids, trained = np.array([5, 6, 7, 8, 9], np.int32), np.array([0, 0, 0, 1, 1], bool)
+    row = sft_data.make_row([(ids, trained)], [0], 6)
+    assert row["inputs"].tolist() == [5, 6, 7, 8, 0, 0]
+    assert row["targets"].tolist() == [6, 7, 8, 9, 0, 0]
+    assert row["weights"].tolist() == [0, 0, 1, 1, 0, 0]
 
 
 def test_init_state_starts_from_given_params_and_bad_init_from_is_one_line(tmp_path):

@@ -14,6 +14,11 @@ def get_config() -> ml_collections.ConfigDict:
     """All config fields with CPU-sized defaults."""
     c = ml_collections.ConfigDict()
     c.seed = 0  # PRNG seed for parameters and data order
+    # Start from a checkpoint: a Hugging Face model dir or an fp8jax work dir ('' = random init).
+    # Its architecture replaces the model's sizes below and its tokenizer the learned BPE; the
+    # training fields (dtype, remat, scan, FP8 level and recipe) stay this config's. A resumed
+    # run continues from its own checkpoint in the work dir, not from this one.
+    c.init_from = ""  # checkpoint directory to fine-tune, or '' (random init)
 
     # --- model ---
     c.model = m = ml_collections.ConfigDict()
@@ -70,8 +75,21 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- data ---
     c.data = d = ml_collections.ConfigDict()
-    d.path = ""  # text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus
-    d.val_fraction = 0.05  # share of tokens held out for validation
+    # 'text': pre-training on a corpus; 'sft': supervised fine-tuning on .jsonl examples, each
+    # {"messages": [{"role", "content"}, ...]} (loss on the assistant turns; needs a tokenizer
+    # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
+    # ('dpo', preference pairs, is reserved for a later format).
+    d.format = "text"  # what data.path holds: 'text' or 'sft'
+    # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
+    # sft: a .jsonl file or a folder of them; '' = the novel task built from the shipped corpus.
+    d.path = ""  # the data file or folder (see above)
+    d.val_fraction = 0.05  # share held out for validation: of tokens (text), of examples (sft)
+    # sft: True concatenates examples into rows of seq_len tokens (positions restart and
+    # attention stays within each example); False puts one example per row, padded.
+    d.packing = True  # sft: pack several examples per row
+    d.overlong = (
+        "drop"  # sft: an example over seq_len+1 tokens is 'drop'ped (counted) or 'truncate'd
+    )
     d.tokenizer_min_frequency = 2  # BPE merges need at least this many occurrences
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new

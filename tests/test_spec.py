@@ -27,6 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # test_every_base_field_lands_in_the_run_spec.
 CHANGES = {
     "seed": (1, {"seed"}),
+    "init_from": ("/some/checkpoint", {"init_from"}),
     "model.style": ("llama", {"model"}),
     "model.vocab_size": (1000, {"model"}),
     "model.d_model": (256, {"model"}),
@@ -61,6 +62,9 @@ CHANGES = {
     "fp8.v_format": ("bfloat16", {"fp8"}),
     "fp8.master_format": ("bfloat16", {"fp8"}),
     "fp8.master_rounding": ("nearest", {"fp8"}),
+    "data.format": ("sft", {"data"}),
+    "data.packing": (False, {"data"}),
+    "data.overlong": ("truncate", {"data"}),
     "data.path": ("corpus.txt", {"data"}),
     "data.val_fraction": (0.1, {"data"}),
     "data.tokenizer_min_frequency": (3, {"data"}),

@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grain
 import numpy as np
@@ -27,6 +27,8 @@ from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import provenance
 from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer.stream import TrainIterator, process_rows, seed32
+from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterator's JSON
 from fp8jax.trainer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -186,70 +188,9 @@ def _too_short_for_eval(num_tokens: int, batch_size: int, seq_len: int) -> str |
     )
 
 
-def _shard(batch_size: int, index: int | None, count: int | None) -> tuple[int, int, int]:
-    """(process index, process count, rows of each global batch that this process gets)."""
-    if index is None or count is None:
-        import jax  # only here: building the token cache needs no accelerator runtime
-
-        index = jax.process_index() if index is None else index
-        count = jax.process_count() if count is None else count
-    if batch_size % count:
-        raise ValueError(f"batch_size {batch_size} is not divisible by {count} processes")
-    return index, count, batch_size // count
-
-
 def _split(window_W: np.ndarray) -> Batch:
     inputs, targets = window_W[..., :-1], window_W[..., 1:]
     return {"inputs": np.ascontiguousarray(inputs), "targets": np.ascontiguousarray(targets)}
-
-
-def _seed32(*parts: Any) -> int:
-    """A 32-bit seed mixed from ``parts``, so that nearby seeds give unrelated streams."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
-
-
-def state_to_bytes(state: dict[str, Any]) -> bytes:
-    """Serialise a :meth:`TrainIterator.get_state` dict to JSON bytes."""
-    return json.dumps(state, sort_keys=True).encode()
-
-
-def state_from_bytes(data: bytes | str) -> dict[str, Any]:
-    """Inverse of :func:`state_to_bytes`."""
-    return json.loads(data)
-
-
-class TrainIterator:
-    """Infinite iterator of training batches; ``get_state``/``set_state`` resume it exactly."""
-
-    def __init__(self, batches: grain.MapDataset, identity: dict[str, Any]):
-        self._batches = batches  # indexed by global step: batch t is this process's rows
-        self._identity = identity  # what a saved state must match to mean the same samples
-        self.step = 0
-
-    def __iter__(self) -> TrainIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        batch = self._batches[self.step]
-        self.step += 1
-        return batch
-
-    def get_state(self) -> dict[str, Any]:
-        """JSON-able position (store it next to the model checkpoint)."""
-        return dict(self._identity, step=self.step)
-
-    def set_state(self, state: dict[str, Any] | bytes | str) -> None:
-        """Resume from :meth:`get_state` output (a dict, or its JSON bytes/str)."""
-        if not isinstance(state, dict):
-            state = state_from_bytes(state)
-        step = int(state["step"])
-        old_batch, new_batch = state.get("batch_size"), self._identity["batch_size"]
-        if old_batch and old_batch != new_batch:
-            step = step * old_batch // new_batch  # keep the number of samples already seen
-        changed = [k for k, v in self._identity.items() if state.get(k, v) != v]
-        if changed:
-            logging.warning("data state was saved with other %s; now at step %d", changed, step)
-        self.step = step
 
 
 class Dataset:
@@ -291,7 +232,7 @@ class Dataset:
         """Batches ``{'inputs', 'targets'}`` int32 [batch_size / processes, seq_len]."""
         batch_size = batch_size or self.batch_size
         seq_len = seq_len or self.seq_len
-        p, num_p, rows = _shard(batch_size, process_index, process_count)
+        p, num_p, rows = process_rows(batch_size, process_index, process_count)
         tokens, W = self.train_tokens, seq_len + 1
         if problem := _too_short_for_train(len(tokens), seq_len):
             raise ValueError(problem)
@@ -299,7 +240,7 @@ class Dataset:
         # offset (one window of slack) so window boundaries move between epochs.
         num_windows = max(len(tokens) // W - 1, 1)
         max_offset = min(W - 1, len(tokens) - num_windows * W)
-        shuffle_seed = _seed32("train", self.seed)
+        shuffle_seed = seed32("train", self.seed)
 
         @functools.lru_cache(maxsize=4)
         def epoch_offset(epoch: int) -> int:
@@ -330,7 +271,7 @@ class Dataset:
         """The first ``num_batches`` batches of consecutive non-overlapping validation windows."""
         batch_size = batch_size or self.batch_size
         seq_len = seq_len or self.seq_len
-        p, _, rows = _shard(batch_size, process_index, process_count)
+        p, _, rows = process_rows(batch_size, process_index, process_count)
         W = seq_len + 1
         available = len(self.val_tokens) // W // batch_size
         if problem := _too_short_for_eval(len(self.val_tokens), batch_size, seq_len):
@@ -345,8 +286,10 @@ class Dataset:
         return out
 
 
-def build(run: RunSpec, workdir: str | os.PathLike) -> Dataset:
+def build(run: RunSpec, workdir: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Dataset:
     """Tokenizer + token cache in ``workdir`` for ``run.data``; returns the :class:`Dataset`.
+
+    ``tokenizer``: encode with this one (an ``init_from`` checkpoint's), not a learned BPE.
 
     Raises :class:`~fp8jax.errors.DataError` (or ValueError) for bad data, a corpus too small
     for the run's ``seq_len``/``batch_size``, or a resume on data other than the checkpoint's;
@@ -373,8 +316,12 @@ def build(run: RunSpec, workdir: str | os.PathLike) -> Dataset:
         train_chars=_TOKENIZER_TRAIN_CHARS,
     )
     tok_path, out_dir = workdir / "tokenizer.json", workdir / "tokens"
-    tok, new_tok = provenance.tokenizer_for(
-        tok_path, built_from, lambda: _tokenizer_texts(files), resumed
+    tok, new_tok = (
+        (tokenizer, False)
+        if tokenizer
+        else provenance.tokenizer_for(
+            tok_path, built_from, lambda: _tokenizer_texts(files), resumed
+        )
     )
     # Everything is built in a staging folder and checked before it replaces the caches, so a
     # failed or refused build leaves the work dir as it was.

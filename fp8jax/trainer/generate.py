@@ -12,9 +12,11 @@ from fp8jax.trainer import step as step_lib
 
 
 def evaluate(eval_step, state, batches, sharding) -> dict:
-    """Mean validation loss and perplexity over fixed batches."""
+    """Mean validation loss and perplexity over fixed batches (weighted: per loss token)."""
     losses = [eval_step(state, sharding_lib.put_batch(b, sharding)) for b in batches]
-    loss = float(np.mean(jax.device_get(losses)))
+    # A weighted batch's loss is its mean over its loss tokens: batches count by those.
+    weights = [float(np.sum(b["weights"])) for b in batches] if "weights" in batches[0] else None
+    loss = float(np.average(jax.device_get(losses), weights=weights))
     return {"val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50.0)))}
 
 

@@ -35,6 +35,7 @@ from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import generate, provenance, spec
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
+from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 from fp8jax.trainer.spec import RunSpec
 
@@ -157,10 +158,56 @@ def setup(run: RunSpec, devices=None, donate: bool = True) -> Setup:
 
 
 def abstract_batch(run: RunSpec, batch_size: int | None = None) -> dict:
-    """ShapeDtypeStructs of one training batch."""
+    """ShapeDtypeStructs of one training batch (fine-tuning: with weights, positions, segments)."""
     shape = (batch_size or run.optim.batch_size, run.optim.seq_len)
     struct = jax.ShapeDtypeStruct(shape, jnp.int32)
+    if run.data.format == "sft":
+        weights = jax.ShapeDtypeStruct(shape, jnp.float32)
+        return dict(inputs=struct, targets=struct, weights=weights, positions=struct,
+                    segment_ids=struct)  # fmt: skip
     return {"inputs": struct, "targets": struct}
+
+
+def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
+    """``run`` with the ``init_from`` checkpoint's architecture, its tokenizer and its weights.
+
+    Without ``init_from``: ``(run, None, None)``. A resume (``workdir`` holds the run's own
+    checkpoint) takes the model and tokenizer the run recorded and no weights: it restores its
+    own. A missing or unsupported checkpoint is a one-line UserError, raised before any write.
+    """
+    if not run.init_from:
+        return run, None, None
+    path = pathlib.Path(run.init_from).expanduser()
+    resumed = provenance.has_checkpoint(workdir)
+    if not resumed and not path.is_dir():
+        raise errors.ConfigError(
+            f"config.init_from={run.init_from!r} is not a directory: name a Hugging Face model "
+            f"dir (config.json, *.safetensors, tokenizer.json) or an fp8jax work dir"
+        )
+    from fp8jax import hf  # the checkpoint readers (safetensors, orbax)
+
+    with errors.reraise_as(errors.CheckpointMismatchError, ValueError, OSError, KeyError):
+        if resumed:
+            model = dataclasses.replace(run.model, **hf.architecture(workdir))
+            tokenizer, params = tokenizer_lib.load_hf(workdir), None
+        else:
+            loaded = hf.load(str(path), run.model)
+            model, tokenizer, params = loaded.model_cfg, loaded.tokenizer, loaded.params
+    if run.optim.seq_len > model.max_len:
+        raise errors.ConfigError(
+            f"seq_len={run.optim.seq_len} exceeds the max_len={model.max_len} of the model in "
+            f"{path}: lower seq_len"
+        )
+    return dataclasses.replace(run, model=model), tokenizer, params
+
+
+def keep_tokenizer(workdir: str, tok) -> None:
+    """Save ``tok`` in ``workdir`` as a HF tokenizer (tokenizer.json + tokenizer_config.json
+    with its EOS, BOS and chat template), so the work dir reloads with everything it had."""
+    config = dict(eos_token=tok.eos_token, bos_token=tok.bos_token,
+                  chat_template=tok.chat_template)  # fmt: skip
+    provenance.write_json(pathlib.Path(workdir) / "tokenizer_config.json", config)
+    tok.save(pathlib.Path(workdir) / tokenizer_lib.HF_TOKENIZER)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict:
@@ -172,6 +219,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     """
     run = config if isinstance(config, RunSpec) else spec.parse(config)
     spec.check_corpus(run)
+    run, tokenizer, init_params = from_checkpoint(run, workdir)
     if run.distributed:
         sharding_lib.initialize_distributed()
     spec.check_environment(run)
@@ -182,9 +230,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
         with errors.reraise_as(errors.DataError, ValueError, OSError):
-            from fp8jax.trainer import data as data_lib  # here: setup() must not need grain
+            if run.data.format == "sft":
+                from fp8jax.trainer import sft_data as data_lib
+            else:  # here: setup() must not need grain
+                from fp8jax.trainer import data as data_lib
 
-            dataset = data_lib.build(run, workdir)
+            dataset = data_lib.build(run, workdir, tokenizer)
+            if init_params is not None:  # a fresh fine-tuning run: keep its tokenizer
+                keep_tokenizer(workdir, tokenizer)
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(run.loop.eval_batches)
         env = setup(run)
@@ -193,7 +246,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
             workdir, keep=run.loop.keep_checkpoints, every=run.loop.checkpoint_every_steps
         )
         try:
-            state, step = _restore_or_init(env, ckpt, train_iter)
+            state, step = _restore_or_init(env, ckpt, train_iter, init_params)
             _record_schedule(workdir, run, step)
             state, summary = _train(env, ckpt, state, step, train_iter, eval_batches, preempt)
         finally:
@@ -252,13 +305,19 @@ def _record_schedule(workdir: str, run: RunSpec, step: int) -> None:
         provenance.write_json(pathlib.Path(path), now)
 
 
-def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter):
-    """The latest checkpoint's state (and data position) if there is one, else a fresh state."""
+def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None):
+    """The latest checkpoint's state (and data position) if there is one, else a fresh state
+    (from ``params``, an init_from checkpoint's weights, if given)."""
     step = ckpt.latest_step()
+    rng = jax.random.PRNGKey(env.run.seed)
+    if step is None and params is not None:
+        logging.info("initialising from the weights of %s", env.run.init_from)
+        init = functools.partial(step_lib.init_state, env.model, env.tx, env.run)
+        return jax.jit(init, out_shardings=env.state_shardings)(rng, params), 0
     if step is None:
         n = sum(x.size for x in jax.tree.leaves(env.abstract.params))
         logging.info("initialising %.4g M parameters (seed %d)", n / 1e6, env.run.seed)
-        return env.init(jax.random.PRNGKey(env.run.seed)), 0
+        return env.init(rng), 0
     state, data_state = ckpt.restore(abstract_like(env.abstract, env.state_shardings), step)
     train_iter.set_state(data_state)
     logging.info("resuming from checkpoint step %d in %s", step, ckpt.directory)

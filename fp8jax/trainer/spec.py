@@ -26,6 +26,8 @@ from fp8jax.parallel import comm as comm_lib
 from fp8jax.parallel import sharding as sharding_lib
 
 GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
+DATA_FORMATS = ("text", "sft")  # 'dpo' (preference pairs) is reserved for a later format
+OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 
 CommSpec = comm_lib.CommConfig  # FP8 gradient communication (``config.comm``)
 
@@ -51,8 +53,11 @@ class Fp8Spec:
 class DataSpec:
     """``config.data``: the corpus and its split."""
 
-    path: str  # text file, folder of .txt, or .jsonl; '' = the shipped corpus
-    val_fraction: float  # share of tokens held out for validation
+    format: str  # 'text' (corpus) or 'sft' (.jsonl fine-tuning examples)
+    path: str  # text: file, folder of .txt, or .jsonl; sft: .jsonl file(s); '' = shipped data
+    val_fraction: float  # share held out for validation: of tokens (text), of examples (sft)
+    packing: bool  # sft: several examples per row (False: one per row, padded)
+    overlong: str  # sft: 'drop' or 'truncate' an example longer than seq_len + 1 tokens
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
@@ -105,6 +110,7 @@ class RunSpec:
     """One training run, validated (``parse``)."""
 
     seed: int
+    init_from: str  # checkpoint dir (HF or fp8jax work dir) of the initial weights; '' = random
     model: ModelConfig
     fp8: Fp8Spec
     data: DataSpec
@@ -148,6 +154,7 @@ def parse(config) -> RunSpec:
             check_bool(config.distributed, "distributed")
             return RunSpec(
                 seed=_seed(config.seed),
+                init_from=_init_from(config.init_from),
                 model=model,
                 fp8=fp8,
                 data=_data(config.data),
@@ -167,6 +174,13 @@ def parse(config) -> RunSpec:
 def _seed(seed) -> int:
     check_int(seed, "seed", 0, 2**32 - 1)
     return seed
+
+
+def _init_from(path) -> str:
+    if not isinstance(path, str):
+        raise ConfigError(f"config.init_from={path!r}: use a checkpoint directory (Hugging Face "
+                          f"model or fp8jax work dir) or '' for a random init")  # fmt: skip
+    return path
 
 
 def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
@@ -309,6 +323,9 @@ def _data(d) -> DataSpec:
     if not isinstance(d.path, str):
         raise ConfigError(f"config.data.path={d.path!r}: {_DATA_FIX} ('' = the shipped corpus)")
     check_number(d.val_fraction, "data.val_fraction", "(0, 1)")  # held-out and training tokens
+    check_choice(d.format, DATA_FORMATS, "data.format")
+    check_bool(d.packing, "data.packing")
+    check_choice(d.overlong, OVERLONG, "data.overlong")
     check_int(d.tokenizer_min_frequency, "data.tokenizer_min_frequency", 0)
     check_bool(d.allow_corpus_change, "data.allow_corpus_change")
     return DataSpec(**{f.name: d[f.name] for f in dataclasses.fields(DataSpec)})
@@ -363,6 +380,8 @@ def check_corpus(run: RunSpec) -> None:
     if path and not pathlib.Path(path).expanduser().exists():
         raise ConfigError(f"config.data.path={path!r} does not exist: {_DATA_FIX} ('' = the "
                           f"shipped corpus)")  # fmt: skip
+    if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
+        return
     from fp8jax.trainer import tokenizer  # its BPE sets the vocabulary's floor
 
     vocab, low = run.model.vocab_size, tokenizer.MIN_VOCAB_SIZE

@@ -22,6 +22,8 @@ from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.optim import adam as optim
 from fp8jax.parallel import comm, gather
 from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.trainer import loss as loss_lib
+from fp8jax.trainer.loss import cross_entropy, is_weighted, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -91,11 +93,13 @@ def state_collection(model) -> str:
     return FLAX_FP8 if getattr(getattr(model, "cfg", None), "fp8_impl", "") == "flax" else FP8
 
 
-def init_state(model, tx, run: RunSpec, rng: jax.Array) -> TrainState:
-    """Initialise params, FP8 state and optimizer state (run under jit with out_shardings)."""
-    tokens_BxL = jnp.zeros((1, run.optim.seq_len), jnp.int32)
+def init_state(model, tx, run: RunSpec, rng: jax.Array, params=None) -> TrainState:
+    """Initialise params (or start from ``params``, a checkpoint's), FP8 and optimizer state."""
+    tokens_BxL = jnp.zeros((1, run.optim.seq_len), jnp.int32)  # under jit with out_shardings
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
-    params = variables["params"]
+    given, params = params, variables["params"]
+    if given is not None:  # jit drops the random init that these weights replace
+        params = jax.tree.map(lambda g, p: jnp.asarray(g, p.dtype), given, params)
     opt_state = tx.init(params)
     master_format = run.fp8.storage.master_format
     params = optim.to_master(params, master_format=master_format)  # f32: unchanged
@@ -105,28 +109,23 @@ def init_state(model, tx, run: RunSpec, rng: jax.Array) -> TrainState:
     return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state)
 
 
-def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
-    """Mean token cross-entropy in float32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), targets_BxL
-    )
-    return jnp.mean(losses)
-
-
 def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state.
 
     ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
     """
-    # ``weight`` scales the loss: 1/N for one of N data-parallel replicas, so the replicas'
-    # gradients sum to the global batch's and dy (hence its FP8 amax) equals the unsharded one.
-
+    # ``weight`` scales the loss: 1/N for one of N replicas (their gradients sum to the global
+    # batch's; dy's FP8 amax equals the unsharded one); weighted: 1/sum(w) of the global batch.
     coll = state_collection(model)
 
     def loss_fn(p, s):
         with optim.dequantize_carried(masters):
-            logits, mutated = model.apply({"params": p, coll: s}, batch["inputs"], mutable=[FP8])
-        return weight * cross_entropy(logits, batch["targets"]), mutated.get(FP8, {})
+            logits, mutated = model.apply(
+                {"params": p, coll: s}, batch["inputs"], **model_kwargs(batch), mutable=[FP8]
+            )
+        t = batch["targets"]
+        ce = loss_lib.weighted_ce(logits, t, batch["weights"]) if is_weighted(batch) else None
+        return weight * (cross_entropy(logits, t) if ce is None else ce), mutated.get(FP8, {})
 
     (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, fp8
@@ -167,17 +166,19 @@ def _accumulate(
 
     zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
     (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
-    grads = jax.tree.map(lambda g, d: (g / accum).astype(d), grads, sum_dtypes)
-    return loss / accum, fp8, grads
+    # Weighted micro-batches are already scaled by the global 1/sum(w): they only add up.
+    n = 1 if is_weighted(batch) else accum
+    grads = jax.tree.map(lambda g, d: (g / n).astype(d), grads, sum_dtypes)
+    return loss / n, fp8, grads
 
 
 def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
     """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step."""
-    return _accumulate(model, params, fp8, batch, accum, wide=wide)
+    return _accumulate(model, params, fp8, batch, accum, loss_lib.scale(batch, 1), wide=wide)
 
 
 def _manual_replicas(
-    model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None, wide=None
+    model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None, wide=None, scale=1.0
 ):
     """``(loss_N, fp8_N, grads_N)`` with one replica per device, written per device (shard_map).
 
@@ -188,19 +189,18 @@ def _manual_replicas(
     """
     n, dp = plan.num_replicas, sharding_lib.DP_AXES
 
-    def local(full, fp8, masters, b_1xBxL):
+    def local(full, fp8, masters, scale, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
+        w = scale if is_weighted(b) else 1.0 / n  # unweighted: the constant, as before
         with sharding_lib.activation_sharding(None):  # local arrays: nothing to constrain
-            loss, fp8, g = _accumulate(
-                model, full, fp8, b, accum, 1.0 / n, masters, sum_dtypes, wide
-            )
+            loss, fp8, g = _accumulate(model, full, fp8, b, accum, w, masters, sum_dtypes, wide)
         return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
 
     rep = PartitionSpec()
     fn = jax.shard_map(
         local,
         mesh=plan.mesh,
-        in_specs=(rep, rep, rep, PartitionSpec(dp)),
+        in_specs=(rep, rep, rep, rep, PartitionSpec(dp)),
         out_specs=PartitionSpec(dp),
         # Manual over every mesh axis (tensor is 1 here), not just data x fsdp: inside a partly
         # manual region JAX still hands custom-partitioned ops (cuDNN attention) to their
@@ -208,7 +208,7 @@ def _manual_replicas(
         axis_names=frozenset(plan.mesh.axis_names),
         check_vma=False,
     )
-    return fn(full, fp8, masters, batch_N)
+    return fn(full, fp8, masters, jnp.asarray(scale, jnp.float32), batch_N)
 
 
 def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, wide=None):
@@ -229,14 +229,15 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, 
     )
     full, w_amax = gather.gather_params(params, state.fp8, plan)
     sum_dtypes = jax.tree.map(lambda p: p.dtype, params)  # not the gathered compute dtype
+    scale = loss_lib.scale(batch, n)  # of the global batch, before it is split into replicas
     if plan.per_device:
         loss_N, fp8_N, grads_N = _manual_replicas(
-            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes, wide
+            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes, wide, scale
         )
     else:
 
         def one(b):
-            return _accumulate(model, full, state.fp8, b, accum, 1.0 / n, masters, sum_dtypes, wide)
+            return _accumulate(model, full, state.fp8, b, accum, scale, masters, sum_dtypes, wide)
 
         # Tensor parallelism stays with XLA's SPMD partitioner. Inside a replica the activation
         # constraints keep its rows whole; spmd_axis_name splits the replica axis itself over
@@ -322,7 +323,7 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
         comm_state, comm_metrics = state.comm, {}
         if plan is None:
             loss, fp8, grads = _accumulate(
-                model, params, state.fp8, batch, accum, masters=masters, wide=wide
+                model, params, state.fp8, batch, accum, loss_lib.scale(batch, 1), masters, wide=wide
             )
         else:
             loss, fp8, grads_N = _replica_grads(
@@ -371,14 +372,16 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
 
 
 def make_eval_step(model, mesh=None):
-    """``eval_step(state, batch) -> summed loss`` (no FP8 state update)."""
+    """``eval_step(state, batch) -> mean loss`` (weighted mean if weighted; no FP8 update)."""
 
     def eval_step(state: TrainState, batch):
         params = optim.materialize(state.params)
         coll = state_collection(model)
         with sharding_lib.activation_sharding(mesh):
-            logits = model.apply({"params": params, coll: state.fp8}, batch["inputs"])
-        return cross_entropy(logits, batch["targets"])
+            logits = model.apply(
+                {"params": params, coll: state.fp8}, batch["inputs"], **model_kwargs(batch)
+            )
+        return cross_entropy(logits, batch["targets"], batch.get("weights"))
 
     return eval_step
 
@@ -390,7 +393,8 @@ def make_stats_step(model, mesh=None):
         params = optim.materialize(state.params)
         variables = {"params": params, state_collection(model): state.fp8}
         with sharding_lib.activation_sharding(mesh):
-            _, mutated = model.apply(variables, batch["inputs"], mutable=[FP8_STATS])
+            _, mutated = model.apply(variables, batch["inputs"], **model_kwargs(batch),
+                                     mutable=[FP8_STATS])  # fmt: skip
         return mutated.get(FP8_STATS, {})
 
     return stats_step

@@ -34,6 +34,10 @@ class CheckpointMismatchError(UserError, ValueError):
     """The checkpoint in the work dir does not fit this config's model (or is corrupt)."""
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint to import or export (Hugging Face or work dir) is unsupported or malformed."""
+
+
 class NonFiniteLossError(UserError, RuntimeError):
     """Raised after ``max_bad_steps`` consecutive non-finite steps."""
 

@@ -188,6 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(run.loop.eval_batches)
         env = setup(run)
+        provenance.record_model(workdir, env.run.model)
         ckpt = Checkpointer(
             workdir, keep=run.loop.keep_checkpoints, every=run.loop.checkpoint_every_steps
         )

@@ -9,12 +9,14 @@ is refused unless ``config.data.allow_corpus_change``, and the tokenizer is neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
@@ -22,6 +24,8 @@ from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.tokenizer import Tokenizer
 
 MANIFEST = "data.json"
+# The model a work dir's checkpoints hold (ModelConfig fields as JSON), for import/export.
+MODEL_RECORD = "model.json"
 # Tokenizer settings a user chose, by config field: a checkpoint's tokenizer keeps them.
 _SETTINGS = {"vocab_size": "model.vocab_size", "min_frequency": "data.tokenizer_min_frequency"}
 
@@ -50,6 +54,24 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
     os.replace(tmp, path)
+
+
+def record_model(workdir: str | os.PathLike, model_cfg) -> None:
+    """Write ``<workdir>/model.json``: the ``ModelConfig``'s fields as JSON (dtypes by name,
+    ``rope_scaling`` as a dict, the FP8 recipe left out), rewritten only when they change."""
+    value = {}
+    for field in dataclasses.fields(model_cfg):
+        x = getattr(model_cfg, field.name)
+        if dataclasses.is_dataclass(x) and field.name == "rope_scaling":
+            x = dataclasses.asdict(x)
+        elif field.name in ("dtype", "param_dtype"):
+            x = np.dtype(x).name
+        elif not isinstance(x, (str, int, float, bool, type(None))):
+            continue  # the recipe: the run's config, not the model's
+        value[field.name] = x
+    path = Path(workdir) / MODEL_RECORD
+    if read_json(path) != value:
+        write_json(path, value)
 
 
 def _changes(recorded: dict[str, Any], identity: dict[str, Any]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer trained locally with the ``tokenizers`` package (no hub access)."""
+"""Tokenizers: the byte-level BPE trained locally with ``tokenizers`` (no hub access), and
+Hugging Face ``tokenizer.json`` directories with their special tokens and chat template."""
 
 from __future__ import annotations
 
@@ -15,33 +16,76 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 EOS = "<|endoftext|>"
 # 256 byte symbols plus EOS: the smallest vocabulary that can still encode any text.
 MIN_VOCAB_SIZE = 257
+# A Hugging Face tokenizer directory: the tokenizer itself and the files naming its special tokens.
+HF_TOKENIZER = "tokenizer.json"
+HF_SPECIAL_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
 
 
 class Tokenizer:
-    """Lossless byte-level BPE tokenizer with an EOS / document-separator token."""
+    """A ``tokenizers`` tokenizer with its special ids: fp8jax's byte-level BPE or a HF one.
 
-    def __init__(self, tok: tokenizers.Tokenizer):
+    ``eos_id`` ends a document (fp8jax's BPE: ``<|endoftext|>``); ``eos_ids`` are every id that
+    ends a generation; ``bos_id``/``pad_id`` are None when the tokenizer has none.
+    ``chat_template`` is the Jinja chat template of a HF tokenizer, or None.
+    """
+
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        chat_template: str | None = None,
+        eos_ids: Sequence[int] = (),
+    ):
         self._tok = tok
-        eos_id = tok.token_to_id(EOS)
+        if eos_id is None:
+            eos_id = tok.token_to_id(EOS)
         if eos_id is None:
             raise ValueError(f"tokenizer has no {EOS} token; it was not made by fp8jax")
-        self.eos_id: int = eos_id
+        self.eos_id: int = int(eos_id)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *map(int, eos_ids)]))
+        self.bos_id: int | None = bos_id
+        self.pad_id: int | None = pad_id
+        self.chat_template: str | None = chat_template
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids (ids are in ``[0, vocab_size)``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no EOS appended)."""
-        return self._tok.encode(text).ids
+    @property
+    def eos_token(self) -> str:
+        """The text of the EOS token."""
+        return self._tok.id_to_token(self.eos_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        """The text of the BOS token, or None."""
+        return None if self.bos_id is None else self._tok.id_to_token(self.bos_id)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The text of token ``token_id``, or None outside the vocabulary."""
+        return self._tok.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (a vocabulary or added token), or None."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (no EOS appended).
+
+        With ``add_special_tokens`` the tokenizer's post-processor runs (a HF tokenizer may add
+        a BOS), as in transformers' ``tokenizer(text)['input_ids']``; fp8jax's BPE has none.
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, encoded in parallel by the Rust backend."""
         return [e.ids for e in self._tok.encode_batch(list(texts))]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; EOS shows as ``<|endoftext|>`` unless ``skip_special_tokens``."""
+        """Text of ``ids``; EOS shows as its token text unless ``skip_special_tokens``."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def to_str(self) -> str:
@@ -59,6 +103,82 @@ class Tokenizer:
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Read a tokenizer saved by :meth:`save`."""
         return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+
+def load_hf(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory (``tokenizer.json``).
+
+    EOS, BOS and PAD come from ``tokenizer_config.json``, then ``generation_config.json``, then
+    ``config.json`` (the first that names each); a directory whose ``tokenizer.json`` holds
+    fp8jax's ``<|endoftext|>`` and names no EOS gets that one. Raises ``ValueError`` (one line)
+    when ``tokenizer.json`` is missing or names no EOS at all.
+    """
+    directory = Path(directory)
+    path = directory / HF_TOKENIZER
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing: the tokenizer must be a fast (tokenizers) one; save it with "
+            f"transformers' tokenizer.save_pretrained({str(directory)!r})"
+        )
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    files = [_read_json(directory / name) for name in HF_SPECIAL_FILES]
+    ids = {}
+    for kind in ("eos", "bos", "pad"):
+        ids[kind] = _special_ids(tok, files, kind)
+    eos_ids = ids["eos"] or ([tok.token_to_id(EOS)] if tok.token_to_id(EOS) is not None else [])
+    if not eos_ids:
+        raise ValueError(
+            f"{directory} names no EOS token: set eos_token in tokenizer_config.json or "
+            "eos_token_id in generation_config.json"
+        )
+    template = files[0].get("chat_template")
+    template_file = directory / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    if not isinstance(template, str):  # a list of named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template or []}
+        template = named.get("default")
+    first = lambda xs: xs[0] if xs else None  # noqa: E731
+    return Tokenizer(tok, eos_ids[0], first(ids["bos"]), first(ids["pad"]), template, eos_ids)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _special_ids(tok: tokenizers.Tokenizer, files: list[dict], kind: str) -> list[int]:
+    """Ids of the ``kind`` ('eos', 'bos', 'pad') token: the first of ``files`` naming it.
+
+    tokenizer_config.json names the token by text (a string, or a dict with 'content');
+    generation_config.json and config.json by id (an int or a list of ints).
+    """
+    token = files[0].get(f"{kind}_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str) and tok.token_to_id(token) is not None:
+        found = [tok.token_to_id(token)]
+        if kind == "eos":  # generation may stop at more ids than the tokenizer's own EOS
+            found += _ids_of(files[1].get("eos_token_id"))
+        return found
+    for values in files[1:]:
+        found = _ids_of(values.get(f"{kind}_token_id"))
+        if found:
+            return found
+    return []
+
+
+def _ids_of(value) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
 
 
 def train(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:

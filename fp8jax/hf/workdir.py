@@ -1,0 +1,112 @@
+"""An fp8jax trainer work dir as a checkpoint: its model record, latest params and tokenizer.
+
+The params come from the newest finished step under ``<workdir>/checkpoints`` at any level:
+only the ``params`` subtree is read (orbax partial restore: no optimizer state, no train
+config), and O2/O3's FP16 masters (``ScaledTensor`` data + scale) are dequantized with
+``optim.master.materialize``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from fp8jax.errors import CheckpointError, CheckpointMismatchError
+from fp8jax.hf import architectures, weights
+from fp8jax.models.config import ModelConfig
+from fp8jax.optim import master
+from fp8jax.trainer import provenance
+from fp8jax.trainer.tokenizer import Tokenizer
+
+TOKENIZER = "tokenizer.json"
+
+
+def is_workdir(path: str | Path) -> bool:
+    """Whether ``path`` is an fp8jax work dir (it has a ``checkpoints`` folder)."""
+    return (Path(path) / "checkpoints").is_dir()
+
+
+def latest_step_dir(workdir: Path) -> Path:
+    """``checkpoints/<step>`` of the newest finished step; CheckpointError if there is none."""
+    folder = workdir / "checkpoints"
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+    if not steps:
+        raise CheckpointError(
+            f"{folder} holds no finished checkpoint; train longer (loop.checkpoint_every_steps) "
+            "or point at a work dir that has one"
+        )
+    return folder / str(max(steps))
+
+
+def architecture(workdir: Path) -> dict[str, Any]:
+    """The architecture fields the work dir's ``model.json`` records."""
+    path = workdir / provenance.MODEL_RECORD
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing: the work dir does not record its model; pass model_cfg_base "
+            "with the architecture it was trained with"
+        )
+    return architectures.from_json(architectures.read_json(path), str(path))
+
+
+def _is_scaled_dict(x) -> bool:
+    return isinstance(x, dict) and set(x) == {"data", "scale"}
+
+
+def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
+    """The latest checkpoint's params as a flat dict of host arrays in ``param_dtype``."""
+    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
+    from etils import epath
+
+    state_dir = latest_step_dir(workdir) / "state"
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree["params"]
+    except Exception as e:  # orbax raises many types for unreadable metadata
+        raise CheckpointError(f"cannot read the checkpoint metadata in {state_dir} ({e})") from e
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), target)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(epath.Path(state_dir), args=args)["params"]
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"checkpoint {state_dir} is unreadable ({reason})") from e
+    # O2/O3 masters: FP16 data with one f32 scale, dequantized as the train step does.
+    restored = jax.tree.map(
+        lambda x: master.ScaledTensor(**x) if _is_scaled_dict(x) else x,
+        restored,
+        is_leaf=_is_scaled_dict,
+    )
+    flat = weights.flatten(master.materialize(restored, np.float32))
+    expected = weights.param_shapes(model_cfg)
+    for path, shape in expected.items():
+        have = flat.get(path)
+        if have is None or tuple(have.shape) != tuple(shape.shape):
+            name = ".".join(path)
+            got = "absent" if have is None else list(have.shape)
+            raise CheckpointMismatchError(
+                f"{state_dir} does not hold the model {workdir / provenance.MODEL_RECORD} "
+                f"describes: params {name} is {got} there, {list(shape.shape)} expected"
+            )
+    extra = sorted(".".join(p) for p in flat if p not in expected)
+    if extra:
+        raise CheckpointMismatchError(
+            f"{state_dir} holds params {extra[0]} that the recorded model has no use for"
+        )
+    dtype = np.dtype(model_cfg.param_dtype)
+    return {path: np.asarray(flat[path]).astype(dtype) for path in expected}
+
+
+def tokenizer(workdir: Path) -> Tokenizer:
+    """The work dir's own tokenizer (fp8jax's byte-level BPE, ``tokenizer.json``)."""
+    path = workdir / TOKENIZER
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing: restore the tokenizer the checkpoint was trained with"
+        )
+    return Tokenizer.load(path)

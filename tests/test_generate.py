@@ -119,7 +119,7 @@ def test_eos_stops_a_row(llama):
     params = variables["params"]
     free = generate.generate_ids(model, params, {}, PROMPTS, 6)
     eos = free[0][2]  # the third token of row 0 becomes the stop token
-    out = generate.generate_ids(model, params, {}, PROMPTS, 6, eos_id=eos)
+    out = generate.generate_ids(model, params, {}, PROMPTS, 6, eos_ids=[VOCAB - 1, eos])
     for row, got in zip(free, out, strict=True):
         cut = row.index(eos) if eos in row else len(row)
         assert got == row[:cut]
@@ -245,3 +245,102 @@ def test_prompt_longer_than_the_context_is_one_line(llama):
         sampling.Sampling(temperature=1.0, top_k=0, top_p=1.5, seed=0)
     with pytest.raises(errors.ConfigError, match="outside"):
         generate.generate_ids(model, variables["params"], {}, [[VOCAB]], 2)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A 3-step O1 GPT run of configs/tiny.py (shrunk) and its corpus."""
+    import gzip
+
+    from fp8jax.trainer import corpus as corpus_lib
+
+    from fp8_testing import with_overrides
+
+    root = tmp_path_factory.mktemp("gen")
+    corpus = root / "corpus.txt"
+    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+    corpus.write_text(text[:60_000])
+    small = {"model.d_model": 64, "model.num_heads": 2, "model.num_kv_heads": 2,
+             "model.d_ff": 128, "model.vocab_size": 320, "model.max_len": 32, "seq_len": 32,
+             "batch_size": 4, "num_train_steps": 3, "warmup_steps": 1, "eval_batches": 1,
+             "sample_tokens": 4, "compilation_cache_dir": "", "data.path": str(corpus)}  # fmt: skip
+    config = with_overrides(train_lib.load_config("tiny"), small)
+    train_lib.train_and_evaluate(config, str(root / "wd"))
+    return root / "wd", corpus, config
+
+
+def file_hashes(root):
+    import hashlib
+
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def test_evaluate_equals_the_trainers_eval_and_changes_nothing(workdir):
+    """The O1 loss of the loaded checkpoint (its stored FP8 scales) equals the trainer's eval
+    step on the trainer's own validation batches, restored the trainer's way."""
+    from fp8jax.trainer import checkpoint, data, inference
+
+    wd, _, config = workdir
+    before = file_hashes(wd)
+    run = spec.parse(config)
+    env = train_lib.setup(run)
+    ckpt = checkpoint.Checkpointer(str(wd))
+    state, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
+    ckpt.close()
+    dataset = data.build(run, str(wd))
+    trainer = generate.evaluate(env.eval_step, state, dataset.eval_batches(2), env.batch_sharding)
+    inf = inference.load(str(wd))
+    assert inf.level == "O1"
+    ours = inference.evaluate(inf, np.asarray(dataset.val_tokens), 4, 32, 2)
+    assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)
+    o0 = inference.evaluate(inference.load(str(wd), "O0"), np.asarray(dataset.val_tokens), 4, 32, 2)
+    assert o0["loss"] != ours["loss"]  # O1 really ran FP8 matmuls
+    assert file_hashes(wd) == before
+
+
+def run_cli(module, *args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_command_lines_print_and_change_nothing(workdir):
+    wd, corpus, _ = workdir
+    before = file_hashes(wd)
+    sampled = ["--max_new_tokens=5", "--temperature=0.8", "--top_k=20", "--top_p=0.9"]
+    gen = run_cli("fp8jax.generate", f"--ckpt={wd}", "--prompt=It is", "--prompt=Mr", *sampled)
+    assert gen.returncode == 0, gen.stderr
+    lines = gen.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("It is") and lines[1].startswith("Mr")
+    ev = run_cli("fp8jax.evaluate", f"--ckpt={wd}", f"--data={corpus}", "--num_batches=2")
+    assert ev.returncode == 0, ev.stderr
+    import json
+
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["level"] == "O1" and result["batches"] == 2 and np.isfinite(result["loss"])
+    assert file_hashes(wd) == before
+
+
+@pytest.mark.parametrize(
+    "module,args,message",
+    [
+        ("fp8jax.generate", ["--prompt=" + "x " * 40, "--max_new_tokens=8"], "context of 32"),
+        ("fp8jax.generate", ["--prompt=a", "--top_p=2"], "top_p=2.0"),
+        ("fp8jax.generate", ["--prompt=a", "--level=O7"], "--level"),
+        ("fp8jax.evaluate", ["--data=/nonexistent/x.txt"], "does not exist"),
+    ],
+)
+def test_command_line_bad_input_is_one_line(workdir, module, args, message):
+    wd, _, _ = workdir
+    before = file_hashes(wd)
+    out = run_cli(module, f"--ckpt={wd}", *args)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert file_hashes(wd) == before

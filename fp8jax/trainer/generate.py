@@ -80,15 +80,16 @@ class Decoder:
         self._run = jax.jit(self._generate, static_argnames=("cache_len",))
 
     def __call__(self, params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, s: Sampling,
-                 eos_id: int, cache_len: int):  # fmt: skip
+                 eos_ids: Sequence[int], cache_len: int):  # fmt: skip
         """Tokens [B, cache_len] (prompt, then generated) and the number generated per row."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
-        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, jnp.int32(eos_id))
+        eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
+        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E)
         return self._run(params, fp8_state, *args, cache_len=cache_len)
 
     def _generate(self, params, fp8, tokens_BxP, lengths_B, max_new, key, temp, top_k, top_p,
-                  eos, *, cache_len):  # fmt: skip
+                  eos_E, *, cache_len):  # fmt: skip
         self.traces += 1  # runs only while tracing: one per compilation
         batch, prompt_len = tokens_BxP.shape
         variables = {"params": optim.materialize(params), self.collection: fp8}
@@ -98,7 +99,10 @@ class Decoder:
         def pick(logits_BxV, t, done_B):
             step_key = jax.random.fold_in(key, t)
             tok_B = sampling_lib.next_tokens(logits_BxV, step_key, temp, top_k, top_p)
-            return jnp.where(done_B, eos, tok_B)
+            return jnp.where(done_B, eos_E[0], tok_B)
+
+        def stops(tok_B):
+            return jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
 
         positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
@@ -106,7 +110,7 @@ class Decoder:
         tok_B = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B)
         out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
         out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
-        done_B = done_B | (tok_B == eos)
+        done_B = done_B | stops(tok_B)
 
         def more(carry):
             t, _, done_B, _, _ = carry
@@ -119,7 +123,7 @@ class Decoder:
             logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
             tok_B = pick(logits_Bx1xV[:, 0], t, done_B)
             out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
-            return t + 1, tok_B, done_B | (tok_B == eos), cache, out_BxM
+            return t + 1, tok_B, done_B | stops(tok_B), cache, out_BxM
 
         carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM)
         t, _, _, _, out_BxM = jax.lax.while_loop(more, one_token, carry)
@@ -139,11 +143,11 @@ def generate_ids(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     sampling: Sampling = GREEDY,
-    eos_id: int | None = None,
+    eos_ids: Sequence[int] = (),
 ) -> list[list[int]]:
     """The token ids generated after each prompt (ids), up to ``max_new_tokens`` or EOS.
 
-    ``eos_id`` stops a row when generated and is left out of its output. ``params`` and
+    Any of ``eos_ids`` stops a row when generated and is left out of its output. ``params`` and
     ``fp8_state`` are the model's (a ``TrainState``'s ``params`` and ``fp8``; O2+ masters are
     materialized inside the jitted program). A prompt with more than ``max_len -
     max_new_tokens`` tokens raises a ConfigError naming the lengths.
@@ -166,16 +170,17 @@ def generate_ids(
     lengths_B = np.zeros((b.batch,), np.int32)  # 0: a row padding the batch bucket
     for i, p in enumerate(prompts):
         tokens_BxP[i, : len(p)], lengths_B[i] = p, len(p)
-    eos = -1 if eos_id is None else int(eos_id)
+    eos_ids = tuple(int(e) for e in eos_ids)
     decoder = decoder_for(cfg, step_lib.state_collection(model))
     out_BxM, _ = decoder(
-        params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, sampling, eos, b.cache
+        params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, sampling, eos_ids, b.cache
     )
     out_BxM = np.asarray(jax.device_get(out_BxM))
     results = []
     for i, n in enumerate(lengths):
         ids = out_BxM[i, n : n + max_new_tokens].tolist()
-        results.append(ids[: ids.index(eos)] if eos in ids else ids)
+        stop = [ids.index(e) for e in eos_ids if e in ids]
+        results.append(ids[: min(stop)] if stop else ids)
     return results
 
 
@@ -193,11 +198,13 @@ def generate(
 ) -> list[str]:
     """The text generated after each prompt (the prompt not repeated); greedy by default.
 
-    ``tokenizer`` has ``encode(str) -> ids``, ``decode(ids) -> str`` and ``eos_id`` (int or
-    None). An empty prompt starts from EOS, the document separator the model was trained with.
+    ``tokenizer`` has ``encode(str) -> ids``, ``decode(ids) -> str``, ``eos_id`` (int or None)
+    and optionally ``eos_ids`` (every id that ends a turn). An empty prompt starts from EOS, the
+    document separator the model was trained with.
     """
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eos_id = getattr(tokenizer, "eos_id", None)
+    eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
     ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
-    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_id)
+    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids)
     return [tokenizer.decode(o) for o in out]

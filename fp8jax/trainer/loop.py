@@ -257,11 +257,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     if step >= run.optim.num_train_steps:  # restored a finished run: nothing trained
         logging.info("the run in %s already reached step %d: nothing to train", workdir, step)
     elif run.loop.sample_tokens > 0 and "preempted_at" not in summary:
-        prompt, n = "The ", run.loop.sample_tokens
+        prompt, tok = "The ", dataset.tokenizer
+        n = min(run.loop.sample_tokens, run.model.max_len - len(tok.encode(prompt)))
         t0 = time.perf_counter()
-        summary["sample"] = generate.sample(
-            env.model, state, dataset.tokenizer, prompt, n, run.optim.seq_len
+        (text,) = generate.generate(
+            env.model, state.params, state.fp8, tok, [prompt], n, temperature=0.8
         )
+        summary["sample"] = prompt + text
         logging.info("sample (%.1f s): %s", time.perf_counter() - t0, summary["sample"])
     summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
     provenance.write_json(pathlib.Path(summary_path), summary)

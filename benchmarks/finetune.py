@@ -4,8 +4,9 @@
 2. Fine-tunes it (``init_from`` the pre-training work dir) on the novel task at each of
    ``--levels`` from the same start, the same examples and the same data order; the training
    and test passages come from disjoint parts of each novel (``fp8jax.trainer.tasks``).
-3. Scores each fine-tuned work dir on the held-out passages: the completion is decoded
-   greedily and counts when it is the true title exactly; chance is 1/6.
+3. Scores the pre-trained and each fine-tuned work dir on the held-out passages: the
+   completion is decoded greedily (``trainer.generate``) and counts when it is the true title
+   exactly; chance is 1/6.
 
 Each stage is a ``train_and_evaluate`` run in its own work dir under ``<out>/finetune_work``;
 each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
@@ -126,64 +127,32 @@ def sft_config(size: Size, level: str, init_from: str, train_path: str, steps=0,
     return runner.load(f"{size.sft}:{level}", sets, stage_settings(steps, extra))
 
 
-def predict(workdir: str, prompts: list[str], max_new: int) -> list[str]:
-    """Greedy completions of ``prompts`` by the model of ``workdir`` (read through
-    ``fp8jax.hf.load``: its weights in f32), each up to ``max_new`` tokens or EOS."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from fp8jax import hf, models
-
-    loaded = hf.load(workdir)
-    model, tok = models.build_model(loaded.model_cfg), loaded.tokenizer
-    params = jax.device_put(loaded.params)
-    ids = [tok.encode(p) for p in prompts]
-    lengths_B = np.asarray([len(i) for i in ids])
-    width = int(lengths_B.max()) + max_new
-    if width > loaded.model_cfg.max_len:
-        raise ValueError(f"prompts of {width - max_new} tokens + {max_new} new exceed max_len")
-    tokens_BxL = np.zeros((len(ids), width), np.int32)
-    for b, i in enumerate(ids):
-        tokens_BxL[b, : len(i)] = i
-
-    @jax.jit
-    def next_ids(params, tokens_BxL, at_B):
-        # Causal attention: what follows position at_B (padding, later steps) is not seen.
-        logits_BxLxV = model.apply({"params": params}, tokens_BxL)
-        return jnp.argmax(logits_BxLxV[jnp.arange(tokens_BxL.shape[0]), at_B], axis=-1)
-
-    for t in range(max_new):
-        new_B = np.asarray(next_ids(params, tokens_BxL, lengths_B + t - 1))
-        tokens_BxL[np.arange(len(ids)), lengths_B + t] = new_B
-    out = []
-    for b, n in enumerate(lengths_B):
-        gen = tokens_BxL[b, n : n + max_new].tolist()
-        gen = gen[: gen.index(tok.eos_id)] if tok.eos_id in gen else gen
-        out.append(tok.decode(gen, skip_special_tokens=True))
-    return out
-
-
 def score(workdir: str, test: list[dict]) -> dict:
-    """Exact match of the work dir's greedy completions on the ``test`` examples."""
-    from fp8jax import hf
-    from fp8jax.trainer import tasks
+    """Exact match of the work dir's greedy completions on the ``test`` examples, decoded as
+    ``python -m fp8jax.generate`` does (``trainer.inference.load``: an O1+ work dir at O1 with
+    its trained FP8 scales, an O0 one at O0) and cut at EOS."""
+    from fp8jax.trainer import generate, inference, tasks
 
-    tok = hf.load(workdir).tokenizer
+    inf = inference.load(workdir)
     titles = tasks.novel_titles()
-    max_new = max(len(tok.encode(f" {t}")) for t in titles) + 1  # the title, then EOS
+    max_new = max(len(inf.tokenizer.encode(f" {t}")) for t in titles) + 1  # the title, EOS
     t0 = time.perf_counter()
-    predictions = predict(workdir, [r["prompt"] for r in test], max_new)
+    prompts = [r["prompt"] for r in test]
+    predictions = generate.generate(
+        inf.model, inf.params, inf.fp8_state, inf.tokenizer, prompts, max_new
+    )
     answers = [tasks.title_in(r) for r in test]
     return {
         "exact_match": tasks.exact_match(predictions, answers),
         "chance": tasks.chance(),
         "valid_title": sum(p.strip() in titles for p in predictions) / len(predictions),
         "num_test": len(test),
+        "decode_level": inf.level,
         "decode_s": time.perf_counter() - t0,
         "examples": [
-            {"expected": a, "predicted": p} for a, p in zip(answers, predictions[:6], strict=False)
-        ],  # fmt: skip
+            {"expected": a, "predicted": p}
+            for a, p in zip(answers[:6], predictions[:6], strict=True)
+        ],
     }
 
 

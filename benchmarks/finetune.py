@@ -15,8 +15,8 @@ each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
         python -m benchmarks.finetune --out "$OUT"
 
 ``--size tiny`` is the CPU run of the same path (a few minutes on 2 cores); ``--pretrain-steps``
-and ``--sft-steps`` shorten either stage, ``--set key=value`` overrides every fine-tuning run and
-a level may carry its own overrides (``--levels O0,O1:model.fp8_lm_head=True``).
+and ``--sft-steps`` shorten either stage, ``--set key=value`` overrides every run (pre-training
+and fine-tuning) and a level its fine-tuning run (``--levels O0,O1:model.fp8_lm_head=True``).
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def with_steps(settings: dict, steps: int) -> dict:
             "warmup_steps": min(settings["warmup_steps"], max(1, steps // 10))}  # fmt: skip
 
 
-def pretrain_config(size: Size, steps: int = 0):
+def pretrain_config(size: Size, steps: int = 0, sets=()):
     """The pre-training ConfigDict of ``size`` (``steps``: 0 for the size's)."""
     settings = with_steps(size.pretrain_settings, steps)
-    return runner.load(size.pretrain, (), stage_settings(settings["num_train_steps"], settings))
+    return runner.load(size.pretrain, sets, stage_settings(settings["num_train_steps"], settings))
 
 
 def sft_config(size: Size, level: str, init_from: str, train_path: str, steps=0, sets=()):
@@ -176,7 +176,7 @@ def main(argv=None):
     pre_dir = os.path.join(work, "pretrain")
     train_path = os.path.join(data_dir, "train.jsonl")
     try:  # every config before the first run: a typo stops the benchmark at once
-        pre_cfg = pretrain_config(size, a.pretrain_steps)
+        pre_cfg = pretrain_config(size, a.pretrain_steps, a.set)
         sft_cfgs = {lv: sft_config(size, lv, pre_dir, train_path, a.sft_steps, a.set)
                     for lv in levels}  # fmt: skip
     except (ValueError, KeyError, FileNotFoundError) as e:

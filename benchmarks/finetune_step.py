@@ -81,6 +81,7 @@ def random_checkpoint(out_dir: str, shape: str, tiny: bool, seed: int = 0) -> st
             flat[path] *= 0.02
     texts = sft_data.record_texts([(r, "") for r in sft_data.novel_task(passage_words=64)])
     tok = tokenizer_lib.train(texts, min(model_cfg.vocab_size, 8192))
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     hf.save_hf(out_dir, model_cfg, weights.unflatten(flat), tok, "bfloat16")
     return out_dir
 

@@ -517,23 +517,23 @@ def test_power_samples_parse_and_summarize():
 
 
 def test_finetune_tiny_scores_each_stage(tmp_path):
-    """Pre-train, then SFT at O0 and O1 from it: one JSON per stage with its exact match on the
+    """Pre-train, then SFT at O1 from it: one JSON per stage with its exact match on the
     held-out passages (a share), chance beside it, and the level each work dir decoded at."""
-    args = ["--size", "tiny", "--levels", "O0,O1", "--pretrain-steps", "3", "--sft-steps", "3"]
+    args = ["--size", "tiny", "--levels", "O1", "--pretrain-steps", "3", "--sft-steps", "3"]
     proc = _module("finetune", *args, "--set", "compilation_cache_dir=", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-800:]
     rows = {
         stem: json.loads((tmp_path / f"finetune_{stem}.json").read_text())
-        for stem in ("pretrain", "sft_O0", "sft_O1")
+        for stem in ("pretrain", "sft_O1")
     }
     for stem, row in rows.items():
         assert 0 <= row["exact_match"] <= 1 and 0 <= row["valid_title"] <= 1, (stem, row)
         assert row["chance"] == pytest.approx(1 / 6) and row["num_test"] == 48
         assert math.isfinite(row["val_loss"]) and row["train_tokens_per_s"] > 0, (stem, row)
         assert len(row["examples"]) == 6 and all(e["expected"] for e in row["examples"])
-    # O1 fine-tuning leaves trained FP8 scales, which decoding uses; O0 has none.
-    assert [rows[s]["decode_level"] for s in rows] == ["O0", "O0", "O1"]
-    assert [rows[s]["level"] for s in rows] == ["O0", "O0", "O1"]
+    # O1 fine-tuning leaves trained FP8 scales, which decoding uses; O0 pre-training has none.
+    assert [rows[s]["decode_level"] for s in rows] == ["O0", "O1"]
+    assert [rows[s]["level"] for s in rows] == ["O0", "O1"]
     train = (tmp_path / "finetune_work" / "data" / "train.jsonl").read_text().splitlines()
     assert len(train) == 192 and "sft O1" in proc.stdout  # the printed table
 

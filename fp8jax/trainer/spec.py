@@ -148,12 +148,14 @@ def parse(config) -> RunSpec:
             fp8, model = _fp8_and_model(config.model, config.fp8)
             optim = _optim(config)
             loop = _loop(config)
-            _check_shapes(model, optim)
+            init_from = _init_from(config.init_from)
+            if not init_from:  # else the checkpoint's max_len, checked on import
+                _check_shapes(model, optim)
             mesh = _mesh(config.mesh)
             check_bool(config.distributed, "distributed")
             return RunSpec(
                 seed=_seed(config.seed),
-                init_from=_init_from(config.init_from),
+                init_from=init_from,
                 model=model,
                 fp8=fp8,
                 data=_data(config.data),

@@ -19,6 +19,7 @@ EXPECTED = [
     "01_fp8_in_your_flax_model.ipynb",
     "02_train_gpt_fp8_vs_bf16.ipynb",
     "03_fp8_optimizer_memory.ipynb",
+    "04_finetune_hf_checkpoint.ipynb",
 ]
 REPO_URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
 GITHUB = REPO_URL.removeprefix("https://github.com/")
@@ -34,7 +35,7 @@ def _install_cell(path) -> str:
     return [c for c in _read(path).cells if c.cell_type == "code"][0].source
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == EXPECTED
 
 
@@ -104,6 +105,14 @@ def test_install_cell_clones_the_repository_on_colab(path, tmp_path, monkeypatch
     clone = tmp_path.resolve() / "fp8jax_repo"
     assert calls[0] == ["git", "clone", "-q", "--depth", "1", REPO_URL, str(clone)], calls
     assert calls[1][-2:] == ["-e", f"{clone}[notebooks]"], calls
+
+
+def test_finetune_notebook_downloads_nothing_by_default():
+    """04 imports a local checkpoint dir; empty, it makes its own: the test path downloads none."""
+    code = [c.source for c in _read(COLAB / "04_finetune_hf_checkpoint.ipynb").cells
+            if c.cell_type == "code"]  # fmt: skip
+    assert sum('CHECKPOINT = ""' in src for src in code) == 1
+    assert not [src for src in code if "snapshot_download" in src or 'from_pretrained("' in src]
 
 
 @pytest.fixture(scope="module")

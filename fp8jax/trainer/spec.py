@@ -24,8 +24,7 @@ from fp8jax.ops import kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
 from fp8jax.parallel import comm as comm_lib
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer.data_spec import DATA_FIX, DataSpec, DpoSpec
-from fp8jax.trainer.data_spec import parse_data, parse_dpo
+from fp8jax.trainer.data_spec import DATA_FIX, DataSpec, DpoSpec, parse_data, parse_dpo
 
 GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
 
@@ -340,10 +339,12 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
         )
     o = run.optim
     replicas = mesh.shape["data"] * mesh.shape["fsdp"] * o.grad_accum_steps
+    replicas *= 2 if run.data.format == "dpo" else 1  # DPO: whole (chosen, rejected) row pairs
     if o.batch_size % replicas:
         raise ConfigError(
-            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps "
-            f"= {replicas}: use a multiple of {replicas} or change config.mesh"
+            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps"
+            f"{' x 2 (DPO pairs)' if run.data.format == 'dpo' else ''} = {replicas}: use a "
+            f"multiple of {replicas} or change config.mesh"
         )
     return mesh
 

@@ -117,8 +117,11 @@ def test_bad_lines_name_file_and_line(tmp_path):
     cases = {
         "not valid JSON": [good, good, "{oops"],
         "missing 'rejected'": [good, json.dumps({"prompt": "a", "chosen": "b"}), good],
-        "must all be strings, or all lists": [good, good, json.dumps(
-            {"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant"}]})],  # fmt: skip
+        "must all be strings, or all lists": [
+            good,
+            good,
+            json.dumps({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant"}]}),
+        ],  # fmt: skip
     }
     for message, lines in cases.items():
         path = tmp_path / "bad.jsonl"
@@ -154,15 +157,16 @@ def test_step_zero_is_log_2_and_only_the_policy_trains(tmp_path):
     assert float(first["chosen_logp"]) == pytest.approx(at_zero["val_chosen_logp"], rel=1e-6)
     for _ in range(3):
         state, metrics = env.train_step(state, next(it))
-    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
-                                                 jax.tree.leaves(initial), strict=True)]  # fmt: skip
+    leaves = lambda tree: jax.tree.leaves(jax.device_get(tree))
+    pairs = zip(leaves(state.params), leaves(initial), strict=True)
+    moved = [np.abs(a - b).max() for a, b in pairs]
     assert max(moved) > 0  # the policy trained
-    for a, b in zip(jax.tree.leaves(jax.device_get(state.ref["params"])), jax.tree.leaves(initial),
-                    strict=True):  # fmt: skip
+    for a, b in zip(leaves(state.ref["params"]), leaves(initial), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(metrics["reward_margin"]) != 0.0
     assert jax.tree.structure(env.state_shardings.ref["params"]) == jax.tree.structure(
-        env.state_shardings.params)  # sharded like the policy
+        env.state_shardings.params
+    )  # sharded like the policy
 
 
 def evals(workdir):
@@ -233,4 +237,3 @@ def test_resume_is_exact(learned_o0, tmp_path, monkeypatch):
         np.testing.assert_array_equal(a, b)
     assert got.ref and jax.tree.leaves(got.ref["params"])
     assert evals(tmp_path)[-1] == evals(learned_o0)[-1]
-

@@ -215,6 +215,9 @@ def assert_learned(workdir):
     assert e[-1]["val_reward_accuracy"] > e[0]["val_reward_accuracy"], e
     assert e[-1]["val_reward_margin"] > e[0]["val_reward_margin"], e
     assert e[-1]["val_loss"] < e[0]["val_loss"], e
+    # The policy's own log-probs, apart from the rewards: the chosen titles gained on the others.
+    gap = lambda r: r["val_chosen_logp"] - r["val_rejected_logp"]
+    assert gap(e[-1]) > gap(e[0]) + 1.0, e
 
 
 def test_dpo_tiny_raises_reward_accuracy_and_margin_at_o0(learned_o0):

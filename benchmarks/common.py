@@ -65,6 +65,24 @@ def prepare(config, label: str, plain: bool = False) -> Prepared:
     return Prepared(config, s, state, batch, times)
 
 
+def pipelined(compiled, state, batches, steps: int, keep: bool) -> tuple[Any, float, float]:
+    """``steps`` steps dispatched back to back, one wait at the end: ``(state, ms per step,
+    host ms per step until the last dispatch returned)``. ``keep``: hold each step's metrics
+    until the next step returns, as the trainer's loop does (it reads them one step late)."""
+    import jax
+
+    t = time.perf_counter()
+    held = []  # the previous step's metrics, alive while the next step is dispatched
+    for i in range(steps):
+        state, out = compiled(state, batches[i % len(batches)])
+        held = [out] if keep else []
+        del out
+    del held
+    dispatch_ms = (time.perf_counter() - t) * 1e3 / steps
+    jax.block_until_ready(state)
+    return state, (time.perf_counter() - t) * 1e3 / steps, dispatch_ms
+
+
 def mesh_context(config, setup):
     """The legacy ``with mesh:`` only where flax's FP8 op needs it; shardings are explicit."""
     return setup.mesh if setup.run.model.fp8_impl == "flax" else contextlib.nullcontext()

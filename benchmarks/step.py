@@ -31,24 +31,6 @@ def config_for(run: str, quick: bool, batch: int = 0, mesh="-1,1,1", sets=()):
     return runner.load(run, sets, runner.step_settings(quick, batch, mesh), FLAGS)
 
 
-def _pipelined(compiled, state, batches, steps: int, keep: bool):
-    """``steps`` steps dispatched back to back, one wait at the end: ``(state, ms per step,
-    host ms per step until the last dispatch returned)``. ``keep``: hold each step's metrics
-    until the next step returns, as the trainer's loop does (it reads them one step late)."""
-    import jax
-
-    t = time.perf_counter()
-    held = []  # the previous step's metrics, alive while the next step is dispatched
-    for i in range(steps):
-        state, out = compiled(state, batches[i % len(batches)])
-        held = [out] if keep else []
-        del out
-    del held
-    dispatch_ms = (time.perf_counter() - t) * 1e3 / steps
-    jax.block_until_ready(state)
-    return state, (time.perf_counter() - t) * 1e3 / steps, dispatch_ms
-
-
 def child(
     run: str,
     quick: bool,
@@ -120,14 +102,18 @@ def child(
         # reads each step's metrics one step late, so this is the rate training runs at; the
         # per-step figure above also counts the host's dispatch gap after every wait.
         with common.GpuPower() as power:  # the GPU's draw and clock while the steps run
-            state, ms_pipe, dispatch_ms = _pipelined(compiled, state, [batch], steps, keep=True)
+            state, ms_pipe, dispatch_ms = common.pipelined(
+                compiled, state, [batch], steps, keep=True
+            )
         # Whether moved buffers cost time: XLA re-records a CUDA graph whose buffers moved
         # (openxla/xla, command_buffer_thunk.cc). Kept metrics move every step's outputs,
         # fresh batches its input.
-        state, ms_drop, dispatch_drop = _pipelined(compiled, state, [batch], steps, keep=False)
+        state, ms_drop, dispatch_drop = common.pipelined(
+            compiled, state, [batch], steps, keep=False
+        )
         batch2 = jax.tree.map(lambda a: a + 0, batch)  # same values, another buffer
         two = [batch, batch2]
-        state, ms_two, dispatch_two = _pipelined(compiled, state, two, steps, keep=False)
+        state, ms_two, dispatch_two = common.pipelined(compiled, state, two, steps, keep=False)
         kernels = common.trace_steps(compiled, state, batch, profile, 10) if profile else None
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len

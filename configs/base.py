@@ -89,9 +89,8 @@ def get_config() -> ml_collections.ConfigDict:
     # attention stays within each example); False puts one example per row, padded (dpo: False
     # is required, each pair a (chosen, rejected) row pair).
     d.packing = True  # sft: pack several examples per row
-    d.overlong = (
-        "drop"  # sft: an example over seq_len+1 tokens is 'drop'ped (counted) or 'truncate'd
-    )
+    # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
+    d.overlong = "drop"  # sft: what happens to an example longer than a row
     d.tokenizer_min_frequency = 2  # BPE merges need at least this many occurrences
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new

@@ -3,8 +3,12 @@ process they own, and the library leaves alone."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 def quiet_jax_backend_probe() -> None:
@@ -31,3 +35,44 @@ def drop_closed_event_loop_errors() -> None:
 
     hook.drops_closed_loop = True
     sys.unraisablehook = hook
+
+
+def fail(message) -> NoReturn:
+    """End a command line with ``error: <message>`` on stderr and exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Report a ``UserError`` raised inside as one stderr line, exit 2 (FP8JAX_DEBUG=1:
+    the traceback instead)."""
+    from fp8jax import errors
+
+    try:
+        yield
+    except errors.USER_ERRORS as e:
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        fail(e)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """``absl.app.run(main)`` for the library's command lines: a bad flag is one stderr line
+    (exit 2), JAX's backend probe is quiet, orbax's late closed-loop errors are dropped."""
+    from absl import app, flags
+
+    def parse(argv):
+        try:
+            args = flags.FLAGS(argv)
+            if not flags.FLAGS["verbosity"].present:  # orbax's INFO lines bury the output
+                flags.FLAGS.verbosity = 1 - 2  # absl's WARNING level
+            return args
+        except flags.Error as e:
+            if os.environ.get("FP8JAX_DEBUG"):
+                raise
+            fail(f"{e}; see {os.path.basename(argv[0])} --helpshort")
+
+    quiet_jax_backend_probe()
+    drop_closed_event_loop_errors()
+    app.run(main, flags_parser=parse)

@@ -28,6 +28,8 @@ KEPT = [
     "torch_reference",
     "user_path",
     "memory_peak",
+    "finetune",
+    "finetune_step",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -512,3 +514,78 @@ def test_power_samples_parse_and_summarize():
     assert s["joules_per_step"] == pytest.approx(685.06 * 0.2) and s["samples"] == 2
     power.samples = []
     assert power.summary(200.0) is None
+
+
+def test_finetune_tiny_scores_each_stage(tmp_path):
+    """Pre-train, then SFT at O1 from it: one JSON per stage with its exact match on the
+    held-out passages (a share), chance beside it, and the level each work dir decoded at."""
+    args = ["--size", "tiny", "--levels", "O1", "--pretrain-steps", "3", "--sft-steps", "3"]
+    proc = _module("finetune", *args, "--set", "compilation_cache_dir=", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-800:]
+    rows = {
+        stem: json.loads((tmp_path / f"finetune_{stem}.json").read_text())
+        for stem in ("pretrain", "sft_O1")
+    }
+    for stem, row in rows.items():
+        assert 0 <= row["exact_match"] <= 1 and 0 <= row["valid_title"] <= 1, (stem, row)
+        assert row["chance"] == pytest.approx(1 / 6) and row["num_test"] == 48
+        assert math.isfinite(row["val_loss"]) and row["train_tokens_per_s"] > 0, (stem, row)
+        assert len(row["examples"]) == 6 and all(e["expected"] for e in row["examples"])
+    # O1 fine-tuning leaves trained FP8 scales, which decoding uses; O0 pre-training has none.
+    assert [rows[s]["decode_level"] for s in rows] == ["O0", "O1"]
+    assert [rows[s]["level"] for s in rows] == ["O0", "O1"]
+    train = (tmp_path / "finetune_work" / "data" / "train.jsonl").read_text().splitlines()
+    assert len(train) == 192 and "sft O1" in proc.stdout  # the printed table
+
+
+def test_novel_split_keeps_test_passages_apart_and_scores_exactly():
+    from fp8jax.trainer import tasks
+
+    train, test = tasks.novel_split(300, 12, passage_words=10, seed=3)
+    titles = tasks.novel_titles()
+    assert len(titles) == 6 and len(train) == 300 and len(test) == 12
+    for part in (train, test):  # the same number of passages from each novel
+        counts = {t: sum(tasks.title_in(r) == t for r in part) for t in titles}
+        assert set(counts.values()) == {len(part) // 6}, counts
+    # Test passages lie in the last tenth of their novel's words, training ones before it.
+    for f in tasks.novel_files():
+        words = gzip.open(f, "rt", encoding="utf-8").read().split()
+        cut = int(len(words) * 0.9)
+        head, tail = " ".join(words[:cut]), " ".join(words[cut:])
+        title = tasks.title_of(f)
+        for part, inside, outside in ((test, tail, head), (train, head, tail)):
+            passages = [r["prompt"].removesuffix(tasks.PROMPT_SUFFIX) for r in part
+                        if tasks.title_in(r) == title]  # fmt: skip
+            assert passages and all(p in inside and p not in outside for p in passages)
+    pairs = tasks.preference_pairs(test, seed=1)
+    assert all(p["chosen"] == r["completion"] and p["rejected"] != p["chosen"] for p, r in
+               zip(pairs, test, strict=True))  # fmt: skip
+    assert all(p["rejected"].strip() in titles for p in pairs)
+    assert tasks.exact_match([" Emma", "Persuasion\n", "Emma "], ["Emma", "Persuasion", "Emm"]) == (
+        pytest.approx(2 / 3)
+    )
+    with pytest.raises(ValueError, match="2 predictions for 1"):
+        tasks.exact_match(["a", "b"], ["a"])
+
+
+def test_finetune_step_tiny_times_an_imported_checkpoint(tmp_path):
+    """CPU: a random llama-shaped HF checkpoint written, imported with init_from, its SFT step
+    timed on packed novel-task rows; a run of an unknown config stops before any child."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--tiny", "--runs", "sft_llama_1b:O1", "--steps", "1", "--ckpt-dir", str(ckpt)]
+    proc = _module("finetune_step", *args, "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-800:]
+    row = json.loads((tmp_path / "out" / "finetune_step_sft_llama_1b_O1.json").read_text())
+    assert "error" not in row, row
+    assert row["tokens_per_s"] > 0 and row["tokens_per_s_pipelined"] > 0
+    assert 0 < row["dispatch_ms_pipelined"] <= row["step_ms_pipelined"]
+    assert (row["batch"], row["seq"], row["level"]) == (4, 128, "O1")
+    assert 0 < row["row_fill"] <= 1 and row["compiled_gib"]["temp"] > 0
+    assert math.isfinite(row["loss"]) and row["loss"] > 0
+    from fp8jax import hf
+
+    arch = hf.architecture(ckpt / "llama_1b")  # the shape of configs/llama_1b.py, shrunk
+    assert (arch["style"], arch["num_layers"], arch["max_len"]) == ("llama", 2, 128)
+    bad = _module("finetune_step", "--tiny", "--runs", "llama_1b:O1", "--out", str(tmp_path / "b"))
+    assert bad.returncode != 0 and "the config is one of" in bad.stderr, bad.stderr[-800:]
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())

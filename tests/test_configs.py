@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from fp8jax import models
+from fp8jax.trainer import environment, spec
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
@@ -43,7 +43,7 @@ def test_config_builds_and_initialises(name):
     config = load(name)
     assert flat_keys(config) == flat_keys(load("tiny.py")), "configs must share tiny.py's fields"
     run = spec.parse(config)  # every field in range, the fields consistent
-    spec.check_corpus(run)
+    environment.check_corpus(run)
     if jax.default_backend() != "gpu":
         config.model.attention_impl = "xla"  # cuDNN attention does not even trace without a GPU
     model = models.build_model(spec.parse(config).model)

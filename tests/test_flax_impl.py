@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fp8jax.models.layers import FLAX_FP8
+from fp8jax.trainer import environment, spec
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 OP = "Fp8DirectDotGeneralOp_0"
 HISTORY = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history")
@@ -159,10 +159,12 @@ def test_training_with_flax_op_is_refused():
     c = _config("flax")
     run = spec.parse(c)  # a valid run spec: the step benchmark builds it
     with pytest.raises(ValueError, match=r"fp8\.impl='flax'.*train with fp8\.impl='fp8jax'"):
-        spec.check_environment(run)
-    spec.check_environment(run, training=False)  # diagnostics.inspect reports on flax's op too
+        environment.check_environment(run)
+    environment.check_environment(
+        run, training=False
+    )  # diagnostics.inspect reports on flax's op too
     c.fp8.impl = "foo"
     with pytest.raises(ValueError, match=r"unknown fp8\.impl 'foo'.*'fp8jax', 'flax'"):
         spec.parse(c)
     c.fp8.impl = "fp8jax"
-    spec.check_environment(spec.parse(c))
+    environment.check_environment(spec.parse(c))

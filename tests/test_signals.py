@@ -112,10 +112,12 @@ def test_sample_passes_parameters_as_arguments(corpus, tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*constants were captured.*")
-            text = generate.sample(env.model, state, dataset.tokenizer, "The ", 3, 32)
+            (text,) = generate.generate(
+                env.model, state.params, state.fp8, dataset.tokenizer, ["The "], 3, temperature=0.8
+            )
     finally:
         jax.config.update("jax_captured_constants_warn_bytes", before)
-    assert text.startswith("The") and len(text) > len("The")
+    assert text
 
 
 def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, tmp_path, caplog):

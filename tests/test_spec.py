@@ -16,7 +16,7 @@ from fp8jax import errors, models
 from fp8jax.ops import scaling
 from fp8jax.optim.levels import LEVELS, Level
 from fp8jax.parallel import comm
-from fp8jax.trainer import corpus, loop, spec
+from fp8jax.trainer import corpus, environment, loop, spec
 
 from fp8_testing import base_config, flat_fields, set_field
 
@@ -224,9 +224,12 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, wrapper)
 
     checks = ("parse", "_fp8_and_model", "_optim", "_loop", "parse_data", "parse_dpo", "_mesh",
-              "_comm", "check_corpus", "check_environment")  # fmt: skip
+              "_comm")  # fmt: skip
+    env_checks = ("check_corpus", "check_environment")
     for name in checks:
         counted(spec, name)
+    for name in env_checks:
+        counted(environment, name)
     counted(spec.Level, "parse")
     real_post_init = comm.CommConfig.__post_init__
 
@@ -246,4 +249,5 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
     summary = loop.train_and_evaluate(c, str(tmp_path / "work"))
     assert summary["step"] == 1
     expected = {f"{spec.__name__}.{name}" for name in checks} | {"Level.parse", "CommConfig"}
+    expected |= {f"{environment.__name__}.{name}" for name in env_checks}
     assert counts == dict.fromkeys(expected, 1), dict(counts)

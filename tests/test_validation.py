@@ -1,8 +1,8 @@
 """Config validation: every field of configs/base.py is type- and range-checked up front.
 
 ``train_and_evaluate`` must refuse each bad value in ``spec.parse`` or
-``spec.check_environment``, before the work dir exists and before any data, tokenizer or compile
-work, with a one-line ``ConfigError`` naming the field, the value and the fix; ``python
+``environment.check_environment``, before the work dir exists and before any data, tokenizer or
+compile work, with a one-line ``ConfigError`` naming the field, the value and the fix; ``python
 train.py`` turns it into one stderr line and exit 2.
 """
 
@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from fp8jax import errors
+from fp8jax.trainer import environment, spec
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import base_config, flat_fields, set_field
 
@@ -46,6 +46,10 @@ BAD = {
     "model.fp8_lm_head": ["no"],
     "model.tie_embeddings": [None],
     "model.qkv_bias": [1],
+    "init_from": [None, 3],
+    "data.format": ["csv", ""],
+    "data.packing": ["yes"],
+    "data.overlong": ["cut"],
     "model.norm_eps": [0.0, -1e-5, float("nan"), "1e-5"],
     "model.rope_theta": [0.5, float("inf")],
     "model.attention_impl": ["flash"],
@@ -67,6 +71,8 @@ BAD = {
     "data.val_fraction": [0.0, 1.0, NAN],
     "data.tokenizer_min_frequency": [-1, 1.5],
     "data.allow_corpus_change": ["yes", 1],
+    "dpo.beta": [0.0, -1.0, INF, "0.1"],
+    "dpo.label_smoothing": [-0.1, 0.5, NAN],
     "batch_size": [0],
     "seq_len": [0, 65],  # 65: longer than model.max_len
     "grad_accum_steps": [0, 3],  # 3: does not divide batch_size
@@ -120,6 +126,7 @@ EDGES = {
     "fp8.margin": -4,
     "data.val_fraction": 0.5,
     "data.tokenizer_min_frequency": 0,
+    "dpo.label_smoothing": 0.0,
     "model.vocab_size": 257,
     "model.attention_impl": "",
     "mesh.data": 1,
@@ -147,8 +154,8 @@ def test_every_field_has_bad_values():
 def validate(config) -> None:
     """Everything ``train_and_evaluate`` checks before it writes anything."""
     run = spec.parse(config)
-    spec.check_corpus(run)
-    spec.check_environment(run)
+    environment.check_corpus(run)
+    environment.check_environment(run)
 
 
 def test_tiny_and_edge_values_validate():
@@ -210,9 +217,9 @@ def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.C
 
 def test_o3_with_fsdp_validates():
     code = (
-        "from fp8jax.trainer import loop as t, spec as s; c = t.load_config('tiny'); "
-        "c.fp8.level = 'O3'; c.mesh.data, c.mesh.fsdp = 1, 2; s.check_environment(s.parse(c)); "
-        "c.mesh.fsdp = -1; s.check_environment(s.parse(c))"
+        "from fp8jax.trainer import environment as e, loop as t, spec as s; "
+        "c = t.load_config('tiny'); c.fp8.level = 'O3'; c.mesh.data, c.mesh.fsdp = 1, 2; "
+        "e.check_environment(s.parse(c)); c.mesh.fsdp = -1; e.check_environment(s.parse(c))"
     )
     proc = _cli(devices=2, code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -17,8 +17,8 @@ from ml_collections import config_flags
 from fp8jax import errors
 from fp8jax.diagnostics import coverage, memory
 from fp8jax.optim.levels import Level
+from fp8jax.trainer import environment, spec
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
 _MEMORY = flags.DEFINE_bool("memory", False, "Also report bytes/param at O0/O1/O2.")
@@ -63,7 +63,7 @@ def main(argv):
     cli.drop_closed_event_loop_errors()
     try:
         run = spec.parse(_CONFIG.value)
-        spec.check_environment(run, training=False)
+        environment.check_environment(run, training=False)
         return _report(run)
     except errors.USER_ERRORS as e:  # a bad config is one line, as in train.py
         if os.environ.get("FP8JAX_DEBUG"):

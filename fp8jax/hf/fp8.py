@@ -69,15 +69,15 @@ def check_block(block) -> None:
 def quantization_config(scheme: str, block: int = 128, skipped=()) -> dict:
     """The config.json ``quantization_config`` of ``scheme``; ``skipped``: unquantized linears."""
     errors.check_choice(scheme, SCHEMES, "FP8 scheme")
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if scheme == "block":
         check_block(block)
-        config.update(fmt="e4m3", weight_block_size=[block, block])
+        qconfig.update(fmt="e4m3", weight_block_size=[block, block])
         if skipped:  # transformers' FineGrainedFP8Config key
-            config["modules_to_not_convert"] = sorted(skipped)
+            qconfig["modules_to_not_convert"] = sorted(skipped)
     elif skipped:  # vLLM's Fp8Config key
-        config["ignored_layers"] = sorted(skipped)
-    return config
+        qconfig["ignored_layers"] = sorted(skipped)
+    return qconfig
 
 
 def _scale_of(amax: np.ndarray) -> np.ndarray:
@@ -161,8 +161,8 @@ def weight_of_scale(name: str) -> str | None:
     return None
 
 
-def _block_size(config: Mapping) -> tuple[int, int] | None:
-    size = config.get("weight_block_size")
+def _block_size(qconfig: Mapping) -> tuple[int, int] | None:
+    size = qconfig.get("weight_block_size")
     if size is None:
         return None
     pair = isinstance(size, (list, tuple)) and len(size) == 2
@@ -173,19 +173,19 @@ def _block_size(config: Mapping) -> tuple[int, int] | None:
     return int(size[0]), int(size[1])
 
 
-def _scales_f32(s, config: Mapping) -> np.ndarray:
+def _scales_f32(s, qconfig: Mapping) -> np.ndarray:
     s = np.asarray(s)
-    if s.dtype == np.uint8 and config.get("scale_fmt") == "ue8m0":  # E8M0 stored as bytes
+    if s.dtype == np.uint8 and qconfig.get("scale_fmt") == "ue8m0":  # E8M0 stored as bytes
         return np.exp2(s.astype(np.float32) - 127.0)
     return s.astype(np.float32)
 
 
-def dequantize_weight(name: str, q, s, config: Mapping, dtype=BF16) -> np.ndarray:
-    """``q * s`` in ``dtype``: ``s`` one scale, broadcastable, or the config's block grid."""
-    q_f32, s_f32 = np.asarray(q).astype(np.float32), _scales_f32(s, config)
+def dequantize_weight(name: str, q, s, qconfig: Mapping, dtype=BF16) -> np.ndarray:
+    """``q * s`` in ``dtype``: ``s`` one scale, broadcastable, or its block grid."""
+    q_f32, s_f32 = np.asarray(q).astype(np.float32), _scales_f32(s, qconfig)
     if s_f32.size == 1:
         return (q_f32 * s_f32.reshape(())).astype(dtype)
-    block = _block_size(config)
+    block = _block_size(qconfig)
     if block and q_f32.ndim >= 2 and s_f32.ndim == q_f32.ndim:
         *lead, rows, cols = q_f32.shape
         grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
@@ -315,8 +315,8 @@ def _convert_file(src, file, headers, src_q, scheme, block):
         tensors = dequantize(tensors, src_q, BF16 if scheme is None else np.float32)
     if scheme is None:
         return tensors, []
-    tensors, config = quantize(tensors, scheme, block)
-    return tensors, config.get("modules_to_not_convert", config.get("ignored_layers", []))
+    tensors, qconfig = quantize(tensors, scheme, block)
+    return tensors, qconfig.get("modules_to_not_convert", qconfig.get("ignored_layers", []))
 
 
 def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, block=128) -> str:

@@ -14,11 +14,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from fp8jax import errors
 from fp8jax.errors import CheckpointError, CheckpointMismatchError
 from fp8jax.hf import architectures, weights
 from fp8jax.models.config import ModelConfig
 from fp8jax.optim import master
 from fp8jax.trainer import provenance
+from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.tokenizer import Tokenizer
 
 TOKENIZER = "tokenizer.json"
@@ -113,10 +115,14 @@ def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
 
 
 def tokenizer(workdir: Path) -> Tokenizer:
-    """The work dir's own tokenizer (fp8jax's byte-level BPE, ``tokenizer.json``)."""
+    """The work dir's own tokenizer: its learned BPE, or the one a fine-tuning run imported."""
     path = workdir / TOKENIZER
     if not path.is_file():
         raise CheckpointError(
             f"{path} is missing: restore the tokenizer the checkpoint was trained with"
         )
-    return Tokenizer.load(path)
+    if not (workdir / "tokenizer_config.json").is_file():
+        return Tokenizer.load(path)
+    # A fine-tuning run keeps its checkpoint's EOS, BOS and chat template beside tokenizer.json.
+    with errors.reraise_as(CheckpointError, ValueError):
+        return tokenizer_lib.load_hf(workdir)

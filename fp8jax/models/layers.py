@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
+from fp8jax.models import decode
 from fp8jax.models.config import ModelConfig, RopeScaling
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
@@ -189,14 +190,17 @@ class Attention(nn.Module):
         k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", None))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
         # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on Hopper.
-        o_BxLxNxH = jax.nn.dot_product_attention(
-            q_BxLxNxH,
-            k_BxLxKxH,
-            v_BxLxKxH,
-            mask=mask_Bx1xLxL,
-            is_causal=True,
-            implementation=c.attention_impl,
-        )
+        if decode.decoding(self):  # generation: this call's keys/values join the cache
+            o_BxLxNxH = decode.KVCache(name="cache")(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_BxL)
+        else:
+            o_BxLxNxH = jax.nn.dot_product_attention(
+                q_BxLxNxH,
+                k_BxLxKxH,
+                v_BxLxKxH,
+                mask=mask_Bx1xLxL,
+                is_causal=True,
+                implementation=c.attention_impl,
+            )
         o_BxLxNxH = constrain(o_BxLxNxH, ("batch", "length", "heads", None))
         out = dense(
             c,

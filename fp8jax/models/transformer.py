@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
+from fp8jax.models.decode import CACHE
 from fp8jax.models.layers import (
     FLAX_FP8,
     Block,
@@ -110,7 +111,7 @@ class Transformer(nn.Module):
             # layer get a leading layer axis.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0},
+                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0, CACHE: 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=c.num_layers,

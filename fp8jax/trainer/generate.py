@@ -1,14 +1,33 @@
-"""Using a trained state: validation loss over fixed batches, and sampling text."""
+"""Using a trained model: validation loss over fixed batches, and text generation (KV cache).
+
+Generation prefills the prompt batch once and then decodes one token per step against the key/
+value cache (``fp8jax.models.decode``), all inside one jitted function whose decode loop is a
+``lax.while_loop``: the params and FP8 state are its arguments (never constants baked into the
+program), and it compiles once per (batch, prompt length, cache length) bucket, whatever the
+number of tokens, the prompts or the sampling settings. At O1+ the FP8 matmuls use the stored
+delayed scales as they are; decoding never updates them.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax import errors, models
+from fp8jax.models import decode
 from fp8jax.optim import adam as optim
 from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
+from fp8jax.trainer.sampling import GREEDY, Sampling
+
+MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
 
 
 def evaluate(eval_step, state, batches, sharding) -> dict:
@@ -20,26 +39,174 @@ def evaluate(eval_step, state, batches, sharding) -> dict:
     return {"val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50.0)))}
 
 
-def sample(model, state, tokenizer, prompt: str, num_tokens: int, max_len: int, seed=0) -> str:
-    """Sample ``num_tokens`` tokens after ``prompt`` (temperature 0.8, fixed-length buffer).
+def bucket(n: int, cap: int) -> int:
+    """``n`` rounded up to a power of two (at least MIN_BUCKET), at most ``cap``."""
+    return min(cap, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
 
-    The parameters and FP8 state are arguments of the one jitted step, not constants captured
-    in its program (at 1.3B those would be gigabytes of constants to lower and compile).
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Padded sizes of one generate call: rows, prompt length, cache slots."""
+
+    batch: int
+    prompt: int
+    cache: int
+
+
+def buckets_for(lengths: Sequence[int], max_new_tokens: int, max_len: int) -> Buckets:
+    """The buckets for prompts of ``lengths`` tokens; a ConfigError if one does not fit."""
+    errors.check_int(max_new_tokens, "max_new_tokens", 1)
+    longest = max(lengths)
+    if longest + max_new_tokens > max_len:
+        i = int(np.argmax(lengths))
+        raise errors.ConfigError(
+            f"prompt {i} has {longest} tokens and max_new_tokens is {max_new_tokens}: together "
+            f"over the model's context of {max_len} tokens; shorten the prompt to at most "
+            f"{max_len - max_new_tokens} tokens or lower max_new_tokens"
+        )
+    return Buckets(
+        batch=bucket(len(lengths), 1 << 30) if len(lengths) > 1 else 1,
+        prompt=bucket(longest, max_len),
+        cache=bucket(longest + max_new_tokens, max_len),
+    )
+
+
+class Decoder:
+    """The jitted prefill + decode loop of one model; ``traces`` counts its compilations."""
+
+    def __init__(self, model_cfg: models.ModelConfig, collection: str):
+        # Remat only matters for gradients; without it the blocks are plain modules.
+        self.model = models.build_model(dataclasses.replace(model_cfg, remat_policy="none"))
+        self.collection = collection
+        self.traces = 0
+        self._run = jax.jit(self._generate, static_argnames=("cache_len",))
+
+    def __call__(self, params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, s: Sampling,
+                 eos_ids: Sequence[int], cache_len: int):  # fmt: skip
+        """Tokens [B, cache_len] (prompt, then generated) and the number generated per row."""
+        knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
+        key = jax.random.PRNGKey(s.seed)
+        eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
+        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E)
+        return self._run(params, fp8_state, *args, cache_len=cache_len)
+
+    def _generate(self, params, fp8, tokens_BxP, lengths_B, max_new, key, temp, top_k, top_p,
+                  eos_E, *, cache_len):  # fmt: skip
+        self.traces += 1  # runs only while tracing: one per compilation
+        batch, prompt_len = tokens_BxP.shape
+        variables = {"params": optim.materialize(params), self.collection: fp8}
+        cache = decode.init_cache(self.model, variables, batch, cache_len)
+        rows_B = jnp.arange(batch)
+
+        def pick(logits_BxV, t, done_B):
+            step_key = jax.random.fold_in(key, t)
+            tok_B = sampling_lib.next_tokens(logits_BxV, step_key, temp, top_k, top_p)
+            return jnp.where(done_B, eos_E[0], tok_B)
+
+        def stops(tok_B):
+            return jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
+
+        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+        logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
+        done_B = lengths_B == 0  # padding rows of the batch bucket
+        tok_B = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B)
+        out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
+        out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
+        done_B = done_B | stops(tok_B)
+
+        def more(carry):
+            t, _, done_B, _, _ = carry
+            return (t < max_new) & ~jnp.all(done_B)
+
+        def one_token(carry):
+            # Token t - 1 sits at position length + t - 1; its logits give token t.
+            t, tok_B, done_B, cache, out_BxM = carry
+            pos_Bx1 = (lengths_B + t - 1)[:, None]
+            logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
+            tok_B = pick(logits_Bx1xV[:, 0], t, done_B)
+            out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
+            return t + 1, tok_B, done_B | stops(tok_B), cache, out_BxM
+
+        carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM)
+        t, _, _, _, out_BxM = jax.lax.while_loop(more, one_token, carry)
+        return out_BxM, t
+
+
+@functools.lru_cache(maxsize=8)
+def decoder_for(model_cfg: models.ModelConfig, collection: str) -> Decoder:
+    """The (cached) ``Decoder`` of a model: one per model config and FP8 state collection."""
+    return Decoder(model_cfg, collection)
+
+
+def generate_ids(
+    model,
+    params,
+    fp8_state,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling = GREEDY,
+    eos_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """The token ids generated after each prompt (ids), up to ``max_new_tokens`` or EOS.
+
+    Any of ``eos_ids`` stops a row when generated and is left out of its output. ``params`` and
+    ``fp8_state`` are the model's (a ``TrainState``'s ``params`` and ``fp8``; O2+ masters are
+    materialized inside the jitted program). A prompt with more than ``max_len -
+    max_new_tokens`` tokens raises a ConfigError naming the lengths.
     """
-    ids = tokenizer.encode(prompt)[-(max_len - num_tokens) :] or [0]
-    n0 = len(ids)
-    buf = np.zeros((1, max_len), np.int32)
-    buf[0, :n0] = ids
-    coll = step_lib.state_collection(model)
+    cfg = model.cfg
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise errors.ConfigError("an empty prompt: give every prompt at least one token")
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise errors.ConfigError(
+                f"prompt {i} holds token ids outside [0, {cfg.vocab_size}): the tokenizer does "
+                f"not match the model's vocabulary"
+            )
+    lengths = [len(p) for p in prompts]
+    b = buckets_for(lengths, max_new_tokens, cfg.max_len)
+    tokens_BxP = np.zeros((b.batch, b.prompt), np.int32)
+    lengths_B = np.zeros((b.batch,), np.int32)  # 0: a row padding the batch bucket
+    for i, p in enumerate(prompts):
+        tokens_BxP[i, : len(p)], lengths_B[i] = p, len(p)
+    eos_ids = tuple(int(e) for e in eos_ids)
+    decoder = decoder_for(cfg, step_lib.state_collection(model))
+    out_BxM, _ = decoder(
+        params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, sampling, eos_ids, b.cache
+    )
+    out_BxM = np.asarray(jax.device_get(out_BxM))
+    results = []
+    for i, n in enumerate(lengths):
+        ids = out_BxM[i, n : n + max_new_tokens].tolist()
+        stop = [ids.index(e) for e in eos_ids if e in ids]
+        results.append(ids[: min(stop)] if stop else ids)
+    return results
 
-    @jax.jit
-    def next_token(params, fp8, tokens_1xL, pos, key):
-        logits_1xLxV = model.apply({"params": optim.materialize(params), coll: fp8}, tokens_1xL)
-        return jax.random.categorical(key, logits_1xLxV[0, pos - 1] / 0.8)
 
-    key = jax.random.PRNGKey(seed)
-    pos = n0 - 1
-    for pos in range(n0, min(max_len, n0 + num_tokens)):
-        key, sub = jax.random.split(key)
-        buf[0, pos] = int(next_token(state.params, state.fp8, jnp.asarray(buf), pos, sub))
-    return tokenizer.decode(buf[0, : pos + 1].tolist())
+def generate(
+    model,
+    params,
+    fp8_state,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[str]:
+    """The text generated after each prompt (the prompt not repeated); greedy by default.
+
+    ``tokenizer`` has ``encode(str) -> ids``, ``decode(ids) -> str``, ``eos_id`` (int or None)
+    and optionally ``eos_ids`` (every id that ends a turn). An empty prompt starts from EOS, the
+    document separator the model was trained with.
+    """
+    s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    eos_id = getattr(tokenizer, "eos_id", None)
+    eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
+    ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
+    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids)
+    return [tokenizer.decode(o) for o in out]

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from fp8jax import errors, models
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import dpo, generate, provenance, spec
+from fp8jax.trainer import dpo, environment, generate, provenance, spec
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
@@ -127,7 +127,7 @@ def setup(run: RunSpec, devices=None, donate: bool = True) -> Setup:
         # (measured: docs/performance.md); other platforms ignore the flag.
         jax.config.update("jax_threefry_gpu_kernel_lowering", True)
     mesh = sharding_lib.make_mesh(run.mesh, devices)
-    spec.check_platform(run.model, mesh)
+    environment.check_platform(run.model, mesh)
     run = partitionable(run, mesh)
     model = models.build_model(run.model)
     tx = step_lib.make_optimizer(run)
@@ -221,11 +221,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     non-finite steps in a row raise ``NonFiniteLossError``.
     """
     run = config if isinstance(config, RunSpec) else spec.parse(config)
-    spec.check_corpus(run)
+    environment.check_corpus(run)
     run, tokenizer, init_params = from_checkpoint(run, workdir)
     if run.distributed:
         sharding_lib.initialize_distributed()
-    spec.check_environment(run)
+    environment.check_environment(run)
     os.makedirs(workdir, exist_ok=True)
     metrics_lib.quiet_library_logs()
     use_compilation_cache(run.loop.compilation_cache_dir)
@@ -262,11 +262,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     if step >= run.optim.num_train_steps:  # restored a finished run: nothing trained
         logging.info("the run in %s already reached step %d: nothing to train", workdir, step)
     elif run.loop.sample_tokens > 0 and "preempted_at" not in summary:
-        prompt, n = "The ", run.loop.sample_tokens
+        prompt, tok = "The ", dataset.tokenizer
+        n = min(run.loop.sample_tokens, run.model.max_len - len(tok.encode(prompt)))
         t0 = time.perf_counter()
-        summary["sample"] = generate.sample(
-            env.model, state, dataset.tokenizer, prompt, n, run.optim.seq_len
+        (text,) = generate.generate(
+            env.model, state.params, state.fp8, tok, [prompt], n, temperature=0.8
         )
+        summary["sample"] = prompt + text
         logging.info("sample (%.1f s): %s", time.perf_counter() - t0, summary["sample"])
     summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
     provenance.write_json(pathlib.Path(summary_path), summary)

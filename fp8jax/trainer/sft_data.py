@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
-from fp8jax.trainer import chat, provenance
+from fp8jax.trainer import chat, provenance, tasks
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
@@ -48,11 +48,11 @@ def novel_task(num_examples: int = 512, passage_words: int = 40, seed: int = 0) 
     out = []
     for k, f in enumerate(files):
         words = gzip.open(f, "rt", encoding="utf-8").read().split()
-        title = f.name.removesuffix(".txt.gz").replace("-", " ").title()
+        title = tasks.title_of(f)
         share = num_examples // len(files) + (k < num_examples % len(files))
         for start in rng.integers(0, len(words) - passage_words, share):
             passage = " ".join(words[start : start + passage_words])
-            out.append({"prompt": f"{passage}\nNovel:", "completion": f" {title}"})
+            out.append(tasks.example(passage, title))
     return [out[i] for i in rng.permutation(len(out))]
 
 

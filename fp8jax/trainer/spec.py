@@ -11,10 +11,8 @@ Every problem is a one-line ``fp8jax.errors.ConfigError`` naming the field and t
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from fp8jax import errors
 from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
@@ -23,8 +21,7 @@ from fp8jax.models.config import ModelConfig
 from fp8jax.ops import kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
 from fp8jax.parallel import comm as comm_lib
-from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer.data_spec import DATA_FIX, DataSpec, DpoSpec, parse_data, parse_dpo
+from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 
 GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
 
@@ -314,65 +311,3 @@ def _comm(raw) -> CommSpec:
     if unknown:
         raise ConfigError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
     return CommSpec(**{name: raw[name] for name in sorted(fields)})
-
-
-def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> Mesh:
-    """Check ``run`` against the machine; return its mesh (``check_corpus``: the files).
-
-    ``devices`` default to ``jax.devices()``. ``training=False`` (diagnostics.inspect) also
-    accepts fp8.impl='flax', which only the step benchmark builds.
-    """
-    if training and run.model.fp8_impl != "fp8jax":
-        raise ConfigError(
-            f"fp8.impl={run.model.fp8_impl!r} is for the step benchmark's comparison with "
-            f"flax's own FP8 op: train with fp8.impl='fp8jax'"
-        )
-    with errors.reraise_as(ConfigError, ValueError):
-        mesh = sharding_lib.make_mesh(run.mesh, devices)
-    check_platform(run.model, mesh)
-    if run.fp8.level.sharded_state and mesh.shape["fsdp"] == 1:
-        # O3 is O2 with the masters and Adam state sharded over fsdp: with nothing to shard
-        # over it would train as O2 under O3's name.
-        raise ConfigError(
-            f"fp8.level='O3' shards the O2 state over mesh.fsdp, but the mesh has fsdp=1 "
-            f"({dict(mesh.shape)}): use fp8.level='O2', or set mesh.fsdp > 1 (and as many devices)"
-        )
-    o = run.optim
-    replicas = mesh.shape["data"] * mesh.shape["fsdp"] * o.grad_accum_steps
-    replicas *= 2 if run.data.format == "dpo" else 1  # DPO: whole (chosen, rejected) row pairs
-    if o.batch_size % replicas:
-        raise ConfigError(
-            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps"
-            f"{' x 2 (DPO pairs)' if run.data.format == 'dpo' else ''} = {replicas}: use a "
-            f"multiple of {replicas} or change config.mesh"
-        )
-    return mesh
-
-
-def check_corpus(run: RunSpec) -> None:
-    """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
-    path = run.data.path
-    if path and not pathlib.Path(path).expanduser().exists():
-        raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX} ('' = the "
-                          f"shipped corpus)")  # fmt: skip
-    if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
-        return
-    from fp8jax.trainer import tokenizer  # its BPE sets the vocabulary's floor
-
-    vocab, low = run.model.vocab_size, tokenizer.MIN_VOCAB_SIZE
-    if vocab < low:
-        raise ConfigError(
-            f"config.model.vocab_size={vocab!r}: the byte-level tokenizer needs at least {low} "
-            f"ids (256 bytes + EOS); use model.vocab_size >= {low}"
-        )
-
-
-def check_platform(model: ModelConfig, mesh: Mesh) -> None:
-    """Raise a ConfigError if the model asks for a GPU-only kernel that the devices lack."""
-    platform = mesh.devices.flat[0].platform
-    if model.attention_impl == "cudnn" and platform != "gpu":
-        # jax.nn.dot_product_attention would fail deep inside tracing with "cuDNN is not detected".
-        raise ConfigError(
-            f"model.attention_impl='cudnn' (cuDNN flash attention) needs an NVIDIA GPU, but JAX "
-            f"runs on {platform}: add --config.model.attention_impl=xla to run this config here"
-        )

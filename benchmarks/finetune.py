@@ -1,0 +1,221 @@
+"""The fine-tuning result one can measure: which novel a passage comes from, by exact match.
+
+1. Pre-trains a small GPT on the shipped corpus (``train_and_evaluate``, level O0).
+2. Fine-tunes it (``init_from`` the pre-training work dir) on the novel task at each of
+   ``--levels`` from the same start, the same examples and the same data order; the training
+   and test passages come from disjoint parts of each novel (``fp8jax.trainer.tasks``).
+3. Scores the pre-trained and each fine-tuned work dir on the held-out passages: the
+   completion is decoded greedily (``trainer.generate``) and counts when it is the true title
+   exactly; chance is 1/6.
+
+Each stage is a ``train_and_evaluate`` run in its own work dir under ``<out>/finetune_work``;
+each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
+
+    PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
+        python -m benchmarks.finetune --out "$OUT"
+
+``--size tiny`` is the CPU run of the same path (a few minutes on 2 cores); ``--pretrain-steps``
+and ``--sft-steps`` shorten either stage, ``--set key=value`` overrides every run (pre-training
+and fine-tuning) and a level its fine-tuning run (``--levels O0,O1:model.fp8_lm_head=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+
+from benchmarks import runner
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One benchmark size: the pre-training run spec and settings, the fine-tuning config
+    and settings, and the task's passage length and example counts."""
+
+    pretrain: str  # run spec of the pre-training (config:level[:options])
+    pretrain_settings: dict
+    sft: str  # config name of the fine-tuning runs (the level is --levels')
+    sft_settings: dict
+    passage_words: int
+    num_train: int
+    num_test: int
+
+
+SIZES = {
+    # CPU: configs/tiny.py's model, a few dozen steps of each stage.
+    "tiny": Size(
+        pretrain="tiny:O0",
+        pretrain_settings={"num_train_steps": 200, "warmup_steps": 20, "log_every_steps": 50},
+        sft="sft_tiny",
+        sft_settings={
+            "seq_len": 64,
+            "batch_size": 8,
+            "num_train_steps": 150,
+            "warmup_steps": 15,
+            "learning_rate": 1e-3,
+        },  # fmt: skip
+        passage_words=12,
+        num_train=192,
+        num_test=48,
+    ),
+    # One GPU: a 34M-parameter GPT (8 x 512, 8k BPE), ~8M tokens of pre-training.
+    "gpu": Size(
+        pretrain="gpt2_125m:O0",
+        pretrain_settings={
+            "model.num_layers": 8,
+            "model.d_model": 512,
+            "model.num_heads": 8,
+            "model.num_kv_heads": 8,
+            "model.d_ff": 2048,
+            "model.vocab_size": 8192,
+            "model.max_len": 256,
+            "seq_len": 256,
+            "batch_size": 32,
+            "num_train_steps": 1000,
+            "warmup_steps": 100,
+            "learning_rate": 1e-3,
+            "log_every_steps": 100,
+        },  # fmt: skip
+        sft="sft_tiny",
+        sft_settings={
+            "model.dtype": "bfloat16",
+            "seq_len": 256,
+            "batch_size": 32,
+            "num_train_steps": 300,
+            "warmup_steps": 30,
+            "learning_rate": 3e-4,
+            "log_every_steps": 50,
+            "eval_batches": 8,
+        },  # fmt: skip
+        passage_words=48,
+        num_train=6000,
+        num_test=600,
+    ),
+}
+STAGE_FIELDS = ("val_loss", "train_loss", "train_tokens_per_s")
+
+
+def stage_settings(steps: int, extra: dict) -> dict:
+    """One evaluation and one checkpoint, at the end; no end-of-run sample."""
+    return {"eval_every_steps": steps, "checkpoint_every_steps": steps, "sample_tokens": 0,
+            **extra}  # fmt: skip
+
+
+def with_steps(settings: dict, steps: int) -> dict:
+    """``settings`` with ``num_train_steps`` (0: theirs) and a warm-up of at most a tenth."""
+    if not steps:
+        return settings
+    return {**settings, "num_train_steps": steps,
+            "warmup_steps": min(settings["warmup_steps"], max(1, steps // 10))}  # fmt: skip
+
+
+def pretrain_config(size: Size, steps: int = 0, sets=()):
+    """The pre-training ConfigDict of ``size`` (``steps``: 0 for the size's)."""
+    settings = with_steps(size.pretrain_settings, steps)
+    return runner.load(size.pretrain, sets, stage_settings(settings["num_train_steps"], settings))
+
+
+def sft_config(size: Size, level: str, init_from: str, train_path: str, steps=0, sets=()):
+    """The fine-tuning ConfigDict at ``level`` ('O1' or 'O1:key=value+...') from ``init_from``."""
+    settings = with_steps(size.sft_settings, steps)
+    steps = settings["num_train_steps"]
+    extra = {**settings, "init_from": init_from, "data.path": train_path,
+             "data.val_fraction": 0.05}  # fmt: skip
+    return runner.load(f"{size.sft}:{level}", sets, stage_settings(steps, extra))
+
+
+def score(workdir: str, test: list[dict]) -> dict:
+    """Exact match of the work dir's greedy completions on the ``test`` examples, decoded as
+    ``python -m fp8jax.generate`` does (``trainer.inference.load``: an O1+ work dir at O1 with
+    its trained FP8 scales, an O0 one at O0) and cut at EOS."""
+    from fp8jax.trainer import generate, inference, tasks
+
+    inf = inference.load(workdir)
+    titles = tasks.novel_titles()
+    max_new = max(len(inf.tokenizer.encode(f" {t}")) for t in titles) + 1  # the title, EOS
+    t0 = time.perf_counter()
+    prompts = [r["prompt"] for r in test]
+    predictions = generate.generate(
+        inf.model, inf.params, inf.fp8_state, inf.tokenizer, prompts, max_new
+    )
+    answers = [tasks.title_in(r) for r in test]
+    return {
+        "exact_match": tasks.exact_match(predictions, answers),
+        "chance": tasks.chance(),
+        "valid_title": sum(p.strip() in titles for p in predictions) / len(predictions),
+        "num_test": len(test),
+        "decode_level": inf.level,
+        "decode_s": time.perf_counter() - t0,
+        "examples": [
+            {"expected": a, "predicted": p}
+            for a, p in zip(answers[:6], predictions[:6], strict=True)
+        ],
+    }
+
+
+def fresh(path: str) -> str:
+    """``path`` emptied (a rerun starts its stage over)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def main(argv=None):
+    p = runner.parser(__doc__, child=False, sets=True)
+    p.add_argument("--size", default="gpu", choices=sorted(SIZES))
+    p.add_argument("--levels", default="O0,O1,O2", help="fine-tuning levels (options as --runs)")
+    p.add_argument("--pretrain-steps", type=int, default=0, help="0: the size's")
+    p.add_argument("--sft-steps", type=int, default=0, help="0: the size's")
+    a = runner.parse_args(p, argv)
+    size = SIZES[a.size]
+    levels = a.levels.split(",")
+    work = os.path.join(a.out, "finetune_work")
+    data_dir = os.path.join(work, "data")
+    pre_dir = os.path.join(work, "pretrain")
+    train_path = os.path.join(data_dir, "train.jsonl")
+    try:  # every config before the first run: a typo stops the benchmark at once
+        pre_cfg = pretrain_config(size, a.pretrain_steps, a.set)
+        sft_cfgs = {lv: sft_config(size, lv, pre_dir, train_path, a.sft_steps, a.set)
+                    for lv in levels}  # fmt: skip
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+    from fp8jax.trainer import loop, tasks
+
+    os.makedirs(data_dir, exist_ok=True)
+    train, test = tasks.novel_split(size.num_train, size.num_test, size.passage_words)
+    tasks.write_jsonl(train_path, train)
+    tasks.write_jsonl(os.path.join(data_dir, "test.jsonl"), test)
+
+    rows = []
+    t0 = time.perf_counter()
+    summary = loop.train_and_evaluate(pre_cfg, fresh(pre_dir))
+    row = {"stage": "pretrain", "level": pre_cfg.fp8.level, "run_s": time.perf_counter() - t0,
+           **{k: summary.get(k) for k in STAGE_FIELDS}}  # fmt: skip
+    row.update(score(pre_dir, test))  # before fine-tuning: the baseline beside chance
+    runner.write_json(a.out, "finetune_pretrain", row)
+    rows.append(row)
+    print(row, flush=True)
+    for level, c in sft_cfgs.items():
+        sft_dir = fresh(os.path.join(work, runner.safe_name(f"sft_{level}")))
+        t0 = time.perf_counter()
+        summary = loop.train_and_evaluate(c, sft_dir)
+        row = {"stage": f"sft {level}", "level": c.fp8.level, "run_s": time.perf_counter() - t0,
+               **{k: summary.get(k) for k in STAGE_FIELDS}, **score(sft_dir, test)}  # fmt: skip
+        runner.write_json(a.out, runner.safe_name(f"finetune_sft_{level}"), row)
+        rows.append(row)
+        print(row, flush=True)
+    columns = {
+        "val_loss": lambda r: f"{r['val_loss']:.4f}",
+        "exact": lambda r: f"{r['exact_match']:.3f}",
+        "chance": lambda r: f"{r['chance']:.3f}",
+        "valid": lambda r: f"{r['valid_title']:.2f}",
+        "tok/s": lambda r: f"{r['train_tokens_per_s']:.0f}",
+        "s": lambda r: f"{r['run_s']:.0f}",
+    }
+    print("\n" + runner.table(rows, columns, "stage"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

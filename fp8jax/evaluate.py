@@ -1,0 +1,47 @@
+"""Loss and perplexity of a checkpoint on a dataset, without training.
+
+    python -m fp8jax.evaluate --ckpt /tmp/fp8jax_tiny --data corpus.txt --num_batches 8
+
+``--data``: a text file, a folder of .txt files or a .jsonl file with a 'text' field per line,
+tokenized as the trainer tokenizes its corpus (EOS after each document) and cut into the
+trainer's validation batches (consecutive windows of ``seq_len + 1`` tokens). Prints one JSON
+line. Nothing is written, in the checkpoint's dir or anywhere. Bad input exits 2 with one line
+on stderr (FP8JAX_DEBUG=1 shows the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+
+from fp8jax import cli
+
+_CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
+_DATA = flags.DEFINE_string("data", None, "Text file, folder of .txt files, or .jsonl file.")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per batch.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: max_len).")
+_NUM_BATCHES = flags.DEFINE_integer("num_batches", 8, "Batches to evaluate, at most.")
+_LEVEL = flags.DEFINE_enum("level", None, ["O0", "O1"], "O0 plain matmuls, O1 FP8 matmuls.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                           "Compute dtype.")  # fmt: skip
+flags.mark_flags_as_required(["ckpt", "data"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments {argv[1:]}")
+    with cli.user_errors():
+        from fp8jax.trainer import inference
+
+        inf = inference.load(_CKPT.value, _LEVEL.value, _DTYPE.value)
+        seq_len = _SEQ_LEN.value or inf.model.cfg.max_len
+        need = max(_BATCH.value, 1) * max(_NUM_BATCHES.value, 1) * (seq_len + 1)
+        tokens = inference.text_tokens(inf.tokenizer, _DATA.value, need)
+        result = inference.evaluate(inf, tokens, _BATCH.value, seq_len, _NUM_BATCHES.value)
+    sys.stdout.write(json.dumps({"level": inf.level, **result}) + "\n")
+
+
+if __name__ == "__main__":
+    cli.run(main)

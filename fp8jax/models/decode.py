@@ -1,0 +1,82 @@
+"""Key/value cache for autoregressive decoding: prefill a prompt batch once, then one token a step.
+
+Shape suffixes: B batch, L tokens in this call, M cache slots (the longest sequence decoded),
+N query heads, K key/value heads, H head dim, V vocabulary.
+
+The cache is the ``cache`` collection: per attention layer ``k`` and ``v`` of [B, M, K, H]
+(with ``model.scan_layers``, one stacked [layers, B, M, K, H] pair). ``Attention`` switches to
+the cached path when that collection is mutable, so training and evaluation never see it.
+
+Each row of the batch has its own positions: a call writes the new keys and values at
+``positions_BxL`` and each query attends to the slots at or before its own position. Prompts of
+different lengths are right-padded; a pad's slot lies after its row's last prompt token, so it
+is never attended to before the row's decoded token overwrites it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+CACHE = "cache"  # the variable collection of the key/value cache
+
+
+class KVCache(nn.Module):
+    """Writes a call's keys/values into the cache; attends its queries to the cached ones."""
+
+    @nn.compact
+    def __call__(
+        self,
+        q_BxLxNxH: jax.Array,
+        k_BxLxKxH: jax.Array,
+        v_BxLxKxH: jax.Array,
+        positions_BxL: jax.Array,
+    ) -> jax.Array:
+        # The slots are created on the sizing call (``init_cache``), whose L is the cache's M.
+        cache_k = self.variable(CACHE, "k", jnp.zeros, k_BxLxKxH.shape, k_BxLxKxH.dtype)
+        cache_v = self.variable(CACHE, "v", jnp.zeros, v_BxLxKxH.shape, v_BxLxKxH.dtype)
+        rows_Bx1 = jnp.arange(q_BxLxNxH.shape[0])[:, None]
+        # A position past the cache (a finished row's) is dropped, not clamped onto a slot.
+        cache_k.value = cache_k.value.at[rows_Bx1, positions_BxL].set(k_BxLxKxH, mode="drop")
+        cache_v.value = cache_v.value.at[rows_Bx1, positions_BxL].set(v_BxLxKxH, mode="drop")
+        slots_M = jnp.arange(cache_k.value.shape[1])
+        mask_Bx1xLxM = (slots_M[None, None, :] <= positions_BxL[:, :, None])[:, None]
+        # XLA's attention: it takes an explicit mask and grouped-query heads on every platform.
+        return jax.nn.dot_product_attention(
+            q_BxLxNxH, cache_k.value, cache_v.value, mask=mask_Bx1xLxM, implementation="xla"
+        )
+
+
+def decoding(module: nn.Module) -> bool:
+    """Whether ``module`` runs the cached path (the ``cache`` collection is mutable)."""
+    return module.is_mutable_collection(CACHE) and not module.is_initializing()
+
+
+def init_cache(model: nn.Module, variables: dict, batch: int, length: int) -> dict:
+    """An empty cache (zeros) of ``length`` slots for ``batch`` rows, matching ``model``'s layers.
+
+    Runs the model abstractly on a [batch, length] input, which sizes every layer's slots; call
+    inside a jitted function so the zeros are made on the device, never transferred.
+    """
+    tokens_BxM = jnp.zeros((batch, length), jnp.int32)
+    positions_BxM = jnp.broadcast_to(jnp.arange(length), (batch, length))
+
+    def sizing():
+        _, cache = model.apply(variables, tokens_BxM, positions_BxM, mutable=[CACHE])
+        return cache[CACHE]
+
+    shapes = jax.eval_shape(sizing)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def step(model: nn.Module, variables: dict, cache: dict, tokens_BxL, positions_BxL):
+    """``(logits_BxLxV f32, cache)``: run ``tokens_BxL`` at ``positions_BxL`` against ``cache``.
+
+    ``variables`` hold the params and the FP8 state; the FP8 state is read (its delayed scales
+    used as stored) and never written, since only the cache is mutable.
+    """
+    logits_BxLxV, mutated = model.apply(
+        {**variables, CACHE: cache}, tokens_BxL, positions_BxL, mutable=[CACHE]
+    )
+    return logits_BxLxV, mutated[CACHE]

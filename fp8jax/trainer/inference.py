@@ -1,0 +1,173 @@
+"""A checkpoint ready to run without training: model, params, FP8 scales, tokenizer; its loss.
+
+``load`` reads a Hugging Face dir or an fp8jax work dir (through ``fp8jax.hf.load``) and, for
+a work dir trained at O1+, the FP8 state of its latest checkpoint: decoding at O1 then runs the
+model's FP8 matmuls with the delayed scales training left there. Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from fp8jax import errors, models
+from fp8jax.nn.state import FP8
+from fp8jax.ops import scaling
+from fp8jax.trainer import corpus as corpus_lib
+from fp8jax.trainer import data as data_lib
+from fp8jax.trainer import provenance
+from fp8jax.trainer import step as step_lib
+
+LEVELS = ("O0", "O1")  # O2/O3 differ from O1 only in what training stores
+# Training fields the params and FP8 state layout depend on, taken from a work dir's record.
+LAYOUT_FIELDS = ("scan_layers", "fused_qkv", "fp8_lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inference:
+    """What generation and evaluation need: the model, its params and FP8 state (empty at
+    O0), the tokenizer, and the level the model runs at."""
+
+    model: models.Transformer
+    params: Any
+    fp8_state: Any
+    tokenizer: Any
+    level: str
+
+
+def load(path: str, level: str | None = None, dtype: str = "float32") -> Inference:
+    """The checkpoint at ``path`` (HF dir or work dir) at ``level`` ('O0', 'O1'; None: O1 if
+    the checkpoint holds trained FP8 scales, else O0), computing in ``dtype``.
+
+    O1 on a checkpoint without scales (O0 work dir, HF dir) scales each FP8 operand by its own
+    amax at every call (current scaling), since there are no trained ones to use.
+    """
+    from fp8jax import hf  # the Hugging Face readers, only when a checkpoint is read
+
+    if level is not None:
+        errors.check_choice(level, LEVELS, "--level")
+    errors.check_choice(dtype, ("float32", "bfloat16", "float16"), "--dtype")
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise errors.CheckpointError(f"--ckpt {str(path)!r} is not a directory: pass a work dir "
+                                     "or a Hugging Face model dir")  # fmt: skip
+    record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
+    layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
+    base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
+    loaded = hf.load(path, base)
+    stored = restore_fp8_state(path, loaded.model_cfg) if (path / "checkpoints").is_dir() else None
+    level = level or ("O1" if stored is not None else "O0")
+    cfg, fp8 = loaded.model_cfg, {}
+    if level == "O1":
+        recipe = scaling.DelayedScaling(history_len=stored[0]) if stored else None
+        if recipe is None:
+            logging.warning("%s holds no trained FP8 scales: O1 scales every operand by its "
+                            "own amax (current scaling)", path)  # fmt: skip
+            recipe = scaling.CurrentScaling()
+        cfg = dataclasses.replace(cfg, recipe=recipe)
+        fp8 = stored[1] if stored else fresh_fp8_state(cfg)
+    params = jax.tree.map(jnp.asarray, loaded.params)
+    return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level)
+
+
+def _abstract_fp8(model_cfg: models.ModelConfig):
+    model = models.build_model(model_cfg)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens).get(FP8, {})
+
+
+def fresh_fp8_state(model_cfg: models.ModelConfig):
+    """The FP8 state a fresh model starts with (scale 1, empty histories)."""
+    return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), _abstract_fp8(model_cfg))
+
+
+def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig):
+    """``(history_len, fp8_state)`` of the work dir's latest checkpoint, or None at O0."""
+    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
+    from etils import epath
+
+    from fp8jax.hf import workdir as workdir_lib
+
+    state_dir = workdir_lib.latest_step_dir(workdir) / "state"
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree.get("fp8")
+    except Exception as e:  # orbax raises many types for unreadable metadata
+        raise errors.CheckpointError(f"cannot read the checkpoint in {state_dir} ({e})") from e
+    if not saved:
+        return None
+    histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
+    history_len = max(histories) - 1  # amax_history holds history_len + 1 slots
+    cfg = dataclasses.replace(model_cfg, recipe=scaling.DelayedScaling(history_len=history_len))
+    target = _abstract_fp8(cfg)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    item = {"fp8": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(epath.Path(state_dir), args=args)["fp8"]
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        raise errors.CheckpointError(f"checkpoint {state_dir} is unreadable ({reason})") from e
+
+    def take(key_path, like):
+        node = restored
+        for k in key_path:
+            name = getattr(k, "key", getattr(k, "name", None))
+            if not isinstance(node, dict) or name not in node:
+                raise errors.CheckpointMismatchError(
+                    f"{state_dir} holds no FP8 state {jax.tree_util.keystr(key_path)} the "
+                    "model needs: its fp8_lm_head or layout differs from the recorded model"
+                )
+            node = node[name]
+        return jnp.asarray(node, like.dtype).reshape(like.shape)
+
+    return history_len, jax.tree_util.tree_map_with_path(take, target)
+
+
+def text_tokens(tokenizer, path: str, limit: int) -> np.ndarray:
+    """The first ``limit`` token ids of the text at ``path`` (a file, a folder of .txt, a
+    .jsonl with 'text'), encoded as the trainer encodes its corpus: EOS after each document."""
+    with errors.reraise_as(errors.DataError, ValueError, OSError):
+        files, desc = corpus_lib.source_files(path)
+        ids: list[int] = []
+        doc_tokens = 0
+        for text, ends_doc in corpus_lib.pieces(files):
+            (piece,) = tokenizer.encode_batch([text])  # as the trainer's encoder calls it
+            ids.extend(piece)
+            doc_tokens += len(piece)
+            if ends_doc and doc_tokens:  # empty documents get no separator either
+                ids.append(tokenizer.eos_id)
+                doc_tokens = 0
+            if len(ids) >= limit:
+                break
+    if not ids:
+        raise errors.DataError(f"no text found in {desc}: pass a file or folder holding text")
+    return np.asarray(ids[:limit], np.int32)
+
+
+def evaluate(inf: Inference, tokens: np.ndarray, batch_size: int, seq_len: int,
+             num_batches: int) -> dict:  # fmt: skip
+    """Mean loss and perplexity over consecutive windows of ``tokens`` (the trainer's
+    validation batches: ``data.Dataset.eval_batches``), with the model at ``inf.level``."""
+    errors.check_int(batch_size, "batch_size", 1)
+    errors.check_int(seq_len, "seq_len", 1, inf.model.cfg.max_len)
+    errors.check_int(num_batches, "num_batches", 1)
+    dataset = data_lib.Dataset(inf.tokenizer, tokens[:0], tokens, batch_size=batch_size,
+                               seq_len=seq_len)  # fmt: skip
+    with errors.reraise_as(errors.DataError, ValueError):
+        batches = dataset.eval_batches(num_batches)
+    zero = jnp.zeros((), jnp.int32)
+    state = step_lib.TrainState(zero, inf.params, None, inf.fp8_state, zero, zero)
+    eval_step = jax.jit(step_lib.make_eval_step(inf.model))
+    losses = [float(eval_step(state, jax.tree.map(jnp.asarray, b))) for b in batches]
+    loss = float(np.mean(losses))
+    return {"loss": loss, "perplexity": float(math.exp(min(loss, 50.0))), "batches": len(losses),
+            "tokens": len(losses) * batch_size * seq_len}  # fmt: skip

@@ -1,0 +1,346 @@
+"""KV-cache decoding against full recomputation, sampling filters, compile counts, the CLIs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import errors, models
+from fp8jax.models import decode
+from fp8jax.trainer import generate, sampling, spec
+from fp8jax.trainer import loop as train_lib
+
+VOCAB, MAX_LEN = 300, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles():
+    """Most XLA optimisations off: compiles dominate here, and every check is numerical."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def model_cfg(style="llama", level="O0", **model) -> models.ModelConfig:
+    """A tiny f32 model of ``style`` (configs/tiny.py's fields, smaller)."""
+    config = train_lib.load_config("tiny", style)
+    config.fp8.level, config.seq_len = level, 16
+    sizes = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, d_ff=64)
+    config.model.update(dict(sizes, vocab_size=VOCAB, max_len=MAX_LEN, **model))
+    return spec.parse(config).model
+
+
+def build(cfg, seed=0):
+    """The model and its variables (params, and the FP8 state at O1)."""
+    model = models.build_model(cfg)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32))
+    return model, variables
+
+
+@functools.lru_cache
+def jitted_apply(model):
+    """``model.apply``, jitted once per model."""
+    return jax.jit(model.apply)
+
+
+def greedy_reference(model, variables, prompt, n):
+    """``n`` greedy tokens, each from a full forward pass over the whole sequence so far.
+
+    The sequence sits in a fixed [1, MAX_LEN] buffer (one compile): the model is causal, so
+    the tokens after it change nothing at its last position.
+    """
+    apply = jitted_apply(model)
+    buf = np.zeros((1, MAX_LEN), np.int32)
+    buf[0, : len(prompt)] = prompt
+    for i in range(len(prompt), len(prompt) + n):
+        buf[0, i] = int(jnp.argmax(apply(variables, jnp.asarray(buf))[0, i - 1]))
+    return buf[0, len(prompt) : len(prompt) + n].tolist()
+
+
+CASES = {
+    "gpt-scan": dict(style="gpt", scan_layers=True),
+    "llama-scan-gqa": dict(style="llama", scan_layers=True, num_kv_heads=2),
+    "llama-unrolled-mqa": dict(style="llama", scan_layers=False, num_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cached_logits_equal_full_recompute(case):
+    """Prefill right-padded prompts of unequal lengths, then decode one token per row and step:
+    every logit equals the full forward pass over that row's own sequence (f32)."""
+    model, variables = build(model_cfg(**CASES[case]))
+    lengths, steps = [3, 7], 6
+    seqs = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (2, 7 + steps), 0, VOCAB))
+    apply, step = jitted_apply(model), jax.jit(functools.partial(decode.step, model))
+    # Causal: a row's logits at its first n + steps positions are those of its own sequence.
+    full_BxLxV = apply(variables, jnp.asarray(seqs))
+    scale = float(jnp.abs(full_BxLxV).max())
+    tol = 1e-5 * scale  # f32 sums in another order; a wrong position or mask is O(scale)
+    cache = decode.init_cache(model, variables, 2, 16)
+    prompt_Bx8 = np.where(np.arange(8) < np.asarray(lengths)[:, None], seqs[:, :8], 0)
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    logits, cache = step(variables, cache, jnp.asarray(prompt_Bx8), positions)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(logits[i, :n], full_BxLxV[i, :n], atol=tol, rtol=0)
+    for t in range(steps):
+        pos_Bx1 = jnp.asarray(lengths)[:, None] + t
+        toks_Bx1 = jnp.asarray([[seqs[i, n + t]] for i, n in enumerate(lengths)])
+        logits, cache = step(variables, cache, toks_Bx1, pos_Bx1)
+        for i, n in enumerate(lengths):
+            np.testing.assert_allclose(logits[i, 0], full_BxLxV[i, n + t], atol=tol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny GQA LLaMA (scanned) and its variables, shared by the generation tests."""
+    return build(model_cfg("llama", scan_layers=True, num_kv_heads=2))
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
+
+
+def test_greedy_generation_equals_full_recompute_argmax(llama):
+    """Greedy tokens of a batch of unequal prompts equal a full-recompute argmax loop run on
+    each prompt alone, and generating one prompt alone gives the same tokens as in the batch."""
+    model, variables = llama
+    params, fp8 = variables["params"], variables.get("fp8_state", {})
+    out = generate.generate_ids(model, params, fp8, PROMPTS, 6)
+    for prompt, got in zip(PROMPTS, out, strict=True):
+        assert got == greedy_reference(model, variables, prompt, 6)
+    assert generate.generate_ids(model, params, fp8, PROMPTS[1:2], 6) == out[1:2]
+
+
+def test_eos_stops_a_row(llama):
+    """A row stops at its first EOS (left out of its output); the other rows go on."""
+    model, variables = llama
+    params = variables["params"]
+    free = generate.generate_ids(model, params, {}, PROMPTS, 6)
+    eos = free[0][2]  # the third token of row 0 becomes the stop token
+    out = generate.generate_ids(model, params, {}, PROMPTS, 6, eos_ids=[VOCAB - 1, eos])
+    for row, got in zip(free, out, strict=True):
+        cut = row.index(eos) if eos in row else len(row)
+        assert got == row[:cut]
+    assert len(out[0]) == 2
+
+
+def test_one_compile_for_many_tokens_prompts_and_settings(llama):
+    """Within a (batch, prompt, cache) bucket, more tokens, other prompts and other sampling
+    settings reuse the one compiled program: no backend compile at all on the later calls."""
+    model, variables = llama
+    params = variables["params"]
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    generate.decoder_for.cache_clear()  # a fresh decoder: its first call compiles
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        # Prompts of 9 to 16 tokens, and prompt + new tokens of 17 to 32: one bucket.
+        generate.generate_ids(model, params, {}, [[1, 2, 3, 4, 5, 6, 7, 8, 9]], 8)
+        decoder = generate.decoder_for(model.cfg, "fp8_state")
+        traces, first = decoder.traces, len(compiles)
+        again = sampling.Sampling(temperature=0.7, top_k=5, top_p=0.9, seed=3)
+        generate.generate_ids(model, params, {}, [[4] * 12], 12, again)
+        generate.generate_ids(model, params, {}, [[9, 8, 7, 6, 5, 4, 3, 2, 1, 0]], 7)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first >= 1 and len(compiles) == first, compiles
+    assert decoder.traces == traces
+
+
+def test_low_temperature_equals_greedy(llama):
+    """A temperature near 0 samples the argmax, whatever the seed."""
+    model, variables = llama
+    params = variables["params"]
+    greedy = generate.generate_ids(model, params, {}, PROMPTS, 5)
+    for seed in (0, 1):
+        cold = sampling.Sampling(temperature=1e-4, top_k=0, top_p=1.0, seed=seed)
+        assert generate.generate_ids(model, params, {}, PROMPTS, 5, cold) == greedy
+
+
+def draws(logits_V, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    """``n`` independent draws from one row of logits."""
+    logits_NxV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+    key = jax.random.PRNGKey(seed)
+    return np.asarray(_next_tokens(logits_NxV, key, temperature, top_k, top_p))
+
+
+_next_tokens = jax.jit(sampling.next_tokens)
+
+
+def test_top_k_never_outside_the_k_best():
+    logits_V = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (64,)))
+    got = draws(logits_V, 4000, temperature=2.0, top_k=5)
+    best = set(np.argsort(-logits_V)[:5].tolist())
+    assert set(got.tolist()) == best  # all five drawn, nothing else
+
+
+def test_top_p_never_outside_the_nucleus():
+    """probs (0.5, 0.3, 0.15, 0.05): p=0.7 keeps {0, 1} (0.5 < 0.7 <= 0.8), p=0.85 adds 2."""
+    logits_V = np.log([0.3, 0.05, 0.5, 0.15])  # shuffled: the mask must follow the sort
+    got = draws(logits_V, 4000, top_p=0.7)
+    assert set(got.tolist()) == {0, 2}
+    # Renormalised over the nucleus: 0.5 / 0.8 of the draws are token 2.
+    assert abs(np.mean(got == 2) - 0.625) < 0.03
+    assert set(draws(logits_V, 4000, top_p=0.85).tolist()) == {0, 2, 3}
+    assert set(draws(logits_V, 4000, top_p=1.0).tolist()) == {0, 1, 2, 3}
+    assert set(draws(logits_V, 100, top_p=0.1).tolist()) == {2}  # the top token always
+
+
+def test_temperature_zero_is_argmax():
+    logits_BxV = jax.random.normal(jax.random.PRNGKey(2), (16, 50))
+    got = sampling.next_tokens(logits_BxV, jax.random.PRNGKey(0), 0.0, 3, 0.5)
+    np.testing.assert_array_equal(got, jnp.argmax(logits_BxV, -1))
+
+
+def test_o1_decoding_reads_the_stored_scales_and_keeps_them():
+    """At O1 the cached logits equal the full pass under the same stored scales; other stored
+    scales change them (they are read), and decoding returns only the cache (never a new
+    FP8 state)."""
+    cfg = model_cfg("gpt", level="O1", scan_layers=True, cast_kernel="xla")
+    model, variables = build(cfg)
+    # Scales as a trained run leaves them: from the amax of a forward pass.
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, VOCAB)
+    _, mutated = jax.jit(functools.partial(model.apply, mutable=["fp8_state"]))(variables, tokens)
+    fp8 = jax.tree.map(
+        lambda m: m.replace(x=scaling_commit(m.x), w=scaling_commit(m.w)),
+        mutated["fp8_state"],
+        is_leaf=lambda m: hasattr(m, "dy"),
+    )
+    trained = {"params": variables["params"], "fp8_state": fp8}
+    full = jitted_apply(model)(trained, tokens)
+    step = jax.jit(functools.partial(decode.step, model))
+    cache = decode.init_cache(model, trained, 2, 16)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    cached, cache = step(trained, cache, tokens, positions)
+    np.testing.assert_allclose(cached, full, atol=1e-5 * float(jnp.abs(full).max()), rtol=0)
+    halved = jax.tree.map(lambda m: m.replace(x=m.x.replace(scale=m.x.scale / 3)), fp8,
+                          is_leaf=lambda m: hasattr(m, "dy"))  # fmt: skip
+    other, _ = step({**trained, "fp8_state": halved}, decode.init_cache(model, trained, 2, 16),
+                    tokens, positions)  # fmt: skip
+    assert float(jnp.abs(other - cached).max()) > 1e-3 * float(jnp.abs(full).max())
+    assert set(cache) <= {"blocks"}  # the cache tree only
+
+
+def scaling_commit(state):
+    """Roll the pending amax into the scale, as a train step's commit does."""
+    from fp8jax.ops import scaling as scaling_ops
+
+    return scaling_ops.commit(state)
+
+
+def test_prompt_longer_than_the_context_is_one_line(llama):
+    model, variables = llama
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"prompt 1 has 30 tokens and max_new_tokens is 5.*context of 32.*at most 27",
+    ):
+        generate.generate_ids(model, variables["params"], {}, [[1], [2] * 30], 5)
+    with pytest.raises(errors.ConfigError, match="top_p=1.5"):
+        sampling.Sampling(temperature=1.0, top_k=0, top_p=1.5, seed=0)
+    with pytest.raises(errors.ConfigError, match="outside"):
+        generate.generate_ids(model, variables["params"], {}, [[VOCAB]], 2)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A 3-step O1 GPT run of configs/tiny.py (shrunk) and its corpus."""
+    import gzip
+
+    from fp8jax.trainer import corpus as corpus_lib
+
+    from fp8_testing import with_overrides
+
+    root = tmp_path_factory.mktemp("gen")
+    corpus = root / "corpus.txt"
+    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+    corpus.write_text(text[:60_000])
+    small = {"model.d_model": 64, "model.num_heads": 2, "model.num_kv_heads": 2,
+             "model.d_ff": 128, "model.vocab_size": 320, "model.max_len": 32, "seq_len": 32,
+             "batch_size": 4, "num_train_steps": 3, "warmup_steps": 1, "eval_batches": 1,
+             "sample_tokens": 4, "compilation_cache_dir": "", "data.path": str(corpus)}  # fmt: skip
+    config = with_overrides(train_lib.load_config("tiny"), small)
+    train_lib.train_and_evaluate(config, str(root / "wd"))
+    return root / "wd", corpus, config
+
+
+def file_hashes(root):
+    import hashlib
+
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def test_evaluate_equals_the_trainers_eval_and_changes_nothing(workdir):
+    """The O1 loss of the loaded checkpoint (its stored FP8 scales) equals the trainer's eval
+    step on the trainer's own validation batches, restored the trainer's way."""
+    from fp8jax.trainer import checkpoint, data, inference
+
+    wd, _, config = workdir
+    before = file_hashes(wd)
+    run = spec.parse(config)
+    env = train_lib.setup(run)
+    ckpt = checkpoint.Checkpointer(str(wd))
+    state, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
+    ckpt.close()
+    dataset = data.build(run, str(wd))
+    trainer = generate.evaluate(env.eval_step, state, dataset.eval_batches(2), env.batch_sharding)
+    inf = inference.load(str(wd))
+    assert inf.level == "O1"
+    ours = inference.evaluate(inf, np.asarray(dataset.val_tokens), 4, 32, 2)
+    assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)
+    o0 = inference.evaluate(inference.load(str(wd), "O0"), np.asarray(dataset.val_tokens), 4, 32, 2)
+    assert o0["loss"] != ours["loss"]  # O1 really ran FP8 matmuls
+    assert file_hashes(wd) == before
+
+
+def run_cli(module, *args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_command_lines_print_and_change_nothing(workdir):
+    wd, corpus, _ = workdir
+    before = file_hashes(wd)
+    sampled = ["--max_new_tokens=5", "--temperature=0.8", "--top_k=20", "--top_p=0.9"]
+    gen = run_cli("fp8jax.generate", f"--ckpt={wd}", "--prompt=It is", "--prompt=Mr", *sampled)
+    assert gen.returncode == 0, gen.stderr
+    lines = gen.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("It is") and lines[1].startswith("Mr")
+    ev = run_cli("fp8jax.evaluate", f"--ckpt={wd}", f"--data={corpus}", "--num_batches=2")
+    assert ev.returncode == 0, ev.stderr
+    import json
+
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["level"] == "O1" and result["batches"] == 2 and np.isfinite(result["loss"])
+    assert file_hashes(wd) == before
+
+
+@pytest.mark.parametrize(
+    "module,args,message",
+    [
+        ("fp8jax.generate", ["--prompt=" + "x " * 40, "--max_new_tokens=8"], "context of 32"),
+        ("fp8jax.generate", ["--prompt=a", "--top_p=2"], "top_p=2.0"),
+        ("fp8jax.generate", ["--prompt=a", "--level=O7"], "--level"),
+        ("fp8jax.evaluate", ["--data=/nonexistent/x.txt"], "does not exist"),
+    ],
+)
+def test_command_line_bad_input_is_one_line(workdir, module, args, message):
+    wd, _, _ = workdir
+    before = file_hashes(wd)
+    out = run_cli(module, f"--ckpt={wd}", *args)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert file_hashes(wd) == before

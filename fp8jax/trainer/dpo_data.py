@@ -52,10 +52,11 @@ def novel_pairs(num_pairs: int = 512, passage_words: int = 40, seed: int = 0) ->
 
 
 def _is_messages(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
+    def ok(message) -> bool:
+        strings = lambda: all(isinstance(message.get(k), str) for k in ("role", "content"))
+        return isinstance(message, dict) and strings()
+
+    return isinstance(value, list) and all(ok(message) for message in value)
 
 
 def check_pair(record, where: str) -> str:

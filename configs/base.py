@@ -78,14 +78,16 @@ def get_config() -> ml_collections.ConfigDict:
     # 'text': pre-training on a corpus; 'sft': supervised fine-tuning on .jsonl examples, each
     # {"messages": [{"role", "content"}, ...]} (loss on the assistant turns; needs a tokenizer
     # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
-    # ('dpo', preference pairs, is reserved for a later format).
-    d.format = "text"  # what data.path holds: 'text' or 'sft'
+    # 'dpo': preference tuning on .jsonl pairs {"prompt", "chosen", "rejected"} (strings, or
+    # lists of messages under the chat template), the DPO loss of section dpo below.
+    d.format = "text"  # what data.path holds: 'text', 'sft' or 'dpo'
     # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
-    # sft: a .jsonl file or a folder of them; '' = the novel task built from the shipped corpus.
+    # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
     d.path = ""  # the data file or folder (see above)
-    d.val_fraction = 0.05  # share held out for validation: of tokens (text), of examples (sft)
+    d.val_fraction = 0.05  # share held out for validation: of tokens, examples (sft) or pairs
     # sft: True concatenates examples into rows of seq_len tokens (positions restart and
-    # attention stays within each example); False puts one example per row, padded.
+    # attention stays within each example); False puts one example per row, padded (dpo: False
+    # is required, each pair a (chosen, rejected) row pair).
     d.packing = True  # sft: pack several examples per row
     # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
     d.overlong = "drop"  # sft: what happens to an example longer than a row
@@ -94,6 +96,14 @@ def get_config() -> ml_collections.ConfigDict:
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).
     d.allow_corpus_change = False  # continue a checkpointed run on changed data (see above)
+
+    # --- preference tuning (data.format='dpo') ---
+    # The policy starts from init_from (or a random init) and a frozen copy of it, the
+    # reference, stays in the train state. Implicit reward r = beta * (log pi - log pi_ref) of a
+    # response (summed over its tokens); loss -log sigmoid(r_chosen - r_rejected) per pair.
+    c.dpo = dpo = ml_collections.ConfigDict()
+    dpo.beta = 0.1  # reward scale: larger keeps the policy closer to the reference
+    dpo.label_smoothing = 0.0  # assumed share of flipped preference labels (0 = standard DPO)
 
     # --- optimisation ---
     c.batch_size = 16  # sequences per optimizer step (global)

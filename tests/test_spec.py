@@ -69,6 +69,8 @@ CHANGES = {
     "data.val_fraction": (0.1, {"data"}),
     "data.tokenizer_min_frequency": (3, {"data"}),
     "data.allow_corpus_change": (True, {"data"}),
+    "dpo.beta": (0.5, {"dpo"}),
+    "dpo.label_smoothing": (0.1, {"dpo"}),
     "batch_size": (32, {"optim"}),
     "seq_len": (32, {"optim"}),
     "grad_accum_steps": (2, {"optim"}),
@@ -221,7 +223,8 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    checks = ("parse", "_fp8_and_model", "_optim", "_loop", "_data", "_mesh", "_comm")
+    checks = ("parse", "_fp8_and_model", "_optim", "_loop", "parse_data", "parse_dpo", "_mesh",
+              "_comm")  # fmt: skip
     env_checks = ("check_corpus", "check_environment")
     for name in checks:
         counted(spec, name)

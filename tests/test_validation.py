@@ -71,6 +71,8 @@ BAD = {
     "data.val_fraction": [0.0, 1.0, NAN],
     "data.tokenizer_min_frequency": [-1, 1.5],
     "data.allow_corpus_change": ["yes", 1],
+    "dpo.beta": [0.0, -1.0, INF, "0.1"],
+    "dpo.label_smoothing": [-0.1, 0.5, NAN],
     "batch_size": [0],
     "seq_len": [0, 65],  # 65: longer than model.max_len
     "grad_accum_steps": [0, 3],  # 3: does not divide batch_size
@@ -124,6 +126,7 @@ EDGES = {
     "fp8.margin": -4,
     "data.val_fraction": 0.5,
     "data.tokenizer_min_frequency": 0,
+    "dpo.label_smoothing": 0.0,
     "model.vocab_size": 257,
     "model.attention_impl": "",
     "mesh.data": 1,

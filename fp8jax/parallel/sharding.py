@@ -268,4 +268,6 @@ def state_shardings(model, abstract_state, mesh: Mesh):
         bad_steps=rep,
         skipped=rep,
         comm=jax.tree.map(lambda _: rep, getattr(abstract_state, "comm", {})),
+        # DPO's frozen reference: its params sharded like the policy's, its FP8 state replicated.
+        ref=_shard_like_params(getattr(abstract_state, "ref", {}), spec_by_path, mesh),
     )

@@ -13,7 +13,8 @@ from fp8jax import errors
 from fp8jax.errors import ConfigError
 from fp8jax.models.config import ModelConfig
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer.spec import DATA_FIX, RunSpec
+from fp8jax.trainer.data_spec import DATA_FIX
+from fp8jax.trainer.spec import RunSpec
 
 
 def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> Mesh:
@@ -39,10 +40,12 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
         )
     o = run.optim
     replicas = mesh.shape["data"] * mesh.shape["fsdp"] * o.grad_accum_steps
+    replicas *= 2 if run.data.format == "dpo" else 1  # DPO: whole (chosen, rejected) row pairs
     if o.batch_size % replicas:
         raise ConfigError(
-            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps "
-            f"= {replicas}: use a multiple of {replicas} or change config.mesh"
+            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps"
+            f"{' x 2 (DPO pairs)' if run.data.format == 'dpo' else ''} = {replicas}: use a "
+            f"multiple of {replicas} or change config.mesh"
         )
     return mesh
 

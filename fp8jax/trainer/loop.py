@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from fp8jax import errors, models
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import environment, generate, provenance, spec
+from fp8jax.trainer import dpo, environment, generate, provenance, spec
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
@@ -110,12 +110,12 @@ class Setup:
     mesh: Mesh
     model: models.Transformer
     tx: Any  # optax.GradientTransformation
-    init: Any  # jitted rng -> TrainState, sharded
+    init: Any  # jitted (rng, params=None) -> TrainState, sharded (params: given weights)
     abstract: step_lib.TrainState  # ShapeDtypeStructs of the state
     state_shardings: step_lib.TrainState  # a NamedSharding per state leaf
     batch_sharding: Any  # NamedSharding of a batch's leaves
     train_step: Any  # jitted (state, batch) -> (state, metrics)
-    eval_step: Any  # jitted (state, batch) -> loss
+    eval_step: Any  # jitted (state, batch) -> loss (DPO: dict of pair sums)
     stats_step: Any  # jitted (state, batch) -> per-layer FP8 health
 
 
@@ -131,17 +131,20 @@ def setup(run: RunSpec, devices=None, donate: bool = True) -> Setup:
     run = partitionable(run, mesh)
     model = models.build_model(run.model)
     tx = step_lib.make_optimizer(run)
-    init_fn = functools.partial(step_lib.init_state, model, tx, run)
+    steps = dpo if run.data.format == "dpo" else step_lib  # DPO: with the frozen reference
+    init_fn = functools.partial(steps.init_state, model, tx, run)
     abstract = jax.eval_shape(init_fn, jax.random.PRNGKey(run.seed))
     state_sh = sharding_lib.state_shardings(model, abstract, mesh)
     batch_sh = sharding_lib.batch_sharding(mesh)
     train_step = jax.jit(
-        step_lib.make_train_step(model, tx, run, mesh=mesh),
+        steps.make_train_step(model, tx, run, mesh=mesh),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding_lib.replicated(mesh)),
         donate_argnums=0 if donate else (),
     )
-    eval_step = jax.jit(step_lib.make_eval_step(model, mesh), in_shardings=(state_sh, batch_sh))
+    eval_fn = (dpo.make_eval_step(model, mesh, run.dpo) if steps is dpo
+               else step_lib.make_eval_step(model, mesh))  # fmt: skip
+    eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh))
     return Setup(
         run=run,
         mesh=mesh,
@@ -161,7 +164,7 @@ def abstract_batch(run: RunSpec, batch_size: int | None = None) -> dict:
     """ShapeDtypeStructs of one training batch (fine-tuning: with weights, positions, segments)."""
     shape = (batch_size or run.optim.batch_size, run.optim.seq_len)
     struct = jax.ShapeDtypeStruct(shape, jnp.int32)
-    if run.data.format == "sft":
+    if run.data.format in ("sft", "dpo"):
         weights = jax.ShapeDtypeStruct(shape, jnp.float32)
         return dict(inputs=struct, targets=struct, weights=weights, positions=struct,
                     segment_ids=struct)  # fmt: skip
@@ -232,6 +235,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
         with errors.reraise_as(errors.DataError, ValueError, OSError):
             if run.data.format == "sft":
                 from fp8jax.trainer import sft_data as data_lib
+            elif run.data.format == "dpo":
+                from fp8jax.trainer import dpo_data as data_lib
             else:  # here: setup() must not need grain
                 from fp8jax.trainer import data as data_lib
 
@@ -314,8 +319,7 @@ def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None):
     rng = jax.random.PRNGKey(env.run.seed)
     if step is None and params is not None:
         logging.info("initialising from the weights of %s", env.run.init_from)
-        init = functools.partial(step_lib.init_state, env.model, env.tx, env.run)
-        return jax.jit(init, out_shardings=env.state_shardings)(rng, params), 0
+        return env.init(rng, params), 0
     if step is None:
         n = sum(x.size for x in jax.tree.leaves(env.abstract.params))
         logging.info("initialising %.4g M parameters (seed %d)", n / 1e6, env.run.seed)
@@ -365,8 +369,8 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
                 guard.check(step, metrics)
             if step % loop.eval_every_steps == 0 or last:
                 log.first("evaluation: compiling the eval step")
-                log.eval(step, generate.evaluate(env.eval_step, state, eval_batches,
-                                                 env.batch_sharding))  # fmt: skip
+                evaluate = dpo.evaluate if run.data.format == "dpo" else generate.evaluate
+                log.eval(step, evaluate(env.eval_step, state, eval_batches, env.batch_sharding))
             if run.fp8.level.fp8_gemms and step % loop.fp8_stats_every_steps == 0:
                 log.first("FP8 health pass: compiling the stats step")
                 stats = env.stats_step(state, batch)

@@ -7,6 +7,12 @@ global batch. The train step hands each micro-batch ``1 / sum(w)`` of the global
 scale, so micro-batches and data-parallel replicas add up to the global weighted mean whatever
 their token counts (a mean of per-micro-batch means would weight a short micro-batch's tokens
 more).
+
+A preference batch (fp8jax.trainer.dpo) is a fine-tuning batch whose rows are pairs (chosen,
+rejected) of one prompt, weights on the response tokens only; the DPO step adds the frozen
+reference's sequence log-probs of each row (``ref_logps``) and DPO's beta and label smoothing
+(per row, all equal). Its loss is DPO's, summed over the pairs; the step's scale is 1/pairs of
+the global batch, so micro-batches and replicas again add up to the global mean.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import jax.numpy as jnp
 import optax
 
 WEIGHTS = "weights"  # the batch key of the per-target loss weights
+REF_LOGPS, BETA, SMOOTHING = "ref_logps", "dpo_beta", "dpo_label_smoothing"  # preference keys
+PAIR_STATS = ("reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp")  # pair sums
 MODEL_KEYS = {"positions": "positions_BxL", "segment_ids": "segment_ids_BxL"}  # batch -> model
 
 
@@ -60,5 +68,60 @@ def weighted_ce(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:
 
 
 def scale(batch, replicas: int):
-    """Each replica's loss scale: 1/N of its mean, or 1/sum(w) of the global weighted batch."""
+    """Each replica's loss scale: 1/N of its mean, 1/sum(w) of the global weighted batch, or
+    1/pairs of the global preference batch."""
+    if is_preference(batch):
+        return 1.0 / jnp.maximum(jnp.sum(pair_mask(batch[WEIGHTS])), 1.0)
     return 1.0 / weight_total(batch[WEIGHTS]) if is_weighted(batch) else 1.0 / replicas
+
+
+def is_preference(batch) -> bool:
+    """Whether ``batch`` is a DPO batch of (chosen, rejected) row pairs with reference log-probs."""
+    return REF_LOGPS in batch
+
+
+def sequence_logps(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:
+    """Each row's summed log-probability of its weighted targets (the response), float32 [B]."""
+    losses_BxL = token_cross_entropy(logits_BxLxV, targets_BxL)
+    return -jnp.sum(losses_BxL * weights_BxL.astype(jnp.float32), axis=-1)
+
+
+def pair_mask(weights_BxL) -> jax.Array:
+    """1.0 for each (chosen, rejected) row pair with a response token, 0.0 for padding [B/2]."""
+    has_tokens_B = jnp.sum(weights_BxL.astype(jnp.float32), axis=-1) > 0
+    return has_tokens_B.reshape(-1, 2)[:, 0].astype(jnp.float32)
+
+
+def dpo_sums(policy_B, ref_B, mask_P, beta, label_smoothing=0.0) -> dict:
+    """DPO's loss and pair statistics, each summed over the real pairs (``mask_P``).
+
+    Rows alternate chosen, rejected. Implicit reward r = beta * (log pi - log pi_ref) of a
+    response; per pair the loss is -log sigmoid(r_c - r_r) (with label smoothing e:
+    -(1 - e) log sigmoid(d) - e log sigmoid(-d), the loss for labels flipped with chance e).
+    """
+    pi_Px2 = policy_B.astype(jnp.float32).reshape(-1, 2)
+    reward_Px2 = beta * (pi_Px2 - jax.lax.stop_gradient(ref_B).astype(jnp.float32).reshape(-1, 2))
+    d_P = reward_Px2[:, 0] - reward_Px2[:, 1]
+    loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(d_P)
+    loss_P -= label_smoothing * jax.nn.log_sigmoid(-d_P)
+    terms = dict(loss=loss_P, reward_accuracy=(d_P > 0).astype(jnp.float32), reward_margin=d_P,
+                 chosen_logp=pi_Px2[:, 0], rejected_logp=pi_Px2[:, 1])  # fmt: skip
+    return {k: jnp.sum(v * mask_P) for k, v in terms.items()}
+
+
+def batch_loss(logits_BxLxV, batch) -> dict:
+    """``{'loss': ...}`` of one micro-batch, as the train step sums it (times its scale):
+    the mean token CE, ``sum(w * ce)`` if weighted, DPO's pair sums (with ``PAIR_STATS``)."""
+    t = batch["targets"]
+    if is_preference(batch):
+        logps_B = sequence_logps(logits_BxLxV, t, batch[WEIGHTS])
+        beta, smoothing = batch[BETA][0], batch[SMOOTHING][0]
+        return dpo_sums(logps_B, batch[REF_LOGPS], pair_mask(batch[WEIGHTS]), beta, smoothing)
+    if is_weighted(batch):
+        return {"loss": weighted_ce(logits_BxLxV, t, batch[WEIGHTS])}
+    return {"loss": cross_entropy(logits_BxLxV, t)}
+
+
+def loss_keys(batch) -> tuple[str, ...]:
+    """The keys of :func:`batch_loss` for ``batch``."""
+    return ("loss", *PAIR_STATS) if is_preference(batch) else ("loss",)

@@ -68,8 +68,9 @@ def source_files(path: str) -> tuple[list[Path], str]:
     return files, f"folder {p} ({len(files)} files)"
 
 
-def read_records(files: list[Path]) -> list[tuple[dict, str]]:
-    """``(example, 'file:line')`` of every non-blank line; a malformed line is a DataError."""
+def read_records(files: list[Path], check=chat.check_record) -> list[tuple[dict, str]]:
+    """``(example, 'file:line')`` of every non-blank line; a malformed line is a DataError
+    (``check(record, where)`` raises it for a well-formed JSON line of the wrong shape)."""
     out = []
     for f in files:
         opener = gzip.open if f.name.endswith(".gz") else open
@@ -82,7 +83,7 @@ def read_records(files: list[Path]) -> list[tuple[dict, str]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-                chat.check_record(record, where)
+                check(record, where)
                 out.append((record, where))
     return out
 

@@ -21,12 +21,9 @@ from fp8jax.models.config import ModelConfig
 from fp8jax.ops import kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
 from fp8jax.parallel import comm as comm_lib
+from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 
 GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
-DATA_FORMATS = ("text", "sft")  # 'dpo' (preference pairs) is reserved for a later format
-OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
-
-DATA_FIX = "set config.data.path to a text file, a folder of .txt files or a .jsonl file"
 
 CommSpec = comm_lib.CommConfig  # FP8 gradient communication (``config.comm``)
 
@@ -46,19 +43,6 @@ class Fp8Spec:
     def storage(self) -> Storage:
         """What the train state stores for the matmul weights at this level."""
         return self.level.storage(self.m_format, self.v_format, self.master_format)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """``config.data``: the corpus and its split."""
-
-    format: str  # 'text' (corpus) or 'sft' (.jsonl fine-tuning examples)
-    path: str  # text: file, folder of .txt, or .jsonl; sft: .jsonl file(s); '' = shipped data
-    val_fraction: float  # share held out for validation: of tokens (text), of examples (sft)
-    packing: bool  # sft: several examples per row (False: one per row, padded)
-    overlong: str  # sft: 'drop' or 'truncate' an example longer than seq_len + 1 tokens
-    tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
-    allow_corpus_change: bool  # resume a checkpointed run on changed data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +97,7 @@ class RunSpec:
     model: ModelConfig
     fp8: Fp8Spec
     data: DataSpec
+    dpo: DpoSpec
     optim: OptimSpec
     loop: LoopSpec
     mesh: MeshSpec
@@ -158,7 +143,8 @@ def parse(config) -> RunSpec:
                 init_from=init_from,
                 model=model,
                 fp8=fp8,
-                data=_data(config.data),
+                data=(data := parse_data(config.data)),
+                dpo=parse_dpo(config.dpo, data, optim.batch_size, optim.grad_accum_steps),
                 optim=optim,
                 loop=loop,
                 mesh=mesh,
@@ -318,18 +304,6 @@ def _mesh(mesh) -> MeshSpec:
     for axis in ("data", "fsdp", "tensor"):
         check_int(mesh[axis], f"mesh.{axis}", 1, also=(-1,))
     return MeshSpec(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor)
-
-
-def _data(d) -> DataSpec:
-    if not isinstance(d.path, str):
-        raise ConfigError(f"config.data.path={d.path!r}: {DATA_FIX} ('' = the shipped corpus)")
-    check_number(d.val_fraction, "data.val_fraction", "(0, 1)")  # held-out and training tokens
-    check_choice(d.format, DATA_FORMATS, "data.format")
-    check_bool(d.packing, "data.packing")
-    check_choice(d.overlong, OVERLONG, "data.overlong")
-    check_int(d.tokenizer_min_frequency, "data.tokenizer_min_frequency", 0)
-    check_bool(d.allow_corpus_change, "data.allow_corpus_change")
-    return DataSpec(**{f.name: d[f.name] for f in dataclasses.fields(DataSpec)})
 
 
 def _comm(raw) -> CommSpec:

@@ -23,7 +23,7 @@ from fp8jax.optim import adam as optim
 from fp8jax.parallel import comm, gather
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer.loss import cross_entropy, is_weighted, model_kwargs
+from fp8jax.trainer.loss import batch_loss, cross_entropy, is_weighted, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -38,6 +38,7 @@ class TrainState:
     bad_steps: jax.Array  # [] int32, consecutive non-finite steps (update skipped)
     skipped: jax.Array  # [] int32, total skipped steps
     comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
+    ref: Any = struct.field(default_factory=dict)  # DPO: frozen reference {'params', 'fp8'}
 
 
 def _kernel_mask(params):
@@ -110,9 +111,8 @@ def init_state(model, tx, run: RunSpec, rng: jax.Array, params=None) -> TrainSta
 
 
 def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
-    """Loss, FP8 state after the forward pass, and grads of params and of the FP8 state.
-
-    ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
+    """Loss (``loss.batch_loss``'s dict), FP8 state after the forward, grads of params and FP8
+    state. ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
     """
     # ``weight`` scales the loss: 1/N for one of N replicas (their gradients sum to the global
     # batch's; dy's FP8 amax equals the unsharded one); weighted: 1/sum(w) of the global batch.
@@ -123,13 +123,11 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
             logits, mutated = model.apply(
                 {"params": p, coll: s}, batch["inputs"], **model_kwargs(batch), mutable=[FP8]
             )
-        t = batch["targets"]
-        ce = loss_lib.weighted_ce(logits, t, batch["weights"]) if is_weighted(batch) else None
-        return weight * (cross_entropy(logits, t) if ce is None else ce), mutated.get(FP8, {})
+        sums = {k: weight * v for k, v in batch_loss(logits, batch).items()}
+        return sums["loss"], (sums, mutated.get(FP8, {}))
 
-    (loss, fp8_fwd), (g_params, g_fp8) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, fp8
-    )
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (_, (loss, fp8_fwd)), (g_params, g_fp8) = grad_fn(params, fp8)
     if coll == FLAX_FP8:  # flax's convention: the "gradient" is the updated scale state
         return loss, g_fp8, g_params
     return loss, fp8_state.merge_grads(fp8_fwd, g_fp8), g_params
@@ -138,7 +136,7 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
 def _accumulate(
     model, params, fp8, batch, accum: int, weight=1.0, masters=None, sum_dtypes=None, wide=None
 ):
-    """(loss, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
+    """(loss dict, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
 
     ``sum_dtypes``: a tree like ``params`` of the gradients' dtypes (default: the params' own);
     fsdp's gathers hand kernels over in the compute dtype, whose gradients still come out in
@@ -162,19 +160,21 @@ def _accumulate(
         loss_sum, g_sum, fp8 = carry
         loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters)
         g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
-        return (loss_sum + loss, g_sum, fp8), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), g_sum, fp8), None
 
     zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
-    (loss, grads, fp8), _ = jax.lax.scan(body, (0.0, zeros, fp8), micro)
+    loss0 = {k: jnp.zeros((), jnp.float32) for k in loss_lib.loss_keys(batch)}
+    (loss, grads, fp8), _ = jax.lax.scan(body, (loss0, zeros, fp8), micro)
     # Weighted micro-batches are already scaled by the global 1/sum(w): they only add up.
     n = 1 if is_weighted(batch) else accum
     grads = jax.tree.map(lambda g, d: (g / n).astype(d), grads, sum_dtypes)
-    return loss / n, fp8, grads
+    return jax.tree.map(lambda x: x / n, loss), fp8, grads
 
 
 def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
     """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step."""
-    return _accumulate(model, params, fp8, batch, accum, loss_lib.scale(batch, 1), wide=wide)
+    out = _accumulate(model, params, fp8, batch, accum, loss_lib.scale(batch, 1), wide=wide)
+    return out[0]["loss"], *out[1:]
 
 
 def _manual_replicas(
@@ -212,7 +212,7 @@ def _manual_replicas(
 
 
 def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, wide=None):
-    """(loss, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
+    """(loss dict, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
     # The batch is viewed as [N, B/N, ...] with N split over data x fsdp: each device computes
     # its own replica's gradients (per device under shard_map, or vmapped with tensor
     # parallelism), which comm.reduce_gradients sums in FP8.
@@ -257,7 +257,7 @@ def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, 
     else:
         fp8 = jax.tree.map(lambda x: jnp.max(x, axis=0), fp8_N)
     fp8 = gather.set_weight_amax(fp8, w_amax)
-    return jnp.sum(loss_N), fp8, grads_N
+    return jax.tree.map(jnp.sum, loss_N), fp8, grads_N
 
 
 def splits_pallas_casts(run: RunSpec, mesh, cast_kernel: str | None = None) -> bool:
@@ -346,7 +346,7 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
         # every update (a second pass over the updates, which costs step time).
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         lr = schedule(state.step)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
+        ok = jnp.isfinite(loss["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
         new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         new_state = state.replace(
@@ -359,7 +359,7 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
             skipped=state.skipped + jnp.where(ok, 0, 1),
         )
         metrics = {
-            "loss": loss,
+            **loss,  # 'loss' (a DPO batch: also its pair statistics, means over the pairs)
             "grad_norm": grad_norm,
             "learning_rate": lr,
             "skipped_steps": new_state.skipped,

@@ -1,0 +1,232 @@
+"""Preference data for DPO: .jsonl pairs -> token ids with response weights -> row-pair batches.
+
+Each line is ``{"prompt", "chosen", "rejected"}``: three strings (the prompt encoded with the
+tokenizer's BOS, each response followed by EOS), or three lists of ``{"role", "content"}``
+messages (the prompt's conversation, then each response's turns, rendered with the tokenizer's
+chat template). A pair becomes two rows, chosen then rejected, each the prompt followed by
+its response, weights 1.0 on the response's targets only (its EOS or end-of-turn included)
+and 0.0 on the prompt and padding; one pair per two rows, padded to seq_len (no packing), so
+any split of a batch into an even number of rows keeps pairs whole. Batches carry the keys
+of fine-tuning (``sft_data.KEYS``). ``data.val_fraction`` of the pairs are held out; the
+training order is fixed by the seed and resumes from a step count (``stream.TrainIterator``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from absl import logging
+
+from fp8jax.errors import DataError
+from fp8jax.trainer import chat, provenance, sft_data
+from fp8jax.trainer import corpus as corpus_lib
+from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer.sft_data import Example, make_row, stack
+from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
+
+if TYPE_CHECKING:
+    from fp8jax.trainer.spec import RunSpec
+
+_VERSION = 1  # how pairs are encoded and split; part of the data key
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def novel_pairs(num_pairs: int = 512, passage_words: int = 40, seed: int = 0) -> list[dict]:
+    """Preference pairs from the shipped novels: a passage -> its novel's title (chosen) or
+    another novel's title (rejected, drawn with ``seed``)."""
+    tasks = sft_data.novel_task(num_pairs, passage_words, seed)
+    titles = sorted({t["completion"] for t in tasks})
+    rng = np.random.default_rng([seed32("dpo-novel"), seed])
+    out = []
+    for t in tasks:
+        others = [x for x in titles if x != t["completion"]]
+        rejected = others[int(rng.integers(len(others)))]
+        out.append(dict(prompt=t["prompt"], chosen=t["completion"], rejected=rejected))
+    return out
+
+
+def _is_messages(value) -> bool:
+    def ok(message) -> bool:
+        strings = lambda: all(isinstance(message.get(k), str) for k in ("role", "content"))
+        return isinstance(message, dict) and strings()
+
+    return isinstance(value, list) and all(ok(message) for message in value)
+
+
+def check_pair(record, where: str) -> str:
+    """Which kind of pair a parsed .jsonl line is ('text' or 'messages'); DataError if none."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with 'prompt', 'chosen', 'rejected'")
+    missing = [k for k in FIELDS if k not in record]
+    if missing:
+        raise DataError(f"{where}: missing {', '.join(map(repr, missing))}: each line needs "
+                        f"'prompt', 'chosen' and 'rejected'")  # fmt: skip
+    if all(isinstance(record[k], str) for k in FIELDS):
+        return "text"
+    if all(_is_messages(record[k]) for k in FIELDS):
+        return "messages"
+    raise DataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings, or all "
+                    f"lists of {{'role', 'content'}} messages")  # fmt: skip
+
+
+def encode_response(tokenizer, record: dict, response: str, where: str) -> Example:
+    """``(ids int32 [n], trained bool [n])``: the prompt then ``record[response]``, trained on
+    the response's tokens only."""
+    if check_pair(record, where) == "text":
+        return chat.encode(tokenizer, dict(prompt=record["prompt"],
+                                           completion=record[response]), where)  # fmt: skip
+    prompt, turns = record["prompt"], record[response]
+    try:
+        parts = chat.chat_parts(tokenizer, prompt + turns)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from e
+    # The prompt's own assistant turns (earlier in the conversation) are context, not trained.
+    context = sum(m["role"] == "assistant" for m in prompt)
+    ids, trained, seen = [], [], 0
+    for part_ids, (_, is_turn) in zip(chat.plain_ids(tokenizer, [t for t, _ in parts]), parts,
+                                      strict=True):  # fmt: skip
+        seen += is_turn
+        ids += part_ids
+        trained += [is_turn and seen > context] * len(part_ids)
+    return np.asarray(ids, np.int32), np.asarray(trained, bool)
+
+
+def record_texts(records):
+    """Every string of the pairs (what a learned BPE is trained on)."""
+    for record, _ in records:
+        for k in FIELDS:
+            value = record[k]
+            yield from ([value] if isinstance(value, str) else (m["content"] for m in value))
+
+
+def fit_pairs(pairs: list[tuple[Example, Example]], seq_len: int, overlong: str):
+    """The pairs whose two rows both fit (``sft_data.fit``), flattened chosen, rejected, ...;
+    and the number of pairs left out."""
+    kept = []
+    for chosen, rejected in pairs:
+        rows, _ = sft_data.fit([chosen, rejected], seq_len, overlong)
+        if len(rows) == 2:
+            kept += rows
+    return kept, len(pairs) - len(kept) // 2
+
+
+class _PairStream:
+    """Training batches by global step: each epoch visits the pairs in a new seeded order."""
+
+    def __init__(self, examples, seq_len, seed, batch_size, p, rows):
+        self.examples, self.seq_len, self.seed = examples, seq_len, seed
+        self.batch_size, self.p, self.rows = batch_size, p, rows
+        self.num_pairs = len(examples) // 2
+        self.order = functools.lru_cache(maxsize=4)(self._order)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([seed32("dpo-train", self.seed), epoch])
+        return rng.permutation(self.num_pairs)
+
+    def __getitem__(self, step: int) -> Batch:
+        first = (step * self.batch_size + self.p * self.rows) // 2  # this process's first pair
+        rows = []
+        for g in range(first, first + self.rows // 2):
+            epoch, k = divmod(g, self.num_pairs)
+            i = int(self.order(epoch)[k])
+            rows += [make_row(self.examples, [2 * i + j], self.seq_len) for j in (0, 1)]
+        return stack(rows)
+
+
+def _pair_rows(batch_size: int, process_index, process_count) -> tuple[int, int]:
+    p, _, rows = process_rows(batch_size, process_index, process_count)
+    if rows % 2:
+        raise ValueError(f"batch_size={batch_size} gives each process {rows} rows: DPO needs "
+                         f"an even number (whole chosen/rejected pairs)")  # fmt: skip
+    return p, rows
+
+
+class DpoDataset:
+    """Encoded preference pairs: a checkpointable training stream and fixed eval batches."""
+
+    def __init__(self, tokenizer, train, val, *, seed, batch_size, seq_len, key=""):
+        self.tokenizer, self.train, self.val = tokenizer, train, val  # chosen, rejected, ...
+        self.seed, self.batch_size, self.seq_len, self.key = seed, batch_size, seq_len, key
+
+    def train_iter(self, *, process_index=None, process_count=None) -> TrainIterator:
+        """Batches of ``sft_data.KEYS`` [batch_size / processes, seq_len], resumable by step;
+        rows 2k and 2k + 1 are one pair's chosen and rejected response."""
+        p, rows = _pair_rows(self.batch_size, process_index, process_count)
+        stream = _PairStream(self.train, self.seq_len, self.seed, self.batch_size, p, rows)
+        identity = dict(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed,
+                        data=self.key[:16])  # fmt: skip
+        return TrainIterator(stream, identity)
+
+    def eval_batches(self, num_batches: int, *, process_index=None, process_count=None):
+        """The first ``num_batches`` batches of held-out pairs in file order (the last one
+        filled up with empty pairs, whose weights are 0)."""
+        p, rows = _pair_rows(self.batch_size, process_index, process_count)
+        idxs = [[i] for i in range(len(self.val))][: num_batches * self.batch_size]
+        idxs += [[]] * (-len(idxs) % self.batch_size)
+        out = []
+        for b in range(len(idxs) // self.batch_size):
+            first = b * self.batch_size + p * rows
+            out.append(stack([make_row(self.val, r, self.seq_len)
+                              for r in idxs[first : first + rows]]))  # fmt: skip
+        return out
+
+
+def build(run: RunSpec, workdir: str | os.PathLike, tokenizer=None) -> DpoDataset:
+    """The preference data of ``run`` (``tokenizer``: an init_from checkpoint's; None: learn a
+    BPE on the pairs into ``<workdir>/tokenizer.json``). DataError on bad data, before
+    anything in ``workdir`` changes."""
+    workdir, data, optim = Path(workdir), run.data, run.optim
+    if data.path:
+        files, desc = sft_data.source_files(data.path)
+        records = sft_data.read_records(files, check_pair)
+        corpus = corpus_lib.fingerprint(files)
+    else:
+        pairs = novel_pairs(passage_words=max(8, optim.seq_len // 4), seed=run.seed)
+        records = [(r, f"novel pair {i}") for i, r in enumerate(pairs, 1)]
+        corpus = tokenizer_lib.sha256(json.dumps(pairs, sort_keys=True))
+        desc = f"novel preference pairs ({len(records)} passages of the shipped corpus)"
+    if not records:
+        raise DataError(f"no pairs in {desc}: add .jsonl lines or fix config.data.path")
+    identity = dict(corpus=corpus, source=desc, val_fraction=float(data.val_fraction))
+    resumed = provenance.has_checkpoint(workdir)
+    record_data = provenance.check_resume(workdir, identity, resumed, data.allow_corpus_change)
+    new_tok = False
+    if tokenizer is None:
+        built_from = dict(dpo=_VERSION, corpus=corpus, vocab_size=int(run.model.vocab_size),
+                          min_frequency=int(data.tokenizer_min_frequency))  # fmt: skip
+        tokenizer, new_tok = provenance.tokenizer_for(
+            workdir / "tokenizer.json", built_from, lambda: record_texts(records), resumed
+        )
+    pairs = [tuple(encode_response(tokenizer, r, k, where) for k in ("chosen", "rejected"))
+             for r, where in records]  # fmt: skip
+    train_idx, val_idx = sft_data.split(len(pairs), data.val_fraction)
+    train, dropped = fit_pairs([pairs[i] for i in train_idx], optim.seq_len, data.overlong)
+    val, val_dropped = fit_pairs([pairs[i] for i in val_idx], optim.seq_len, data.overlong)
+    if dropped + val_dropped:
+        logging.warning("%d of %d pairs have a row over seq_len+1=%d tokens (data.overlong="
+                        "'%s') or a response without a token in it, and were dropped",
+                        dropped + val_dropped, len(pairs), optim.seq_len + 1,
+                        data.overlong)  # fmt: skip
+    if not train or (data.val_fraction > 0 and not val):
+        raise DataError(
+            f"{desc}: {len(train) // 2} training and {len(val) // 2} validation pairs fit "
+            f"seq_len={optim.seq_len}: use more pairs, a larger seq_len, a larger "
+            f"data.val_fraction or data.overlong='truncate'"
+        )
+    key_src = dict(v=_VERSION, corpus=corpus, tokenizer=tokenizer_lib.sha256(
+        tokenizer.to_str()), seq_len=optim.seq_len, overlong=data.overlong)  # fmt: skip
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
+    workdir.mkdir(parents=True, exist_ok=True)  # every check passed: now the work dir changes
+    if new_tok:
+        tokenizer_lib.save_cached(tokenizer, workdir / "tokenizer.json", built_from)
+    if record_data:
+        provenance.write_json(workdir / provenance.MANIFEST, identity)
+    logging.info("%s: %d training, %d validation pairs", desc, len(train) // 2, len(val) // 2)
+    return DpoDataset(tokenizer, train, val, seed=run.seed, batch_size=optim.batch_size,
+                      seq_len=optim.seq_len, key=key)  # fmt: skip

@@ -4,9 +4,15 @@
 2. Fine-tunes it (``init_from`` the pre-training work dir) on the novel task at each of
    ``--levels`` from the same start, the same examples and the same data order; the training
    and test passages come from disjoint parts of each novel (``fp8jax.trainer.tasks``).
-3. Scores the pre-trained and each fine-tuned work dir on the held-out passages: the
-   completion is decoded greedily (``trainer.generate``) and counts when it is the true title
-   exactly; chance is 1/6.
+3. Preference-tunes (DPO, ``init_from``) the SFT work dir of each of ``--dpo-levels`` at its
+   level, on pairs of the same training examples (``tasks.preference_pairs``: the true title
+   chosen, another rejected); the held-out pairs are those of the test examples. Before and
+   after, on the held-out pairs: DPO's reward accuracy and margin (policy against the frozen
+   SFT reference: 0 at the start, where the two are equal) and the preference accuracy of the
+   policy's own log-probs (the share of pairs with log p(chosen) > log p(rejected)).
+4. Scores the pre-trained, each fine-tuned and each preference-tuned work dir on the held-out
+   passages: the completion is decoded greedily (``trainer.generate``) and counts when it is
+   the true title exactly; chance is 1/6.
 
 Each stage is a ``train_and_evaluate`` run in its own work dir under ``<out>/finetune_work``;
 each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
@@ -14,9 +20,9 @@ each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
         python -m benchmarks.finetune --out "$OUT"
 
-``--size tiny`` is the CPU run of the same path (a few minutes on 2 cores); ``--pretrain-steps``
-and ``--sft-steps`` shorten either stage, ``--set key=value`` overrides every run (pre-training
-and fine-tuning) and a level its fine-tuning run (``--levels O0,O1:model.fp8_lm_head=True``).
+``--size tiny`` is the CPU run of the same path (a few minutes on 2 cores); ``--pretrain-steps``,
+``--sft-steps`` and ``--dpo-steps`` shorten a stage, ``--set key=value`` overrides every run and
+a level its fine-tuning and preference-tuning runs (``--levels O0,O1:model.fp8_lm_head=True``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 from benchmarks import runner
@@ -32,13 +39,15 @@ from benchmarks import runner
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-    """One benchmark size: the pre-training run spec and settings, the fine-tuning config
-    and settings, and the task's passage length and example counts."""
+    """One benchmark size: the pre-training run spec and settings, the fine-tuning and the
+    preference-tuning configs and settings, and the task's passage length and example counts."""
 
     pretrain: str  # run spec of the pre-training (config:level[:options])
     pretrain_settings: dict
     sft: str  # config name of the fine-tuning runs (the level is --levels')
     sft_settings: dict
+    dpo: str  # config name of the preference-tuning runs (the level is the SFT run's)
+    dpo_settings: dict
     passage_words: int
     num_train: int
     num_test: int
@@ -56,6 +65,15 @@ SIZES = {
             "num_train_steps": 150,
             "warmup_steps": 15,
             "learning_rate": 1e-3,
+        },  # fmt: skip
+        dpo="dpo_tiny",
+        dpo_settings={
+            "seq_len": 64,
+            "batch_size": 16,
+            "num_train_steps": 60,
+            "warmup_steps": 6,
+            "learning_rate": 1e-4,
+            "eval_batches": 2,
         },  # fmt: skip
         passage_words=12,
         num_train=192,
@@ -90,12 +108,30 @@ SIZES = {
             "log_every_steps": 50,
             "eval_batches": 8,
         },  # fmt: skip
+        # Short: policy and reference start at the SFT model, which already ranks most pairs
+        # right; beta 0.1 and a small rate move it without undoing the fine-tuning.
+        dpo="dpo_tiny",
+        dpo_settings={
+            "model.dtype": "bfloat16",
+            "seq_len": 256,
+            "batch_size": 32,
+            "num_train_steps": 150,
+            "warmup_steps": 15,
+            "learning_rate": 2e-5,
+            "dpo.beta": 0.1,
+            "log_every_steps": 25,
+            "eval_batches": 4,
+        },  # fmt: skip
         passage_words=48,
         num_train=6000,
         num_test=600,
     ),
 }
 STAGE_FIELDS = ("val_loss", "train_loss", "train_tokens_per_s")
+# The DPO run's last logs: its training pairs' and its own validation split's (of the training
+# examples) statistics; the test examples' pairs are in 'held_out'.
+DPO_FIELDS = ("train_reward_accuracy", "train_reward_margin", "val_reward_accuracy",
+              "val_reward_margin")  # fmt: skip
 
 
 def stage_settings(steps: int, extra: dict) -> dict:
@@ -125,6 +161,68 @@ def sft_config(size: Size, level: str, init_from: str, train_path: str, steps=0,
     extra = {**settings, "init_from": init_from, "data.path": train_path,
              "data.val_fraction": 0.05}  # fmt: skip
     return runner.load(f"{size.sft}:{level}", sets, stage_settings(steps, extra))
+
+
+def dpo_config(size: Size, level: str, init_from: str, train_path: str, steps=0, sets=()):
+    """The preference-tuning ConfigDict at ``level`` from the SFT work dir ``init_from``."""
+    settings = with_steps(size.dpo_settings, steps)
+    steps = settings["num_train_steps"]
+    extra = {**settings, "init_from": init_from, "data.path": train_path,
+             "data.val_fraction": 0.05}  # fmt: skip
+    return runner.load(f"{size.dpo}:{level}", sets, stage_settings(steps, extra))
+
+
+def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
+    """DPO statistics of the held-out ``pairs`` at the start of the DPO run ``config`` (policy
+    and reference its init_from checkpoint, as the trainer starts) and at its end (the latest
+    state in ``workdir``): reward accuracy and margin, mean log-probs, and the preference
+    accuracy of the policy alone (log p(chosen) > log p(rejected))."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8jax.optim import adam
+    from fp8jax.parallel import sharding
+    from fp8jax.trainer import checkpoint, dpo, dpo_data, loop, loss, spec
+    from fp8jax.trainer import step as step_lib
+
+    run = spec.parse(config)
+    with tempfile.TemporaryDirectory() as empty:  # not a resume: the init_from weights
+        run, tok, params = loop.from_checkpoint(run, empty)
+    env = loop.setup(run, donate=False)
+    encoded = [tuple(dpo_data.encode_response(tok, p, k, f"held-out pair {i}")
+                     for k in ("chosen", "rejected")) for i, p in enumerate(pairs, 1)]  # fmt: skip
+    rows, dropped = dpo_data.fit_pairs(encoded, run.optim.seq_len, "drop")
+    data = dpo_data.DpoDataset(tok, [], rows, seed=run.seed, batch_size=run.optim.batch_size,
+                               seq_len=run.optim.seq_len)  # fmt: skip
+    batches = data.eval_batches(len(rows))
+    coll = step_lib.state_collection(env.model)
+
+    @jax.jit
+    def policy_wins(state, batch):  # pairs whose chosen row the policy prefers, real pairs
+        with sharding.activation_sharding(env.mesh):
+            variables = {"params": adam.materialize(state.params), coll: state.fp8}
+            logits = env.model.apply(variables, batch["inputs"], **loss.model_kwargs(batch))
+        logps_Px2 = loss.sequence_logps(logits, batch["targets"], batch[loss.WEIGHTS])
+        mask_P = loss.pair_mask(batch[loss.WEIGHTS])
+        wins_P = (logps_Px2.reshape(-1, 2)[:, 0] > logps_Px2.reshape(-1, 2)[:, 1]) * mask_P
+        return jnp.sum(wins_P), jnp.sum(mask_P)
+
+    def stats(state) -> dict:
+        out = dpo.evaluate(env.eval_step, state, batches, env.batch_sharding)
+        out = {k.removeprefix("val_"): v for k, v in out.items()}
+        counts = [policy_wins(state, sharding.put_batch(b, env.batch_sharding)) for b in batches]
+        wins, real = np.sum(jax.device_get(counts), axis=0)
+        return {**out, "preference_accuracy": float(wins / max(real, 1))}
+
+    before = stats(env.init(jax.random.PRNGKey(run.seed), params))
+    ckpt = checkpoint.Checkpointer(workdir)
+    try:
+        end, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
+    finally:
+        ckpt.close()
+    return {"before": before, "after": stats(end), "num_pairs": len(rows) // 2,
+            "dropped_pairs": dropped}  # fmt: skip
 
 
 def score(workdir: str, test: list[dict]) -> dict:
@@ -168,17 +266,32 @@ def main(argv=None):
     p.add_argument("--levels", default="O0,O1,O2", help="fine-tuning levels (options as --runs)")
     p.add_argument("--pretrain-steps", type=int, default=0, help="0: the size's")
     p.add_argument("--sft-steps", type=int, default=0, help="0: the size's")
+    p.add_argument("--dpo-levels", default=None,
+                   help="SFT levels (of --levels) to preference-tune from, at that level; "
+                        "default: those of O0 and O1 in --levels; '' for none")  # fmt: skip
+    p.add_argument("--dpo-steps", type=int, default=0, help="0: the size's")
     a = runner.parse_args(p, argv)
     size = SIZES[a.size]
     levels = a.levels.split(",")
+    if a.dpo_levels is None:
+        dpo_levels = [lv for lv in levels if lv in ("O0", "O1")]
+    else:
+        dpo_levels = [lv for lv in a.dpo_levels.split(",") if lv]
+    if set(dpo_levels) - set(levels):
+        raise SystemExit(f"error: --dpo-levels {','.join(dpo_levels)}: each must be one of "
+                         f"--levels {a.levels} (DPO starts from that SFT run)")  # fmt: skip
     work = os.path.join(a.out, "finetune_work")
     data_dir = os.path.join(work, "data")
     pre_dir = os.path.join(work, "pretrain")
     train_path = os.path.join(data_dir, "train.jsonl")
+    pairs_path = os.path.join(data_dir, "dpo_train.jsonl")
+    sft_dir = lambda lv: os.path.join(work, runner.safe_name(f"sft_{lv}"))  # noqa: E731
     try:  # every config before the first run: a typo stops the benchmark at once
         pre_cfg = pretrain_config(size, a.pretrain_steps, a.set)
         sft_cfgs = {lv: sft_config(size, lv, pre_dir, train_path, a.sft_steps, a.set)
                     for lv in levels}  # fmt: skip
+        dpo_cfgs = {lv: dpo_config(size, lv, sft_dir(lv), pairs_path, a.dpo_steps, a.set)
+                    for lv in dpo_levels}  # fmt: skip
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     from fp8jax.trainer import loop, tasks
@@ -187,6 +300,9 @@ def main(argv=None):
     train, test = tasks.novel_split(size.num_train, size.num_test, size.passage_words)
     tasks.write_jsonl(train_path, train)
     tasks.write_jsonl(os.path.join(data_dir, "test.jsonl"), test)
+    tasks.write_jsonl(pairs_path, tasks.preference_pairs(train, seed=0))
+    test_pairs = tasks.preference_pairs(test, seed=1)
+    tasks.write_jsonl(os.path.join(data_dir, "dpo_test.jsonl"), test_pairs)
 
     rows = []
     t0 = time.perf_counter()
@@ -198,12 +314,23 @@ def main(argv=None):
     rows.append(row)
     print(row, flush=True)
     for level, c in sft_cfgs.items():
-        sft_dir = fresh(os.path.join(work, runner.safe_name(f"sft_{level}")))
         t0 = time.perf_counter()
-        summary = loop.train_and_evaluate(c, sft_dir)
+        summary = loop.train_and_evaluate(c, fresh(sft_dir(level)))
         row = {"stage": f"sft {level}", "level": c.fp8.level, "run_s": time.perf_counter() - t0,
-               **{k: summary.get(k) for k in STAGE_FIELDS}, **score(sft_dir, test)}  # fmt: skip
+               **{k: summary.get(k) for k in STAGE_FIELDS},
+               **score(sft_dir(level), test)}  # fmt: skip
         runner.write_json(a.out, runner.safe_name(f"finetune_sft_{level}"), row)
+        rows.append(row)
+        print(row, flush=True)
+    for level, c in dpo_cfgs.items():
+        dpo_dir = fresh(os.path.join(work, runner.safe_name(f"dpo_{level}")))
+        t0 = time.perf_counter()
+        summary = loop.train_and_evaluate(c, dpo_dir)
+        row = {"stage": f"dpo {level}", "level": c.fp8.level, "run_s": time.perf_counter() - t0,
+               "beta": c.dpo.beta, **{k: summary.get(k) for k in (*STAGE_FIELDS, *DPO_FIELDS)},
+               "held_out": held_out_preferences(c, dpo_dir, test_pairs),
+               **score(dpo_dir, test)}  # fmt: skip
+        runner.write_json(a.out, runner.safe_name(f"finetune_dpo_{level}"), row)
         rows.append(row)
         print(row, flush=True)
     columns = {
@@ -211,6 +338,11 @@ def main(argv=None):
         "exact": lambda r: f"{r['exact_match']:.3f}",
         "chance": lambda r: f"{r['chance']:.3f}",
         "valid": lambda r: f"{r['valid_title']:.2f}",
+        "pref acc": lambda r: "{before:.2f}->{after:.2f}".format(
+            **{k: r["held_out"][k]["preference_accuracy"] for k in ("before", "after")}
+        ),
+        "reward acc": lambda r: f"{r['held_out']['after']['reward_accuracy']:.2f}",
+        "margin": lambda r: f"{r['held_out']['after']['reward_margin']:.3f}",
         "tok/s": lambda r: f"{r['train_tokens_per_s']:.0f}",
         "s": lambda r: f"{r['run_s']:.0f}",
     }

@@ -1,19 +1,24 @@
-"""Fine-tuning an imported checkpoint: the SFT step's tokens/s and peak memory per level.
+"""Fine-tuning an imported checkpoint: the SFT and DPO steps' tokens/s and peak memory per level.
 
-Per run (``sft_llama_1b:O1``: a fine-tuning config and a level, options as in
-``benchmarks.step``), in a child process of its own: a random BF16 Hugging Face checkpoint of
-the config's architecture (``llama_1b`` / ``llama_7b``, written once per shape with
-``fp8jax.hf.save_hf`` into ``--ckpt-dir``, a temporary folder by default) is imported as a user
-imports one (``init_from``, ``loop.from_checkpoint``); the batches are the config's packed rows
-of the novel task (``sft_data``), the step the trainer's (``loop.setup``). It reports the step
-time, per step and pipelined, tokens/s, MFU (dense FLOPs of full rows), XLA's compiled memory
-(``diagnostics.memory``) and the device's peak.
+Per run (``sft_llama_1b:O1``, ``dpo_llama_1b:O2``: a fine-tuning or preference-tuning config
+and a level, options as in ``benchmarks.step``), in a child process of its own: a random BF16
+Hugging Face checkpoint of the config's architecture (``llama_1b`` / ``llama_7b``, written once
+per shape with ``fp8jax.hf.save_hf`` into ``--ckpt-dir``, a temporary folder by default) is
+imported as a user imports one (``init_from``, ``loop.from_checkpoint``); the step is the
+trainer's (``loop.setup``). SFT batches are the config's packed rows of the novel task
+(``sft_data``); DPO batches are padded (chosen, rejected) row pairs of the novel task's
+preference pairs (``tasks.preference_pairs``, ``dpo_data``), and its step runs the frozen
+reference's forward besides the policy's step. It reports the step time, per step and
+pipelined, tokens/s (every row's tokens, padding included), MFU (dense FLOPs of full rows; DPO:
+the reference's forward added), XLA's compiled memory (``diagnostics.memory``) and the
+device's peak.
 
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m benchmarks.finetune_step --out "$OUT"
 
-Batch and sequence come from ``configs/sft_llama_*.py`` (``--batch`` or ``--set`` override
-them). ``--tiny`` runs the same path on CPU with the architecture and rows shrunk.
+Batch and sequence come from ``configs/{sft,dpo}_llama_*.py`` (``--batch`` or ``--set``
+override them); ``--runs dpo_llama_1b:O0,dpo_llama_1b:O2`` times the DPO steps. ``--tiny`` runs
+the same path on CPU with the architecture and rows shrunk.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import time
 from benchmarks import common, runner
 
 # The pre-training config whose architecture each fine-tuning config's checkpoint has.
-SHAPES = {"sft_llama_1b": "llama_1b", "sft_llama_7b": "llama_7b"}
-RUNS = ",".join(f"{c}:{lv}" for c in SHAPES for lv in ("O0", "O1", "O2"))
+SHAPES = {"sft_llama_1b": "llama_1b", "sft_llama_7b": "llama_7b",
+          "dpo_llama_1b": "llama_1b", "dpo_llama_7b": "llama_7b"}  # fmt: skip
+RUNS = ",".join(f"{c}:{lv}" for c in ("sft_llama_1b", "sft_llama_7b") for lv in ("O0", "O1", "O2"))
+DPO_RUNS = ",".join(f"{c}:{lv}" for c in ("dpo_llama_1b", "dpo_llama_7b") for lv in ("O0", "O2"))
 # --tiny: a CPU-sized architecture (written into the checkpoint) and rows.
 TINY_MODEL = {k: v for k, v in runner.QUICK.items() if k.startswith("model.")}
 TINY_MODEL.update({"model.max_len": 128, "model.vocab_size": 512})
@@ -86,17 +93,31 @@ def random_checkpoint(out_dir: str, shape: str, tiny: bool, seed: int = 0) -> st
     return out_dir
 
 
-def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets=()) -> dict:
-    """Import the run's checkpoint, build its SFT step and data, and time the step."""
-    import functools
+def is_dpo(run: str) -> bool:
+    """Whether a run is of a preference-tuning (DPO) config."""
+    return runner.parse_run(run)[0].startswith("dpo_")
 
+
+def preference_data(config, workdir: str) -> None:
+    """Point a DPO ``config``'s data at a .jsonl of the novel task's preference pairs, written
+    in ``workdir``: passages of a third of seq_len in words, enough pairs for the timed
+    batches and a held-out split."""
+    from fp8jax.trainer import tasks
+
+    train, _ = tasks.novel_split(max(96, 2 * config.batch_size), 6, max(8, config.seq_len // 3))
+    path = tasks.write_jsonl(os.path.join(workdir, "pairs.jsonl"), tasks.preference_pairs(train))
+    config.data.path = str(path)
+    config.data.val_fraction = 0.05
+
+
+def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets=()) -> dict:
+    """Import the run's checkpoint, build its SFT or DPO step and data, and time the step."""
     import jax
 
     from fp8jax import models
     from fp8jax.diagnostics import memory
     from fp8jax.parallel import sharding
-    from fp8jax.trainer import loop, sft_data, spec
-    from fp8jax.trainer import step as step_lib
+    from fp8jax.trainer import dpo_data, loop, sft_data, spec
 
     t0 = time.perf_counter()
     ckpt = random_checkpoint(os.path.join(ckpt_root, shape_of(run)), shape_of(run), tiny)
@@ -105,13 +126,14 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
     c = config_for(run, ckpt, tiny, batch, sets)
     workdir = tempfile.mkdtemp(prefix="finetune_step_")  # the data's tokenizer and manifest
     try:
+        if is_dpo(run):
+            preference_data(c, workdir)
         t0 = time.perf_counter()
         r, tok, params = loop.from_checkpoint(spec.parse(c), workdir)
         import_s = time.perf_counter() - t0
-        dataset = sft_data.build(r, workdir, tok)
+        dataset = (dpo_data if is_dpo(run) else sft_data).build(r, workdir, tok)
         s = loop.setup(r)
-        init = functools.partial(step_lib.init_state, s.model, s.tx, s.run)
-        state = jax.jit(init, out_shardings=s.state_shardings)(jax.random.PRNGKey(0), params)
+        state = s.init(jax.random.PRNGKey(0), params)  # DPO: with the frozen reference
         del params
         it = dataset.train_iter()
         batches = [sharding.put_batch(next(it), s.batch_sharding) for _ in range(2)]
@@ -142,6 +164,8 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
     ms = statistics.median(times) * 1e3
     tokens = r.optim.batch_size * r.optim.seq_len
     flops = models.flops_per_token(s.run.model, r.optim.seq_len) * tokens
+    if is_dpo(run):  # the reference's forward: a third of the policy's forward and backward
+        flops *= 4 / 3
     name, level, _ = runner.parse_run(run)
     return {
         "run": run,
@@ -165,6 +189,11 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
         "compiled_gib": {k: v / 2**30 for k, v in mem.items()},
         "temp_gib": mem.get("temp", 0) / 2**30,
         "loss": float(metrics["loss"]),
+        **(
+            {k: float(metrics[k]) for k in ("reward_accuracy", "reward_margin")}
+            if is_dpo(run)
+            else {}
+        ),  # fmt: skip
         "checkpoint_s": write_s,
         "import_s": import_s,
         "build_s": build_s,
@@ -185,7 +214,7 @@ COLUMNS = {
 
 def main(argv=None):
     p = runner.parser(__doc__, sets=True)
-    p.add_argument("--runs", default=RUNS)
+    p.add_argument("--runs", default=RUNS, help=f"default: the SFT runs; DPO: {DPO_RUNS}")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="CPU: shrunk architecture and rows")
     p.add_argument("--batch", type=int, default=0, help="override batch_size (0: config's)")

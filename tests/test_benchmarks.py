@@ -517,14 +517,16 @@ def test_power_samples_parse_and_summarize():
 
 
 def test_finetune_tiny_scores_each_stage(tmp_path):
-    """Pre-train, then SFT at O1 from it: one JSON per stage with its exact match on the
-    held-out passages (a share), chance beside it, and the level each work dir decoded at."""
-    args = ["--size", "tiny", "--levels", "O1", "--pretrain-steps", "3", "--sft-steps", "3"]
+    """Pre-train, SFT at O1 from it, DPO at O1 from that: one JSON per stage with its exact
+    match on the held-out passages (a share), chance beside it, and the level each work dir
+    decoded at; the DPO stage's held-out pair statistics before and after."""
+    args = ["--size", "tiny", "--levels", "O1", "--pretrain-steps", "3", "--sft-steps", "3",
+            "--dpo-steps", "3"]  # fmt: skip
     proc = _module("finetune", *args, "--set", "compilation_cache_dir=", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-800:]
     rows = {
         stem: json.loads((tmp_path / f"finetune_{stem}.json").read_text())
-        for stem in ("pretrain", "sft_O1")
+        for stem in ("pretrain", "sft_O1", "dpo_O1")
     }
     for stem, row in rows.items():
         assert 0 <= row["exact_match"] <= 1 and 0 <= row["valid_title"] <= 1, (stem, row)
@@ -532,10 +534,27 @@ def test_finetune_tiny_scores_each_stage(tmp_path):
         assert math.isfinite(row["val_loss"]) and row["train_tokens_per_s"] > 0, (stem, row)
         assert len(row["examples"]) == 6 and all(e["expected"] for e in row["examples"])
     # O1 fine-tuning leaves trained FP8 scales, which decoding uses; O0 pre-training has none.
-    assert [rows[s]["decode_level"] for s in rows] == ["O0", "O1"]
-    assert [rows[s]["level"] for s in rows] == ["O0", "O1"]
+    assert [rows[s]["decode_level"] for s in rows] == ["O0", "O1", "O1"]
+    assert [rows[s]["level"] for s in rows] == ["O0", "O1", "O1"]
     train = (tmp_path / "finetune_work" / "data" / "train.jsonl").read_text().splitlines()
-    assert len(train) == 192 and "sft O1" in proc.stdout  # the printed table
+    assert len(train) == 192 and "sft O1" in proc.stdout and "dpo O1" in proc.stdout
+    pairs = (tmp_path / "finetune_work" / "data" / "dpo_train.jsonl").read_text().splitlines()
+    assert [json.loads(p)["prompt"] for p in pairs] == [json.loads(r)["prompt"] for r in train]
+    dpo = rows["dpo_O1"]
+    assert 0 <= dpo["train_reward_accuracy"] <= 1 and math.isfinite(dpo["train_reward_margin"])
+    held = dpo["held_out"]
+    assert 0 < held["num_pairs"] <= 48 and held["num_pairs"] + held["dropped_pairs"] == 48
+    before, after = held["before"], held["after"]
+    # At the start the policy is the reference: every implicit reward is exactly 0.
+    assert before["reward_accuracy"] == 0 and before["reward_margin"] == 0, before
+    assert before["loss"] == pytest.approx(math.log(2)), before
+    for stats in (before, after):
+        assert set(stats) == {"loss", "reward_accuracy", "reward_margin", "chosen_logp",
+                              "rejected_logp", "preference_accuracy"}, stats  # fmt: skip
+        assert 0 <= stats["reward_accuracy"] <= 1 and 0 <= stats["preference_accuracy"] <= 1
+        assert stats["chosen_logp"] < 0 and stats["rejected_logp"] < 0, stats
+    # The end is the trained policy, not the start (three steps moved its log-probs).
+    assert after["chosen_logp"] != before["chosen_logp"], (before, after)
 
 
 def test_novel_split_keeps_test_passages_apart_and_scores_exactly():
@@ -572,16 +591,21 @@ def test_finetune_step_tiny_times_an_imported_checkpoint(tmp_path):
     """CPU: a random llama-shaped HF checkpoint written, imported with init_from, its SFT step
     timed on packed novel-task rows; a run of an unknown config stops before any child."""
     ckpt = tmp_path / "ckpt"
-    args = ["--tiny", "--runs", "sft_llama_1b:O1", "--steps", "1", "--ckpt-dir", str(ckpt)]
+    runs = "sft_llama_1b:O1,dpo_llama_1b:O2"
+    args = ["--tiny", "--runs", runs, "--steps", "1", "--ckpt-dir", str(ckpt)]
     proc = _module("finetune_step", *args, "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-800:]
-    row = json.loads((tmp_path / "out" / "finetune_step_sft_llama_1b_O1.json").read_text())
-    assert "error" not in row, row
-    assert row["tokens_per_s"] > 0 and row["tokens_per_s_pipelined"] > 0
-    assert 0 < row["dispatch_ms_pipelined"] <= row["step_ms_pipelined"]
-    assert (row["batch"], row["seq"], row["level"]) == (4, 128, "O1")
-    assert 0 < row["row_fill"] <= 1 and row["compiled_gib"]["temp"] > 0
-    assert math.isfinite(row["loss"]) and row["loss"] > 0
+    for run in runs.split(","):
+        stem = run.replace(":", "_")
+        row = json.loads((tmp_path / "out" / f"finetune_step_{stem}.json").read_text())
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and row["tokens_per_s_pipelined"] > 0
+        assert 0 < row["dispatch_ms_pipelined"] <= row["step_ms_pipelined"]
+        assert (row["batch"], row["seq"], row["level"]) == (4, 128, run[-2:])
+        assert 0 < row["row_fill"] <= 1 and row["compiled_gib"]["temp"] > 0
+        assert math.isfinite(row["loss"]) and row["loss"] > 0
+    # The DPO step: its loss and pair statistics (a batch of 2 pairs).
+    assert 0 <= row["reward_accuracy"] <= 1 and math.isfinite(row["reward_margin"]), row
     from fp8jax import hf
 
     arch = hf.architecture(ckpt / "llama_1b")  # the shape of configs/llama_1b.py, shrunk

@@ -37,6 +37,7 @@ from fp8jax.ops.scaling import ScaleState
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -285,12 +286,13 @@ def _poisoned_loss(hits):
     if not hits:
         yield
         return
-    cross_entropy = step_lib.cross_entropy
-    step_lib.cross_entropy = lambda *a: cross_entropy(*a) + _select(hits, 0.0)
+    # The train step's loss (loss.batch_loss) reads loss.cross_entropy at trace time.
+    cross_entropy = loss_lib.cross_entropy
+    loss_lib.cross_entropy = lambda *a: cross_entropy(*a) + _select(hits, 0.0)
     try:
         yield
     finally:
-        step_lib.cross_entropy = cross_entropy
+        loss_lib.cross_entropy = cross_entropy
 
 
 def _scale_states(fp8):

@@ -246,12 +246,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(run.loop.eval_batches)
         env = setup(run)
-        provenance.record_model(workdir, env.run.model)
         ckpt = Checkpointer(
             workdir, keep=run.loop.keep_checkpoints, every=run.loop.checkpoint_every_steps
         )
         try:
             state, step = _restore_or_init(env, ckpt, train_iter, init_params)
+            # Only now: a checkpoint of another model must leave the work dir as it was.
+            provenance.record_model(workdir, env.run.model)
             _record_schedule(workdir, run, step)
             state, summary = _train(env, ckpt, state, step, train_iter, eval_batches, preempt)
         finally:

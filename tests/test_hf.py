@@ -28,9 +28,6 @@ from fp8jax.hf import io, weights
 from fp8jax.models import build_model
 from fp8jax.trainer import tokenizer as tokenizer_lib
 
-pytest.importorskip("transformers")
-pytest.importorskip("torch")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
 # f32 logits: the same math in another order; ~5e-7 measured, any mapping error is O(1).

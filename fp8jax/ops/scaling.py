@@ -49,17 +49,90 @@ class CurrentScaling:
     amax_compute_algo: str = "most_recent"
 
 
-Recipe = DelayedScaling | CurrentScaling
+def _check_grad_format(fmt: str) -> None:
+    if fmt not in formats.FORMATS:
+        raise ValueError(
+            f"unknown FP8 gradient format {fmt!r}: use one of {sorted(formats.FORMATS)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+    """One scale per row of each GEMM operand along its contraction axis, from this call's values.
+
+    The forward scales x per row and w per column (the scales factor out of the contraction and
+    unscale the output); dgrad and wgrad re-quantize their operands along their own contraction
+    axes. Runs on the per-tensor FP8 GEMM (cuBLASLt on Hopper).
+    """
+
+    margin: int = 0  # scale = fmax / (amax * 2**margin)
+    power_of_two: bool = False  # round each scale down to a power of two
+    grad_format: str = "e4m3"  # dy's format: E4M3 (its scales follow each row) or 'e5m2'
+    history_len: int = 1  # per-tensor amax kept for health reporting only
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        _check_grad_format(self.grad_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """DeepSeek-V3's recipe: 1 x ``block_size`` tiles for x and dy, ``block_size``^2 for w.
+
+    Scales come from each tile's own amax. Block scales along the contraction do not factor out
+    of a GEMM, so it runs on fp8jax's block-scaled GEMM (``ops.block_gemm``), which rescales
+    each ``block_size``-wide slice of K into an f32 accumulator.
+    """
+
+    block_size: int = 128  # tile width (a power of two, >= 16): elements per scale along K
+    margin: int = 0  # scale = fmax / (amax * 2**margin)
+    power_of_two: bool = False  # round each scale down to a power of two
+    grad_format: str = "e4m3"  # dy's format: E4M3 as DeepSeek-V3 (per-tile scales) or 'e5m2'
+    history_len: int = 1  # per-tensor amax kept for health reporting only
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        b = self.block_size
+        if not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise ValueError(
+                f"FP8 block_size must be a power of two >= 16 (the GEMM's tile), got {b!r}: "
+                f"use 128 (DeepSeek-V3's)"
+            )
+        _check_grad_format(self.grad_format)
+
+
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling
+FineRecipe = RowwiseScaling | BlockScaling
 DEFAULT_RECIPE = DelayedScaling()
-RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
+RECIPES = {
+    "delayed": DelayedScaling,
+    "current": CurrentScaling,
+    "rowwise": RowwiseScaling,
+    "block": BlockScaling,
+}
 
 
 def make_recipe(name: str, **kwargs) -> Recipe:
-    """Build a recipe by name ('delayed' or 'current'); unknown names raise a clear error."""
+    """Build a recipe by name (one of ``RECIPES``); unknown names raise a clear error."""
     if name not in RECIPES:
         raise ValueError(f"unknown FP8 scaling recipe {name!r}: use one of {sorted(RECIPES)}")
     fields = {f.name for f in dataclasses.fields(RECIPES[name])}
     return RECIPES[name](**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def is_delayed(recipe) -> bool:
+    """Whether every scale is known before the GEMM (delayed scaling: the fused paths' case)."""
+    return isinstance(recipe, DelayedScaling)
+
+
+def is_fine(recipe) -> bool:
+    """Whether ``recipe`` scales per row or per tile (``RowwiseScaling``, ``BlockScaling``)."""
+    return isinstance(recipe, RowwiseScaling | BlockScaling)
+
+
+def recipe_name(recipe) -> str:
+    """The recipe's name in ``RECIPES`` ('delayed', 'current', 'rowwise', 'block')."""
+    return next(k for k, v in RECIPES.items() if isinstance(recipe, v))
 
 
 @struct.dataclass
@@ -163,9 +236,10 @@ class Fp8Meta:
 
 
 def init_meta(recipe: Recipe = DEFAULT_RECIPE, w_recipe: Recipe | None = None) -> Fp8Meta:
-    """Fresh state for one FP8 matmul (E4M3 for x and w, E5M2 for dy)."""
+    """Fresh state for one FP8 matmul: E4M3 for x and w; E5M2 for dy under per-tensor scales
+    (range for one scale over many decades), the recipe's ``grad_format`` under fine ones."""
     return Fp8Meta(
         x=init_scale_state("e4m3", recipe),
         w=init_scale_state("e4m3", w_recipe or recipe),
-        dy=init_scale_state("e5m2", recipe),
+        dy=init_scale_state(recipe.grad_format if is_fine(recipe) else "e5m2", recipe),
     )

@@ -47,7 +47,12 @@ def get_config() -> ml_collections.ConfigDict:
     # --- FP8 (FP8-LM levels) ---
     c.fp8 = f = ml_collections.ConfigDict()
     f.level = "O1"  # 'O0' bf16/f32, 'O1' FP8 GEMMs + FP8 grad comms, 'O2' + FP8 Adam, 'O3' + FSDP
-    f.recipe = "delayed"  # 'delayed' (amax history) or 'current' (this step's amax)
+    # 'delayed' (per-tensor, amax history), 'current' (per-tensor, this step's amax), 'rowwise'
+    # (one scale per row along each GEMM's contraction) or 'block' (DeepSeek-V3: 1 x block_size
+    # tiles for activations and gradients, block_size^2 for weights, fp8jax's block-scaled GEMM).
+    f.recipe = "delayed"
+    f.block_size = 128  # 'block' recipe: elements per scale along K (a power of two, >= 16)
+    f.grad_format = "e4m3"  # 'rowwise'/'block': dy's FP8 format ('e4m3' or 'e5m2')
     f.history_len = 16  # delayed scaling: steps of amax history
     f.amax_compute_algo = "max"  # delayed scaling: 'max' over the window or 'most_recent'
     f.margin = 0  # scale = fmax / (amax * 2**margin)

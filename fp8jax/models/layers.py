@@ -24,7 +24,7 @@ from fp8jax.models.config import ModelConfig, RopeScaling
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import mlp as fp8_mlp
-from fp8jax.ops.scaling import CurrentScaling
+from fp8jax.ops import scaling
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
 INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
@@ -74,7 +74,7 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path keeps its
     activation sharding constraint.
     """
-    delayed = not isinstance(cfg.recipe, CurrentScaling)
+    delayed = scaling.is_delayed(cfg.recipe)
     fusable = cfg.cast_kernel != "xla" and delayed and cfg.style == "gpt"
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.nn.state import FP8, FP8_STATS
-from fp8jax.ops import activations, dot, formats, kernels, scaling
+from fp8jax.ops import activations, dot, fine, formats, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 
 
@@ -59,8 +59,11 @@ class _Fp8Op(nn.Module):
         )
         for name, x, s in (("x", act_lhs, meta.x), ("w", rhs, meta.w)):
             x = jax.lax.stop_gradient(x)
-            scale = scaling.use_scale(s, formats.amax(x))
-            sat, flush = formats.saturation_stats(x, scale, s.fmt)
+            if scaling.is_fine(s.recipe):
+                sat, flush = fine.saturation_stats(x, s)
+            else:
+                scale = scaling.use_scale(s, formats.amax(x))
+                sat, flush = formats.saturation_stats(x, scale, s.fmt)
             self.sow(FP8_STATS, f"{name}_saturated", sat)
             self.sow(FP8_STATS, f"{name}_flushed", flush)
 

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import activations, formats, gemm, kernels, scaling
+from fp8jax.ops import activations, fine, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
-from fp8jax.ops.scaling import CurrentScaling, Fp8Meta
+from fp8jax.ops.scaling import Fp8Meta
 
 __all__ = [
     "PAD",
@@ -79,7 +79,7 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
     wq = formats.quantize(w, sw, formats.E4M3)
     m_axis = 1 if cfg.batched else 0
     # Current scaling of dy: its scale comes from the backward's own amax, so no f32[3] here.
-    current_dy = isinstance(meta.dy.recipe, CurrentScaling)
+    current_dy = not scaling.is_delayed(meta.dy.recipe)
     inv = None if current_dy else gemm.inverse_scales(sx, sw, meta.dy.scale)
     y = gemm.mm(xq, wq, m_axis + 1, m_axis, cfg.batched, gemm.acc_dtype(cfg.out_dtype))
     y = gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
@@ -219,7 +219,11 @@ def dot_general(
         jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue
     )
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
-    y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
+    if scaling.is_fine(meta.x.recipe):
+        fine.check_unbatched(meta.x.recipe, batched)
+        y, new_meta = fine.fine_matmul(cfg, x, w, meta)  # [M', N']
+    else:
+        y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
 

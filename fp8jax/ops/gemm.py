@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import activations, formats, kernels
-from fp8jax.ops.scaling import CurrentScaling, Fp8Meta
+from fp8jax.ops import activations, formats, kernels, scaling
+from fp8jax.ops.scaling import Fp8Meta
 
 
 class GemmConfig(NamedTuple):
@@ -83,7 +83,7 @@ def wgrad_dtype(cfg: GemmConfig):
 
 def uses_fused_cast(cfg: GemmConfig, meta: Fp8Meta) -> bool:
     """Quantize with kernels.cast_transpose: 2-D GEMMs whose scales are known beforehand."""
-    delayed = not any(isinstance(s.recipe, CurrentScaling) for s in (meta.x, meta.w, meta.dy))
+    delayed = all(scaling.is_delayed(s.recipe) for s in (meta.x, meta.w, meta.dy))
     return cfg.cast != "xla" and not cfg.batched and delayed
 
 

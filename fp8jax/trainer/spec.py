@@ -18,7 +18,7 @@ from fp8jax import errors
 from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
 from fp8jax.models import config as model_lib
 from fp8jax.models.config import ModelConfig
-from fp8jax.ops import kernels, scaling
+from fp8jax.ops import formats, kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
 from fp8jax.parallel import comm as comm_lib
 from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
@@ -186,6 +186,13 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     check_choice(f.level, tuple(Level.__members__), "fp8.level")
     check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
     check_int(f.history_len, "fp8.history_len", 1)
+    check_int(f.block_size, "fp8.block_size", 16)
+    if f.block_size & (f.block_size - 1):
+        raise ConfigError(
+            f"fp8.block_size={f.block_size} is not a power of two: the block-scaled GEMM tiles "
+            f"K by it; use 128 (DeepSeek-V3's) or another power of two >= 16"
+        )
+    check_choice(f.grad_format, tuple(sorted(formats.FORMATS)), "fp8.grad_format")
     check_choice(f.amax_compute_algo, scaling.AMAX_ALGOS, "fp8.amax_compute_algo")
     # scale = fmax / (amax * 2**margin): negative margins clip on purpose, positive ones leave
     # headroom; past 16 binades either way an E4M3 operand would clip or flush almost entirely.
@@ -220,6 +227,8 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
             amax_compute_algo=f.amax_compute_algo,
             margin=f.margin,
             power_of_two=f.power_of_two,
+            block_size=f.block_size,
+            grad_format=f.grad_format,
         ),
         m_format=f.m_format,
         v_format=f.v_format,

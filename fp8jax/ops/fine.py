@@ -1,0 +1,171 @@
+"""FP8 matmul under fine-grained scales (``RowwiseScaling``, ``BlockScaling``), with its VJP.
+
+Each GEMM quantizes its operands along its own contraction axis, with scales from this call's
+values (no history):
+
+============  =========================================  ==========================================
+GEMM          rowwise                                    block (T = ``block_size``)
+============  =========================================  ==========================================
+fwd  x . w    x per row (along K), w per column           x 1 x T along K, w T x T
+dgrad dy . wT dy per row (along N), w per row (along N)   dy 1 x T along N, w T x T (the same q)
+wgrad xT . dy x per column, dy per column (along M)       x T x 1, dy T x 1 (along M)
+============  =========================================  ==========================================
+
+Rowwise scales factor out of the contraction: the per-tensor FP8 GEMM (cuBLASLt on Hopper) runs
+on the quantized operands and the output is multiplied by the row and column inverse scales.
+Block scales along K do not: ``block_gemm.block_scaled_dot`` rescales each T-wide partial
+product into an f32 accumulator. x and w are E4M3 (precision); dy is the recipe's
+``grad_format``, E4M3 by default, since per-row or per-tile scales follow a gradient's range.
+
+The FP8 state keeps per-tensor amaxes for health reporting only (recorded as under current
+scaling); the scales themselves are never stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.ops import activations, block_cast, block_gemm, formats, gemm, scaling
+from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.scaling import BlockScaling, Fp8Meta
+
+
+def check_recipes(meta: Fp8Meta) -> scaling.FineRecipe:
+    """The fine recipe of ``meta``; one clear error if x, w and dy do not share it."""
+    recipes = {type(s.recipe) for s in (meta.x, meta.w, meta.dy)}
+    if len(recipes) != 1:
+        names = sorted(scaling.recipe_name(s.recipe) for s in (meta.x, meta.w, meta.dy))
+        raise ValueError(
+            f"fp8jax: a rowwise or block recipe scales x, w and dy alike, got recipes {names}: "
+            f"leave w_recipe unset with fine-grained scaling"
+        )
+    return meta.x.recipe
+
+
+def check_unbatched(recipe, batched: bool) -> None:
+    """Fine recipes tile one GEMM per call: a batched dot_general is one clear error."""
+    if batched:
+        raise ValueError(
+            f"fp8jax.dot_general: the {scaling.recipe_name(recipe)!r} recipe tiles plain GEMMs "
+            f"and cannot tile batch dimensions: use recipe 'delayed' or 'current' for batched "
+            f"einsums"
+        )
+
+
+def _rows(x_MxK, fmt, recipe):
+    """One scale per row along the last axis: ``(q, inv [M, 1], amax)``."""
+    return block_cast.quantize_tiles(x_MxK, fmt, x_MxK.shape[1], recipe)
+
+
+def _scaled(y_MxN, inv_rows_M1, inv_cols_N1, dtype):
+    """A rowwise GEMM's output times its row and column inverse scales, in f32."""
+    return (y_MxN.astype(jnp.float32) * inv_rows_M1 * inv_cols_N1[:, 0][None, :]).astype(dtype)
+
+
+def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
+    # E4M3 for x and w. Forward: x per row (along K), w per column (w.T per row, along K);
+    # wgrad's copies: x.T per row (along M); dgrad's: w per row (along N).
+    xq, x_inv, amax_x = _rows(x, formats.E4M3, recipe)
+    wq_t, wt_inv, amax_w = _rows(w.T, formats.E4M3, recipe)
+    xq_t, xt_inv, _ = _rows(x.T, formats.E4M3, recipe)
+    wq, w_inv, _ = _rows(w, formats.E4M3, recipe)
+    y = gemm.mm(xq, wq_t, 1, 1, False, gemm.acc_dtype(cfg.out_dtype))  # [M, N]
+    y = _scaled(y, x_inv, wt_inv, cfg.out_dtype)
+    return y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
+
+
+def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype):
+    xq_t, xt_inv, wq, w_inv = res
+    gq, g_inv, amax_g = _rows(g, fmt, recipe)  # dgrad: dy per row, along N
+    gq_t, gt_inv, _ = _rows(g.T, fmt, recipe)  # wgrad: dy.T per row, along M
+    dx = gemm.mm(gq, wq, 1, 1, False, gemm.acc_dtype(dx_dtype))  # [M, K], N contracted
+    dw = gemm.mm(xq_t, gq_t, 1, 1, False, gemm.acc_dtype(gemm.wgrad_dtype(cfg)))  # [K, N]
+    return _scaled(dx, g_inv, w_inv, dx_dtype), _scaled(dw, xt_inv, gt_inv, cfg.w_dtype), amax_g
+
+
+def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w):
+    t, impl = recipe.block_size, cfg.cast
+    # E4M3 for x and w. x: 1 x T tiles along K for this GEMM and T x 1 (x.T's 1 x T along M)
+    # for wgrad; w: T x T blocks, which serve the forward ([N, K]) and dgrad ([K, N]) alike.
+    xq, x_inv, xq_t, xt_inv, amax_x = block_cast.cast_transpose_tiles(
+        x, formats.E4M3, t, recipe, impl
+    )
+    wq, wq_t, w_inv, amax_w = block_cast.cast_transpose_blocks(w, formats.E4M3, t, recipe, impl)
+    y = block_gemm.block_scaled_dot(
+        xq, x_inv, wq_t, w_inv.T, block=t, out_dtype=cfg.out_dtype, impl=impl, b_blocks=True
+    )
+    return y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
+
+
+def _bwd_block(cfg: GemmConfig, recipe: BlockScaling, res, g, fmt, dx_dtype):
+    t, impl = recipe.block_size, cfg.cast
+    xq_t, xt_inv, wq, w_inv = res
+    # dy: 1 x T tiles along N for dgrad, T x 1 (dy.T's 1 x T along M) for wgrad.
+    gq, g_inv, gq_t, gt_inv, amax_g = block_cast.cast_transpose_tiles(g, fmt, t, recipe, impl)
+    dx = block_gemm.block_scaled_dot(
+        gq, g_inv, wq, w_inv, block=t, out_dtype=dx_dtype, impl=impl, b_blocks=True
+    )  # [M, K]: w [K, N] with its T x T blocks, N contracted
+    dw = block_gemm.block_scaled_dot(
+        xq_t, xt_inv, gq_t, gt_inv, block=t, out_dtype=cfg.w_dtype, impl=impl, b_blocks=False
+    )  # [K, N]: M contracted, both operands tiled along M
+    return dx, dw, amax_g
+
+
+def _impl(recipe):
+    if isinstance(recipe, BlockScaling):
+        return _fwd_block, _bwd_block
+    return _fwd_rowwise, _bwd_rowwise
+
+
+def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
+    recipe = check_recipes(meta)
+    x_pre = x if cfg.prologue else None
+    if cfg.prologue:
+        x = activations.activation(cfg.prologue)(x.astype(jnp.float32))  # quantized unrounded
+    y, (amax_x, amax_w), res = _impl(recipe)[0](cfg, recipe, x, w)
+    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    return y, new_meta, (*res, x_pre)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fine_matmul(cfg: GemmConfig, x_MxK, w_KxN, meta: Fp8Meta):
+    """``(x . w [M, N], meta with x's and w's amax recorded)`` under ``meta``'s fine recipe."""
+    y, new_meta, _ = _forward(cfg, x_MxK, w_KxN, meta)
+    return y, new_meta
+
+
+def _fine_fwd(cfg: GemmConfig, x, w, meta: Fp8Meta):
+    y, new_meta, res = _forward(cfg, x, w, meta)
+    return (y, new_meta), (res, meta)
+
+
+def _fine_bwd(cfg: GemmConfig, saved, cts):
+    (*res, x_pre), meta = saved
+    g, ct_meta = cts  # g [M, N] in the output dtype
+    recipe = check_recipes(meta)
+    dx_dtype = jnp.float32 if cfg.prologue else cfg.x_dtype  # act' in f32, as the tensorwise path
+    dx, dw, amax_g = _impl(recipe)[1](cfg, recipe, tuple(res), g, meta.dy.fmt, dx_dtype)
+    if cfg.prologue:
+        dx = gemm.dgrad_out(cfg, dx, 1.0, x_pre)
+    hist = scaling.record(ct_meta.dy, amax_g).amax_history
+    return dx, dw, gemm.dy_cotangent(meta, ct_meta, hist)
+
+
+fine_matmul.defvjp(_fine_fwd, _fine_bwd)
+
+
+def saturation_stats(x: jax.Array, state: scaling.ScaleState) -> tuple[jax.Array, jax.Array]:
+    """(saturated share, flushed share) of ``x`` under its fine recipe's scales, tiled along the
+    last axis (the contraction of a Dense layer's input)."""
+    x_2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32) if x.ndim else x.reshape(1, 1)
+    recipe = state.recipe
+    tile = recipe.block_size if isinstance(recipe, BlockScaling) else x_2d.shape[1]
+    pad = -x_2d.shape[1] % tile
+    x_3d = jnp.pad(x_2d, ((0, 0), (0, pad))).reshape(x_2d.shape[0], -1, tile)
+    scale, _ = block_cast.tile_scales(jnp.max(jnp.abs(x_3d), axis=-1), state.fmt, recipe)
+    sat, flush = formats.saturation_stats(x_3d, scale[..., None], state.fmt)
+    share = x_3d.size / max(x_2d.size, 1)  # the padding zeros neither clip nor flush
+    return sat * share, flush * share

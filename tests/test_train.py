@@ -201,9 +201,11 @@ def test_o0_step_matches_plain_jax_gpt():
 
 
 @functools.cache
-def _track_run(level, steps=4):
+def _track_run(level, steps=4, recipe="delayed"):
     """Losses of ``steps`` steps at the peak learning rate (warm-up of one step)."""
-    return _run(_micro_config(level, warmup_steps=1), steps)[2]
+    c = _micro_config(level, warmup_steps=1)
+    c.fp8.recipe = recipe
+    return _run(c, steps)[2]
 
 
 def test_fp8_levels_track_o0():
@@ -217,6 +219,17 @@ def test_fp8_levels_track_o0():
         # 2**-4 relative, so what the model learned may be off by that share of it (GEMMs
         # returning zeros miss by more than 2**-3).
         np.testing.assert_array_less(np.abs(got[1:] - o0[1:]), 2**-4 * learned, err_msg=level)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block"])
+def test_fine_recipes_track_o0(recipe):
+    """O1 under rowwise and block scales (E4M3 x, w and dy) learns what O0 learns, to the same
+    2**-4 share of E4M3's rounding as the per-tensor recipes."""
+    o0 = np.array(_track_run("O0"))
+    learned = o0[0] - o0[1:]
+    got = np.array(_track_run("O1", recipe=recipe))
+    assert got[0] != o0[0]  # the FP8 forward really ran
+    np.testing.assert_array_less(np.abs(got[1:] - o0[1:]), 2**-4 * learned, err_msg=recipe)
 
 
 @pytest.mark.parametrize("level", ["O0", "O1"])

@@ -6,6 +6,8 @@ Convention (as in FP8-LM and Transformer Engine): ``q = saturate(x * scale)`` an
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +32,13 @@ def as_dtype(fmt) -> jnp.dtype:
 def fmax(fmt) -> float:
     """Largest finite value of an FP8 format."""
     return float(jnp.finfo(as_dtype(fmt)).max)
+
+
+def clip_threshold(fmt) -> float:
+    """The smallest magnitude a saturating cast really clips: the max plus half its step."""
+    info = jnp.finfo(as_dtype(fmt))
+    top_step = 2.0 ** (math.floor(math.log2(float(info.max))) - int(info.nmant))
+    return float(info.max) + top_step / 2
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -81,8 +90,9 @@ def saturation_stats(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, ja
     n = x.size
     if n == 0:
         return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-    # Strictly above: a value equal to the max (current scaling's amax element) is exact.
-    saturated = jnp.sum(xs > fmax(dtype)) / n
+    # Clipped: past where round-to-nearest would still give the max (half a top-binade step
+    # above it), so a tile's amax that its f32 scale rounds a hair past the max is not counted.
+    saturated = jnp.sum(xs >= clip_threshold(dtype)) / n
     # Values below half the smallest subnormal round to zero in the cast.
     tiny = float(jnp.finfo(dtype).smallest_subnormal) / 2
     flushed = jnp.sum((xs > 0) & (xs < tiny)) / n

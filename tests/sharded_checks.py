@@ -330,6 +330,11 @@ def main() -> dict:
         "O1 TP": (o1(data=1, tensor=4), devs[:4], "base O1"),
         "O1 DPxTP": (o1(data=2, tensor=4), devs, "base O1"),
         "O3 FSDP": (tiny_config("O3", data=2, fsdp=4), devs, "base O3"),
+        # The block recipe: per-tile scales from the gathered weights and the replicas' own
+        # activations, the FP8 gradient reduction as under per-tensor scales.
+        "base O3 block": (_with(tiny_config("O3"), recipe="block"), one, None),
+        "O3 FSDP block": (_with(tiny_config("O3", data=2, fsdp=4), recipe="block"), devs,
+                          "base O3 block"),  # fmt: skip
         # O2's masters reach the per-device replicas still encoded (master.carry_masters).
         "O2 DP": (tiny_config("O2", data=8), devs, "base O2"),
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,
@@ -341,7 +346,8 @@ def main() -> dict:
         "O1 DP one bucket": (_unrolled(o1(data=8, bucket_by_layer=False)), devs, None),
         "O1 DP by layer": (_unrolled(o1(data=8)), devs, "O1 DP one bucket"),
     }
-    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer"}  # other programs, same math
+    # Other programs, same math (or, for the block recipe, the same layout as O3 FSDP's).
+    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer", "O3 FSDP block"}
     # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
     # one program at a time, so no two programs' collectives interleave on the devices.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

@@ -9,6 +9,7 @@ import pytest
 
 from fp8jax import errors, models
 from fp8jax.models import decode
+from fp8jax.ops import scaling
 from fp8jax.trainer import generate, sampling, spec
 from fp8jax.trainer import loop as train_lib
 
@@ -250,6 +251,16 @@ def test_prompt_longer_than_the_context_is_one_line(llama):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A 3-step O1 GPT run of configs/tiny.py (shrunk) and its corpus."""
+    return _tiny_run(tmp_path_factory, "delayed")
+
+
+@pytest.fixture(scope="module")
+def block_workdir(tmp_path_factory):
+    """The same run under the block recipe (its FP8 state stores no scales)."""
+    return _tiny_run(tmp_path_factory, "block")
+
+
+def _tiny_run(tmp_path_factory, recipe):
     import gzip
 
     from fp8jax.trainer import corpus as corpus_lib
@@ -263,7 +274,8 @@ def workdir(tmp_path_factory):
     small = {"model.d_model": 64, "model.num_heads": 2, "model.num_kv_heads": 2,
              "model.d_ff": 128, "model.vocab_size": 320, "model.max_len": 32, "seq_len": 32,
              "batch_size": 4, "num_train_steps": 3, "warmup_steps": 1, "eval_batches": 1,
-             "sample_tokens": 4, "compilation_cache_dir": "", "data.path": str(corpus)}  # fmt: skip
+             "sample_tokens": 4, "compilation_cache_dir": "", "data.path": str(corpus),
+             "fp8.recipe": recipe}  # fmt: skip
     config = with_overrides(train_lib.load_config("tiny"), small)
     train_lib.train_and_evaluate(config, str(root / "wd"))
     return root / "wd", corpus, config
@@ -275,12 +287,14 @@ def file_hashes(root):
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
-def test_evaluate_equals_the_trainers_eval_and_changes_nothing(workdir):
-    """The O1 loss of the loaded checkpoint (its stored FP8 scales) equals the trainer's eval
-    step on the trainer's own validation batches, restored the trainer's way."""
+@pytest.mark.parametrize("run", ["workdir", "block_workdir"])
+def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
+    """The O1 loss of the loaded checkpoint (its stored FP8 scales, or the block recipe that
+    model.json records) equals the trainer's eval step on the trainer's own validation
+    batches, restored the trainer's way."""
     from fp8jax.trainer import checkpoint, data, inference
 
-    wd, _, config = workdir
+    wd, _, config = request.getfixturevalue(run)
     before = file_hashes(wd)
     run = spec.parse(config)
     env = train_lib.setup(run)
@@ -291,6 +305,7 @@ def test_evaluate_equals_the_trainers_eval_and_changes_nothing(workdir):
     trainer = generate.evaluate(env.eval_step, state, dataset.eval_batches(2), env.batch_sharding)
     inf = inference.load(str(wd))
     assert inf.level == "O1"
+    assert scaling.recipe_name(inf.model.cfg.recipe) == config.fp8.recipe
     ours = inference.evaluate(inf, np.asarray(dataset.val_tokens), 4, 32, 2)
     assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)
     o0 = inference.evaluate(inference.load(str(wd), "O0"), np.asarray(dataset.val_tokens), 4, 32, 2)

@@ -28,6 +28,11 @@ FP8_TYPES = (
     "f8E3M4",
 )
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
+BLOCK_GEMM = "fp8_block_scaled_dot"  # fp8jax's block-scaled FP8 GEMM (ops.block_gemm, Pallas)
+TRITON = "__gpu$xla.gpu.triton"
+# The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>'.
+_RECIPE = re.compile(r"(?:^|/)fp8_(delayed|current|rowwise|block)(?:/|$)")
+_OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*(tensor<[^>]*>)")
 
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
 _CALL = re.compile(r"\bcall\s+@\"?([^\s(\"]+)")
@@ -68,6 +73,13 @@ class DotEntry:
     function: str  # the StableHLO function holding it ('main' or a private helper)
     count: int  # how many times the program reaches it (a loop body counts once)
     name: str  # JAX name stack, e.g. 'jit(step)/transpose(jvp(Dense_0))/Fp8DotGeneral_0'
+    kernel: str = "dot_general"  # 'dot_general' (XLA picks: cuBLASLt for FP8), or BLOCK_GEMM
+
+    @property
+    def recipe(self) -> str:
+        """The FP8 recipe of the matmul this dot belongs to ('' outside fp8jax's FP8 matmuls)."""
+        m = _RECIPE.search(self.name)
+        return m.group(1) if m else ""
 
     @property
     def is_fp8(self) -> bool:
@@ -118,15 +130,18 @@ class CoverageReport:
 
     @property
     def num_fp8_gemms(self) -> int | None:
-        """Compiled ``__cublas$lt$matmul$f8`` calls (None when not compiled for GPU)."""
-        return None if self.gemm_counts is None else self.gemm_counts.get(CUBLAS_FP8, 0)
+        """Compiled FP8 GEMMs: ``__cublas$lt$matmul$f8`` calls and fp8jax's block-scaled GEMM
+        kernels (None when not compiled for GPU)."""
+        if self.gemm_counts is None:
+            return None
+        return self.gemm_counts.get(CUBLAS_FP8, 0) + self.gemm_counts.get(BLOCK_GEMM, 0)
 
     @property
     def num_other_gemms(self) -> int | None:
         """Compiled GEMMs that are not FP8 (cuBLAS, cuBLASLt, Triton, cuDNN)."""
         if self.gemm_counts is None:
             return None
-        return sum(n for k, n in self.gemm_counts.items() if k != CUBLAS_FP8)
+        return sum(n for k, n in self.gemm_counts.items() if k not in (CUBLAS_FP8, BLOCK_GEMM))
 
     def __str__(self) -> str:
         def fmt(dtype, shape):
@@ -135,14 +150,15 @@ class CoverageReport:
         lines = [
             f"FP8 coverage: {self.num_fp8}/{self.num_total} dot_generals in FP8 "
             f"({100 * self.fp8_share:.1f}%), {100 * self.fp8_flop_share:.1f}% of dot FLOPs",
-            f"{'#':>3} {'n':>3} {'fp8':<4} {'lhs':<22} {'rhs':<22} {'out':<18} name",
+            f"{'#':>3} {'n':>3} {'fp8':<4} {'recipe':<8} {'kernel':<20} {'lhs':<22} "
+            f"{'rhs':<22} {'out':<18} name",
         ]
         for i, e in enumerate(self.entries):
             name = e.name if len(e.name) <= 70 else "..." + e.name[-67:]
             lines.append(
-                f"{i:>3} {e.count:>3} {'yes' if e.is_fp8 else 'NO':<4} "
-                f"{fmt(e.lhs_dtype, e.lhs_shape):<22} {fmt(e.rhs_dtype, e.rhs_shape):<22} "
-                f"{fmt(e.out_dtype, e.out_shape):<18} {name}"
+                f"{i:>3} {e.count:>3} {'yes' if e.is_fp8 else 'NO':<4} {e.recipe or '-':<8} "
+                f"{e.kernel:<20} {fmt(e.lhs_dtype, e.lhs_shape):<22} "
+                f"{fmt(e.rhs_dtype, e.rhs_shape):<22} {fmt(e.out_dtype, e.out_shape):<18} {name}"
             )
         if self.gemm_counts is not None:
             kernels = ", ".join(f"{k} x{n}" for k, n in sorted(self.gemm_counts.items()))
@@ -189,7 +205,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
             continue
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
-        if _DOT.search(line):
+        if _DOT.search(line) or (TRITON in line and f'name = "{BLOCK_GEMM}"' in line):
             dots.append((func, line))
 
     memo: dict[str, int] = {}
@@ -204,6 +220,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
 
     entries = []
     for f, line in dots:
+        if TRITON in line:
+            entries.append(_block_gemm_entry(line, f, reach(f), locs))
+            continue
         sig = _SIG.search(line)
         if not sig:
             continue
@@ -236,6 +255,29 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     return tuple(entries)
 
 
+def _block_gemm_entry(line: str, function: str, count: int, locs: dict) -> DotEntry:
+    """The block-scaled GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K
+    contracted), then their inverse scales."""
+    operands, out = _OPERANDS.search(line).groups()
+    (ld, ls), (rd, rs) = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
+    od, os_ = _tensor(out)
+    loc = _LOC_USE.search(line)
+    return DotEntry(
+        lhs_dtype=ld,
+        rhs_dtype=rd,
+        out_dtype=od,
+        lhs_shape=ls,
+        rhs_shape=rs,
+        out_shape=os_,
+        contracting=((1,), (1,)),
+        batching=((), ()),
+        function=function,
+        count=count,
+        name=locs.get(loc.group(1), "") if loc else "",
+        kernel=BLOCK_GEMM,
+    )
+
+
 def gemm_counts(compiled_text: str) -> dict[str, int]:
     """Count GEMM kernels in optimized HLO text: cuBLAS custom-calls and GEMM fusions."""
     counts: Counter[str] = Counter()
@@ -244,6 +286,10 @@ def gemm_counts(compiled_text: str) -> dict[str, int]:
             counts[target] += 1
     for kind in _FUSION_KIND.findall(compiled_text):
         counts[kind] += 1
+    # The block-scaled GEMM is a Triton custom call named by its kernel.
+    n_block = sum(1 for line in compiled_text.splitlines() if TRITON in line and BLOCK_GEMM in line)
+    if n_block:
+        counts[BLOCK_GEMM] = n_block
     return dict(counts)
 
 

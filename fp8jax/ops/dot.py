@@ -219,11 +219,13 @@ def dot_general(
         jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue
     )
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
-    if scaling.is_fine(meta.x.recipe):
-        fine.check_unbatched(meta.x.recipe, batched)
-        y, new_meta = fine.fine_matmul(cfg, x, w, meta)  # [M', N']
-    else:
-        y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
+    # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
+    with jax.named_scope(f"fp8_{scaling.recipe_name(meta.x.recipe)}"):
+        if scaling.is_fine(meta.x.recipe):
+            fine.check_unbatched(meta.x.recipe, batched)
+            y, new_meta = fine.fine_matmul(cfg, x, w, meta)  # [M', N']
+        else:
+            y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
 

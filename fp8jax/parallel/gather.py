@@ -2,7 +2,8 @@
 kernels and embeddings in the model's compute dtype (the layers' own first cast, moved before
 the gather), the rest in their stored dtype. At O3 the matmul kernels of FP8 layers are
 quantized to E4M3 with the layer's own weight scale on their shard first, so only FP8 bytes
-move (in ``fp8jax.parallel.comm``'s wire format). The gathered FP8 weight is handed to the model
+move (in ``fp8jax.parallel.comm``'s wire format); under the rowwise and block recipes, whose
+scales come from the whole gathered weight, they move in the compute dtype. The gathered FP8 weight is handed to the model
 dequantized; the FP8 matmul re-quantizes it with the same scale, which lands exactly on the
 gathered FP8 values (the round trip's error is far below half an E4M3 step), so the GEMM sees
 the gathered bytes.
@@ -63,7 +64,9 @@ def gather_params(params, fp8_state, plan: Plan):
         for i in todo:
             if paths[i][-1] == "kernel":
                 meta = _find_meta(fp8_state, paths[i])
-                if meta is not None:
+                # Fine-grained recipes scale each tile from the gathered weight itself: their
+                # kernels travel in the compute dtype, exactly what the matmul then quantizes.
+                if meta is not None and not scaling.is_fine(meta.w.recipe):
                     metas[i] = meta.w  # the weight's ScaleState
 
     def body(*args):

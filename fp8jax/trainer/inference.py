@@ -67,7 +67,9 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     cfg, fp8 = loaded.model_cfg, {}
     if level == "O1":
         recipe = scaling.DelayedScaling(history_len=stored[0]) if stored else None
-        if recipe is None:
+        if fine_recipe(record) is not None:  # scales come from each call's tiles: none stored
+            recipe = fine_recipe(record)
+        elif recipe is None:
             logging.warning("%s holds no trained FP8 scales: O1 scales every operand by its "
                             "own amax (current scaling)", path)  # fmt: skip
             recipe = scaling.CurrentScaling()
@@ -75,6 +77,15 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
         fp8 = stored[1] if stored else fresh_fp8_state(cfg)
     params = jax.tree.map(jnp.asarray, loaded.params)
     return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level)
+
+
+def fine_recipe(record: dict) -> scaling.Recipe | None:
+    """The rowwise or block recipe a work dir's ``model.json`` says it trained with, else None."""
+    recipe = record.get("recipe") or {}
+    name = recipe.get("name")
+    if name not in ("rowwise", "block"):
+        return None
+    return scaling.make_recipe(name, **{k: v for k, v in recipe.items() if k != "name"})
 
 
 def _abstract_fp8(model_cfg: models.ModelConfig):

@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
+from fp8jax.ops import scaling
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.tokenizer import Tokenizer
 
@@ -58,16 +59,19 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
 
 def record_model(workdir: str | os.PathLike, model_cfg) -> None:
     """Write ``<workdir>/model.json``: the ``ModelConfig``'s fields as JSON (dtypes by name,
-    ``rope_scaling`` as a dict, the FP8 recipe left out), rewritten only when they change."""
+    ``rope_scaling`` and the FP8 recipe as dicts, the recipe's with its ``name``), rewritten only
+    when they change. Inference reads the recipe back: fine-grained scales store no scale."""
     value = {}
     for field in dataclasses.fields(model_cfg):
         x = getattr(model_cfg, field.name)
         if dataclasses.is_dataclass(x) and field.name == "rope_scaling":
             x = dataclasses.asdict(x)
+        elif field.name == "recipe":
+            x = None if x is None else {"name": scaling.recipe_name(x), **dataclasses.asdict(x)}
         elif field.name in ("dtype", "param_dtype"):
             x = np.dtype(x).name
         elif not isinstance(x, (str, int, float, bool, type(None))):
-            continue  # the recipe: the run's config, not the model's
+            continue
         value[field.name] = x
     path = Path(workdir) / MODEL_RECORD
     if read_json(path) != value:

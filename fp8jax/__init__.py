@@ -25,9 +25,11 @@ from fp8jax.ops.dot import dot_general
 from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
 from fp8jax.ops.kernels import cast_transpose
 from fp8jax.ops.scaling import (
+    BlockScaling,
     CurrentScaling,
     DelayedScaling,
     Fp8Meta,
+    RowwiseScaling,
     ScaleState,
     init_meta,
     make_recipe,
@@ -52,12 +54,14 @@ __all__ = [
     "E5M2",
     "FP8",
     "FP8_STATS",
+    "BlockScaling",
     "CoverageReport",
     "CurrentScaling",
     "DelayedScaling",
     "Einsum",
     "Fp8DotGeneral",
     "Fp8Einsum",
+    "RowwiseScaling",
     "Fp8Meta",
     "ScaleState",
     "amax",

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fp8_testing import FWD_TOL, GRAD_TOL, MIN_ERR, randn, rel_err
 
 from fp8jax.ops import block_cast, dot, fine, formats, scaling
+
+from fp8_testing import FWD_TOL, GRAD_TOL, MIN_ERR, randn, rel_err
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 FINE = ("rowwise", "block")
@@ -27,9 +28,9 @@ def _grads(x, w, meta, r):
         y, _ = _fp8(x, w, meta)
         return jnp.sum(y * r), y
 
-    (_, y), (dx, dw, dmeta) = jax.jit(
-        jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
-    )(x, w, meta)
+    (_, y), (dx, dw, dmeta) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        x, w, meta
+    )
     return y, dx, dw, dmeta
 
 
@@ -60,8 +61,9 @@ def test_forward_is_the_exact_product_of_the_dequantized_tiles(name):
     if name == "block":
         xq, x_inv, _ = block_cast.quantize_tiles(x, "e4m3", 128, recipe)
         wq, w_inv, _ = block_cast.quantize_blocks(w, "e4m3", 128, recipe)
-        xd, wd = block_cast.dequantize_tiles(xq, x_inv, 128), block_cast.dequantize_blocks(
-            wq, w_inv, 128
+        xd, wd = (
+            block_cast.dequantize_tiles(xq, x_inv, 128),
+            block_cast.dequantize_blocks(wq, w_inv, 128),
         )
     else:
         xq, x_inv, _ = block_cast.quantize_tiles(x, "e4m3", 300, recipe)

@@ -88,7 +88,9 @@ def test_saturation_stats_exact():
     assert float(flush) == 1 / 8  # 1e-12 is below half the smallest subnormal (2^-10)
     # Round-to-nearest gives 448 up to 464 (half of the top binade's step of 32): not clipped.
     assert formats.clip_threshold("e4m3") == 464.0 and formats.clip_threshold("e5m2") == 61440.0
-    sat, _ = formats.saturation_stats(jnp.array([463.0, 464.0, 470.0, -448.0]), jnp.float32(1), "e4m3")
+    sat, _ = formats.saturation_stats(
+        jnp.array([463.0, 464.0, 470.0, -448.0]), jnp.float32(1), "e4m3"
+    )
     assert float(sat) == 2 / 4
 
 

@@ -86,14 +86,3 @@ def dequantize_blocks(q_KxN: jax.Array, inv_KbxNb: jax.Array, block: int) -> jax
     k, n = q_KxN.shape
     inv = jnp.repeat(jnp.repeat(inv_KbxNb, block, axis=0), block, axis=1)[:k, :n]
     return q_KxN.astype(jnp.float32) * inv
-
-
-def cast_transpose_tiles(x, fmt, tile, recipe, impl="auto"):  # TEMPORARY
-    q, inv, amax = quantize_tiles(x, fmt, tile, recipe)
-    qt, invt, _ = quantize_tiles(x.T, fmt, tile, recipe)
-    return q, inv, qt, invt, amax
-
-
-def cast_transpose_blocks(w, fmt, block, recipe, impl="auto"):  # TEMPORARY
-    q, inv, amax = quantize_blocks(w, fmt, block, recipe)
-    return q, q.T, inv, amax

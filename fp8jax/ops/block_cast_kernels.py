@@ -93,8 +93,9 @@ def _record(amax_ref, tile_amax):
     plt.atomic_max(amax_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _tiles_kernel(x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, **params):
-    fmt, recipe, div = params["fmt"], params["recipe"], params["div"]
+def _tiles_kernel(
+    x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe, div
+):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
     x_TxT = x_ref[...].astype(jnp.float32)  # block (i, j) of x, read once
     abs_TxT = jnp.abs(x_TxT)

@@ -1,7 +1,8 @@
 """Fine-grained FP8 quantization: one scale per 1 x T tile along a row, or per T x T block.
 
 A tile's scale comes from its own amax (``scaling.scale_from_amax``: ``fmax / (amax *
-2**margin)``, optionally a power of two; an all-zero or non-finite tile keeps scale 1), and
+2**margin)``, optionally a power of two; an all-zero tile, or one with an Inf or NaN, keeps scale
+1), and
 ``q = saturate(x * scale)`` as in ``formats.quantize``: a non-finite element becomes NaN. The
 GEMMs take the inverse scales (``inv = 1 / scale``, f32), one per tile, to dequantize with.
 
@@ -54,7 +55,7 @@ def quantize_tiles(
     m, k = x_MxK.shape
     x = _pad_to(x_MxK.astype(jnp.float32), 1, tile)  # [M, K'] f32
     x_MxTxt = x.reshape(m, -1, tile)
-    amax_MxT = jnp.max(jnp.abs(x_MxTxt), axis=-1)
+    amax_MxT = jnp.max(block_cast_kernels.tile_abs(x_MxTxt), axis=-1)
     scale_MxT, inv_MxT = tile_scales(amax_MxT, fmt, recipe)
     q = formats.quantize(x_MxTxt, scale_MxT[..., None], fmt).reshape(m, -1)[:, :k]
     return q, inv_MxT, scaling.sanitize_amax(_finite_max(amax_MxT))
@@ -68,7 +69,7 @@ def quantize_blocks(
     w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)  # [K', N'] f32
     kb, nb = w.shape[0] // block, w.shape[1] // block
     w_4d = w.reshape(kb, block, nb, block)
-    amax_KbxNb = jnp.max(jnp.abs(w_4d), axis=(1, 3))
+    amax_KbxNb = jnp.max(block_cast_kernels.tile_abs(w_4d), axis=(1, 3))
     scale, inv_KbxNb = tile_scales(amax_KbxNb, fmt, recipe)
     q = formats.quantize(w_4d, scale[:, None, :, None], fmt).reshape(kb * block, nb * block)
     return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(_finite_max(amax_KbxNb))

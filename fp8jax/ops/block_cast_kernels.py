@@ -7,10 +7,11 @@ along K (the forward / dgrad operand) and qt [K, M] with one scale per T x 1 til
 amax. ``pallas_cast_transpose_blocks`` does the same for a weight's T x T blocks: one scale per
 block, so the transpose keeps the values and qt is q.T.
 
-The arithmetic is ``block_cast``'s references' (``scaling.scale_from_amax`` with scale 1 for a
-zero or non-finite tile amax, ``formats.saturate``) so the kernels give their bits. One exception
-forces a copy of the scale rule here: Triton lowers an f32 ``/`` to PTX ``div.full.f32`` (up to
-2 ulp off), while XLA divides exactly, so on the GPU both divisions use ``div.rn.f32``.
+The arithmetic is ``block_cast``'s references' (``scaling.scale_from_amax``: scale 1 for a zero
+or non-finite tile amax; ``formats.saturate``), so the interpreted kernel gives their bits. On
+the GPU both sides divide with PTX ``div.full.f32``: XLA lowers an f32 division to it, and so
+does Triton. A tile's amax takes Inf for any non-finite element before the max, so whether the
+backend's max propagates NaN changes nothing (``tile_abs``, the references' rule too).
 
 A block is held whole in registers, so the kernels take tiles up to ``MAX_KERNEL_TILE``.
 """
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 from fp8jax.ops import formats, scaling
 
 MAX_KERNEL_TILE = 128  # a [T, T] f32 block in registers: 64 KiB at T = 128
-_WARPS = 8
+# Warps per [128, 128] block, the fastest of 4, 8, 16 on an H200 (x [16384, 2048] bf16, w
+# [2048, 8192] bf16): the tiles kernel keeps two scaled copies live, the blocks kernel one.
+_TILES_WARPS, _BLOCKS_WARPS = 4, 8
 
 
 def kernel_takes(shape: tuple[int, ...], tile: int) -> bool:
@@ -38,44 +41,16 @@ def kernel_takes(shape: tuple[int, ...], tile: int) -> bool:
     )
 
 
-def _exact_div(interpret: bool):
-    """f32 division rounded to nearest as XLA's: PTX ``div.rn.f32`` on the GPU (Triton's own
-    ``/`` is ``div.full.f32``), the plain ``/`` in the interpreter."""
-    if interpret:
-        return lambda a, b: a / b
-    from jax.experimental.pallas import triton as plt
-
-    def div(a, b):
-        a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-        [out] = plt.elementwise_inline_asm(
-            "div.rn.f32 $0, $1, $2;",
-            args=[a, b],
-            constraints="=f,f,f",
-            pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-        )
-        return out
-
-    return div
+def kernel_scales(amax, fmt, recipe: scaling.Recipe) -> tuple[jax.Array, jax.Array]:
+    """``(scale, inv)`` of each tile amax, as ``block_cast.tile_scales`` (usable in a kernel)."""
+    scale = scaling.scale_from_amax(amax, jnp.float32(1.0), fmt, recipe)
+    return scale, (1.0 / scale).astype(jnp.float32)
 
 
-def kernel_scales(amax, fmt, recipe: scaling.Recipe, div) -> tuple[jax.Array, jax.Array]:
-    """``(scale, inv)`` of each tile amax (f32) as ``block_cast.tile_scales``, dividing by ``div``.
-
-    ``scaling.scale_from_amax`` with a previous scale of 1, step for step: ``fmax / (amax *
-    2**margin)``, usable only if amax and the scale are finite and positive, then (optionally)
-    rounded down to a power of two by writing frexp's exponent into the f32 exponent bits.
-    """
-    amax = amax.astype(jnp.float32)
-    fmax = jnp.full(amax.shape, formats.fmax(fmt), jnp.float32)
-    scale = div(fmax, amax * (2.0**recipe.margin))
-    ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
-    if recipe.power_of_two:
-        _, e = jnp.frexp(scale)
-        biased = jnp.clip(e - 1 + 127, 1, 254).astype(jnp.int32)
-        scale = jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
-    scale = jnp.where(ok, scale, jnp.float32(1.0))
-    return scale, div(jnp.ones(scale.shape, jnp.float32), scale)
+def tile_abs(x: jax.Array) -> jax.Array:
+    """``|x|`` with Inf for every non-finite element: a tile's max is non-finite exactly when the
+    tile has one, whatever a backend's max does with NaN (vectorized CPU maxima drop it)."""
+    return jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
 
 
 def _finite(amax):
@@ -93,17 +68,15 @@ def _record(amax_ref, tile_amax):
     plt.atomic_max(amax_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _tiles_kernel(
-    x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe, div
-):
+def _tiles_kernel(x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
     x_TxT = x_ref[...].astype(jnp.float32)  # block (i, j) of x, read once
-    abs_TxT = jnp.abs(x_TxT)
+    abs_TxT = tile_abs(x_TxT)
     # Row r's amax over this block's K slice: the 1 x T tile (r, j) of q. Column c's over its M
     # slice: the T x 1 tile of x that is tile (c, i) of x.T.
     amax_row_T, amax_col_T = jnp.max(abs_TxT, axis=1), jnp.max(abs_TxT, axis=0)
-    scale_row_T, inv_row_T = kernel_scales(amax_row_T, fmt, recipe, div)
-    scale_col_T, inv_col_T = kernel_scales(amax_col_T, fmt, recipe, div)
+    scale_row_T, inv_row_T = kernel_scales(amax_row_T, fmt, recipe)
+    scale_col_T, inv_col_T = kernel_scales(amax_col_T, fmt, recipe)
     inv_ref[...] = inv_row_T  # column j of inv [M, K/T], rows of block i
     inv_t_ref[...] = inv_col_T  # column i of inv_t [K, M/T], rows of block j
     finite_TxT = jnp.isfinite(x_TxT)
@@ -117,11 +90,11 @@ def _tiles_kernel(
     _record(amax_ref, amax_row_T)  # the tensor's amax is over q's (1 x T) tiles
 
 
-def _blocks_kernel(w_ref, _amax_in, q_ref, qt_ref, inv_ref, amax_ref, *, fmt, recipe, div):
+def _blocks_kernel(w_ref, _amax_in, q_ref, qt_ref, inv_ref, amax_ref, *, fmt, recipe):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
     w_TxT = w_ref[...].astype(jnp.float32)  # block (i, j) of w, read once
-    amax_1x1 = jnp.max(jnp.abs(w_TxT), keepdims=True)
-    scale_1x1, inv_1x1 = kernel_scales(amax_1x1, fmt, recipe, div)
+    amax_1x1 = jnp.max(tile_abs(w_TxT), keepdims=True)
+    scale_1x1, inv_1x1 = kernel_scales(amax_1x1, fmt, recipe)
     inv_ref[...] = inv_1x1
     # One scale for the block: its transpose is the same FP8 values, transposed.
     q_TxT = formats.saturate(w_TxT * scale_1x1, jnp.isfinite(w_TxT), limit).astype(dtype)
@@ -158,7 +131,7 @@ def pallas_cast_transpose_tiles(
     tile: int,
     recipe: scaling.Recipe,
     interpret: bool,
-    num_warps: int = _WARPS,
+    num_warps: int = _TILES_WARPS,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of x, one kernel.
 
@@ -166,7 +139,7 @@ def pallas_cast_transpose_tiles(
     routes the others to the references.
     """
     dtype = formats.as_dtype(fmt)
-    kernel = functools.partial(_tiles_kernel, fmt=fmt, recipe=recipe, div=_exact_div(interpret))
+    kernel = functools.partial(_tiles_kernel, fmt=fmt, recipe=recipe)
 
     def in_out(pl, m, k, t):
         f32 = jnp.float32
@@ -193,12 +166,12 @@ def pallas_cast_transpose_blocks(
     block: int,
     recipe: scaling.Recipe,
     interpret: bool,
-    num_warps: int = _WARPS,
+    num_warps: int = _BLOCKS_WARPS,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [K, N], qt [N, K], inv [K/B, N/B], amax)`` of w, one kernel (sides multiples of
     ``block``, as ``kernel_takes``)."""
     dtype = formats.as_dtype(fmt)
-    kernel = functools.partial(_blocks_kernel, fmt=fmt, recipe=recipe, div=_exact_div(interpret))
+    kernel = functools.partial(_blocks_kernel, fmt=fmt, recipe=recipe)
 
     def in_out(pl, k, n, b):
         return [

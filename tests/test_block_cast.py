@@ -91,7 +91,8 @@ def test_a_non_finite_element_touches_its_own_tiles_only(bad):
     NaN; every other tile keeps its values and scale; the amax is the finite tiles'."""
     t, (r, c) = 128, (7, 200)
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32) * 3
-    x[150, 100] = 50.0  # the tensor's amax, in no tile or block of the bad element's
+    x[150, 100] = 50.0  # in no tile or block of the bad element's
+    x[7, 130] = 60.0  # the tensor's amax, in the bad element's 1 x T tile (not its T x 1 one)
     x_bad = x.copy()
     x_bad[r, c] = bad
     cast = _tiles("interpret", "e4m3", t, scaling.BlockScaling())
@@ -114,7 +115,7 @@ def test_a_non_finite_element_touches_its_own_tiles_only(bad):
     np.testing.assert_array_equal(_bits(qt2)[same_qt], _bits(qt)[same_qt])
     changed = (_bits(inv2) != _bits(inv), _bits(inv_t2) != _bits(inv_t))
     assert changed[0].sum() == 1 and changed[1].sum() == 1
-    assert float(amax2) == float(amax) == 50.0
+    assert float(amax) == 60.0 and float(amax2) == 50.0  # the 1 x T tiles' finite maximum
 
     cast = _blocks("interpret", "e4m3", t, scaling.BlockScaling())
     (q, _, inv, amax), (q2, qt2, inv2, amax2) = cast(x), cast(x_bad)
@@ -122,11 +123,7 @@ def test_a_non_finite_element_touches_its_own_tiles_only(bad):
     others = ([0, 1, 1], [0, 0, 1])  # the blocks other than (0, 1)
     np.testing.assert_array_equal(np.asarray(inv2)[others], np.asarray(inv)[others])
     np.testing.assert_array_equal(_bits(q2[t:]), _bits(q[t:]))
-    assert float(amax2) == 50.0
-    x_bad[8, 201] = 70.0  # the largest finite value, in the bad block: not recorded
-    finite_blocks = np.abs(x_bad)
-    finite_blocks[:t, t:] = 0.0
-    assert float(cast(x_bad)[3]) == finite_blocks.max() == 50.0
+    assert float(amax) == 60.0 and float(amax2) == 50.0  # 60 is in the bad block
 
 
 def _np_tile_amax(x: np.ndarray, tile: int) -> np.ndarray:
@@ -181,8 +178,9 @@ def test_references_against_numpy_in_f64(shape, tile, fmt):
 def test_tiles_keep_the_small_values_that_one_scale_for_outlier_channels_flushes():
     """Two channels 1000x the rest: one tensor scale fmax / amax puts the others' small values in
     E4M3's subnormals, and those below half its smallest subnormal (2**-10 / scale) become 0, a
-    relative error of 1. The 1 x 128 tiles free of the outliers scale by their own amax: every
-    element within 2**-4 of itself (E4M3's half step), 16x less than that, none flushed."""
+    relative error of 1. The 1 x 128 tiles free of the outliers scale by their own amax: there
+    every element normal in its tile is within 2**-4 of itself (E4M3's half step), none flushed,
+    below even the mean error of one scale over the same elements."""
     x = np.random.default_rng(3).standard_normal((256, 512)).astype(np.float32)
     x[:, [5, 60]] *= 1000.0  # both in the first K tile
     q, inv, _ = block_cast.quantize_tiles(jnp.asarray(x), "e4m3", 128, scaling.BlockScaling())
@@ -200,7 +198,7 @@ def test_tiles_keep_the_small_values_that_one_scale_for_outlier_channels_flushes
     small = (np.abs(x[free]) * scale < 2.0**-6) & (np.abs(x[free]) * tile_scale >= 2.0**-6)
     assert small.sum() > 0.05 * small.size and not np.any(tiles[free][small] == 0.0)
     assert np.all(rel_tiles[small] <= 2.0**-4 * (1 + 2**-20))
-    assert rel_tiles[small].mean() < rel_one[small].mean() / 4
+    assert rel_one[small].mean() > 2.0**-4  # one scale's mean error: over the tiles' worst
 
 
 def _text(fn, x, platform):

@@ -1,12 +1,17 @@
 """Fine-grained FP8 quantization: one scale per 1 x T tile along a row, or per T x T block.
 
 A tile's scale comes from its own amax (``scaling.scale_from_amax``: ``fmax / (amax *
-2**margin)``, optionally a power of two; an all-zero or non-finite tile keeps scale 1), and
+2**margin)``, optionally a power of two; an all-zero tile, or one with an Inf or NaN, keeps scale
+1), and
 ``q = saturate(x * scale)`` as in ``formats.quantize``: a non-finite element becomes NaN. The
 GEMMs take the inverse scales (``inv = 1 / scale``, f32), one per tile, to dequantize with.
 
 Rowwise scaling is the case T = the whole row. Sides that are not multiples of T end in a
 partial tile, scaled by the amax of the elements it has (zero padding changes no amax).
+
+``cast_transpose_tiles`` and ``cast_transpose_blocks`` write both GEMM layouts of an operand with
+their scales in one pass: a Pallas kernel (``block_cast_kernels``) lowered to Triton on CUDA,
+these references elsewhere, the same bits either way.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import formats, scaling
+from fp8jax.ops import block_cast_kernels, formats, kernels, scaling
 
 
 def num_tiles(n: int, tile: int) -> int:
@@ -50,7 +55,7 @@ def quantize_tiles(
     m, k = x_MxK.shape
     x = _pad_to(x_MxK.astype(jnp.float32), 1, tile)  # [M, K'] f32
     x_MxTxt = x.reshape(m, -1, tile)
-    amax_MxT = jnp.max(jnp.abs(x_MxTxt), axis=-1)
+    amax_MxT = jnp.max(block_cast_kernels.tile_abs(x_MxTxt), axis=-1)
     scale_MxT, inv_MxT = tile_scales(amax_MxT, fmt, recipe)
     q = formats.quantize(x_MxTxt, scale_MxT[..., None], fmt).reshape(m, -1)[:, :k]
     return q, inv_MxT, scaling.sanitize_amax(_finite_max(amax_MxT))
@@ -64,7 +69,7 @@ def quantize_blocks(
     w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)  # [K', N'] f32
     kb, nb = w.shape[0] // block, w.shape[1] // block
     w_4d = w.reshape(kb, block, nb, block)
-    amax_KbxNb = jnp.max(jnp.abs(w_4d), axis=(1, 3))
+    amax_KbxNb = jnp.max(block_cast_kernels.tile_abs(w_4d), axis=(1, 3))
     scale, inv_KbxNb = tile_scales(amax_KbxNb, fmt, recipe)
     q = formats.quantize(w_4d, scale[:, None, :, None], fmt).reshape(kb * block, nb * block)
     return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(_finite_max(amax_KbxNb))
@@ -86,3 +91,85 @@ def dequantize_blocks(q_KxN: jax.Array, inv_KbxNb: jax.Array, block: int) -> jax
     k, n = q_KxN.shape
     inv = jnp.repeat(jnp.repeat(inv_KbxNb, block, axis=0), block, axis=1)[:k, :n]
     return q_KxN.astype(jnp.float32) * inv
+
+
+def _check_cast(x: jax.Array, fmt, tile: int, name: str) -> None:
+    """One-line errors for what the fused casts do not take."""
+    formats.as_dtype(fmt)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {x.shape}: reshape it to [rows, K] first")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"{name} must be bfloat16 or float32, got {x.dtype}: cast it first")
+    if not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
+        raise ValueError(f"FP8 tile must be a power of two >= 16, got {tile!r}: use 128")
+
+
+def _dispatch(impl: str, x: jax.Array, tile: int, reference, pallas):
+    """``reference(x)`` or ``pallas(x, interpret)``, as ``kernels.cast_transpose`` picks.
+
+    'xla', and shapes the kernel does not take (``block_cast_kernels.kernel_takes``: sides not
+    whole tiles, tiles over ``MAX_KERNEL_TILE``), run the reference; 'interpret' the kernel in
+    Pallas' interpreter; 'pallas' (and 'auto' on GPUs) the Triton kernel when lowered for CUDA
+    and the reference for any other platform.
+    """
+    impl = kernels.resolve_impl(impl)
+    if impl == "xla" or not block_cast_kernels.kernel_takes(x.shape, tile):
+        return reference(x)
+    if impl == "interpret":
+        return pallas(x, True)
+    return jax.lax.platform_dependent(x, cuda=lambda x: pallas(x, False), default=reference)
+
+
+def cast_transpose_tiles(
+    x_MxK: jax.Array, fmt, tile: int, recipe: scaling.Recipe, impl: str = kernels.AUTO
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of x in one pass.
+
+    ``q, inv`` are ``quantize_tiles(x)``'s 1 x T tiles along K (the forward and dgrad operand),
+    ``qt, inv_t`` are ``quantize_tiles(x.T)``'s: 1 x T tiles along M of x.T, T x 1 tiles of x
+    (the wgrad operand). ``amax`` is ``quantize_tiles(x)``'s. ``fmt`` 'e4m3' or 'e5m2' (the
+    recipe's format for x or dy); ``impl`` as in ``kernels.cast_transpose``.
+    """
+    _check_cast(x_MxK, fmt, tile, "x_MxK")
+    kernels.check_impl(impl)
+
+    def reference(x):
+        q, inv, amax = quantize_tiles(x, fmt, tile, recipe)
+        qt, inv_t, _ = quantize_tiles(x.T, fmt, tile, recipe)
+        return q, inv, qt, inv_t, amax
+
+    return _dispatch(
+        impl,
+        x_MxK,
+        tile,
+        reference,
+        lambda x, interpret: block_cast_kernels.pallas_cast_transpose_tiles(
+            x, fmt, tile, recipe, interpret
+        ),
+    )
+
+
+def cast_transpose_blocks(
+    w_KxN: jax.Array, fmt, block: int, recipe: scaling.Recipe, impl: str = kernels.AUTO
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(q [K, N], qt [N, K], inv [K/B, N/B], amax)``: ``quantize_blocks(w)`` and q.T in one pass.
+
+    A B x B block has one scale, so its transpose keeps its values: qt is q.T bit for bit (the
+    forward GEMM takes w as [N, K], dgrad as [K, N]). ``impl`` as in ``kernels.cast_transpose``.
+    """
+    _check_cast(w_KxN, fmt, block, "w_KxN")
+    kernels.check_impl(impl)
+
+    def reference(w):
+        q, inv, amax = quantize_blocks(w, fmt, block, recipe)
+        return q, q.T, inv, amax
+
+    return _dispatch(
+        impl,
+        w_KxN,
+        block,
+        reference,
+        lambda w, interpret: block_cast_kernels.pallas_cast_transpose_blocks(
+            w, fmt, block, recipe, interpret
+        ),
+    )

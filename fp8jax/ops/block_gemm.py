@@ -104,8 +104,7 @@ def _pad(x, rows: int, cols: int):
 
 def _reference(a_MxK, a_inv_MxT, b_NxK, b_inv_NxT, block: int, out_dtype):
     """The contract with XLA ops: one tile of K per ``fori_loop`` step, never [T, M, N]."""
-    (m, k), n = a_MxK.shape, b_NxK.shape[0]
-    t = a_inv_MxT.shape[1]
+    m, n, t = a_MxK.shape[0], b_NxK.shape[0], a_inv_MxT.shape[1]
     a_MxKp, b_NxKp = _pad(a_MxK, m, t * block), _pad(b_NxK, n, t * block)
 
     def step(i, acc_MxN):

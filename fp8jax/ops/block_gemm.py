@@ -41,7 +41,7 @@ _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both: y = a . b^T
 # The kernel's defaults (GPU sweep over 8192^3 and 16384 x 4096 x 16384, H200): rows x columns
 # of a program's output, Triton warps and pipeline stages, row-block groups of the launch order.
-BM, BN, WARPS, STAGES, GROUP = 128, 128, 8, 4, 8
+BM, BN, WARPS, STAGES, GROUP, PREFETCH = 64, 128, 4, 4, 8, True
 
 
 def _pow2(n) -> bool:
@@ -150,22 +150,29 @@ def _tile(p, gm: int, gn: int, group: int):
     return first + (p % width) % size, (p % width) // size
 
 
-def _kernel(a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t: int, block: int, scalar_b, mixed):
+def _kernel(a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t, block, scalar_b, mixed, prefetch):
     from jax.experimental import pallas as pl
 
     bm, bn = y_ref.shape
 
-    def step(i, acc_bmxbn):
+    def scales(i):  # tile i's multipliers: a's rows [bm, 1]; one b block's (scalar) or b's rows
+        b_s = b_s_ref[i, 0] if scalar_b else b_s_ref[i, :][None, :]
+        return a_s_ref[i, :][:, None], b_s
+
+    def step(i, carry):
+        acc_bmxbn, a_s, b_s = carry
+        if prefetch:  # the next tile's multipliers load while this tile's dot runs
+            following = scales(jnp.minimum(i + 1, t - 1))
+        else:
+            a_s, b_s = following = scales(i)
         a_t = a_ref[:, pl.ds(i * block, block)]  # [bm, block] FP8
         b_t = b_ref[:, pl.ds(i * block, block)]  # [bn, block] FP8
         if mixed:  # E5M2 x E4M3: both exact in f16, which Triton's dot takes as a pair
             a_t, b_t = a_t.astype(jnp.float16), b_t.astype(jnp.float16)
         partial = jax.lax.dot_general(a_t, b_t, _NT, preferred_element_type=jnp.float32)
-        a_s = a_s_ref[i, :]  # [bm]: this tile's multipliers of a's rows
-        b_s = b_s_ref[i, 0] if scalar_b else b_s_ref[i, :][None, :]  # one block's, or per row
-        return acc_bmxbn + (partial * a_s[:, None]) * b_s
+        return acc_bmxbn + (partial * a_s) * b_s, *following
 
-    acc = jax.lax.fori_loop(0, t, step, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, t, step, (jnp.zeros((bm, bn), jnp.float32), *scales(0)))[0]
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
@@ -183,6 +190,7 @@ def pallas_block_scaled_dot(
     num_warps: int = WARPS,
     num_stages: int = STAGES,
     group: int = GROUP,
+    prefetch: bool = PREFETCH,
     interpret: bool = False,
 ) -> jax.Array:
     """The Pallas kernel of ``block_scaled_dot`` with explicit tuning (tuning runs, tests).
@@ -191,6 +199,7 @@ def pallas_block_scaled_dot(
     over the T tiles of K. With block x block tiles of b and ``bn`` dividing ``block``, each
     program and tile reads one scalar of b; otherwise a [bn] vector of per-row multipliers.
     Operands are zero-padded to whole programs (padded multipliers are 0: they scale zeros).
+    ``prefetch`` loads the next tile's multipliers in the loop's current step.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -231,6 +240,7 @@ def pallas_block_scaled_dot(
         block=block,
         scalar_b=scalar_b,
         mixed=a_MxK.dtype != b_NxK.dtype,
+        prefetch=prefetch,
     )
     y = pl.pallas_call(
         kernel,

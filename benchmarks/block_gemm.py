@@ -36,9 +36,18 @@ from fp8jax.ops import block_gemm
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (16384, 16384, 4096)]  # M x K x N
 QUICK_SHAPES = [(64, 256, 160)]
 LAYOUTS = ("fwd", "dgrad", "wgrad")
-# (bm, bn, num_warps, num_stages)
-SWEEP = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))
-QUICK_SWEEP = [(64, 128, 4, 3), (128, 128, 8, 4)]
+# (bm, bn, num_warps, num_stages, prefetch): the grid of tunings, then a few around the kernel's
+# default (smaller tiles leave room for two programs per SM, whose dots and rescales overlap).
+SWEEP = [(*c, True) for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))] + [
+    (64, 128, 4, 4, False),
+    (64, 128, 4, 2, True),
+    (64, 64, 4, 4, True),
+    (128, 64, 4, 4, True),
+    (128, 128, 4, 2, True),
+    (64, 256, 4, 2, True),
+]
+QUICK_SWEEP = [(64, 128, 4, 3, True), (128, 128, 8, 4, False)]
+KEYS = ("bm", "bn", "warps", "stages", "prefetch")
 CHECK = (2048, 4096, 2048)  # M x K x N of the kernel-vs-reference check
 F8_GEMM, TRITON = "__cublas$lt$matmul$f8", "__gpu$xla.gpu.triton"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -73,11 +82,12 @@ def _count(fn, args, target: str) -> int:
 
 
 def kernel_fn(tuning, interpret: bool):
-    """The jitted kernel with one tuning (bm, bn, num_warps, num_stages), bf16 out."""
-    bm, bn, warps, stages = tuning
+    """The jitted kernel with one tuning (bm, bn, num_warps, num_stages, prefetch), bf16 out."""
+    bm, bn, warps, stages, prefetch = tuning
+    tune = dict(bm=bm, bn=bn, num_warps=warps, num_stages=stages, prefetch=prefetch)
     return jax.jit(
         lambda a, ai, b, bi: block_gemm.pallas_block_scaled_dot(
-            a, ai, b, bi, bm=bm, bn=bn, num_warps=warps, num_stages=stages, interpret=interpret
+            a, ai, b, bi, **tune, interpret=interpret
         )
     )
 
@@ -86,7 +96,7 @@ def sweep(args, tunings, a, interpret: bool) -> list[dict]:
     """Seconds per call of each tuning (a tuning that fails to compile keeps its error)."""
     rows = []
     for tuning in tunings:
-        row = dict(zip(("bm", "bn", "warps", "stages"), tuning, strict=True))
+        row = dict(zip(KEYS, tuning, strict=True))
         try:
             row["s"] = _time(kernel_fn(tuning, interpret), args, a)
         except Exception as e:  # registers or shared memory: a result of the sweep too
@@ -108,7 +118,7 @@ def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
     timed = [r for r in rec["sweep"] if "s" in r]
     if timed:
         best = min(timed, key=lambda r: r["s"])
-        rec["best"] = {k: best[k] for k in ("bm", "bn", "warps", "stages")}
+        rec["best"] = {k: best[k] for k in KEYS}
         rec["block_tflops"] = flop / best["s"] / 1e12
         best_fn = kernel_fn(tuple(rec["best"].values()), interpret)
         rec["triton_calls"] = _count(best_fn, args, TRITON)
@@ -125,8 +135,20 @@ def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
     return rec
 
 
+def _f64(a, a_inv, b, b_inv) -> np.ndarray:
+    """a . b^T of the dequantized operands in f64 on the host."""
+    block, k, n = block_gemm.BLOCK, a.shape[1], b.shape[0]
+    a_inv, b_inv = np.asarray(a_inv, np.float64), np.asarray(b_inv, np.float64)
+    b_full = np.repeat(b_inv, block, 1)[:, :k]
+    if b_inv.shape[0] != n:  # block x block tiles
+        b_full = np.repeat(b_full, block, 0)[:n]
+    a64 = np.asarray(a.astype(jnp.float32), np.float64) * np.repeat(a_inv, block, 1)[:, :k]
+    return a64 @ (np.asarray(b.astype(jnp.float32), np.float64) * b_full).T
+
+
 def check(shape, interpret: bool) -> list[dict]:
-    """The default kernel against the reference, f32 out: max |difference| / max |reference|."""
+    """The default kernel against the reference, f32 out: max |difference| / max |reference|;
+    and each against the f64 product of the dequantized operands (host), the same way."""
     out = []
     for layout, b_fmt in (("fwd", E4M3), ("wgrad", E4M3), ("dgrad", E5M2)):
         args = operands(layout, shape, b_fmt, seed=1)
@@ -138,6 +160,9 @@ def check(shape, interpret: bool) -> list[dict]:
         try:
             y, ref = np.asarray(run(impl), np.float64), np.asarray(run("xla"), np.float64)
             row["max_rel_diff"] = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
+            exact = _f64(*args)
+            for name, v in (("kernel", y), ("reference", ref)):
+                row[f"{name}_vs_f64"] = float(np.max(np.abs(v - exact)) / np.max(np.abs(exact)))
         except Exception as e:  # a kernel that does not compile is this check's result
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         out.append(row)
@@ -146,7 +171,7 @@ def check(shape, interpret: bool) -> list[dict]:
 
 COLUMNS = {
     "block TF/s": lambda r: f"{r['block_tflops']:.0f}",
-    "best (bm, bn, warps, stages)": lambda r: str(tuple(r["best"].values())),
+    "best (bm, bn, warps, stages, prefetch)": lambda r: str(tuple(r["best"].values())),
     "cuBLASLt f8 TF/s": lambda r: f"{r['cublas_f8_tflops']:.0f}",
     "f8 gemms": lambda r: r["f8_gemms"],
     "bf16 TF/s": lambda r: f"{r['bf16_tflops']:.0f}",
@@ -158,6 +183,7 @@ SWEEP_COLUMNS = {
     "bn": lambda r: r["bn"],
     "warps": lambda r: r["warps"],
     "stages": lambda r: r["stages"],
+    "prefetch": lambda r: r["prefetch"],
     "ms": lambda r: f"{r['s'] * 1e3:.3f}",
 }
 
@@ -182,7 +208,7 @@ def main(argv=None):
         if len(rows) == 1:  # the first GEMM's fastest tunings serve the others
             print(runner.table(rows[0]["sweep"], SWEEP_COLUMNS, "bm"), flush=True)
             timed = sorted((r for r in rows[0]["sweep"] if "s" in r), key=lambda r: r["s"])
-            tunings = [(r["bm"], r["bn"], r["warps"], r["stages"]) for r in timed[: a.keep]]
+            tunings = [tuple(r[k] for k in KEYS) for r in timed[: a.keep]]
         print(runner.table(rows[-1:], COLUMNS, "gemm").splitlines()[1], flush=True)
         runner.write_json(a.out, "block_gemm", data)
     data["check"] = {"shape": list(QUICK_SHAPES[0] if a.quick else CHECK)}

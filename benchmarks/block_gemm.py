@@ -146,11 +146,14 @@ def _f64(a, a_inv, b, b_inv) -> np.ndarray:
     return a64 @ (np.asarray(b.astype(jnp.float32), np.float64) * b_full).T
 
 
-def check(shape, interpret: bool) -> list[dict]:
+CHECK_CASES = (("fwd", E4M3), ("wgrad", E4M3), ("dgrad", E5M2))  # (layout, b's format)
+
+
+def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
     """The default kernel against the reference, f32 out: max |difference| / max |reference|;
     and each against the f64 product of the dequantized operands (host), the same way."""
     out = []
-    for layout, b_fmt in (("fwd", E4M3), ("wgrad", E4M3), ("dgrad", E5M2)):
+    for layout, b_fmt in cases:
         args = operands(layout, shape, b_fmt, seed=1)
         impl = "interpret" if interpret else "pallas"
         run = lambda impl: jax.jit(  # noqa: E731

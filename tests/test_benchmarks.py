@@ -1,6 +1,7 @@
 """benchmarks/ as a package: the runner (run specs, overrides, child processes, tables), the
 shared measurement helpers, each benchmark's CPU-cheap path, and the package's import rules."""
 
+import argparse
 import ast
 import gzip
 import importlib.util
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from benchmarks import cast_transpose, common, memory_peak, parity, runner, step
+from benchmarks import block_gemm, cast_transpose, common, memory_peak, parity, runner, step
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 
@@ -30,6 +31,7 @@ KEPT = [
     "memory_peak",
     "finetune",
     "finetune_step",
+    "block_gemm",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -502,6 +504,17 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
 
     assert not reduces_in_body(False)  # the hoisting the flag exists for
     assert reduces_in_body(True)
+
+
+def test_block_gemm_measures_a_layout_and_checks_the_kernel():
+    """One GEMM's row (Pallas' interpreter on CPU) and the kernel-vs-reference check."""
+    args = argparse.Namespace(reps=1, min_rep_s=0.0, max_iters=1)  # one call per timing
+    rec = block_gemm.measure("wgrad", (32, 160, 48), block_gemm.QUICK_SWEEP[:1], args, True)
+    assert rec["dims"] == [160, 48, 32] and rec["best"]["bm"] == 64 and rec["triton_calls"] == 0
+    assert rec["block_tflops"] > 0 and rec["bf16_tflops"] > 0 and rec["f8_gemms"] == 0
+    (res,) = block_gemm.check((16, 256, 32), True, block_gemm.CHECK_CASES[2:])  # E5M2 x E4M3
+    assert (res["layout"], res["b"], res["max_rel_diff"]) == ("dgrad", "float8_e5m2", 0.0), res
+    assert 0 < res["kernel_vs_f64"] < 1e-6, res
 
 
 def test_power_samples_parse_and_summarize():

@@ -36,18 +36,22 @@ from fp8jax.ops import block_gemm
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (16384, 16384, 4096)]  # M x K x N
 QUICK_SHAPES = [(64, 256, 160)]
 LAYOUTS = ("fwd", "dgrad", "wgrad")
-# (bm, bn, num_warps, num_stages, prefetch): the grid of tunings, then a few around the kernel's
-# default (smaller tiles leave room for two programs per SM, whose dots and rescales overlap).
-SWEEP = [(*c, True) for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))] + [
-    (64, 128, 4, 4, False),
-    (64, 128, 4, 2, True),
-    (64, 64, 4, 4, True),
-    (128, 64, 4, 4, True),
-    (128, 128, 4, 2, True),
-    (64, 256, 4, 2, True),
+# (bm, bn, num_warps, num_stages, prefetch, fast_acc): the grid of tunings, then a few around
+# the kernel's default (smaller tiles leave room for two programs per SM, whose dots and
+# rescales overlap), and the default without fast accumulation (Triton promoting after every
+# WGMMA instruction) for comparison.
+SWEEP = [(*c, True, True) for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))] + [
+    (64, 128, 4, 4, False, True),
+    (64, 128, 4, 2, True, True),
+    (64, 64, 4, 4, True, True),
+    (128, 64, 4, 4, True, True),
+    (128, 128, 4, 2, True, True),
+    (64, 256, 4, 2, True, True),
+    (128, 64, 4, 4, True, False),
+    (128, 128, 8, 4, True, False),
 ]
-QUICK_SWEEP = [(64, 128, 4, 3, True), (128, 128, 8, 4, False)]
-KEYS = ("bm", "bn", "warps", "stages", "prefetch")
+QUICK_SWEEP = [(64, 128, 4, 3, True, True), (128, 128, 8, 4, False, False)]
+KEYS = ("bm", "bn", "warps", "stages", "prefetch", "fast_acc")
 CHECK = (2048, 4096, 2048)  # M x K x N of the kernel-vs-reference check
 F8_GEMM, TRITON = "__cublas$lt$matmul$f8", "__gpu$xla.gpu.triton"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -82,9 +86,11 @@ def _count(fn, args, target: str) -> int:
 
 
 def kernel_fn(tuning, interpret: bool):
-    """The jitted kernel with one tuning (bm, bn, num_warps, num_stages, prefetch), bf16 out."""
-    bm, bn, warps, stages, prefetch = tuning
+    """The jitted kernel with one tuning (bm, bn, num_warps, num_stages, prefetch, fast_acc),
+    bf16 out."""
+    bm, bn, warps, stages, prefetch, fast_acc = tuning
     tune = dict(bm=bm, bn=bn, num_warps=warps, num_stages=stages, prefetch=prefetch)
+    tune["fast_acc"] = fast_acc
     return jax.jit(
         lambda a, ai, b, bi: block_gemm.pallas_block_scaled_dot(
             a, ai, b, bi, **tune, interpret=interpret
@@ -174,7 +180,7 @@ def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
 
 COLUMNS = {
     "block TF/s": lambda r: f"{r['block_tflops']:.0f}",
-    "best (bm, bn, warps, stages, prefetch)": lambda r: str(tuple(r["best"].values())),
+    "best (bm, bn, warps, stages, prefetch, fast_acc)": lambda r: str(tuple(r["best"].values())),
     "cuBLASLt f8 TF/s": lambda r: f"{r['cublas_f8_tflops']:.0f}",
     "f8 gemms": lambda r: r["f8_gemms"],
     "bf16 TF/s": lambda r: f"{r['bf16_tflops']:.0f}",
@@ -187,6 +193,7 @@ SWEEP_COLUMNS = {
     "warps": lambda r: r["warps"],
     "stages": lambda r: r["stages"],
     "prefetch": lambda r: r["prefetch"],
+    "fast_acc": lambda r: r["fast_acc"],
     "ms": lambda r: f"{r['s'] * 1e3:.3f}",
 }
 

@@ -333,8 +333,11 @@ def main() -> dict:
         # The block recipe: per-tile scales from the gathered weights and the replicas' own
         # activations, the FP8 gradient reduction as under per-tensor scales.
         "base O3 block": (_with(tiny_config("O3"), recipe="block"), one, None),
-        "O3 FSDP block": (_with(tiny_config("O3", data=2, fsdp=4), recipe="block"), devs,
-                          "base O3 block"),  # fmt: skip
+        "O3 FSDP block": (
+            _with(tiny_config("O3", data=2, fsdp=4), recipe="block"),
+            devs,
+            "base O3 block",
+        ),  # fmt: skip
         # O2's masters reach the per-device replicas still encoded (master.carry_masters).
         "O2 DP": (tiny_config("O2", data=8), devs, "base O2"),
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,

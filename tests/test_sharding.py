@@ -289,7 +289,15 @@ def test_sharded_steps_match_one_device(checks):
         assert same["update_rel_l2"] <= update_rtol, (name, same)
         assert same["fp8_state_step0_rel"] == 0.0, (name, same)
     assert checks["all_to_alls"] == {"O1 DP one bucket": 1, "O1 DP by layer": 3}  # 2 layers + rest
-    assert set(cmp) == {"O1 DP", "O1 FSDP", "O1 TP", "O1 DPxTP", "O3 FSDP", "O2 DP", "O3 FSDP block"}
+    assert set(cmp) == {
+        "O1 DP",
+        "O1 FSDP",
+        "O1 TP",
+        "O1 DPxTP",
+        "O3 FSDP",
+        "O2 DP",
+        "O3 FSDP block",
+    }
     for name, c in cmp.items():
         assert c["scales_identical_across_devices"], name
         # Step 0: identical forward, hence identical amaxes and scales (global, not per shard).

@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import kernels
+from fp8jax.ops import kernels, tile_dot
 
 BLOCK = 128  # DeepSeek-V3's tile: elements of K per scale
 OUT_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
@@ -157,7 +157,9 @@ def _tile(p, gm: int, gn: int, group: int):
     return first + (p % width) % size, (p % width) // size
 
 
-def _kernel(a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t, block, scalar_b, mixed, prefetch):
+def _kernel(
+    a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t, block, scalar_b, mixed, prefetch, fast_acc
+):
     from jax.experimental import pallas as pl
 
     bm, bn = y_ref.shape
@@ -176,7 +178,10 @@ def _kernel(a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t, block, scalar_b, mixed,
         b_t = b_ref[:, pl.ds(i * block, block)]  # [bn, block] FP8
         if mixed:  # E5M2 x E4M3: both exact in f16, which Triton's dot takes as a pair
             a_t, b_t = a_t.astype(jnp.float16), b_t.astype(jnp.float16)
-        partial = jax.lax.dot_general(a_t, b_t, _NT, preferred_element_type=jnp.float32)
+        if fast_acc and not mixed:  # the whole tile in the tensor cores, then promoted here
+            partial = tile_dot.tile_dot(a_t, b_t, k_imprecise=block)
+        else:
+            partial = jax.lax.dot_general(a_t, b_t, _NT, preferred_element_type=jnp.float32)
         return acc_bmxbn + (partial * a_s) * b_s, *following
 
     acc = jax.lax.fori_loop(0, t, step, (jnp.zeros((bm, bn), jnp.float32), *scales(0)))[0]
@@ -198,6 +203,7 @@ def pallas_block_scaled_dot(
     num_stages: int = STAGES,
     group: int = GROUP,
     prefetch: bool = PREFETCH,
+    fast_acc: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """The Pallas kernel of ``block_scaled_dot`` with explicit tuning (tuning runs, tests).
@@ -206,7 +212,9 @@ def pallas_block_scaled_dot(
     over the T tiles of K. With block x block tiles of b and ``bn`` dividing ``block``, each
     program and tile reads one scalar of b; otherwise a [bn] vector of per-row multipliers.
     Operands are zero-padded to whole programs (padded multipliers are 0: they scale zeros).
-    ``prefetch`` loads the next tile's multipliers in the loop's current step.
+    ``prefetch`` loads the next tile's multipliers in the loop's current step. ``fast_acc``
+    lets the tensor cores accumulate each whole tile before its f32 promotion
+    (``ops.tile_dot``); without it Triton promotes after every WGMMA instruction.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -248,6 +256,7 @@ def pallas_block_scaled_dot(
         scalar_b=scalar_b,
         mixed=a_MxK.dtype != b_NxK.dtype,
         prefetch=prefetch,
+        fast_acc=fast_acc,
     )
     y = pl.pallas_call(
         kernel,

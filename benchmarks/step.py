@@ -3,7 +3,8 @@
 Each run spec (``benchmarks.runner``) runs in a fresh process so the peak device memory is its
 own. Per run: median step time over timed steps after warm-up, tokens/s, model FLOPs
 utilisation (against 989 TFLOP/s dense bf16), peak device memory, compiled temp memory, and
-the number of ``__cublas$lt$matmul$f8`` GEMMs in the compiled step.
+the number of FP8 GEMMs in the compiled step (``__cublas$lt$matmul$f8`` calls and fp8jax's
+block-scaled GEMM kernels).
 
     PYTHONUNBUFFERED=1 python -m benchmarks.step --out "$OUT" \
         --runs gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1
@@ -49,6 +50,7 @@ def child(
     import jax
 
     from fp8jax import models
+    from fp8jax.diagnostics import coverage
     from fp8jax.diagnostics import hlo as hlo_lib
 
     t_build = time.perf_counter()
@@ -148,7 +150,8 @@ def child(
         "temp_gib": temp / 2**30,
         "init_peak_gib": init_peak / 2**30,
         "state_gib": state_bytes / 2**30,  # the train state's bytes on device 0
-        "fp8_gemms": hlo.count("__cublas$lt$matmul$f8"),
+        "fp8_gemms": coverage.gemm_counts(hlo).get(coverage.CUBLAS_FP8, 0),
+        "block_gemms": coverage.gemm_counts(hlo).get(coverage.BLOCK_GEMM, 0),
         "hlo_ops_and_small": common.launches(hlo),
         # Bytes each device sends per step under ring costs, by collective and element type.
         "comm_bytes": hlo_lib.bytes_summary(hlo_lib.collectives(hlo, s.mesh.size)),
@@ -170,7 +173,7 @@ COLUMNS = {
     **runner.STEP_COLUMNS,
     "peak GiB": lambda r: _gib(r["peak_gib"]),
     "temp GiB": lambda r: _gib(r["temp_gib"]),
-    "f8": lambda r: r["fp8_gemms"],
+    "f8": lambda r: r["fp8_gemms"] + r.get("block_gemms", 0),
     "ops/tiny": lambda r: "/".join(map(str, r["hlo_ops_and_small"])),
     "host ms": lambda r: f"{r['host_ms_per_step']:.1f}",
     "disp ms": lambda r: f"{r['dispatch_ms_pipelined']:.1f}",

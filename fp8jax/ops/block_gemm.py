@@ -44,7 +44,7 @@ _NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both: y = a . b^T
 # rows x columns of a program's output, Triton warps and pipeline stages, row blocks per group
 # of the launch order, and the scales' prefetch. Small programs win: two or more share an SM,
 # so one's tensor-core dot overlaps another's f32 rescale of its partial.
-BM, BN, WARPS, STAGES, GROUP, PREFETCH = 128, 64, 4, 4, 8, True
+BM, BN, WARPS, STAGES, GROUP, PREFETCH = 64, 128, 4, 3, 8, True
 
 
 def _pow2(n) -> bool:

@@ -22,7 +22,8 @@ from fp8_testing import base_config, flat_fields, set_field
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Every field of configs/base.py: another valid value, and the RunSpec fields it must change.
+# Every field of configs/base.py: another valid value, and the RunSpec fields it must change
+# (a third element: the settings it applies under, set on both sides of the comparison).
 # A field renamed or dropped in base.py, or one parse() ignores, fails
 # test_every_base_field_lands_in_the_run_spec.
 CHANGES = {
@@ -54,6 +55,9 @@ CHANGES = {
     "fp8.amax_compute_algo": ("most_recent", {"fp8", "model"}),
     "fp8.margin": (1, {"fp8", "model"}),
     "fp8.power_of_two": (True, {"fp8", "model"}),
+    # Fields of the fine-grained recipes: changed on top of a config that uses one.
+    "fp8.block_size": (64, {"fp8", "model"}, {"fp8.recipe": "block"}),
+    "fp8.grad_format": ("e5m2", {"fp8", "model"}, {"fp8.recipe": "rowwise"}),
     "fp8.impl": ("flax", {"model"}),
     "fp8.cast_kernel": ("xla", {"model"}),
     "fp8.fuse_activation": (False, {"model"}),
@@ -120,11 +124,13 @@ def test_every_base_field_lands_in_the_run_spec():
         f"base.py fields without a CHANGES entry: {sorted(fields - set(CHANGES))}; entries for "
         f"no field: {sorted(set(CHANGES) - fields)}"
     )
-    base = spec.parse(base_config())
-    for field, (value, sections) in CHANGES.items():
-        c = base_config()
+    for field, (value, sections, *context) in CHANGES.items():
+        base, c = base_config(), base_config()
+        for key, v in (context[0] if context else {}).items():
+            set_field(base, key, v)
+            set_field(c, key, v)
         set_field(c, field, value)
-        assert changed_sections(base, spec.parse(c)) == sections, field
+        assert changed_sections(spec.parse(base), spec.parse(c)) == sections, field
 
 
 def test_parse_reads_no_field_twice_and_needs_every_one():

@@ -132,3 +132,53 @@ def test_parses_generic_syntax_and_plain_dot():
     assert batched.batching == ((0,), (0,)) and batched.contracting == ((2,), (1,))
     assert batched.is_fp8 and batched.flops == 2 * 5 * 2 * 7 * 3
     assert plain.contracting == ((1,), (0,)) and not plain.is_fp8 and plain.lhs_dtype == "bf16"
+
+
+@pytest.mark.parametrize(
+    "recipe,kernel,platform",
+    [
+        ("delayed", "dot_general", "cpu"),
+        ("rowwise", "dot_general", "cuda"),
+        ("block", coverage.BLOCK_GEMM, "cuda"),
+        ("block", "dot_general", "cpu"),  # the XLA reference's per-tile dots
+    ],
+)
+def test_entries_name_their_recipe_and_kernel(recipe, kernel, platform):
+    """Each FP8 matmul's fwd, dgrad and wgrad carry the recipe; lowered for CUDA, the block
+    recipe's GEMMs are the block-scaled kernel's Triton calls, counted as FP8 GEMMs."""
+    x, w1, w2, _ = _args()
+    meta = fp8jax.init_meta(fp8jax.make_recipe(recipe))
+    cast = "pallas" if platform == "cuda" else "xla"  # 'auto' resolves for this host's CPU
+
+    def loss(x, w1, w2, meta):
+        h, _ = fp8jax.dot_general(x, w1, DENSE, meta, cast_kernel=cast)
+        return jnp.sum((h @ w2) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    lowered = step.trace(x, w1, w2, meta).lower(lowering_platforms=(platform,))
+    report = coverage_report(lowered, compile=False)
+    fp8 = [e for e in report.entries if e.is_fp8]
+    assert len(fp8) == 3 and {e.recipe for e in fp8} == {recipe}
+    assert {e.kernel for e in fp8} == {kernel}
+    assert {e.recipe for e in report.entries if not e.is_fp8} == {""}  # the f32 matmul's
+    if kernel == coverage.BLOCK_GEMM:
+        # a [M, K] . b [N, K]^T as the kernel reads them: K padded to whole 128-wide tiles.
+        assert all(e.lhs_shape[1] == e.rhs_shape[1] and e.lhs_shape[1] % 128 == 0 for e in fp8)
+        assert f"{recipe:<8} {coverage.BLOCK_GEMM}" in str(report)
+
+
+def test_gemm_counts_count_the_block_kernel_as_fp8():
+    text = "\n".join(
+        [
+            'a = f8e4m3fn[8,8] custom-call(x), custom_call_target="__cublas$lt$matmul$f8"',
+            'b = bf16[8,8] custom-call(x), custom_call_target="__gpu$xla.gpu.triton", '
+            'backend_config={"name":"fp8_block_scaled_dot"}',
+            'c = bf16[8,8] custom-call(x), custom_call_target="__gpu$xla.gpu.triton", '
+            'backend_config={"name":"fp8_cast_transpose"}',
+            'd = bf16[8,8] custom-call(x), custom_call_target="__cublas$lt$matmul"',
+        ]
+    )
+    counts = coverage.gemm_counts(text)
+    assert counts == {"__cublas$lt$matmul$f8": 1, coverage.BLOCK_GEMM: 1, "__cublas$lt$matmul": 1}
+    report = coverage.CoverageReport(entries=(), gemm_counts=counts)
+    assert (report.num_fp8_gemms, report.num_other_gemms) == (2, 1)

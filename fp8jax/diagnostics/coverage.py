@@ -31,7 +31,8 @@ CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 BLOCK_GEMM = "fp8_block_scaled_dot"  # fp8jax's block-scaled FP8 GEMM (ops.block_gemm, Pallas)
 TRITON = "__gpu$xla.gpu.triton"
 # The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>'.
-_RECIPE = re.compile(r"(?:^|/)fp8_(delayed|current|rowwise|block)(?:/|$)")
+# (in the backward pass inside transpose(jvp(...))).
+_RECIPE = re.compile(r"(?:^|[/(])fp8_(delayed|current|rowwise|block)(?:[/)]|$)")
 _OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*(tensor<[^>]*>)")
 
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
@@ -197,6 +198,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     locs = _locations(text)
     dots: list[tuple[str, str]] = []  # (function, line)
     calls: Counter[tuple[str, str]] = Counter()  # (caller, callee) -> call sites
+    call_site: dict[str, tuple[str, str]] = {}  # callee -> (its first caller, that call's name)
     func = "main"
     for line in text.splitlines():
         m = _FUNC.search(line)
@@ -205,10 +207,20 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
             continue
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
+            loc = _LOC_USE.search(line)
+            call_site.setdefault(callee, (func, locs.get(loc.group(1), "") if loc else ""))
         if _DOT.search(line) or (TRITON in line and f'name = "{BLOCK_GEMM}"' in line):
             dots.append((func, line))
 
     memo: dict[str, int] = {}
+
+    def scope(f: str, depth: int = 0) -> str:
+        # The name stack a function's ops run under: its (first) call site's, transitively.
+        if f not in call_site or depth > 64:
+            return ""
+        caller, name = call_site[f]
+        outer = scope(caller, depth + 1)
+        return f"{outer}/{name}" if outer and name else outer or name
 
     def reach(f: str, depth: int = 0) -> int:
         # How often `f` runs per call of main: sum over its call sites of the caller's count.
@@ -221,7 +233,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     entries = []
     for f, line in dots:
         if TRITON in line:
-            entries.append(_block_gemm_entry(line, f, reach(f), locs))
+            entries.append(_block_gemm_entry(line, f, reach(f), locs, scope(f)))
             continue
         sig = _SIG.search(line)
         if not sig:
@@ -237,6 +249,8 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
             dims["contracting"] = [(len(ls) - 1,), (0,)]
         loc = _LOC_USE.search(line)
         name = locs.get(loc.group(1), "") if loc else ""
+        if f != "main" and scope(f):
+            name = f"{scope(f)}/{name}"
         entries.append(
             DotEntry(
                 lhs_dtype=ld,
@@ -255,13 +269,14 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     return tuple(entries)
 
 
-def _block_gemm_entry(line: str, function: str, count: int, locs: dict) -> DotEntry:
+def _block_gemm_entry(line: str, function: str, count: int, locs: dict, outer: str) -> DotEntry:
     """The block-scaled GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K
     contracted), then their inverse scales."""
     operands, out = _OPERANDS.search(line).groups()
     (ld, ls), (rd, rs) = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
     od, os_ = _tensor(out)
     loc = _LOC_USE.search(line)
+    name = locs.get(loc.group(1), "") if loc else ""
     return DotEntry(
         lhs_dtype=ld,
         rhs_dtype=rd,
@@ -273,7 +288,7 @@ def _block_gemm_entry(line: str, function: str, count: int, locs: dict) -> DotEn
         batching=((), ()),
         function=function,
         count=count,
-        name=locs.get(loc.group(1), "") if loc else "",
+        name=f"{outer}/{name}" if outer else name,
         kernel=BLOCK_GEMM,
     )
 

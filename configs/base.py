@@ -50,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
     # 'delayed' (per-tensor, amax history), 'current' (per-tensor, this step's amax), 'rowwise'
     # (one scale per row along each GEMM's contraction) or 'block' (DeepSeek-V3: 1 x block_size
     # tiles for activations and gradients, block_size^2 for weights, fp8jax's block-scaled GEMM).
-    f.recipe = "delayed"
+    f.recipe = "delayed"  # scaling recipe: 'delayed', 'current', 'rowwise' or 'block'
     f.block_size = 128  # 'block' recipe: elements per scale along K (a power of two, >= 16)
     f.grad_format = "e4m3"  # 'rowwise'/'block': dy's FP8 format ('e4m3' or 'e5m2')
     f.history_len = 16  # delayed scaling: steps of amax history

@@ -59,6 +59,8 @@ BAD = {
     "fp8.amax_compute_algo": ["mean"],
     "fp8.margin": [NAN, 0.5, 17, -17],
     "fp8.power_of_two": ["yes"],
+    "fp8.block_size": [NAN, 0, 8, 96, 64.0],
+    "fp8.grad_format": ["e3m4", "float16"],
     "fp8.impl": ["triton", "flax"],  # 'flax' is for benchmarks/step.py only
     "fp8.cast_kernel": ["cuda"],
     "fp8.fuse_activation": [0],

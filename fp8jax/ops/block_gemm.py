@@ -13,8 +13,9 @@ Pallas' interpreter), for t = 0, 1, ..., T - 1 in order::
     partial = dot(a[:, tile t], b[:, tile t]^T)              # f32: FP8 products are exact
     acc = acc + (partial * a_inv[:, t][:, None]) * b_inv_t[None, :]
 
-and ``acc.astype(out_dtype)`` at the end (XLA and Triton may fuse the last multiply and the
-add into one FMA; both paths compile the expression alike, so they still agree). Block scales
+and ``acc.astype(out_dtype)`` at the end. Off Triton the scaled partial is rounded before the
+add (``promote``): XLA:CPU contracts a multiply and an add into one FMA in some programs and
+not in others, which would make the same GEMM's bits depend on what surrounds it. Block scales
 along K do not factor out of the sum, so each ``block``-wide partial is moved into the f32
 accumulator with its scales: DeepSeek-V3's promotion every 128 of K, which also bounds the
 error of the tensor cores' limited-precision FP8 accumulation to one tile.
@@ -105,6 +106,15 @@ def _pad(x, rows: int, cols: int):
     return jnp.pad(x, pad) if any(p[1] for p in pad) else x
 
 
+def promote(acc, partial, a_s, b_s, rounded: bool):
+    """``acc + (partial * a_s) * b_s`` in f32; ``rounded``: the product rounded before the add
+    (an optimization barrier: no FMA), the same bits whatever program the GEMM sits in."""
+    scaled = (partial * a_s) * b_s
+    if rounded:
+        scaled = jax.lax.optimization_barrier(scaled)
+    return acc + scaled
+
+
 def _reference(a_MxK, a_inv_MxT, b_NxK, b_inv_NxT, block: int, out_dtype):
     """The contract with XLA ops: one tile of K per ``fori_loop`` step, never [T, M, N]."""
     m, n, t = a_MxK.shape[0], b_NxK.shape[0], a_inv_MxT.shape[1]
@@ -116,7 +126,7 @@ def _reference(a_MxK, a_inv_MxT, b_NxK, b_inv_NxT, block: int, out_dtype):
         partial = jax.lax.dot_general(a_t, b_t, _NT, preferred_element_type=jnp.float32)
         a_s = jax.lax.dynamic_index_in_dim(a_inv_MxT, i, axis=1, keepdims=False)  # [M]
         b_s = jax.lax.dynamic_index_in_dim(b_inv_NxT, i, axis=1, keepdims=False)  # [N]
-        return acc_MxN + (partial * a_s[:, None]) * b_s[None, :]
+        return promote(acc_MxN, partial, a_s[:, None], b_s[None, :], rounded=True)
 
     acc = jax.lax.fori_loop(0, t, step, jnp.zeros((m, n), jnp.float32))
     return acc.astype(out_dtype)
@@ -158,7 +168,19 @@ def _tile(p, gm: int, gn: int, group: int):
 
 
 def _kernel(
-    a_ref, b_ref, a_s_ref, b_s_ref, y_ref, *, t, block, scalar_b, mixed, prefetch, fast_acc
+    a_ref,
+    b_ref,
+    a_s_ref,
+    b_s_ref,
+    y_ref,
+    *,
+    t,
+    block,
+    scalar_b,
+    mixed,
+    prefetch,
+    fast_acc,
+    interpret,
 ):
     from jax.experimental import pallas as pl
 
@@ -182,7 +204,7 @@ def _kernel(
             partial = tile_dot.tile_dot(a_t, b_t, k_imprecise=block)
         else:
             partial = jax.lax.dot_general(a_t, b_t, _NT, preferred_element_type=jnp.float32)
-        return acc_bmxbn + (partial * a_s) * b_s, *following
+        return promote(acc_bmxbn, partial, a_s, b_s, rounded=interpret), *following
 
     acc = jax.lax.fori_loop(0, t, step, (jnp.zeros((bm, bn), jnp.float32), *scales(0)))[0]
     y_ref[...] = acc.astype(y_ref.dtype)
@@ -257,6 +279,7 @@ def pallas_block_scaled_dot(
         mixed=a_MxK.dtype != b_NxK.dtype,
         prefetch=prefetch,
         fast_acc=fast_acc,
+        interpret=interpret,
     )
     y = pl.pallas_call(
         kernel,

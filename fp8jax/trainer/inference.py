@@ -62,14 +62,15 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
     loaded = hf.load(path, base)
-    stored = restore_fp8_state(path, loaded.model_cfg) if (path / "checkpoints").is_dir() else None
+    # A rowwise or block run's state holds amaxes only: its recipe comes from model.json.
+    trained = fine_recipe(record) or scaling.DelayedScaling()
+    has_ckpt = (path / "checkpoints").is_dir()
+    stored = restore_fp8_state(path, loaded.model_cfg, trained) if has_ckpt else None
     level = level or ("O1" if stored is not None else "O0")
     cfg, fp8 = loaded.model_cfg, {}
     if level == "O1":
-        recipe = scaling.DelayedScaling(history_len=stored[0]) if stored else None
-        if fine_recipe(record) is not None:  # scales come from each call's tiles: none stored
-            recipe = fine_recipe(record)
-        elif recipe is None:
+        recipe = dataclasses.replace(trained, history_len=stored[0]) if stored else None
+        if recipe is None:
             logging.warning("%s holds no trained FP8 scales: O1 scales every operand by its "
                             "own amax (current scaling)", path)  # fmt: skip
             recipe = scaling.CurrentScaling()
@@ -99,8 +100,9 @@ def fresh_fp8_state(model_cfg: models.ModelConfig):
     return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), _abstract_fp8(model_cfg))
 
 
-def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig):
-    """``(history_len, fp8_state)`` of the work dir's latest checkpoint, or None at O0."""
+def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
+    """``(history_len, fp8_state)`` of the work dir's latest checkpoint under the ``recipe`` it
+    trained with (its history length read from the checkpoint), or None at O0."""
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
@@ -115,7 +117,9 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig):
         return None
     histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
     history_len = max(histories) - 1  # amax_history holds history_len + 1 slots
-    cfg = dataclasses.replace(model_cfg, recipe=scaling.DelayedScaling(history_len=history_len))
+    cfg = dataclasses.replace(
+        model_cfg, recipe=dataclasses.replace(recipe, history_len=history_len)
+    )
     target = _abstract_fp8(cfg)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     item = {"fp8": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}

@@ -179,3 +179,32 @@ def test_saturation_stats_follow_the_tiles():
     assert float(sat) == 0.0 and 127 / x.size < float(flush) <= 255 / x.size
     _, flush_tensor = formats.saturation_stats(x, jnp.float32(448 / 1e6), "e4m3")
     assert float(flush_tensor) > 0.8
+
+
+@pytest.mark.parametrize("name", FINE)
+def test_the_flax_integrations_take_fine_recipes(name):
+    """linen's Dense (``fp8_dot_general_cls``) and Einsum and NNX's Linear and Einsum run the
+    recipe: the same output as ``dot_general`` under it, bit for bit."""
+    from flax import linen as nn
+    from flax import nnx
+
+    from fp8jax.nn import linen as flinen
+    from fp8jax.nn import nnx as fnnx
+
+    recipe = scaling.make_recipe(name)
+    x = randn(15, (8, 160))
+    dense = nn.Dense(48, use_bias=False, dot_general_cls=flinen.fp8_dot_general_cls(recipe))
+    variables = dense.init(jax.random.PRNGKey(0), x)
+    kernel = variables["params"]["kernel"]
+    want, _ = dot.dot_general(x, kernel, DENSE, scaling.init_meta(recipe), jnp.float32)
+    np.testing.assert_array_equal(dense.apply(variables, x), want)
+    assert variables[flinen.FP8]["Fp8DotGeneral_0"]["meta"].x.recipe == recipe
+    einsum = flinen.Einsum((160, 48), "bk,kn->bn", recipe=recipe)
+    ev = einsum.init(jax.random.PRNGKey(1), x)
+    want, _ = dot.fp8_einsum("bk,kn->bn", x, ev["params"]["kernel"], scaling.init_meta(recipe))
+    np.testing.assert_array_equal(einsum.apply(ev, x), want)
+    linear = nnx.Linear(
+        160, 48, use_bias=False, dot_general=fnnx.Fp8DotGeneral(recipe), rngs=nnx.Rngs(0)
+    )
+    want, _ = dot.dot_general(x, linear.kernel[...], DENSE, scaling.init_meta(recipe))
+    np.testing.assert_array_equal(linear(x), want)

@@ -32,6 +32,7 @@ KEPT = [
     "finetune",
     "finetune_step",
     "block_gemm",
+    "memory_sim",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -367,6 +368,24 @@ def test_memory_peak_reads_xla_report_through_the_runner(program, tmp_path):
     assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
     assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
     assert "temp GiB" in proc.stdout and "tiny:O2" in proc.stdout  # the printed table
+
+
+def test_memory_sim_compiles_sharded_steps_without_allocating(tmp_path):
+    """Parent and children on 4 simulated devices: O3's per-device state (fsdp=4) is under a
+    third of O2's (replicated over data=4; what O3 shards is most of it), each counted from
+    the shardings, with compiled temp bytes and the collectives each device sends."""
+    runs = "tiny:O2:mesh.data=4+mesh.fsdp=1,tiny:O3"
+    proc = _module(
+        "memory_sim", "--quick", "--devices", "4", "--runs", runs, "--out", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stderr[-800:]
+    o2 = json.loads((tmp_path / "memory_sim_tiny_O2_mesh-data-4_mesh-fsdp-1.json").read_text())
+    o3 = json.loads((tmp_path / "memory_sim_tiny_O3.json").read_text())
+    assert o2["mesh"]["data"] == 4 and o3["mesh"]["fsdp"] == 4, (o2, o3)
+    assert 0 < o3["state_gib"] < o2["state_gib"] / 3, (o2, o3)
+    assert o3["temp_gib"] > 0 and o3["sent_gb"]["total"] > 0
+    assert any(k.startswith("all-gather") for k in o3["sent_gb"]), o3["sent_gb"]
+    assert "state GiB" in proc.stdout
 
 
 O3_STATE = """

@@ -19,6 +19,7 @@ NAMED_SIZES = {
     "gpt_1b3.py": 1.3e9,
     "llama_1b.py": 1.1e9,
     "llama_7b.py": 6.7e9,
+    "llama_70b.py": 69e9,
 }
 
 

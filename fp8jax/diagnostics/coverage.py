@@ -193,6 +193,12 @@ def _locations(text: str) -> dict[str, str]:
     return {ref: resolve(ref) for ref in raw}
 
 
+def _loc_name(line: str, locs: dict[str, str]) -> str:
+    """The name stack of the op on ``line`` ('' without a location)."""
+    loc = _LOC_USE.search(line)
+    return locs.get(loc.group(1), "") if loc else ""
+
+
 def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     """Every dot in a StableHLO module, with how many times the call graph reaches it."""
     locs = _locations(text)
@@ -207,8 +213,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
             continue
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
-            loc = _LOC_USE.search(line)
-            call_site.setdefault(callee, (func, locs.get(loc.group(1), "") if loc else ""))
+            call_site.setdefault(callee, (func, _loc_name(line, locs)))
         if _DOT.search(line) or (TRITON in line and f'name = "{BLOCK_GEMM}"' in line):
             dots.append((func, line))
 
@@ -219,7 +224,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         if f not in call_site or depth > 64:
             return ""
         caller, name = call_site[f]
-        outer = scope(caller, depth + 1)
+        return joined(scope(caller, depth + 1), name)
+
+    def joined(outer: str, name: str) -> str:
         return f"{outer}/{name}" if outer and name else outer or name
 
     def reach(f: str, depth: int = 0) -> int:
@@ -232,8 +239,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
 
     entries = []
     for f, line in dots:
+        name = joined(scope(f), _loc_name(line, locs))
         if TRITON in line:
-            entries.append(_block_gemm_entry(line, f, reach(f), locs, scope(f)))
+            entries.append(_block_gemm_entry(line, f, reach(f), name))
             continue
         sig = _SIG.search(line)
         if not sig:
@@ -247,10 +255,6 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         if "dot_general" not in line and ls and rs:
             # Plain stablehlo.dot: contract lhs's last axis with rhs's first.
             dims["contracting"] = [(len(ls) - 1,), (0,)]
-        loc = _LOC_USE.search(line)
-        name = locs.get(loc.group(1), "") if loc else ""
-        if f != "main" and scope(f):
-            name = f"{scope(f)}/{name}"
         entries.append(
             DotEntry(
                 lhs_dtype=ld,
@@ -269,14 +273,12 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     return tuple(entries)
 
 
-def _block_gemm_entry(line: str, function: str, count: int, locs: dict, outer: str) -> DotEntry:
+def _block_gemm_entry(line: str, function: str, count: int, name: str) -> DotEntry:
     """The block-scaled GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K
     contracted), then their inverse scales."""
     operands, out = _OPERANDS.search(line).groups()
     (ld, ls), (rd, rs) = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
     od, os_ = _tensor(out)
-    loc = _LOC_USE.search(line)
-    name = locs.get(loc.group(1), "") if loc else ""
     return DotEntry(
         lhs_dtype=ld,
         rhs_dtype=rd,
@@ -288,7 +290,7 @@ def _block_gemm_entry(line: str, function: str, count: int, locs: dict, outer: s
         batching=((), ()),
         function=function,
         count=count,
-        name=f"{outer}/{name}" if outer else name,
+        name=name,
         kernel=BLOCK_GEMM,
     )
 

@@ -1,9 +1,9 @@
 """Fine-grained FP8 quantization: one scale per 1 x T tile along a row, or per T x T block.
 
-A tile's scale comes from its own amax (``scaling.scale_from_amax``: ``fmax / (amax *
-2**margin)``, optionally a power of two; an all-zero tile, or one with an Inf or NaN, keeps scale
-1), and
-``q = saturate(x * scale)`` as in ``formats.quantize``: a non-finite element becomes NaN. The
+A tile's scale comes from its own amax (``block_cast_kernels.tile_scales``, the kernels' rule
+too: ``scaling.scale_from_amax``, ``fmax / (amax * 2**margin)``, optionally a power of two; an
+all-zero tile, or one with an Inf or NaN, keeps scale 1), and ``q = saturate(x * scale)`` as in
+``formats.quantize``: a non-finite element becomes NaN. The
 GEMMs take the inverse scales (``inv = 1 / scale``, f32), one per tile, to dequantize with.
 
 Rowwise scaling is the case T = the whole row. Sides that are not multiples of T end in a
@@ -16,17 +16,10 @@ these references elsewhere, the same bits either way.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from fp8jax.ops import block_cast_kernels, formats, kernels, scaling
-
-
-def num_tiles(n: int, tile: int) -> int:
-    """Tiles of width ``tile`` covering ``n`` elements (the last one possibly partial)."""
-    return max(1, math.ceil(n / tile))
 
 
 def _pad_to(x: jax.Array, axis: int, tile: int) -> jax.Array:
@@ -38,10 +31,10 @@ def _pad_to(x: jax.Array, axis: int, tile: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def tile_scales(amax: jax.Array, fmt, recipe: scaling.Recipe) -> tuple[jax.Array, jax.Array]:
-    """``(scale, inv)`` per tile from each tile's amax (any shape, f32)."""
-    scale = scaling.scale_from_amax(amax, jnp.float32(1.0), fmt, recipe)
-    return scale, (1.0 / scale).astype(jnp.float32)
+def split_tiles(x_MxK: jax.Array, tile: int) -> jax.Array:
+    """``x`` as f32 [M, ceil(K / tile), tile], the last tile zero-padded."""
+    m = x_MxK.shape[0]
+    return _pad_to(x_MxK.astype(jnp.float32), 1, tile).reshape(m, -1, tile)
 
 
 def quantize_tiles(
@@ -53,12 +46,11 @@ def quantize_tiles(
     state's health report records.
     """
     m, k = x_MxK.shape
-    x = _pad_to(x_MxK.astype(jnp.float32), 1, tile)  # [M, K'] f32
-    x_MxTxt = x.reshape(m, -1, tile)
+    x_MxTxt = split_tiles(x_MxK, tile)
     amax_MxT = jnp.max(block_cast_kernels.tile_abs(x_MxTxt), axis=-1)
-    scale_MxT, inv_MxT = tile_scales(amax_MxT, fmt, recipe)
+    scale_MxT, inv_MxT = block_cast_kernels.tile_scales(amax_MxT, fmt, recipe)
     q = formats.quantize(x_MxTxt, scale_MxT[..., None], fmt).reshape(m, -1)[:, :k]
-    return q, inv_MxT, scaling.sanitize_amax(_finite_max(amax_MxT))
+    return q, inv_MxT, scaling.sanitize_amax(block_cast_kernels.finite_max(amax_MxT))
 
 
 def quantize_blocks(
@@ -70,14 +62,9 @@ def quantize_blocks(
     kb, nb = w.shape[0] // block, w.shape[1] // block
     w_4d = w.reshape(kb, block, nb, block)
     amax_KbxNb = jnp.max(block_cast_kernels.tile_abs(w_4d), axis=(1, 3))
-    scale, inv_KbxNb = tile_scales(amax_KbxNb, fmt, recipe)
+    scale, inv_KbxNb = block_cast_kernels.tile_scales(amax_KbxNb, fmt, recipe)
     q = formats.quantize(w_4d, scale[:, None, :, None], fmt).reshape(kb * block, nb * block)
-    return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(_finite_max(amax_KbxNb))
-
-
-def _finite_max(amax: jax.Array) -> jax.Array:
-    """Max over the finite tile amaxes (0 if none): one Inf tile leaves the others' record."""
-    return jnp.max(jnp.where(jnp.isfinite(amax), amax, 0.0))
+    return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(block_cast_kernels.finite_max(amax_KbxNb))
 
 
 def dequantize_tiles(q_MxK: jax.Array, inv_MxT: jax.Array, tile: int) -> jax.Array:

@@ -41,8 +41,8 @@ def kernel_takes(shape: tuple[int, ...], tile: int) -> bool:
     )
 
 
-def kernel_scales(amax, fmt, recipe: scaling.Recipe) -> tuple[jax.Array, jax.Array]:
-    """``(scale, inv)`` of each tile amax, as ``block_cast.tile_scales`` (usable in a kernel)."""
+def tile_scales(amax, fmt, recipe: scaling.Recipe) -> tuple[jax.Array, jax.Array]:
+    """``(scale, inv)`` per tile from each tile's amax (any shape, f32; usable in a kernel)."""
     scale = scaling.scale_from_amax(amax, jnp.float32(1.0), fmt, recipe)
     return scale, (1.0 / scale).astype(jnp.float32)
 
@@ -53,9 +53,10 @@ def tile_abs(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
 
 
-def _finite(amax):
-    """Non-finite tile amaxes count 0 toward the tensor's (``block_cast``'s finite max)."""
-    return jnp.where(jnp.isfinite(amax), amax, 0.0)
+def finite_max(amax: jax.Array) -> jax.Array:
+    """Max over the finite tile amaxes (0 if none): one Inf or NaN tile leaves the others'
+    record of the tensor's amax."""
+    return jnp.max(jnp.where(jnp.isfinite(amax), amax, 0.0))
 
 
 def _record(amax_ref, tile_amax):
@@ -64,7 +65,7 @@ def _record(amax_ref, tile_amax):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    block_max = jnp.max(_finite(tile_amax))
+    block_max = finite_max(tile_amax)
     plt.atomic_max(amax_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
@@ -75,8 +76,8 @@ def _tiles_kernel(x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, 
     # Row r's amax over this block's K slice: the 1 x T tile (r, j) of q. Column c's over its M
     # slice: the T x 1 tile of x that is tile (c, i) of x.T.
     amax_row_T, amax_col_T = jnp.max(abs_TxT, axis=1), jnp.max(abs_TxT, axis=0)
-    scale_row_T, inv_row_T = kernel_scales(amax_row_T, fmt, recipe)
-    scale_col_T, inv_col_T = kernel_scales(amax_col_T, fmt, recipe)
+    scale_row_T, inv_row_T = tile_scales(amax_row_T, fmt, recipe)
+    scale_col_T, inv_col_T = tile_scales(amax_col_T, fmt, recipe)
     inv_ref[...] = inv_row_T  # column j of inv [M, K/T], rows of block i
     inv_t_ref[...] = inv_col_T  # column i of inv_t [K, M/T], rows of block j
     finite_TxT = jnp.isfinite(x_TxT)
@@ -94,7 +95,7 @@ def _blocks_kernel(w_ref, _amax_in, q_ref, qt_ref, inv_ref, amax_ref, *, fmt, re
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
     w_TxT = w_ref[...].astype(jnp.float32)  # block (i, j) of w, read once
     amax_1x1 = jnp.max(tile_abs(w_TxT), keepdims=True)
-    scale_1x1, inv_1x1 = kernel_scales(amax_1x1, fmt, recipe)
+    scale_1x1, inv_1x1 = tile_scales(amax_1x1, fmt, recipe)
     inv_ref[...] = inv_1x1
     # One scale for the block: its transpose is the same FP8 values, transposed.
     q_TxT = formats.saturate(w_TxT * scale_1x1, jnp.isfinite(w_TxT), limit).astype(dtype)

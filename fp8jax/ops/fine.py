@@ -28,7 +28,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import activations, block_cast, block_gemm, formats, gemm, scaling
+from fp8jax.ops import (
+    activations,
+    block_cast,
+    block_cast_kernels,
+    block_gemm,
+    formats,
+    gemm,
+    scaling,
+)
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import BlockScaling, Fp8Meta
 
@@ -160,12 +168,13 @@ fine_matmul.defvjp(_fine_fwd, _fine_bwd)
 def saturation_stats(x: jax.Array, state: scaling.ScaleState) -> tuple[jax.Array, jax.Array]:
     """(saturated share, flushed share) of ``x`` under its fine recipe's scales, tiled along the
     last axis (the contraction of a Dense layer's input)."""
-    x_2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32) if x.ndim else x.reshape(1, 1)
+    x_2d = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     recipe = state.recipe
     tile = recipe.block_size if isinstance(recipe, BlockScaling) else x_2d.shape[1]
-    pad = -x_2d.shape[1] % tile
-    x_3d = jnp.pad(x_2d, ((0, 0), (0, pad))).reshape(x_2d.shape[0], -1, tile)
-    scale, _ = block_cast.tile_scales(jnp.max(jnp.abs(x_3d), axis=-1), state.fmt, recipe)
+    x_3d = block_cast.split_tiles(x_2d, tile)
+    # Each tile's scale as the quantizer computes it (block_cast.quantize_tiles).
+    amax = jnp.max(block_cast_kernels.tile_abs(x_3d), axis=-1)
+    scale, _ = block_cast_kernels.tile_scales(amax, state.fmt, recipe)
     sat, flush = formats.saturation_stats(x_3d, scale[..., None], state.fmt)
     share = x_3d.size / max(x_2d.size, 1)  # the padding zeros neither clip nor flush
     return sat * share, flush * share

@@ -156,4 +156,9 @@ def get_config() -> ml_collections.ConfigDict:
     cm.mu_growth = 2.0 ** (1.0 / 1000)  # mu's growth per step without saturation
     cm.saturation_limit = 1e-5  # halve mu when more than this share (0.001%) of values clips
     cm.bucket_by_layer = True  # one FP8 collective per layer (overlaps the backward) or one for all
+    # Where fsdp-sharded weights are gathered: 'layer' (just before each layer runs, again for
+    # its backward; each layer's gradients reduce-scattered as soon as they exist: ZeRO-3),
+    # 'upfront' (all before the forward pass, gradients reduced after the backward), 'auto'
+    # ('layer' at O3, 'upfront' below).
+    cm.gather = "auto"
     return c

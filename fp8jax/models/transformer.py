@@ -26,6 +26,7 @@ from fp8jax.models.layers import (
     segment_mask,
 )
 from fp8jax.nn.state import FP8, FP8_STATS
+from fp8jax.parallel import layerwise
 
 
 @jax.custom_vjp
@@ -97,20 +98,29 @@ class Transformer(nn.Module):
         # f32 product) and are upcast here, so the loss and its softmax run in f32.
         return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def _blocks(self, x_BxLxD: jax.Array, positions_BxL, mask_Bx1xLxL) -> jax.Array:
+    def _block_cls(self, name: str):
+        """The block class for scope ``name``: remat'd as configured, its params gathered inside
+        the remat region when the step gathers per layer (``parallel.layerwise``)."""
         c = self.cfg
         block = Block
+        view = None if self.is_initializing() else layerwise.block_view(name)
+        if view is not None:
+            block = nn.map_variables(Block, "params", view)
         if c.remat_policy != "none":
             # prevent_cse stops XLA from merging the recomputation back into the forward pass;
             # scan already prevents that, and the guard would only cost speed there.
             block = nn.remat(
-                Block, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers
+                block, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers
             )
+        return block
+
+    def _blocks(self, x_BxLxD: jax.Array, positions_BxL, mask_Bx1xLxL) -> jax.Array:
+        c = self.cfg
         if c.scan_layers:
             # One compiled block; params, FP8 scale state and the FP8 health stats sown by each
             # layer get a leading layer axis.
             stack = nn.scan(
-                block,
+                self._block_cls("blocks"),
                 variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0, CACHE: 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
@@ -121,6 +131,7 @@ class Transformer(nn.Module):
             return x_BxLxD
         tie = c.tie_block_grads and c.remat_policy != "none" and not self.is_initializing()
         for i in range(c.num_layers):
+            block = self._block_cls(f"block_{i}")
             if not tie:
                 x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD, positions_BxL, mask_Bx1xLxL)
                 continue

@@ -51,6 +51,9 @@ from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
 P = PartitionSpec
 
 
+GATHERS = ("auto", "layer", "upfront")  # comm.gather: where fsdp weights are gathered
+
+
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
     """Settings of FP8 gradient communication (a config's ``comm``; defaults: configs/base.py's)."""
@@ -63,6 +66,10 @@ class CommConfig:
     mu_growth: float = 2.0 ** (1.0 / 1000)  # growth per step without saturation
     saturation_limit: float = 1e-5  # halve mu when more than this share of values clips
     bucket_by_layer: bool = True  # one collective per layer (overlaps the backward) or one in all
+    # 'layer': fsdp weights gathered per layer inside the model, gradients reduce-scattered per
+    # layer in its backward (parallel.layerwise); 'upfront': all weights gathered before the
+    # forward pass, gradients reduced after the backward; 'auto': 'layer' at O3, else 'upfront'.
+    gather: str = "auto"
 
     def __post_init__(self):
         for name in ("enabled", "bucket_by_layer"):
@@ -74,6 +81,8 @@ class CommConfig:
             )
         if self.wire not in ("auto", "fp8", "uint8"):
             raise ConfigError(f"unknown comm.wire {self.wire!r}: use 'auto', 'fp8' or 'uint8'")
+        if self.gather not in GATHERS:
+            raise ConfigError(f"unknown comm.gather {self.gather!r}: use one of {GATHERS}")
         check_int(self.min_fp8_size, "comm.min_fp8_size", 0)
         check_number(self.mu_init, "comm.mu_init", "(0, inf)")
         check_number(self.mu_growth, "comm.mu_growth", "[1, inf)")  # < 1 would only shrink mu
@@ -138,6 +147,13 @@ class Plan:
     def replica_spec(self, spec: PartitionSpec) -> PartitionSpec:
         """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp, split over N)."""
         return P(DP_AXES, *sharding_lib.drop_axis(spec, "fsdp"))
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether fsdp weights are gathered per layer inside the model (``comm.gather``)."""
+        if int(self.mesh.shape["fsdp"]) == 1 or not self.per_device:
+            return False
+        return self.cfg.gather == "layer" or (self.cfg.gather == "auto" and self.level >= 3)
 
     @property
     def per_device(self) -> bool:
@@ -208,15 +224,95 @@ def _layer_groups(tree) -> list[list[int]]:
     return list(groups.values())
 
 
+def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh_shape, wire: str):
+    """Sum this replica's gradients ``g_leaves`` over the data-parallel axes in FP8 (one bucket,
+    inside a fully manual shard_map): (f32 reduced leaves, clipped values of this replica).
+
+    ``fsdp_dims``: each leaf's dimension sharded over fsdp (None: replicated), whose result is
+    only this device's shard; ``stacks``: its leading layer axes (one scale per layer);
+    ``mesh_shape``: (data, fsdp) sizes.
+    """
+    a, f = mesh_shape
+    n = a * f
+    fmt = formats.as_dtype(cfg.grad_format)
+    fmax = formats.fmax(fmt)
+    ids = range(len(g_leaves))
+    # Shared per-tensor (per-layer) scale from the global amax: one pmax per bucket.
+    amaxes = [amax_stacked(g, st) for g, st in zip(g_leaves, stacks, strict=True)]
+    flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
+    splits = np.cumsum([x.size for x in amaxes])[:-1].tolist()
+    amaxes = [x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)]
+    scales = [jnp.where(am > 0, mu * fmax / am, 1.0) for am in amaxes]
+    # Clipped values: beyond fmax by more than half a step, since anything closer would
+    # round to fmax anyway (and amax * (fmax / amax) lands a hair above fmax in f32).
+    limit = fmax * (1.0 + 2.0 ** -(jnp.finfo(fmt).nmant + 1))
+    # Parameters sharded over fsdp first (gathered over 'data' only), then the rest.
+    order = sorted(ids, key=lambda i: fsdp_dims[i] is None)
+    rows, meta, clipped = [], [], []
+    for i in order:
+        g = g_leaves[i].astype(jnp.float32)
+        y = g * per_layer(scales[i], g.ndim)
+        clipped.append(jnp.sum(jnp.abs(y) > limit))
+        # Gradient format (E5M2 default: range over precision), shared scale, saturating
+        # (values past fmax only occur when mu > 1 and are counted above). Cast per leaf,
+        # before the bucket: one read of the gradient, no f32 copy of all of them.
+        q = jnp.clip(y, -fmax, fmax).astype(fmt)
+        r, m = _arrange(q, fsdp_dims[i], a, f)
+        rows.append(r)
+        meta.append((i, r.shape[1], m))
+    q_NxC = jnp.concatenate(rows, axis=1)
+    recv_NxC = lax.all_to_all(to_wire(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
+    # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
+    acc_C = from_wire(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
+    # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
+    # N moves into the inverse scale below.
+    q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
+    n_sharded = sum(1 for i, _, _ in meta if fsdp_dims[i] is not None)
+    c_sharded = sum(k for _, k, _ in meta[:n_sharded])
+    parts = {}
+    if n_sharded:
+        part = q_C[:c_sharded]
+        if a > 1:
+            got = lax.all_gather(to_wire(part, wire), "data", axis=0, tiled=False)
+            parts["sharded"] = from_wire(got, fmt, wire)  # [A, c_sharded]
+        else:
+            parts["sharded"] = part[None]
+    if n_sharded < len(meta):
+        got = lax.all_gather(to_wire(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
+        parts["replicated"] = from_wire(got, fmt, wire)  # [N, c_replicated]
+    off = {"sharded": 0, "replicated": 0}
+    out = [None] * len(g_leaves)
+    for i, k, m in meta:
+        key = "sharded" if fsdp_dims[i] is not None else "replicated"
+        piece = parts[key][:, off[key] : off[key] + k]
+        off[key] += k
+        g = g_leaves[i]
+        if fsdp_dims[i] is None:
+            q = piece.reshape(-1)[:m].reshape(g.shape)
+        else:
+            local = list(g.shape)
+            local[fsdp_dims[i]] //= f
+            q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
+        out[i] = q.astype(jnp.float32) * per_layer(n / scales[i], q.ndim)
+    return out, sum(clipped)
+
+
+def reduce_f32(g: jax.Array, fsdp_dim: int | None) -> jax.Array:
+    """Sum this replica's gradient over the data-parallel axes in f32 (a small one: norms,
+    biases), keeping only this device's fsdp shard of a sharded parameter."""
+    g = g.astype(jnp.float32)
+    if fsdp_dim is None:
+        return lax.psum(g, DP_AXES)
+    g = lax.psum_scatter(g, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
+    return lax.psum(g, "data")
+
+
 def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     """Sum replica gradients ``[N, *param]`` in FP8: (f32 grads like the params, clipped share)."""
     # fsdp-sharded parameters get only their shard back (a reduce-scatter). A non-finite
     # gradient anywhere stays non-finite (NaN), so the train step skips the update as usual.
     mesh, cfg = plan.mesh, plan.cfg
-    a, f = int(mesh.shape["data"]), int(mesh.shape["fsdp"])
-    n = a * f
-    fmt = formats.as_dtype(cfg.grad_format)
-    fmax = formats.fmax(fmt)
+    mesh_shape = (int(mesh.shape["data"]), int(mesh.shape["fsdp"]))
     wire = wire_format(mesh, cfg)
     leaves, treedef = jax.tree.flatten(grads_N)
     specs = treedef.flatten_up_to(plan.specs)
@@ -229,85 +325,22 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     # backward pass still works on the layers below it; the scales are per tensor either way.
     fp8_buckets = [b for b in ([i for i in ids if use_fp8[i]] for ids in groups) if b]
 
-    def bucket(ids, g_leaves, mu, out):
-        """Reduce FP8 leaves ``ids`` (one bucket); fills ``out``; returns clipped values."""
-        # Shared per-tensor (per-layer) scale from the global amax: one pmax per bucket.
-        amaxes = [amax_stacked(g_leaves[i], stacks[i]) for i in ids]
-        flat = lax.pmax(jnp.concatenate([x.reshape(-1) for x in amaxes]), MESH_AXES)
-        splits = np.cumsum([x.size for x in amaxes])[:-1].tolist()
-        amaxes = [x.reshape(s.shape) for x, s in zip(jnp.split(flat, splits), amaxes, strict=True)]
-        scales = {
-            i: jnp.where(am > 0, mu * fmax / am, 1.0) for i, am in zip(ids, amaxes, strict=True)
-        }
-        # Clipped values: beyond fmax by more than half a step, since anything closer would
-        # round to fmax anyway (and amax * (fmax / amax) lands a hair above fmax in f32).
-        limit = fmax * (1.0 + 2.0 ** -(jnp.finfo(fmt).nmant + 1))
-        # Parameters sharded over fsdp first (gathered over 'data' only), then the rest.
-        order = sorted(ids, key=lambda i: fsdp_dims[i] is None)
-        rows, meta, clipped = [], [], []
-        for i in order:
-            g = g_leaves[i].astype(jnp.float32)
-            y = g * per_layer(scales[i], g.ndim)
-            clipped.append(jnp.sum(jnp.abs(y) > limit))
-            # Gradient format (E5M2 default: range over precision), shared scale, saturating
-            # (values past fmax only occur when mu > 1 and are counted above). Cast per leaf,
-            # before the bucket: one read of the gradient, no f32 copy of all of them.
-            q = jnp.clip(y, -fmax, fmax).astype(fmt)
-            r, m = _arrange(q, fsdp_dims[i], a, f)
-            rows.append(r)
-            meta.append((i, r.shape[1], m))
-        q_NxC = jnp.concatenate(rows, axis=1)
-        recv_NxC = lax.all_to_all(to_wire(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
-        # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
-        acc_C = from_wire(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
-        # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
-        # N moves into the inverse scale below.
-        q_C = jnp.clip(acc_C / n, -fmax, fmax).astype(fmt)
-        n_sharded = sum(1 for i, _, _ in meta if fsdp_dims[i] is not None)
-        c_sharded = sum(k for _, k, _ in meta[:n_sharded])
-        parts = {}
-        if n_sharded:
-            part = q_C[:c_sharded]
-            if a > 1:
-                got = lax.all_gather(to_wire(part, wire), "data", axis=0, tiled=False)
-                parts["sharded"] = from_wire(got, fmt, wire)  # [A, c_sharded]
-            else:
-                parts["sharded"] = part[None]
-        if n_sharded < len(meta):
-            got = lax.all_gather(to_wire(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
-            parts["replicated"] = from_wire(got, fmt, wire)  # [N, c_replicated]
-        off = {"sharded": 0, "replicated": 0}
-        for i, k, m in meta:
-            key = "sharded" if fsdp_dims[i] is not None else "replicated"
-            piece = parts[key][:, off[key] : off[key] + k]
-            off[key] += k
-            g = g_leaves[i]
-            if fsdp_dims[i] is None:
-                q = piece.reshape(-1)[:m].reshape(g.shape)
-            else:
-                local = list(g.shape)
-                local[fsdp_dims[i]] //= f
-                q = _unarrange_sharded(piece, m, local, fsdp_dims[i], f)
-            out[i] = q.astype(jnp.float32) * per_layer(n / scales[i], q.ndim)
-        return sum(clipped)
-
     def body(mu, *g_leaves):
         g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
         out = [None] * len(g_leaves)
-        clipped = [bucket(ids, g_leaves, mu, out) for ids in fp8_buckets]
+        clipped = []
+        for ids in fp8_buckets:
+            pick = lambda xs, ids=ids: [xs[i] for i in ids]
+            got, c = reduce_fp8(pick(g_leaves), pick(fsdp_dims), pick(stacks), mu, cfg,
+                                mesh_shape, wire)  # fmt: skip
+            for i, x in zip(ids, got, strict=True):
+                out[i] = x
+            clipped.append(c)
         saturated = sum(clipped).astype(jnp.float32) if clipped else jnp.zeros((), jnp.float32)
         count = jnp.asarray(sum(g_leaves[i].size for i, u in enumerate(use_fp8) if u), jnp.float32)
-
-        # Small gradients (norms, biases) in f32.
-        for i, g in enumerate(g_leaves):
-            if use_fp8[i]:
-                continue
-            g = g.astype(jnp.float32)
-            if fsdp_dims[i] is None:
-                out[i] = lax.psum(g, DP_AXES)
-            else:
-                g = lax.psum_scatter(g, "fsdp", scatter_dimension=fsdp_dims[i], tiled=True)
-                out[i] = lax.psum(g, "data")
+        for i, g in enumerate(g_leaves):  # small gradients (norms, biases) in f32
+            if not use_fp8[i]:
+                out[i] = reduce_f32(g, fsdp_dims[i])
         saturated = lax.psum(saturated, MESH_AXES) / jnp.maximum(lax.psum(count, MESH_AXES), 1.0)
         return saturated, *out
 
@@ -329,6 +362,8 @@ __all__ = [
     "next_mu",
     "per_device",
     "per_layer",
+    "reduce_f32",
+    "reduce_fp8",
     "reduce_gradients",
     "to_wire",
     "wire_format",

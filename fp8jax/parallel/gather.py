@@ -30,7 +30,7 @@ P = PartitionSpec
 COMPUTE_DTYPE_LEAVES = ("kernel", "embedding")
 
 
-def _find_meta(fp8_state, path: tuple[str, ...]):
+def find_meta(fp8_state, path: tuple[str, ...]):
     """The ``Fp8Meta`` of the FP8 matmul owning kernel ``path`` (None if it is not FP8)."""
     op = fp8_op_name(fp8_state, path[:-1])
     if op is None:
@@ -63,7 +63,7 @@ def gather_params(params, fp8_state, plan: Plan):
     if plan.level >= 3:
         for i in todo:
             if paths[i][-1] == "kernel":
-                meta = _find_meta(fp8_state, paths[i])
+                meta = find_meta(fp8_state, paths[i])
                 # Fine-grained recipes scale each tile from the gathered weight itself: their
                 # kernels travel in the compute dtype, exactly what the matmul then quantizes.
                 if meta is not None and not scaling.is_fine(meta.w.recipe):
@@ -126,7 +126,7 @@ def set_weight_amax(fp8_state, w_amax: dict):
         for k, v in node.items():
             out[k] = rebuild(v, prefix + (k,))
         for kernel_path, amax in w_amax.items():
-            # w_amax holds only kernels _find_meta found an FP8 matmul for, so name is set.
+            # w_amax holds only kernels find_meta found an FP8 matmul for, so name is set.
             name = fp8_op_name(out, ()) if kernel_path[:-1] == prefix else None
             if name is not None:
                 meta = out[name]["meta"]
@@ -138,4 +138,4 @@ def set_weight_amax(fp8_state, w_amax: dict):
     return rebuild(fp8_state, ())
 
 
-__all__ = ["gather_params", "set_weight_amax"]
+__all__ = ["COMPUTE_DTYPE_LEAVES", "find_meta", "gather_params", "set_weight_amax"]

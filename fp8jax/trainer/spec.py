@@ -148,7 +148,7 @@ def parse(config) -> RunSpec:
                 optim=optim,
                 loop=loop,
                 mesh=mesh,
-                comm=_comm(config.comm),
+                comm=_comm(config.comm, mesh),
                 distributed=config.distributed,
             )
     except (KeyError, AttributeError) as e:  # ml_collections: a field the config file lacks
@@ -315,10 +315,17 @@ def _mesh(mesh) -> MeshSpec:
     return MeshSpec(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor)
 
 
-def _comm(raw) -> CommSpec:
+def _comm(raw, mesh: MeshSpec) -> CommSpec:
     """``config.comm`` (CommConfig checks each field's range itself)."""
     fields = {f.name for f in dataclasses.fields(CommSpec)}
     unknown = sorted(set(raw.keys()) - fields)
     if unknown:
         raise ConfigError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
-    return CommSpec(**{name: raw[name] for name in sorted(fields)})
+    spec = CommSpec(**{name: raw[name] for name in sorted(fields)})
+    if spec.gather == "layer" and mesh.tensor != 1:
+        raise ConfigError(
+            f"comm.gather='layer' with mesh.tensor={mesh.tensor}: per-layer gathers run the "
+            f"replicas one per device, without tensor parallelism; set mesh.tensor=1 or "
+            f"comm.gather='upfront'"
+        )
+    return spec

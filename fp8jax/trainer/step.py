@@ -14,15 +14,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec
 
 from fp8jax.models.layers import FLAX_FP8
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.optim import adam as optim
-from fp8jax.parallel import comm, gather
+from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
+from fp8jax.trainer import replicas
 from fp8jax.trainer.loss import batch_loss, cross_entropy, is_weighted, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
@@ -177,89 +177,6 @@ def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
     return out[0]["loss"], *out[1:]
 
 
-def _manual_replicas(
-    model, full, fp8, batch_N, accum: int, plan, masters, sum_dtypes=None, wide=None, scale=1.0
-):
-    """``(loss_N, fp8_N, grads_N)`` with one replica per device, written per device (shard_map).
-
-    Each device runs the unpartitioned model on its own rows, so nothing depends on how XLA's
-    SPMD partitioner would split the model's ops: custom calls such as the Pallas FP8 cast or
-    cuDNN attention run as on one device (partitioned, the cast kernel's operands were
-    all-gathered; cuDNN attention rejected q, k and v with different shardings).
-    """
-    n, dp = plan.num_replicas, sharding_lib.DP_AXES
-
-    def local(full, fp8, masters, scale, b_1xBxL):
-        b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
-        w = scale if is_weighted(b) else 1.0 / n  # unweighted: the constant, as before
-        with sharding_lib.activation_sharding(None):  # local arrays: nothing to constrain
-            loss, fp8, g = _accumulate(model, full, fp8, b, accum, w, masters, sum_dtypes, wide)
-        return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
-
-    rep = PartitionSpec()
-    fn = jax.shard_map(
-        local,
-        mesh=plan.mesh,
-        in_specs=(rep, rep, rep, rep, PartitionSpec(dp)),
-        out_specs=PartitionSpec(dp),
-        # Manual over every mesh axis (tensor is 1 here), not just data x fsdp: inside a partly
-        # manual region JAX still hands custom-partitioned ops (cuDNN attention) to their
-        # partitioner, which fails on the manual axes; fully manual, they lower as on one device.
-        axis_names=frozenset(plan.mesh.axis_names),
-        check_vma=False,
-    )
-    return fn(full, fp8, masters, jnp.asarray(scale, jnp.float32), batch_N)
-
-
-def _replica_grads(model, params, state, batch, accum: int, plan, masters=None, wide=None):
-    """(loss dict, FP8 state, per-replica gradients ``[N, *param]``), not reduced yet."""
-    # The batch is viewed as [N, B/N, ...] with N split over data x fsdp: each device computes
-    # its own replica's gradients (per device under shard_map, or vmapped with tensor
-    # parallelism), which comm.reduce_gradients sums in FP8.
-    mesh, n = plan.mesh, plan.num_replicas
-    batch_size = batch["inputs"].shape[0]
-    if batch_size % (n * accum):
-        raise ValueError(
-            f"batch_size={batch_size} must be divisible by data-parallel replicas ({n}) x "
-            f"grad_accum_steps ({accum}); change batch_size or config.mesh"
-        )
-    dp = NamedSharding(mesh, PartitionSpec(sharding_lib.DP_AXES))
-    batch_N = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
-    )
-    full, w_amax = gather.gather_params(params, state.fp8, plan)
-    sum_dtypes = jax.tree.map(lambda p: p.dtype, params)  # not the gathered compute dtype
-    scale = loss_lib.scale(batch, n)  # of the global batch, before it is split into replicas
-    if plan.per_device:
-        loss_N, fp8_N, grads_N = _manual_replicas(
-            model, full, state.fp8, batch_N, accum, plan, masters, sum_dtypes, wide, scale
-        )
-    else:
-
-        def one(b):
-            return _accumulate(model, full, state.fp8, b, accum, scale, masters, sum_dtypes, wide)
-
-        # Tensor parallelism stays with XLA's SPMD partitioner. Inside a replica the activation
-        # constraints keep its rows whole; spmd_axis_name splits the replica axis itself over
-        # data x fsdp, as batch_N is.
-        with sharding_lib.activation_sharding(mesh, sharding_lib.within_replica()):
-            loss_N, fp8_N, grads_N = jax.vmap(one, spmd_axis_name=sharding_lib.DP_AXES)(batch_N)
-    grads_N = jax.tree.map(
-        lambda g, spec: jax.lax.with_sharding_constraint(
-            g, NamedSharding(mesh, plan.replica_spec(spec))
-        ),
-        grads_N,
-        plan.specs,
-    )
-    # Amaxes are maxima over every replica's data (the global amax); scales are identical.
-    if state_collection(model) == FP8:
-        fp8 = fp8_state.max_over_replicas(fp8_N, state.fp8)
-    else:
-        fp8 = jax.tree.map(lambda x: jnp.max(x, axis=0), fp8_N)
-    fp8 = gather.set_weight_amax(fp8, w_amax)
-    return jax.tree.map(jnp.sum, loss_N), fp8, grads_N
-
-
 def splits_pallas_casts(run: RunSpec, mesh, cast_kernel: str | None = None) -> bool:
     """Whether XLA's SPMD partitioner would split the Pallas FP8 cast kernel over ``mesh``.
 
@@ -303,6 +220,9 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
     stochastic = run.fp8.master_rounding == "stochastic"
     seed, dtype, schedule = run.seed, run.model.dtype, learning_rate_schedule(run.optim)
 
+    def grads_fn(model, params, fp8, batch, weight, masters, sum_dtypes):
+        return _accumulate(model, params, fp8, batch, accum, weight, masters, sum_dtypes, wide)
+
     def master_seed(step):
         # Fixed by (seed, step): a resumed run rounds exactly as an uninterrupted one.
         return step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + seed if stochastic else None
@@ -326,11 +246,10 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
                 model, params, state.fp8, batch, accum, loss_lib.scale(batch, 1), masters, wide=wide
             )
         else:
-            loss, fp8, grads_N = _replica_grads(
-                model, params, state, batch, accum, plan, masters, wide
-            )
             mu = state.comm["mu"]
-            grads, saturated = comm.reduce_gradients(grads_N, mu, plan)
+            loss, fp8, grads, saturated = replicas.reduced_grads(
+                model, params, state.fp8, batch, plan, mu, grads_fn, accum, masters
+            )
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
             comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}
         if state_collection(model) == FP8:

@@ -1,0 +1,303 @@
+"""ZeRO-3 in time: each layer's fsdp-sharded weights are gathered just before the layer runs and
+its weight gradients reduce-scattered as soon as the backward pass has made them.
+
+The train step's per-device replicas (``trainer.step``) get the params still sharded. The
+model's blocks and the leaves outside them (embedding, final norm, head) each pass their
+params through ``gather_group``, a custom VJP whose forward all-gathers the layer's shards (at O3
+an FP8 layer's kernel as E4M3 with the layer's weight scale, as ``gather.gather_params`` moves
+it; the other kernels and embeddings in the compute dtype) and whose backward sums every
+replica's gradient of that layer into this device's shard (``comm.reduce_fp8``: E5M2 with a
+shared scale and f32 accumulation; small gradients in f32). Under remat the gather sits inside
+the remat region, so the backward pass gathers the layer again instead of keeping it; a remat
+policy saving ``GATHERED`` keeps it. At most the layers in flight hold full weights, and no
+full-size gradient outlives its layer's backward.
+
+The custom VJP needs per-layer inputs the model does not have: the weight scales and FP8-LM's
+``mu``. They travel as extra params under ``GATHER_KEY`` of each group (sliced per layer by the
+model's ``nn.scan`` like any other param); a zero ``stats`` entry among them receives the layer's
+clipped-value count as its gradient, so the step reads the saturation of the reduction from
+the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from fp8jax.ops import formats, scaling
+from fp8jax.optim.master import path_key
+from fp8jax.parallel import comm
+from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.parallel.gather import COMPUTE_DTYPE_LEAVES, find_meta
+
+GATHER_KEY = "fp8jax_gather"  # a group's extra params: {'mu', 'stats', 'scales'}
+GATHERED = "fp8jax_gathered"  # checkpoint_name of a gathered weight (remat policies may save it)
+ROOT = ""  # the group of the leaves outside the blocks
+_BLOCK = re.compile(r"blocks|block_\d+")  # the model's block scopes (scanned or unrolled)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """How one parameter of a group is gathered and its gradient reduced (static)."""
+
+    path: tuple[str, ...]  # within the group's params
+    fsdp_dim: int | None  # dimension of the per-layer tensor sharded over fsdp (None: whole)
+    fp8: bool  # O3 FP8 kernel: moves as E4M3 with its layer's weight scale
+    cast: bool  # moves in the compute dtype (the layer's first cast, moved before the gather)
+    fp8_grad: bool  # its gradient is reduced in FP8 (comm.min_fp8_size elements or more)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A layer's parameters and the mesh they are gathered over (static, hashable)."""
+
+    leaves: tuple[LeafInfo, ...]
+    mesh_shape: tuple[int, int]  # (data, fsdp)
+    cfg: comm.CommConfig
+    wire: str
+    compute_dtype: str
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8jax_layerwise", default=None)
+
+
+@contextlib.contextmanager
+def active(groups: dict[str, Group]) -> Iterator[None]:
+    """Within it, the model gathers each group (a block scope, or ``ROOT``) where it runs."""
+    token = _ACTIVE.set(groups)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def block_view(name: str):
+    """The ``nn.map_variables`` input function gathering block ``name``'s params, or None."""
+    groups = _ACTIVE.get()
+    if not groups or name not in groups:
+        return None
+    return functools.partial(_view, groups[name])
+
+
+def wrap_model(model: nn.Module) -> nn.Module:
+    """``model`` with its ``ROOT`` group gathered when it is applied (blocks gather their own)."""
+    groups = _ACTIVE.get()
+    if not groups or ROOT not in groups:
+        return model
+    cls = nn.map_variables(type(model), "params", functools.partial(_view, groups[ROOT]))
+    return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+                  if f.init and f.name not in ("parent", "name")})  # fmt: skip
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    """A copy of nested dict ``tree`` with ``path`` set to ``value``."""
+    if not path:
+        return value
+    out = dict(tree)
+    out[path[0]] = _set(tree[path[0]], path[1:], value)
+    return out
+
+
+def _view(group: Group, variables):
+    """The group's variables with its params gathered (and ``GATHER_KEY`` removed)."""
+    variables = dict(variables)
+    params = dict(variables["params"])
+    extra = params.pop(GATHER_KEY)
+    leaves = tuple(_get(params, li.path) for li in group.leaves)
+    scales = tuple(extra["scales"][_scale_key(li.path)] for li in group.leaves if li.fp8)
+    dtypes = tuple(jnp.dtype(x.dtype).name for x in leaves)
+    full = _gather_fn(group, dtypes)(leaves, scales, extra["mu"], extra["stats"])
+    for li, x in zip(group.leaves, full, strict=True):
+        if li.fsdp_dim is not None:
+            x = checkpoint_name(x, GATHERED)
+        params = _set(params, li.path, x)
+    variables["params"] = params
+    return variables
+
+
+def _scale_key(path: tuple[str, ...]) -> str:
+    return "/".join(path)
+
+
+def _gathered(group: Group, leaves, scales):
+    """Forward: every leaf whole on this device (its fsdp shards all-gathered)."""
+    compute = jnp.dtype(group.compute_dtype)
+    scales = iter(scales)
+    out = []
+    for li, w in zip(group.leaves, leaves, strict=True):
+        if li.fsdp_dim is None:
+            out.append(w)
+            continue
+        if li.fp8:
+            s = next(scales)
+            w_c = w.astype(compute)  # what the layer hands its FP8 matmul
+            # E4M3 (the FP8 matmul's weight format) with the scale that matmul will use: its
+            # re-quantization of the gathered weight lands exactly on the gathered bytes.
+            q = formats.quantize(w_c, s, formats.E4M3)
+            got = lax.all_gather(comm.to_wire(q, group.wire), "fsdp", axis=li.fsdp_dim, tiled=True)
+            w_full = comm.from_wire(got, formats.E4M3, group.wire).astype(jnp.float32) / s
+            out.append(w_full.astype(compute))
+            continue
+        w = w.astype(compute) if li.cast else w
+        out.append(lax.all_gather(w, "fsdp", axis=li.fsdp_dim, tiled=True))
+    return tuple(out)
+
+
+def _reduced(group: Group, cts, mu):
+    """Backward: each leaf's gradient summed over the replicas, this device's shard of it."""
+    out = [None] * len(cts)
+    ids = [i for i, li in enumerate(group.leaves) if li.fp8_grad]
+    clipped = jnp.zeros((), jnp.float32)
+    if ids:
+        got, c = comm.reduce_fp8(
+            [cts[i] for i in ids],
+            [group.leaves[i].fsdp_dim for i in ids],
+            [0] * len(ids),  # one layer: one scale per tensor
+            mu,
+            group.cfg,
+            group.mesh_shape,
+            group.wire,
+        )
+        for i, g in zip(ids, got, strict=True):
+            out[i] = g
+        clipped = c.astype(jnp.float32)
+    for i, li in enumerate(group.leaves):
+        if not li.fp8_grad:
+            out[i] = comm.reduce_f32(cts[i], li.fsdp_dim)
+    return out, clipped
+
+
+@functools.cache
+def _gather_fn(group: Group, dtypes: tuple[str, ...]):
+    """``gather(leaves, scales, mu, stats) -> full leaves``: all-gather forward, reduce-scatter
+    backward (``stats``' cotangent: the clipped-value count)."""
+
+    @jax.custom_vjp
+    def gather(leaves, scales, mu, stats):
+        return _gathered(group, leaves, scales)
+
+    def fwd(leaves, scales, mu, stats):
+        return _gathered(group, leaves, scales), (scales, mu, stats)
+
+    def bwd(res, cts):
+        scales, mu, stats = res
+        grads, clipped = _reduced(group, cts, mu)
+        grads = tuple(g.astype(d) for g, d in zip(grads, dtypes, strict=True))
+        zeros = tuple(jnp.zeros_like(s) for s in scales)
+        return grads, zeros, jnp.zeros_like(mu), clipped.astype(stats.dtype)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def group_of(path: tuple[str, ...]) -> str:
+    """The group a param path belongs to: its block scope, or ``ROOT``."""
+    return path[0] if path and _BLOCK.fullmatch(path[0]) else ROOT
+
+
+def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
+    """``(params with GATHER_KEY extras, their PartitionSpecs, groups, {kernel path: global
+    weight amax}, FP8-reduced gradient elements per replica)`` for the per-layer step."""
+    cfg, mesh = plan.cfg, plan.mesh
+    mesh_shape = (int(mesh.shape["data"]), int(mesh.shape["fsdp"]))
+    wire = comm.wire_format(mesh, cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = treedef.flatten_up_to(plan.specs)
+    stacks = treedef.flatten_up_to(plan.stack_ndims)
+    members: dict[str, list] = {}
+    scales: dict[str, dict] = {}
+    stack_of: dict[str, int] = {}
+    w_amax, count = {}, 0
+    for (p, w), spec, stack in zip(flat, specs, stacks, strict=True):
+        path = path_key(p)
+        g = group_of(path)
+        rel = path[1:] if g != ROOT else path
+        stack_of[g] = max(stack_of.get(g, 0), stack if g != ROOT else 0)
+        dim = sharding_lib.axis_dim(spec, "fsdp")
+        per_layer = math.prod(w.shape[stack:]) if g != ROOT else w.size
+        fp8_grad = per_layer >= cfg.min_fp8_size
+        count += w.size if fp8_grad else 0
+        fp8 = False
+        if plan.level >= 3 and dim is not None and path[-1] == "kernel":
+            meta = find_meta(fp8_state, path)
+            # Fine-grained recipes scale each tile from the gathered weight: compute dtype.
+            if meta is not None and not scaling.is_fine(meta.w.recipe):
+                fp8 = True
+                w_c = w.astype(plan.compute_dtype)
+                amax = comm.amax_stacked(w_c, stack)  # global: over every shard
+                w_amax[path] = amax
+                scales.setdefault(g, {})[_scale_key(rel)] = scaling.use_scale(meta.w, amax)
+        cast = path[-1] in COMPUTE_DTYPE_LEAVES
+        layer_dim = None if dim is None else dim - (stack if g != ROOT else 0)
+        members.setdefault(g, []).append(LeafInfo(rel, layer_dim, fp8, cast, fp8_grad))
+    groups = {
+        g: Group(tuple(ls), mesh_shape, cfg, wire, jnp.dtype(plan.compute_dtype).name)
+        for g, ls in members.items()
+    }
+    out = dict(params)
+    out_specs = jax.tree.map(lambda s: s, plan.specs, is_leaf=_is_spec)
+    rep = jax.sharding.PartitionSpec()
+    for g in groups:
+        lead = () if g == ROOT else _lead_shape(params[g], stack_of[g])
+        mu_g = jnp.broadcast_to(jnp.asarray(mu, jnp.float32), lead)
+        extra = {"mu": mu_g, "stats": jnp.zeros(lead, jnp.float32), "scales": scales.get(g, {})}
+        extra_specs = jax.tree.map(lambda _: rep, extra)
+        if g == ROOT:
+            out[GATHER_KEY] = extra
+            out_specs = {**out_specs, GATHER_KEY: extra_specs}
+        else:
+            out[g] = {**params[g], GATHER_KEY: extra}
+            out_specs = {**out_specs, g: {**out_specs[g], GATHER_KEY: extra_specs}}
+    return out, out_specs, groups, w_amax, count
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _lead_shape(tree, stack: int) -> tuple[int, ...]:
+    return tuple(jax.tree.leaves(tree)[0].shape[:stack])
+
+
+def split_grads(grads) -> tuple[dict, jax.Array]:
+    """``(grads without the GATHER_KEY extras, clipped values summed over the groups)``."""
+    grads = dict(grads)
+    clipped = [jnp.sum(grads.pop(GATHER_KEY)["stats"])] if GATHER_KEY in grads else []
+    for k, v in list(grads.items()):
+        if isinstance(v, dict) and GATHER_KEY in v:
+            v = dict(v)
+            clipped.append(jnp.sum(v.pop(GATHER_KEY)["stats"]))
+            grads[k] = v
+    return grads, sum(clipped) if clipped else jnp.zeros((), jnp.float32)
+
+
+__all__ = [
+    "GATHERED",
+    "GATHER_KEY",
+    "Group",
+    "LeafInfo",
+    "ROOT",
+    "active",
+    "block_view",
+    "group_of",
+    "prepare",
+    "split_grads",
+    "wrap_model",
+]

@@ -298,6 +298,11 @@ def _unrolled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def _remat(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    c.model.remat_policy = "full"
+    return c
+
+
 def _bf16(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # the GPU configs' compute dtype
     return c
@@ -330,6 +335,23 @@ def main() -> dict:
         "O1 TP": (o1(data=1, tensor=4), devs[:4], "base O1"),
         "O1 DPxTP": (o1(data=2, tensor=4), devs, "base O1"),
         "O3 FSDP": (tiny_config("O3", data=2, fsdp=4), devs, "base O3"),
+        # O3 gathers per layer (comm.gather='auto'); all weights up front is the same arithmetic
+        # in another order of collectives, so the same bits. Unrolled remat'd blocks gather
+        # inside their remat region (and again for the backward pass), against up front too.
+        "O3 FSDP upfront": (tiny_config("O3", data=2, fsdp=4, gather="upfront"), devs, "O3 FSDP"),
+        "O3 FSDP unrolled upfront": (
+            _remat(_unrolled(tiny_config("O3", data=2, fsdp=4, gather="upfront"))),
+            devs,
+            None,
+        ),
+        "O3 FSDP unrolled layer": (
+            _remat(_unrolled(tiny_config("O3", data=2, fsdp=4))),
+            devs,
+            "O3 FSDP unrolled upfront",
+        ),
+        # Per-layer gathers at O1 (an option there): each micro-batch's gradients are reduced
+        # in FP8 in its own backward pass, then averaged.
+        "O1 FSDP layer": (o1(data=2, fsdp=4, gather="layer"), devs, "base O1"),
         # The block recipe: per-tile scales from the gathered weights and the replicas' own
         # activations, the FP8 gradient reduction as under per-tensor scales.
         "base O3 block": (_with(tiny_config("O3"), recipe="block"), one, None),
@@ -350,7 +372,9 @@ def main() -> dict:
         "O1 DP by layer": (_unrolled(o1(data=8)), devs, "O1 DP one bucket"),
     }
     # Other programs, same math (or, for the block recipe, the same layout as O3 FSDP's).
-    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer", "O3 FSDP block"}
+    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer", "O3 FSDP block",
+                "O3 FSDP upfront", "O3 FSDP unrolled upfront", "O3 FSDP unrolled layer",
+                "O1 FSDP layer"}  # fmt: skip
     # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
     # one program at a time, so no two programs' collectives interleave on the devices.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -385,6 +409,18 @@ def main() -> dict:
             + results[name]["hlo"].count(" all-to-all(")
             for name in ("O1 DP one bucket", "O1 DP by layer")
         },
+        # XLA's temp bytes per device: per-layer gathers hold one layer's weights and
+        # gradients at a time, up front all of them (the tiny model's weights dominate).
+        temp_bytes={
+            name: prepared[name]["step"].memory_analysis().temp_size_in_bytes
+            for name in ("O3 FSDP", "O3 FSDP upfront")
+        },
+        block_param_elems=int(
+            sum(
+                np.size(x)
+                for x in jax.tree.leaves(optim.materialize(initial_state(o3).params)["blocks"])
+            )
+        ),
         compiled_O1_has_u8=[
             k for k in next(t for t in table if t["run"] == "O1 DP")["by_op"] if " u8 " in k
         ],

@@ -109,6 +109,7 @@ CHANGES = {
     "comm.mu_growth": (1.0, {"comm"}),
     "comm.saturation_limit": (0.0, {"comm"}),
     "comm.bucket_by_layer": (False, {"comm"}),
+    "comm.gather": ("layer", {"comm"}),
 }
 
 

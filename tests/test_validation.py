@@ -109,6 +109,7 @@ BAD = {
     "comm.mu_growth": [0.5, INF],
     "comm.saturation_limit": [-1e-5, 1.5, NAN],
     "comm.bucket_by_layer": [1],
+    "comm.gather": ["zero3", True],
 }
 CASES = [(field, value) for field, values in BAD.items() for value in values]
 
@@ -202,6 +203,16 @@ def test_o3_needs_fsdp(tmp_path, no_work_after_validation):
         train_lib.train_and_evaluate(c, str(tmp_path / "work"))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "work").exists()
+
+
+def test_layer_gathers_need_no_tensor_parallelism():
+    c = tiny()
+    c.mesh.tensor, c.comm.gather = 2, "layer"
+    with pytest.raises(errors.ConfigError, match=r"comm.gather='layer'.*mesh.tensor=1") as info:
+        spec.parse(c)
+    assert "\n" not in str(info.value)
+    c.comm.gather = "auto"  # O3 with tensor parallelism gathers up front instead
+    spec.parse(c)
 
 
 def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.CompletedProcess:

@@ -80,9 +80,12 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
     # E4M3 for both forward operands: activations and weights need precision more than range.
     xq = formats.quantize(x, sx, formats.E4M3)
     wq = formats.quantize(w, sw, formats.E4M3)
-    # Named for remat policies (ops.remat): the operands the backward GEMMs read, with scales.
-    xq, sx = checkpoint_name((xq, sx), FP8_X)
-    wq, sw = checkpoint_name((wq, sw), FP8_W)
+    # The residuals, named for remat policies (ops.remat), with their scales. The forward GEMM
+    # reads the unnamed copies: jax.checkpoint passes a saved residual that its forward also
+    # reads through reduce_precision at the residual's own format, and XLA's reduce_precision
+    # takes E4M3's top binade for Inf, so every |q| >= 256 would come back NaN.
+    xq_saved, sx_saved = checkpoint_name((xq, sx), FP8_X)
+    wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
     m_axis = 1 if cfg.batched else 0
     # Current scaling of dy: its scale comes from the backward's own amax, so no f32[3] here.
     current_dy = not scaling.is_delayed(meta.dy.recipe)
@@ -91,7 +94,7 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
     y = gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
     y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq, wq, sx, sw, inv, x_pre)
+    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, inv, x_pre)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -34,7 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"  # parameter storage dtype
     m.scan_layers = True  # stack blocks with nn.scan (one compiled block)
     m.fused_qkv = False  # one GEMM for Q, K and V (kernel [embed, kv_heads, group + 2, head_dim])
-    m.remat_policy = "none"  # block recompute: 'none', 'full', or a jax.checkpoint_policies name
+    # Block recompute, what each policy keeps: docs/performance.md. jax's 'dots_saveable',
+    # 'nothing_saveable', 'dots_with_no_batch_dims_saveable'; the FP8 GEMMs' named residuals:
+    # 'fp8_dots_saveable' (outputs), 'fp8_inputs_saveable' (E4M3 operands, 1 byte/element),
+    # 'fp8_dots_and_inputs_saveable' (both).
+    m.remat_policy = "none"  # 'none': keep every activation; 'full': recompute each block
     # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
     m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients
     m.fp8_lm_head = False  # also run the LM head in FP8 (a little faster, a little more loss)

@@ -20,7 +20,7 @@ from fp8jax.nn.state import (
     summarize,
     update_state,
 )
-from fp8jax.ops import formats, kernels, scaling
+from fp8jax.ops import formats, kernels, remat, scaling
 from fp8jax.ops.dot import dot_general
 from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
 from fp8jax.ops.kernels import cast_transpose
@@ -82,6 +82,7 @@ __all__ = [
     "merge_grads",
     "nnx",
     "quantize",
+    "remat",
     "scaling",
     "summarize",
     "train_and_evaluate",

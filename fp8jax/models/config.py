@@ -13,20 +13,31 @@ from typing import Any
 import jax
 from flax import linen as nn
 
-from fp8jax.ops import scaling
+from fp8jax.ops import remat, scaling
 
 STYLES = ("gpt", "llama")
 ATTENTION_IMPLS = ("", "xla", "cudnn")
 # 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for the step benchmark.
 FP8_IMPLS = ("fp8jax", "flax")
 DTYPES = ("float32", "bfloat16", "float16")
-# Remat policy name -> jax.checkpoint policy ('full' = save nothing: recompute the whole block).
+# Remat policy name -> jax.checkpoint policy of each block (docs/performance.md: what each
+# keeps for the backward pass). Bytes per element as saved: bf16 activations 2, E4M3 1.
 REMAT_POLICIES = {
-    "none": None,
-    "full": None,
+    "none": None,  # no remat: autodiff keeps every residual (not even a jax.checkpoint)
+    "full": None,  # save nothing but the block's input: recompute the whole block
+    # plain dots' outputs (2 bytes/elt); sees the per-tensor and rowwise FP8 GEMMs, never their
+    # FP8 operands (the backward re-quantizes x and w), nor the block recipe's GPU kernel
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,  # as 'full'
+    # dots_saveable without batched dots (attention's QK^T and AV, the batched FP8 einsums)
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # plain dots' and every FP8 GEMM's output (2 bytes/elt), any recipe: dots_saveable at O1+
+    "fp8_dots_saveable": remat.fp8_dots_saveable,
+    # the FP8 GEMMs' E4M3 operands (1 byte/elt of x; 1 byte per weight and layer for w), their
+    # scales: the backward GEMMs read them, no re-quantization; O0: as 'full'
+    "fp8_inputs_saveable": remat.fp8_inputs_saveable,
+    # both of the above: the backward recomputes only elementwise work, no matmul
+    "fp8_dots_and_inputs_saveable": remat.fp8_dots_and_inputs_saveable,
 }
 # Positive sizes of a model.
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")

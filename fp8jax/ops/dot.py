@@ -6,7 +6,8 @@ wgrad    dw = x(E4M3) . dy(E5M2)       (cuBLASLt has no E5M2 x E5M2 GEMM)
 
 FP8 arrays go straight into ``lax.dot_general`` with ``preferred_element_type``: that is the
 form XLA lowers to ``__cublas$lt$matmul$f8`` on Hopper regardless of flags. The residuals kept
-for the backward pass are the FP8 copies of x and w, not their bf16/f32 originals.
+for the backward pass are the FP8 copies of x and w, not their bf16/f32 originals; the forward
+rule names them (and the output) for remat policies (``ops.remat``).
 
 Scale state travels as an ``Fp8Meta`` (x, w, dy ``ScaleState``s). The call returns an updated
 meta whose x and w pending amax include this call; the dy amax is only known in the backward
@@ -34,9 +35,11 @@ import string
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import activations, fine, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
 __all__ = [
@@ -77,14 +80,21 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
     # E4M3 for both forward operands: activations and weights need precision more than range.
     xq = formats.quantize(x, sx, formats.E4M3)
     wq = formats.quantize(w, sw, formats.E4M3)
+    # The residuals, named for remat policies (ops.remat), with their scales. The forward GEMM
+    # reads the unnamed copies: jax.checkpoint passes a saved residual that its forward also
+    # reads through reduce_precision at the residual's own format, and XLA's reduce_precision
+    # takes E4M3's top binade for Inf, so every |q| >= 256 would come back NaN.
+    xq_saved, sx_saved = checkpoint_name((xq, sx), FP8_X)
+    wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
     m_axis = 1 if cfg.batched else 0
     # Current scaling of dy: its scale comes from the backward's own amax, so no f32[3] here.
     current_dy = not scaling.is_delayed(meta.dy.recipe)
     inv = None if current_dy else gemm.inverse_scales(sx, sw, meta.dy.scale)
     y = gemm.mm(xq, wq, m_axis + 1, m_axis, cfg.batched, gemm.acc_dtype(cfg.out_dtype))
     y = gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
+    y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq, wq, sx, sw, inv, x_pre)
+    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, inv, x_pre)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

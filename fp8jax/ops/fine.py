@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import (
     activations,
@@ -38,6 +39,7 @@ from fp8jax.ops import (
     scaling,
 )
 from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import BlockScaling, Fp8Meta
 
 
@@ -133,7 +135,10 @@ def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
     x_pre = x if cfg.prologue else None
     if cfg.prologue:
         x = activations.activation(cfg.prologue)(x.astype(jnp.float32))  # quantized unrounded
-    y, (amax_x, amax_w), res = _impl(recipe)[0](cfg, recipe, x, w)
+    y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = _impl(recipe)[0](cfg, recipe, x, w)
+    # Named for remat policies (ops.remat): the backward GEMMs' operands with their tile scales.
+    res = (*checkpoint_name((xq_t, xt_inv), FP8_X), *checkpoint_name((wq, w_inv), FP8_W))
+    y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta, (*res, x_pre)
 

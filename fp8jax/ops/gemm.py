@@ -16,8 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import activations, formats, kernels, scaling
+from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
 
@@ -105,10 +107,13 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     wq, wq_t, hist_w = kernels.cast_transpose(
         w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history
     )
+    # Named for remat policies (ops.remat): the layouts the backward GEMMs read.
+    xq_t, wq = checkpoint_name(xq_t, FP8_X), checkpoint_name(wq, FP8_W)
     inv = inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = mm(xq, wq_t, 1, 1, False, acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     if not raw:
         y = unscale(y, inv[0], cfg.out_dtype)
+    y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(
         x=meta.x.replace(amax_history=hist_x), w=meta.w.replace(amax_history=hist_w)
     )

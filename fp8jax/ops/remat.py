@@ -1,0 +1,68 @@
+"""Names of the FP8 matmuls' residuals, and the remat policies that save them by name.
+
+The FP8 matmuls (``dot.dot_general``, ``mlp.gelu_mlp``, ``fine.fine_matmul``) are custom VJPs.
+Their forward rules tag what the backward reads with ``jax.ad_checkpoint.checkpoint_name``, so a
+``jax.checkpoint`` (``nn.remat``) policy around them can choose to keep it instead of
+recomputing it. Names inside a custom VJP's forward rule reach the enclosing policy: JAX inlines
+the forward rule when it differentiates under ``jax.checkpoint``, and the policy sees each
+``name`` like any other equation. Outside the forward rule only the matmul's output exists;
+the FP8 operands never leave the custom VJP, so this is the only place they can be named.
+
+``jax.checkpoint_policies.dots_saveable`` sees the FP8 ``lax.dot_general`` of the per-tensor
+and rowwise recipes (it keeps their raw outputs) but never the FP8 operands, so the backward
+re-quantizes x and w (and recomputes whatever produced x); it does not see the block recipe's
+GEMM on GPUs at all (a Pallas kernel, not a ``dot_general``). The names here do not depend on
+how a GEMM is lowered.
+
+Build your own policy with ``jax.checkpoint_policies.save_only_these_names(FP8_X, ...)``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = [
+    "FP8_OUT",
+    "FP8_W",
+    "FP8_X",
+    "NAMES",
+    "POLICIES",
+    "fp8_dots_and_inputs_saveable",
+    "fp8_dots_saveable",
+    "fp8_inputs_saveable",
+]
+
+# x's E4M3 copy in the layout the weight-gradient GEMM reads (1 byte per element of the
+# activation), with its f32 scales: one per tensor, row or tile, by recipe.
+FP8_X = "fp8jax_x_e4m3"
+# w's E4M3 copy in the layout the input-gradient GEMM reads (1 byte per weight, per use), with
+# its f32 scales. Saving it costs a weight-sized buffer per layer; recomputing it is one cast
+# pass over the weight.
+FP8_W = "fp8jax_w_e4m3"
+# The FP8 GEMM's forward output in the matmul's output dtype (the fused MLP: its first GEMM's
+# raw output, which the second GEMM's cast and GELU' read): what ``dots_saveable`` keeps of a
+# plain matmul.
+FP8_OUT = "fp8jax_gemm_out"
+NAMES = (FP8_X, FP8_W, FP8_OUT)
+
+_cp = jax.checkpoint_policies
+
+# Plain dots' outputs (O0, attention's einsums) plus the FP8 GEMMs' outputs: dots_saveable at
+# every level and for every recipe. The backward re-quantizes x and w from recomputed inputs.
+fp8_dots_saveable = _cp.save_from_both_policies(
+    _cp.dots_saveable, _cp.save_only_these_names(FP8_OUT)
+)
+# The FP8 operands only (x and w in E4M3, 1 byte per element): the backward GEMMs read them
+# as saved, nothing is re-quantized for them; a forward GEMM whose output the backward needs
+# (q, k, v; the MLP's hidden layer) is recomputed. No plain dots saved: at O0 this is 'full'.
+fp8_inputs_saveable = _cp.save_only_these_names(FP8_X, FP8_W)
+# Both: the FP8 operands and every GEMM output (FP8 and plain). The backward recomputes only
+# elementwise work (norms, activations, softmax) and no matmul.
+fp8_dots_and_inputs_saveable = _cp.save_from_both_policies(
+    fp8_dots_saveable, _cp.save_only_these_names(FP8_X, FP8_W)
+)
+POLICIES = {
+    "fp8_dots_saveable": fp8_dots_saveable,
+    "fp8_inputs_saveable": fp8_inputs_saveable,
+    "fp8_dots_and_inputs_saveable": fp8_dots_and_inputs_saveable,
+}

@@ -1,0 +1,295 @@
+"""Remat policies that name the FP8 matmuls' residuals (fp8jax.ops.remat).
+
+What a policy keeps is read from the residuals ``jax.vjp`` holds (the leaves of its backward
+function), under ``jax.eval_shape``: no compile. Only the FP8 matmuls make E4M3 arrays, so every
+E4M3 residual is a saved FP8 operand.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import fp8jax
+from fp8jax import FP8
+from fp8jax.models.config import REMAT_POLICIES
+from fp8jax.models.layers import Block
+from fp8jax.ops import dot, mlp, remat
+from fp8jax.trainer import loop as train_lib
+from fp8jax.trainer import spec
+
+from fp8_testing import ROOT
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+BF16 = jnp.dtype(jnp.bfloat16)
+DENSE = (((1,), (0,)), ((), ()))
+M, K, N = 32, 64, 48  # one GEMM's sizes, all different: a shape says which operand it is
+NEW = tuple(remat.POLICIES)
+# (recipe, cast kernel) pairs that take each forward rule: ops.dot's XLA casts, ops.gemm's fused
+# cast (Pallas' interpreter), ops.fine's rowwise and block GEMMs (block: a Pallas kernel).
+PATHS = {
+    "current": (fp8jax.CurrentScaling(), "xla"),
+    "fused": (fp8jax.DelayedScaling(), "interpret"),
+    "rowwise": (fp8jax.RowwiseScaling(), "xla"),
+    "block": (fp8jax.BlockScaling(), "interpret"),
+}
+# The E4M3 operands each path's backward GEMMs read: x [M, K] or its transpose, w [K, N].
+OPERANDS = {
+    "current": [(M, K), (K, N)],
+    "fused": [(K, M), (K, N)],
+    "rowwise": [(K, M), (K, N)],
+    "block": [(K, M), (K, N)],
+}
+
+
+def randn(seed, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def residuals(f, *args) -> list[tuple]:
+    """(dtype, shape) of every residual ``jax.vjp(f, *args)`` keeps, without running it."""
+    leaves = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]), *args)
+    return [(jnp.dtype(r.dtype), tuple(r.shape)) for r in leaves]
+
+
+def fp8_saved(res) -> list[tuple]:
+    return sorted(shape for dtype, shape in res if dtype == E4M3)
+
+
+def checkpointed(f, policy):
+    """``f`` under ``jax.checkpoint`` with ``policy`` (a REMAT_POLICIES name; 'none': as is)."""
+    if policy == "none":
+        return f
+    return jax.checkpoint(f, policy=REMAT_POLICIES[policy])
+
+
+def matmul(path):
+    """``sin(x . w)`` through one FP8 matmul: sin keeps the output a residual of the backward."""
+    recipe, cast = PATHS[path]
+    meta = fp8jax.init_meta(recipe)
+
+    def f(x_MxK, w_KxN):
+        y_MxN, _ = dot.dot_general(x_MxK, w_KxN, DENSE, meta, cast_kernel=cast)
+        return jnp.sin(y_MxN)
+
+    return f
+
+
+# Large enough that every path's E4M3 operands reach 256..448 (delayed scaling's first scale is
+# 1): jax.checkpoint's reduce_precision of a saved E4M3 residual would turn those into NaN.
+X, W = randn(0, (M, K)) * 100, randn(1, (K, N)) * 100
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fp8_operands_saved_by_name(path):
+    """The policies that save FP8_X and FP8_W keep exactly the E4M3 operands the backward
+    GEMMs read; 'full' and jax's dots_saveable keep none (dots_saveable re-quantizes them)."""
+    for policy in ("fp8_inputs_saveable", "fp8_dots_and_inputs_saveable"):
+        assert fp8_saved(residuals(checkpointed(matmul(path), policy), X, W)) == sorted(
+            OPERANDS[path]
+        ), policy
+    for policy in ("full", "dots_saveable", "fp8_dots_saveable"):
+        assert fp8_saved(residuals(checkpointed(matmul(path), policy), X, W)) == [], policy
+    # Without remat, autodiff keeps the same E4M3 operands: the names add no residual.
+    assert fp8_saved(residuals(matmul(path), X, W)) == sorted(OPERANDS[path])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_gemm_output_saved_by_name(path):
+    """fp8_dots_saveable keeps the FP8 GEMM's output ([M, N] bf16) on every path; jax's
+    dots_saveable misses the block recipe's GEMM, a Pallas kernel rather than a dot_general."""
+    out = (BF16, (M, N))
+    for policy in ("fp8_dots_saveable", "fp8_dots_and_inputs_saveable"):
+        assert out in residuals(checkpointed(matmul(path), policy), X, W), policy
+    for policy in ("full", "fp8_inputs_saveable"):
+        assert out not in residuals(checkpointed(matmul(path), policy), X, W), policy
+    assert (out in residuals(checkpointed(matmul(path), "dots_saveable"), X, W)) == (
+        path != "block"
+    )
+
+
+def test_fused_mlp_residuals_named():
+    """The fused GELU MLP (one custom VJP): its four E4M3 operands and its hidden GEMM output."""
+    d, f = 48, 64  # with M = 32: every shape tells its tensor apart
+    meta1, meta2 = fp8jax.init_meta(), fp8jax.init_meta()
+    b1 = jnp.zeros((f,), jnp.float32)
+
+    def fn(x_MxD, w1_DxF, w2_FxD):
+        y_MxD, _, _ = mlp.gelu_mlp(x_MxD, w1_DxF, b1, w2_FxD, meta1, meta2, "interpret")
+        return y_MxD
+
+    args = randn(2, (M, d)), randn(3, (d, f)), randn(4, (f, d))
+    operands = sorted([(d, M), (d, f), (f, M), (f, d)])  # x.T, w1, gelu(h).T, w2
+    for policy in ("fp8_inputs_saveable", "fp8_dots_and_inputs_saveable"):
+        assert fp8_saved(residuals(checkpointed(fn, policy), *args)) == operands, policy
+    assert fp8_saved(residuals(checkpointed(fn, "full"), *args)) == []
+    assert (BF16, (M, f)) in residuals(checkpointed(fn, "fp8_dots_saveable"), *args)
+    assert (BF16, (M, f)) not in residuals(checkpointed(fn, "full"), *args)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matmul_gradients_unchanged_by_policy(path):
+    """Recomputation repeats the forward's arithmetic: the same gradients bit for bit (and no
+    NaN from a saved E4M3 residual)."""
+    r = randn(5, (M, N), jnp.float32)
+    policies = ("none", "full", *NEW)
+
+    def grads(x, w):  # every policy in one program: one compile
+        out = []
+        for policy in policies:
+            f = checkpointed(matmul(path), policy)
+            out.append(jax.grad(lambda x, w, f=f: jnp.sum(f(x, w) * r), argnums=(0, 1))(x, w))
+        return out
+
+    ref, *others = jax.jit(grads)(X, W)
+    assert np.isfinite(np.asarray(ref[0], np.float32)).all()
+    for policy, got in zip(policies[1:], others, strict=True):
+        for a, b in zip(got, ref, strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=policy
+            )
+
+
+# --- A tiny model's block ----------------------------------------------------------------
+
+B, L = 2, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles():
+    """Most XLA optimisations off: compiles dominate here, and every check is numerical."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def model_cfg(level, policy, style="gpt"):
+    c = train_lib.load_config("tiny", style)
+    c.fp8.level, c.fp8.cast_kernel = level, "xla"
+    c.model.remat_policy, c.model.dtype = policy, "bfloat16"
+    return spec.parse(c).model
+
+
+@functools.cache
+def block_setup(level, style="gpt"):
+    """(Block module, params, FP8 state, input) of configs/tiny.py's block at ``level``."""
+    cfg = model_cfg(level, "none", style)
+    x = randn(6, (B, L, cfg.d_model))
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    variables = jax.jit(Block(cfg).init)(jax.random.key(0), x, pos, None)
+    return cfg, variables["params"], variables.get(FP8, {}), x, pos
+
+
+def block_fn(level, policy, style="gpt"):
+    """``(params, x) -> (block output, FP8 state)`` under ``nn.remat`` with ``policy``, as
+    ``Transformer._blocks`` wraps it."""
+    cfg, _, fp8, _, pos = block_setup(level, style)
+    block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
+    module = block(cfg)
+
+    def f(params, x):
+        (y, _), state = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
+        return y, state[FP8]
+
+    return f
+
+
+def test_block_saves_named_fp8_operands():
+    """GPT block at O1: the FP8 policies keep each linear's E4M3 input (q, kv, o, wi: d_model
+    wide; wo: d_ff wide) and kernel; 'full' and dots_saveable keep no E4M3 tensor."""
+    cfg, params, _, x, _ = block_setup("O1")
+    t, d, f = B * L, cfg.d_model, cfg.d_ff
+    inputs = [(t, d)] * 4 + [(t, f)]
+    kernels = [(d, d), (d, 2 * d), (d, d), (d, f), (f, d)]  # q, kv, o, wi, wo
+    for policy in ("fp8_inputs_saveable", "fp8_dots_and_inputs_saveable"):
+        saved = fp8_saved(residuals(block_fn("O1", policy), params, x))
+        assert saved == sorted(inputs + kernels), policy
+    for policy in ("full", "dots_saveable", "fp8_dots_saveable"):
+        assert fp8_saved(residuals(block_fn("O1", policy), params, x)) == [], policy
+
+
+def test_block_o0_policies():
+    """At O0 (no FP8 matmul) fp8_dots_saveable keeps what dots_saveable keeps and
+    fp8_inputs_saveable what 'full' keeps."""
+    _, params, _, x, _ = block_setup("O0")
+    res = {p: sorted(residuals(block_fn("O0", p), params, x)) for p in REMAT_POLICIES}
+    assert res["fp8_dots_saveable"] == res["dots_saveable"] != res["full"]
+    assert res["fp8_dots_and_inputs_saveable"] == res["dots_saveable"]
+    assert res["fp8_inputs_saveable"] == res["full"]
+
+
+def test_block_gradients_unchanged_by_policy():
+    """A LLaMA block at O1: parameter and input gradients and the FP8 state (dy's amax) are the
+    same bits under every policy as without remat."""
+    _, params, _, x, _ = block_setup("O1", "llama")
+    r = randn(7, x.shape, jnp.float32)
+    policies = ("none", "full", *NEW)
+
+    def grads(params, x):  # every policy in one program: one compile
+        out = []
+        for policy in policies:
+            f = block_fn("O1", policy, "llama")
+
+            def loss(params, x, f=f):
+                y, state = f(params, x)
+                return jnp.sum(y.astype(jnp.float32) * r), state
+
+            out.append(jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x))
+        return out
+
+    ref, *others = jax.jit(grads)(params, x)
+    for policy, got in zip(policies[1:], others, strict=True):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=policy
+            )
+
+
+# --- A compiled train step ------------------------------------------------------------------
+
+
+def micro_config(policy):
+    """configs/tiny.py shrunk to one block at O1, with ``policy``. f32 activations: with bf16,
+    XLA:CPU rounds a recomputed bf16 value where its fusions end, which differ between the
+    forward and the recomputation, so even 'full' moves the gradients by bf16 rounding."""
+    c = train_lib.load_config("tiny")
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 128
+    m.vocab_size, m.max_len, m.remat_policy = 128, 16, policy
+    c.seq_len, c.batch_size = 16, 4
+    return c
+
+
+def two_step_losses(policy):
+    """The losses of two compiled train steps (the second after the first's update)."""
+    c = micro_config(policy)
+    env = train_lib.setup(spec.parse(c))
+    state = env.init(jax.random.PRNGKey(c.seed))
+    tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+    losses = []
+    for _ in range(2):
+        state, metrics = env.train_step(state, {"inputs": tok[:, :-1], "targets": tok[:, 1:]})
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_train_step_loss_matches_full():
+    """The policy that saves the most of ours against 'full' (the block tests cover the rest)."""
+    assert two_step_losses("fp8_dots_and_inputs_saveable") == two_step_losses("full")
+
+
+def test_policies_named_in_config_comment():
+    """configs/base.py's comment on model.remat_policy (the lines just above it) lists every
+    policy."""
+    lines = (ROOT / "configs/base.py").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "m.remat_policy =" in line)
+    start = at
+    while lines[start - 1].strip().startswith("#"):
+        start -= 1
+    text = "\n".join(lines[start : at + 1])
+    missing = [name for name in REMAT_POLICIES if f"'{name}'" not in text]
+    assert not missing, f"configs/base.py: model.remat_policy's comment lacks {missing}"

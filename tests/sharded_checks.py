@@ -298,8 +298,8 @@ def _unrolled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-def _remat(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    c.model.remat_policy = "full"
+def _remat(c: ml_collections.ConfigDict, policy: str = "full") -> ml_collections.ConfigDict:
+    c.model.remat_policy = policy
     return c
 
 
@@ -421,6 +421,15 @@ def main() -> dict:
                 for x in jax.tree.leaves(optim.materialize(initial_state(o3).params)["blocks"])
             )
         ),
+        # All-gathers in the lowered step of unrolled blocks with per-layer gathers: 'full'
+        # remat gathers each block again for its backward; keeping the gathered weights or no
+        # remat gathers once.
+        all_gathers_by_remat={
+            policy: lowered_step(_remat(_unrolled(tiny_config("O3", data=2, fsdp=4)), policy))
+            .as_text()
+            .count("all_gather")
+            for policy in ("none", "full", "full_keep_gathered")
+        },
         compiled_O1_has_u8=[
             k for k in next(t for t in table if t["run"] == "O1 DP")["by_op"] if " u8 " in k
         ],

@@ -38,6 +38,9 @@ REMAT_POLICIES = {
     "fp8_inputs_saveable": remat.fp8_inputs_saveable,
     # both of the above: the backward recomputes only elementwise work, no matmul
     "fp8_dots_and_inputs_saveable": remat.fp8_dots_and_inputs_saveable,
+    # 'full', but the weights a per-layer fsdp gather brought (comm.gather='layer') are kept
+    # for the backward instead of gathered again
+    "full_keep_gathered": remat.full_keep_gathered,
 }
 # Positive sizes of a model.
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")

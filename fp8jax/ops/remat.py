@@ -23,6 +23,7 @@ import jax
 
 __all__ = [
     "FP8_OUT",
+    "GATHERED",
     "FP8_W",
     "FP8_X",
     "NAMES",
@@ -30,6 +31,7 @@ __all__ = [
     "fp8_dots_and_inputs_saveable",
     "fp8_dots_saveable",
     "fp8_inputs_saveable",
+    "full_keep_gathered",
 ]
 
 # x's E4M3 copy in the layout the weight-gradient GEMM reads (1 byte per element of the
@@ -44,6 +46,9 @@ FP8_W = "fp8jax_w_e4m3"
 # plain matmul.
 FP8_OUT = "fp8jax_gemm_out"
 NAMES = (FP8_X, FP8_W, FP8_OUT)
+# A weight all-gathered over fsdp where its layer runs (``parallel.layerwise``), in the compute
+# dtype: saved, the backward pass reads it instead of gathering it again.
+GATHERED = "fp8jax_gathered"
 
 _cp = jax.checkpoint_policies
 
@@ -61,6 +66,9 @@ fp8_inputs_saveable = _cp.save_only_these_names(FP8_X, FP8_W)
 fp8_dots_and_inputs_saveable = _cp.save_from_both_policies(
     fp8_dots_saveable, _cp.save_only_these_names(FP8_X, FP8_W)
 )
+# Recompute the whole block but keep its gathered weights (per-layer fsdp gathers): one gather
+# per layer and step instead of two, for a layer's weights held from its forward to its backward.
+full_keep_gathered = _cp.save_only_these_names(GATHERED)
 POLICIES = {
     "fp8_dots_saveable": fp8_dots_saveable,
     "fp8_inputs_saveable": fp8_inputs_saveable,

@@ -1,16 +1,17 @@
 """ZeRO-3 in time: each layer's fsdp-sharded weights are gathered just before the layer runs and
 its weight gradients reduce-scattered as soon as the backward pass has made them.
 
-The train step's per-device replicas (``trainer.step``) get the params still sharded. The
+The train step's per-device replicas (``trainer.replicas``) get the params still sharded. The
 model's blocks and the leaves outside them (embedding, final norm, head) each pass their
-params through ``gather_group``, a custom VJP whose forward all-gathers the layer's shards (at O3
+params through a custom VJP whose forward all-gathers the layer's shards (at O3
 an FP8 layer's kernel as E4M3 with the layer's weight scale, as ``gather.gather_params`` moves
 it; the other kernels and embeddings in the compute dtype) and whose backward sums every
 replica's gradient of that layer into this device's shard (``comm.reduce_fp8``: E5M2 with a
 shared scale and f32 accumulation; small gradients in f32). Under remat the gather sits inside
 the remat region, so the backward pass gathers the layer again instead of keeping it; a remat
-policy saving ``GATHERED`` keeps it. At most the layers in flight hold full weights, and no
-full-size gradient outlives its layer's backward.
+policy saving ``ops.remat.GATHERED`` keeps it (``model.remat_policy='full_keep_gathered'``).
+At most the layers in flight hold full weights, and no full-size gradient outlives its layer's
+backward.
 
 The custom VJP needs per-layer inputs the model does not have: the weight scales and FP8-LM's
 ``mu``. They travel as extra params under ``GATHER_KEY`` of each group (sliced per layer by the
@@ -36,13 +37,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import formats, scaling
+from fp8jax.ops.remat import GATHERED
 from fp8jax.optim.master import path_key
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.gather import COMPUTE_DTYPE_LEAVES, find_meta
 
 GATHER_KEY = "fp8jax_gather"  # a group's extra params: {'mu', 'stats', 'scales'}
-GATHERED = "fp8jax_gathered"  # checkpoint_name of a gathered weight (remat policies may save it)
 ROOT = ""  # the group of the leaves outside the blocks
 _BLOCK = re.compile(r"blocks|block_\d+")  # the model's block scopes (scanned or unrolled)
 
@@ -289,7 +290,6 @@ def split_grads(grads) -> tuple[dict, jax.Array]:
 
 
 __all__ = [
-    "GATHERED",
     "GATHER_KEY",
     "Group",
     "LeafInfo",

@@ -100,7 +100,7 @@ def reduced_grads(
         grads, clipped = layerwise.split_grads(grads)
         # Every device's clipped count over every replica's FP8-quantized values (the micro-
         # batches' gradients are averaged, their counts with them).
-        saturated = clipped / max(count * n, 1)
+        saturated = clipped / float(max(count * n, 1))
     else:
         full, w_amax = gather.gather_params(params, fp8, plan)
         if plan.per_device:

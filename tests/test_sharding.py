@@ -346,7 +346,9 @@ def test_fp8_on_the_wire(checks):
     assert checks["stablehlo_O1"]["all_gather"] == ["f8E5M2"]
     o3 = checks["stablehlo_O3"]["all_gather"]
     assert o3.count("f8E4M3FN") == 5  # q, kv, o, wi, wo kernels gathered as E4M3
-    assert "f8E5M2" in o3 and checks["stablehlo_O3"]["all_to_all"] == ["f8E5M2"]
+    # Per-layer gathers (O3's default): one FP8 reduction for the leaves outside the blocks,
+    # one in the scanned block's backward body.
+    assert "f8E5M2" in o3 and checks["stablehlo_O3"]["all_to_all"] == ["f8E5M2"] * 2
     # Compiled for CPU (wire='auto': FP8 bit patterns as u8, one byte each).
     assert set(checks["compiled_O1_has_u8"]) == {"all-to-all u8 x8", "all-gather u8 x8"}
 
@@ -358,6 +360,19 @@ def test_o1_fsdp_gathers_weights_in_the_compute_dtype(checks):
     # table keep f32; one E5M2 gather belongs to the reduced gradients.
     gathers = checks["stablehlo_O1_FSDP_bf16"]["all_gather"]
     assert sorted(gathers) == sorted(["bf16"] * 7 + ["f32"] * 3 + ["f8E5M2"])
+
+
+@pytest.mark.slow
+def test_per_layer_gathers_hold_one_layer_at_a_time(checks):
+    # Up front, a device holds every block's gathered weights and full-size gradients at once;
+    # per layer, one block's. The tiny model's weights dominate its temp: per-layer gathers
+    # must save at least one full f32 copy of the blocks' parameters.
+    temp = checks["temp_bytes"]
+    assert temp["O3 FSDP"] <= temp["O3 FSDP upfront"] - 4 * checks["block_param_elems"], temp
+    # Full remat gathers each block again for its backward; keeping the gathered weights
+    # ('full_keep_gathered') gathers as often as no remat does.
+    n = checks["all_gathers_by_remat"]
+    assert n["full"] > n["none"] and n["full_keep_gathered"] == n["none"], n
 
 
 @pytest.mark.slow

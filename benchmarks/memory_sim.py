@@ -16,11 +16,14 @@ attention does not lower for CPU); runs that name no mesh shard over ``fsdp`` = 
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import shutil
 import sys
+import tempfile
 
-from benchmarks import runner
+from benchmarks import memory_peak, runner
 
 GIB = 2**30
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -95,6 +98,11 @@ def child(run: str, devices: int, quick: bool, sets=()) -> dict:
     # outputs) plus the step's temporaries.
     held = rec["argument_gib"] + rec["output_gib"] - rec["alias_gib"]
     rec["total_gib"] = held + rec["temp_gib"]
+    if os.environ.get(memory_peak.DUMP):  # --live-range: what is alive at the peak
+        files = glob.glob(os.path.join(os.environ[memory_peak.DUMP], "*train_step*live-range.txt"))
+        if files:
+            with open(max(files, key=os.path.getsize)) as f:
+                rec.update(memory_peak.parse_live_range(f.read(), 12))
     return rec
 
 
@@ -117,14 +125,22 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--quick", action="store_true", help="a shrunk model (CPU smoke test)")
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
+    p.add_argument("--live-range", action="store_true", help="also the buffers live at the peak")
     a = runner.parse_args(p, argv)
     os.makedirs(a.out, exist_ok=True)
     flag = f"--xla_force_host_platform_device_count={a.devices}"
+    dumps = tempfile.mkdtemp(prefix="fp8jax_xla_dump_") if a.live_range else ""
 
     def env(run: str) -> dict:
         kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
         flags = " ".join(kept)
-        return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{flags} {flag}".strip()}
+        extra = {}
+        if dumps:  # XLA's buffer assignment, parsed as benchmarks.memory_peak does
+            dump = os.path.join(dumps, runner.safe_name(run))
+            flags += f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
+            extra = {memory_peak.DUMP: dump}
+        return {**os.environ, **extra, "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"{flags} {flag}".strip()}  # fmt: skip
 
     rows = runner.drive(
         "memory_sim",
@@ -141,6 +157,12 @@ def main(argv=None):
     print("\n" + runner.table(ok, COLUMNS))
     for r in ok:
         print(r["run"], {k: round(v, 3) for k, v in r["sent_gb"].items()})
+        for b in r.get("peak_buffers", [])[:8]:
+            print("   ", b)
+        for b in r.get("breakdown", [])[:8]:
+            print("   ", b)
+    if dumps:
+        shutil.rmtree(dumps, ignore_errors=True)
     return 0 if len(ok) == len(rows) else 1
 
 

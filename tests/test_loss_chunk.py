@@ -234,9 +234,11 @@ def test_dpo_logps_and_loss_through_the_chunked_head():
 
 
 def test_chunked_train_step_compiles_to_less_temp_memory():
-    """V=8192, 1024 tokens, d=64: the full logits are 32 MiB in f32; chunks of 128 tokens must
-    save at least half of that in the compiled step's temp memory."""
-    vocab, batch_size, seq_len = 8192, 4, 256
+    """V=8192, 1024 tokens, d=64: the full logits are 32 MiB in f32. Chunks of 128 tokens save
+    at least half of that against the full logits, and against one chunk of all 1024 tokens
+    at least half of the (1024 - 128) tokens' f32 logits: the chunk bounds the buffers."""
+    vocab, batch_size, seq_len, chunk = 8192, 4, 256, 128
+    tokens = batch_size * seq_len
     run = run_spec(seq_len=seq_len, batch_size=batch_size,
                    **{"model.vocab_size": vocab, "model.d_model": 64, "model.d_ff": 128,
                       "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2,
@@ -244,12 +246,13 @@ def test_chunked_train_step_compiles_to_less_temp_memory():
     temps = {}
     jax.config.update("jax_disable_most_optimizations", False)  # the memory XLA really plans
     try:
-        for chunk in (0, 128):
-            r = dataclasses.replace(run, model=dataclasses.replace(run.model, loss_chunk=chunk))
+        for c in (0, tokens, chunk):
+            r = dataclasses.replace(run, model=dataclasses.replace(run.model, loss_chunk=c))
             model, tx, state, batch = train_setup(r, batch_size, abstract=True)
             compiled = jax.jit(step_lib.make_train_step(model, tx, r)).lower(state, batch).compile()
-            temps[chunk] = compiled.memory_analysis().temp_size_in_bytes
+            temps[c] = compiled.memory_analysis().temp_size_in_bytes
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
-    logits_bytes = batch_size * seq_len * vocab * 4
-    assert temps[128] < temps[0] - logits_bytes / 2, temps
+    f32_logits = lambda n: n * vocab * 4
+    assert temps[chunk] < temps[0] - f32_logits(tokens) / 2, temps
+    assert temps[chunk] < temps[tokens] - f32_logits(tokens - chunk) / 2, temps

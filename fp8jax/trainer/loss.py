@@ -73,6 +73,11 @@ def model_kwargs(batch) -> dict:
     return {arg: batch[key] for key, arg in MODEL_KEYS.items() if key in batch}
 
 
+def loss_kwargs(batch) -> dict:
+    """``model_kwargs`` plus the targets: the model then returns their token CE [B, L]."""
+    return {**model_kwargs(batch), "targets_BxL": batch["targets"]}
+
+
 def weighted_ce(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:
     """``sum(w * ce)`` of one micro-batch (the train step scales it by the global 1/sum(w))."""
     return weighted_sum(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)

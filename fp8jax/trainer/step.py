@@ -23,7 +23,7 @@ from fp8jax.optim import adam as optim
 from fp8jax.parallel import comm, gather
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer.loss import batch_loss, is_weighted, mean_cross_entropy, model_kwargs
+from fp8jax.trainer.loss import batch_loss, is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -120,11 +120,9 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
 
     def loss_fn(p, s):
         with optim.dequantize_carried(masters):
-            # Token CE [B, L] from the model (model.loss_chunk: without [B, L, V] logits).
-            losses, mutated = model.apply(
-                {"params": p, coll: s}, batch["inputs"], **model_kwargs(batch),
-                targets_BxL=batch["targets"], mutable=[FP8],
-            )  # fmt: skip
+            losses, mutated = model.apply(  # token CE [B, L], chunked with model.loss_chunk
+                {"params": p, coll: s}, batch["inputs"], **loss_kwargs(batch), mutable=[FP8]
+            )
         sums = {k: weight * v for k, v in batch_loss(losses, batch).items()}
         return sums["loss"], (sums, mutated.get(FP8, {}))
 
@@ -381,10 +379,9 @@ def make_eval_step(model, mesh=None):
         coll = state_collection(model)
         with sharding_lib.activation_sharding(mesh):
             losses = model.apply(
-                {"params": params, coll: state.fp8}, batch["inputs"], **model_kwargs(batch),
-                targets_BxL=batch["targets"],
-            )  # fmt: skip
-        return mean_cross_entropy(losses, batch.get("weights"))
+                {"params": params, coll: state.fp8}, batch["inputs"], **loss_kwargs(batch)
+            )
+        return loss_lib.mean_cross_entropy(losses, batch.get("weights"))
 
     return eval_step
 

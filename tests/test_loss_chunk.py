@@ -2,6 +2,10 @@
 gradients, train/eval/SFT/DPO steps as the full logits, and less compiled temp memory."""
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ from fp8jax.trainer import dpo, loop, spec
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, L, V = 3, 10, 512  # B * L = 30 tokens: chunks of 7 leave 2 padding tokens in the last
 CHUNK = 7
 RTOL = 1e-5  # f32 model: the chunked and full paths differ only in summation order
@@ -256,3 +261,30 @@ def test_chunked_train_step_compiles_to_less_temp_memory():
     f32_logits = lambda n: n * vocab * 4
     assert temps[chunk] < temps[0] - f32_logits(tokens) / 2, temps
     assert temps[chunk] < temps[tokens] - f32_logits(tokens - chunk) / 2, temps
+
+
+# Two simulated devices, tokens sharded over 'data': the chunked loss and its gradients compiled.
+SHARDED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from fp8jax.models import head_loss
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+rows = NamedSharding(mesh, P("data"))
+x = jax.device_put(jnp.ones((1024, 32)), rows)
+t = jax.device_put(jnp.zeros((1024,), jnp.int32), rows)
+w = jax.device_put(jnp.ones((32, 2048)), NamedSharding(mesh, P()))
+loss = lambda x, w: jnp.sum(head_loss.chunked_cross_entropy(x, w, t, 128, jnp.float32, 0))
+hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+print(sum("all-gather" in line for line in hlo.splitlines()))
+"""
+
+
+def test_chunks_keep_a_sharded_batch_local():
+    """Each chunk spans every row: with the tokens sharded over devices no device gathers
+    another's activations (contiguous chunks would scan over the sharded axis)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "0", proc.stdout

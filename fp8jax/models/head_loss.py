@@ -39,10 +39,23 @@ def _logits(x_CxD, w_c, w_d: int) -> jax.Array:
 
 
 def _chunks(a_N, chunk: int):
-    """``a_N`` zero-padded to a multiple of ``chunk`` tokens, as [n, chunk, ...]."""
+    """``a_N`` zero-padded to n * ``chunk`` tokens, as [n, chunk, ...]: chunk j holds tokens
+    j, j + n, j + 2n, ...
+
+    Strided, each chunk spans every row of the batch, so a batch sharded over devices (its
+    leading axis) stays sharded within each chunk and the scan runs over an unsharded axis
+    (contiguous chunks would put the sharding on the scanned axis: every device would gather
+    and run every chunk).
+    """
     pad = -a_N.shape[0] % chunk
     a_N = jnp.pad(a_N, ((0, pad),) + ((0, 0),) * (a_N.ndim - 1))
-    return a_N.reshape(-1, chunk, *a_N.shape[1:])
+    return jnp.swapaxes(a_N.reshape(chunk, -1, *a_N.shape[1:]), 0, 1)
+
+
+def _tokens(a_nxC, n_tokens: int):
+    """The inverse of ``_chunks``: [n, chunk, ...] back to the first ``n_tokens`` tokens."""
+    a = jnp.swapaxes(a_nxC, 0, 1)
+    return a.reshape(-1, *a.shape[2:])[:n_tokens]
 
 
 def chunk_size(num_tokens: int, chunk: int) -> int:
@@ -64,7 +77,7 @@ def _forward(x_NxD, w, targets_N, chunk: int, dtype, w_d: int):
     xs = (_chunks(x_NxD, chunk), _chunks(targets_N, chunk))
     _, (ce_nxC, lse_nxC) = jax.lax.scan(body, None, xs)
     # Padding tokens (x = 0, target 0) sit past n_tokens and are dropped here.
-    return ce_nxC.reshape(-1)[:n_tokens], lse_nxC.reshape(-1)[:n_tokens]
+    return _tokens(ce_nxC, n_tokens), _tokens(lse_nxC, n_tokens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -109,8 +122,7 @@ def _bwd(chunk, dtype, w_d, res, g_N):
 
     xs = tuple(_chunks(a, chunk) for a in (x_NxD, targets_N, lse_N, g_N.astype(jnp.float32)))
     dw, dx_nxCxD = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
-    dx_NxD = dx_nxCxD.reshape(-1, x_NxD.shape[1])[:n_tokens]
-    return dx_NxD, dw.astype(w.dtype), None
+    return _tokens(dx_nxCxD, n_tokens), dw.astype(w.dtype), None
 
 
 chunked_cross_entropy.defvjp(_fwd, _bwd)

@@ -100,11 +100,12 @@ class Transformer(nn.Module):
         if targets_BxL is not None and c.loss_chunk > 0:
             return self._chunked_loss(x_BxLxD, embed, targets_BxL)
         logits_BxLxV = self._head(x_BxLxD, embed)
-        if targets_BxL is not None:
-            return head_loss.token_cross_entropy(logits_BxLxV, targets_BxL)
         # Logits come out of the GEMM in cfg.dtype (bf16 backward GEMMs, half the memory of an
         # f32 product) and are upcast here, so the loss and its softmax run in f32.
-        return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+        logits_BxLxV = constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+        if targets_BxL is not None:
+            return head_loss.token_cross_entropy(logits_BxLxV, targets_BxL)
+        return logits_BxLxV
 
     def _blocks(self, x_BxLxD: jax.Array, positions_BxL, mask_Bx1xLxL) -> jax.Array:
         c = self.cfg

@@ -48,6 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     m.norm_eps = 1e-5  # LayerNorm / RMSNorm epsilon
     m.rope_theta = 10_000.0  # RoPE base ('llama' style; Llama 3 uses 500000)
     m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
+    # The loss runs the LM head over this many tokens (of batch x seq_len) at a time, under a
+    # custom VJP that recomputes each chunk's logits in the backward: no [batch, seq, vocab] f32
+    # logits, their copy or their gradient alive. Needs fp8_lm_head=False. 0 = the full logits.
+    m.loss_chunk = 0  # tokens per chunk of the LM head's loss (0 = off)
 
     # --- FP8 (FP8-LM levels) ---
     c.fp8 = f = ml_collections.ConfigDict()

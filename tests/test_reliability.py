@@ -286,13 +286,13 @@ def _poisoned_loss(hits):
     if not hits:
         yield
         return
-    # The train step's loss (loss.batch_loss) reads loss.cross_entropy at trace time.
-    cross_entropy = loss_lib.cross_entropy
-    loss_lib.cross_entropy = lambda *a: cross_entropy(*a) + _select(hits, 0.0)
+    # The train step's loss (loss.batch_loss) reads loss.mean_cross_entropy at trace time.
+    mean_cross_entropy = loss_lib.mean_cross_entropy
+    loss_lib.mean_cross_entropy = lambda *a: mean_cross_entropy(*a) + _select(hits, 0.0)
     try:
         yield
     finally:
-        loss_lib.cross_entropy = cross_entropy
+        loss_lib.mean_cross_entropy = mean_cross_entropy
 
 
 def _scale_states(fp8):

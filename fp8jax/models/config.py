@@ -97,6 +97,7 @@ class ModelConfig:
     rope_theta: float  # RoPE base (LLaMA style)
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
+    loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
 
     @property
     def head_dim(self) -> int:

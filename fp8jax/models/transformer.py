@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fp8jax.models import head_loss
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
 from fp8jax.models.decode import CACHE
 from fp8jax.models.layers import (
@@ -52,11 +53,14 @@ tie_grads.defvjp(_tie_fwd, _tie_bwd)
 
 
 class Transformer(nn.Module):
-    """``tokens [B, L] int32 -> logits [B, L, V] float32``.
+    """``tokens [B, L] int32 -> logits [B, L, V] float32``, or with ``targets_BxL`` each
+    target's cross entropy float32 [B, L] (the head's logits never leave the model).
 
     ``positions_BxL`` (default ``0..L-1`` in every row) place each token for RoPE or the learned
     position table; ``segment_ids_BxL`` (packed examples, one id per example) keep attention
-    within an example.
+    within an example. With ``cfg.loss_chunk`` > 0 the cross entropy runs the head over that
+    many tokens at a time (``head_loss.chunked_cross_entropy``): no [B, L, V] logits in the
+    forward or backward pass.
     """
 
     cfg: ModelConfig
@@ -67,6 +71,7 @@ class Transformer(nn.Module):
         tokens_BxL: jax.Array,
         positions_BxL: jax.Array | None = None,
         segment_ids_BxL: jax.Array | None = None,
+        targets_BxL: jax.Array | None = None,
     ) -> jax.Array:
         c = self.cfg
         default_positions = positions_BxL is None
@@ -93,10 +98,15 @@ class Transformer(nn.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         x_BxLxD = self._blocks(x_BxLxD, positions_BxL, segment_mask(segment_ids_BxL))
         x_BxLxD = norm(c, "final_norm")(x_BxLxD)
+        if targets_BxL is not None and c.loss_chunk > 0:
+            return self._chunked_loss(x_BxLxD, embed, targets_BxL)
         logits_BxLxV = self._head(x_BxLxD, embed)
         # Logits come out of the GEMM in cfg.dtype (bf16 backward GEMMs, half the memory of an
         # f32 product) and are upcast here, so the loss and its softmax run in f32.
-        return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+        logits_BxLxV = constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+        if targets_BxL is not None:
+            return head_loss.token_cross_entropy(logits_BxLxV, targets_BxL)
+        return logits_BxLxV
 
     def _block_cls(self, name: str):
         """The block class for scope ``name``: remat'd as configured, its params gathered inside
@@ -170,6 +180,36 @@ class Transformer(nn.Module):
         if head_cls:
             return head_cls(name="head")(x_BxLxD.astype(c.dtype), table_VxD, dims)
         return jax.lax.dot_general(x_BxLxD.astype(c.dtype), table_VxD, dims)
+
+    def _chunked_loss(self, x_BxLxD, embed: nn.Embed, targets_BxL) -> jax.Array:
+        c = self.cfg
+        if c.fp8_lm_head:  # spec.parse refuses this pairing; library users get the same line
+            raise ValueError(
+                "model.loss_chunk > 0 needs model.fp8_lm_head=False: the chunked loss runs the "
+                "LM head in the compute dtype"
+            )
+        if c.tie_embeddings:
+            w, w_d = embed.embedding, 1  # [V, D]
+        else:
+            w, w_d = HeadKernel(c, name="head")(), 0  # [D, V], nn.Dense's 'head' kernel
+        b, length, d = x_BxLxD.shape
+        ce_N = head_loss.chunked_cross_entropy(
+            x_BxLxD.reshape(b * length, d), w, targets_BxL.reshape(-1), c.loss_chunk, c.dtype, w_d
+        )
+        return ce_N.reshape(b, length)
+
+
+class HeadKernel(nn.Module):
+    """The untied LM head's kernel [D, V]: the parameter that ``nn.Dense`` 'head' creates (same
+    path, shape, initializer), for the chunked loss, which reads it without the Dense."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        c = self.cfg
+        shape = (c.d_model, c.vocab_size)
+        return self.param("kernel", normal_init(("embed", "vocab")), shape, c.param_dtype)
 
 
 def build_model(model_cfg: ModelConfig) -> Transformer:

@@ -39,7 +39,6 @@ from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.data_spec import DpoSpec
-from fp8jax.trainer.loss import model_kwargs
 from fp8jax.trainer.spec import RunSpec
 
 _MATRICES = ("kernel", "embedding")  # reference leaves stored in the compute dtype
@@ -81,13 +80,13 @@ def reference_logps(ref_model, ref, batch, update: bool):
     """``(logps [B], fp8)``: each row's summed response log-probability under the reference
     (``stop_gradient``), and its FP8 state (``update``: this batch's amaxes committed)."""
     variables = {"params": ref["params"], FP8: ref["fp8"]}
-    kwargs = model_kwargs(batch)
+    kwargs = loss_lib.loss_kwargs(batch)  # the model returns token CE, not logits
     if update:
-        logits, mutated = ref_model.apply(variables, batch["inputs"], **kwargs, mutable=[FP8])
+        losses, mutated = ref_model.apply(variables, batch["inputs"], **kwargs, mutable=[FP8])
         fp8 = fp8_state.commit(mutated.get(FP8, {}))
     else:
-        logits, fp8 = ref_model.apply(variables, batch["inputs"], **kwargs), ref["fp8"]
-    logps_B = loss_lib.sequence_logps(logits, batch["targets"], batch[loss_lib.WEIGHTS])
+        losses, fp8 = ref_model.apply(variables, batch["inputs"], **kwargs), ref["fp8"]
+    logps_B = loss_lib.response_logps(losses, batch[loss_lib.WEIGHTS])
     return jax.lax.stop_gradient(logps_B), fp8
 
 
@@ -132,8 +131,8 @@ def make_eval_step(model, mesh, dpo: DpoSpec):
         with sharding_lib.activation_sharding(mesh):
             ref_B, _ = reference_logps(ref_model, state.ref, batch, update=False)
             variables = {"params": optim.materialize(state.params), coll: state.fp8}
-            logits = model.apply(variables, batch["inputs"], **model_kwargs(batch))
-        policy_B = loss_lib.sequence_logps(logits, batch["targets"], weights)
+            losses = model.apply(variables, batch["inputs"], **loss_lib.loss_kwargs(batch))
+        policy_B = loss_lib.response_logps(losses, weights)
         mask_P = loss_lib.pair_mask(weights)
         sums = loss_lib.dpo_sums(policy_B, ref_B, mask_P, dpo.beta, dpo.label_smoothing)
         return {**sums, "pairs": jnp.sum(mask_P)}

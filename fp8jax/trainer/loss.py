@@ -13,6 +13,12 @@ rejected) of one prompt, weights on the response tokens only; the DPO step adds 
 reference's sequence log-probs of each row (``ref_logps``) and DPO's beta and label smoothing
 (per row, all equal). Its loss is DPO's, summed over the pairs; the step's scale is 1/pairs of
 the global batch, so micro-batches and replicas again add up to the global mean.
+
+Every loss derives from the token cross entropy [B, L]: the steps get it from the model
+itself (``model.apply(..., targets_BxL=...)``, chunked with ``model.loss_chunk`` so that no
+[B, L, V] logits are kept), and ``batch_loss``, ``mean_cross_entropy`` and ``response_logps``
+take it. The logits-based functions (``cross_entropy``, ``weighted_ce``, ``sequence_logps``)
+are those applied to ``token_cross_entropy(logits, targets)``, for callers holding logits.
 """
 
 from __future__ import annotations
@@ -34,12 +40,17 @@ def token_cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
     )
 
 
+def mean_cross_entropy(losses_BxL, weights_BxL=None) -> jax.Array:
+    """Mean of the token cross entropies ``losses_BxL`` in float32; with ``weights_BxL``:
+    ``sum(w * ce) / sum(w)``."""
+    if weights_BxL is None:
+        return jnp.mean(losses_BxL.astype(jnp.float32))
+    return weighted_sum(losses_BxL, weights_BxL) / weight_total(weights_BxL)
+
+
 def cross_entropy(logits_BxLxV, targets_BxL, weights_BxL=None) -> jax.Array:
     """Mean token cross-entropy in float32; with ``weights_BxL``: ``sum(w * ce) / sum(w)``."""
-    losses_BxL = token_cross_entropy(logits_BxLxV, targets_BxL)
-    if weights_BxL is None:
-        return jnp.mean(losses_BxL)
-    return weighted_sum(losses_BxL, weights_BxL) / weight_total(weights_BxL)
+    return mean_cross_entropy(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)
 
 
 def weighted_sum(losses_BxL, weights_BxL) -> jax.Array:
@@ -62,6 +73,11 @@ def model_kwargs(batch) -> dict:
     return {arg: batch[key] for key, arg in MODEL_KEYS.items() if key in batch}
 
 
+def loss_kwargs(batch) -> dict:
+    """``model_kwargs`` plus the targets: the model then returns their token CE [B, L]."""
+    return {**model_kwargs(batch), "targets_BxL": batch["targets"]}
+
+
 def weighted_ce(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:
     """``sum(w * ce)`` of one micro-batch (the train step scales it by the global 1/sum(w))."""
     return weighted_sum(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)
@@ -80,10 +96,15 @@ def is_preference(batch) -> bool:
     return REF_LOGPS in batch
 
 
+def response_logps(losses_BxL, weights_BxL) -> jax.Array:
+    """Each row's summed log-probability of its weighted targets (the response), float32 [B],
+    from the token cross entropies ``losses_BxL``."""
+    return -jnp.sum(losses_BxL.astype(jnp.float32) * weights_BxL.astype(jnp.float32), axis=-1)
+
+
 def sequence_logps(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:
     """Each row's summed log-probability of its weighted targets (the response), float32 [B]."""
-    losses_BxL = token_cross_entropy(logits_BxLxV, targets_BxL)
-    return -jnp.sum(losses_BxL * weights_BxL.astype(jnp.float32), axis=-1)
+    return response_logps(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)
 
 
 def pair_mask(weights_BxL) -> jax.Array:
@@ -109,17 +130,17 @@ def dpo_sums(policy_B, ref_B, mask_P, beta, label_smoothing=0.0) -> dict:
     return {k: jnp.sum(v * mask_P) for k, v in terms.items()}
 
 
-def batch_loss(logits_BxLxV, batch) -> dict:
-    """``{'loss': ...}`` of one micro-batch, as the train step sums it (times its scale):
-    the mean token CE, ``sum(w * ce)`` if weighted, DPO's pair sums (with ``PAIR_STATS``)."""
-    t = batch["targets"]
+def batch_loss(losses_BxL, batch) -> dict:
+    """``{'loss': ...}`` of one micro-batch from its token cross entropies ``losses_BxL`` (of
+    ``batch['targets']``), as the train step sums it (times its scale): their mean,
+    ``sum(w * ce)`` if weighted, DPO's pair sums (with ``PAIR_STATS``)."""
     if is_preference(batch):
-        logps_B = sequence_logps(logits_BxLxV, t, batch[WEIGHTS])
+        logps_B = response_logps(losses_BxL, batch[WEIGHTS])
         beta, smoothing = batch[BETA][0], batch[SMOOTHING][0]
         return dpo_sums(logps_B, batch[REF_LOGPS], pair_mask(batch[WEIGHTS]), beta, smoothing)
     if is_weighted(batch):
-        return {"loss": weighted_ce(logits_BxLxV, t, batch[WEIGHTS])}
-    return {"loss": cross_entropy(logits_BxLxV, t)}
+        return {"loss": weighted_sum(losses_BxL, batch[WEIGHTS])}
+    return {"loss": mean_cross_entropy(losses_BxL)}
 
 
 def loss_keys(batch) -> tuple[str, ...]:

@@ -183,6 +183,12 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     check_number(m.norm_eps, "model.norm_eps", "(0, 1)")
     check_number(m.rope_theta, "model.rope_theta", "(1, inf)")
     check_choice(m.attention_impl or "", model_lib.ATTENTION_IMPLS, "model.attention_impl")
+    check_int(m.loss_chunk, "model.loss_chunk", 0)
+    if m.loss_chunk and m.fp8_lm_head:
+        raise ConfigError(
+            f"model.loss_chunk={m.loss_chunk} needs model.fp8_lm_head=False (the chunked loss "
+            f"runs the LM head in model.dtype): set one of them off"
+        )
     check_choice(f.level, tuple(Level.__members__), "fp8.level")
     check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
     check_int(f.history_len, "fp8.history_len", 1)
@@ -250,6 +256,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,
         rope_scaling=None,  # only an imported checkpoint brings Llama 3's scaling
+        loss_chunk=m.loss_chunk,
     )
     return fp8, model
 

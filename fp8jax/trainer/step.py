@@ -23,7 +23,7 @@ from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import replicas
-from fp8jax.trainer.loss import batch_loss, cross_entropy, is_weighted, model_kwargs
+from fp8jax.trainer.loss import batch_loss, is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -120,10 +120,10 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
 
     def loss_fn(p, s):
         with optim.dequantize_carried(masters):
-            logits, mutated = model.apply(
-                {"params": p, coll: s}, batch["inputs"], **model_kwargs(batch), mutable=[FP8]
+            losses, mutated = model.apply(  # token CE [B, L], chunked with model.loss_chunk
+                {"params": p, coll: s}, batch["inputs"], **loss_kwargs(batch), mutable=[FP8]
             )
-        sums = {k: weight * v for k, v in batch_loss(logits, batch).items()}
+        sums = {k: weight * v for k, v in batch_loss(losses, batch).items()}
         return sums["loss"], (sums, mutated.get(FP8, {}))
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
@@ -297,10 +297,10 @@ def make_eval_step(model, mesh=None):
         params = optim.materialize(state.params)
         coll = state_collection(model)
         with sharding_lib.activation_sharding(mesh):
-            logits = model.apply(
-                {"params": params, coll: state.fp8}, batch["inputs"], **model_kwargs(batch)
+            losses = model.apply(
+                {"params": params, coll: state.fp8}, batch["inputs"], **loss_kwargs(batch)
             )
-        return cross_entropy(logits, batch["targets"], batch.get("weights"))
+        return loss_lib.mean_cross_entropy(losses, batch.get("weights"))
 
     return eval_step
 

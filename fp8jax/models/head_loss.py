@@ -1,0 +1,128 @@
+"""The LM head's token cross entropy over chunks of tokens, without the [tokens, V] logits.
+
+Shape suffixes: N tokens (batch x length, flattened), C tokens per chunk, D d_model,
+V vocabulary.
+
+``chunked_cross_entropy`` runs the head matmul (in the compute dtype, as the model's head),
+the f32 upcast and ``logsumexp - target logit`` one chunk of C tokens at a time inside a
+``lax.scan``, so only a chunk's [C, V] logits are ever alive. Its custom VJP keeps each
+token's log-sum-exp (f32 [N]) and recomputes a chunk's logits in the backward pass, where
+``softmax - onehot`` gives the chunk's input gradient and adds its weight gradient into an f32
+accumulator; the unchunked head keeps the f32 [N, V] logits, their compute-dtype copy and
+their gradient alive instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def token_cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
+    """``logsumexp(logits) - logits[target]`` of every token, float32 (any leading shape)."""
+    logits_NxV = logits_NxV.astype(jnp.float32)
+    target_N = jnp.take_along_axis(logits_NxV, targets_N[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_NxV, axis=-1) - target_N
+
+
+def _dims(w_ndim_d: int):
+    """``dot_general`` dimensions of x [C, D] with the head weight, whose D is axis ``w_ndim_d``
+    (0: an untied kernel [D, V]; 1: the tied embedding table [V, D])."""
+    return ((1,), (w_ndim_d,)), ((), ())
+
+
+def _logits(x_CxD, w_c, w_d: int) -> jax.Array:
+    # The head's GEMM in the compute dtype (w_c's), as the model's unchunked head, upcast after.
+    return jax.lax.dot_general(x_CxD.astype(w_c.dtype), w_c, _dims(w_d)).astype(jnp.float32)
+
+
+def _chunks(a_N, chunk: int):
+    """``a_N`` zero-padded to n * ``chunk`` tokens, as [n, chunk, ...]: chunk j holds tokens
+    j, j + n, j + 2n, ...
+
+    Strided, each chunk spans every row of the batch, so a batch sharded over devices (its
+    leading axis) stays sharded within each chunk and the scan runs over an unsharded axis
+    (contiguous chunks would put the sharding on the scanned axis: every device would gather
+    and run every chunk).
+    """
+    pad = -a_N.shape[0] % chunk
+    a_N = jnp.pad(a_N, ((0, pad),) + ((0, 0),) * (a_N.ndim - 1))
+    return jnp.swapaxes(a_N.reshape(chunk, -1, *a_N.shape[1:]), 0, 1)
+
+
+def _tokens(a_nxC, n_tokens: int):
+    """The inverse of ``_chunks``: [n, chunk, ...] back to the first ``n_tokens`` tokens."""
+    a = jnp.swapaxes(a_nxC, 0, 1)
+    return a.reshape(-1, *a.shape[2:])[:n_tokens]
+
+
+def chunk_size(num_tokens: int, chunk: int) -> int:
+    """Tokens per chunk for ``num_tokens``: ``chunk``, at most the tokens there are."""
+    return max(1, min(chunk, num_tokens))
+
+
+def _forward(x_NxD, w, targets_N, chunk: int, dtype, w_d: int):
+    n_tokens, w_c = x_NxD.shape[0], w.astype(dtype)
+    chunk = chunk_size(n_tokens, chunk)
+
+    def body(_, xt):
+        x_CxD, t_C = xt
+        logits_CxV = _logits(x_CxD, w_c, w_d)
+        lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+        target_C = jnp.take_along_axis(logits_CxV, t_C[:, None], axis=-1)[:, 0]
+        return None, (lse_C - target_C, lse_C)
+
+    xs = (_chunks(x_NxD, chunk), _chunks(targets_N, chunk))
+    _, (ce_nxC, lse_nxC) = jax.lax.scan(body, None, xs)
+    # Padding tokens (x = 0, target 0) sit past n_tokens and are dropped here.
+    return _tokens(ce_nxC, n_tokens), _tokens(lse_nxC, n_tokens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_cross_entropy(x_NxD, w, targets_N, chunk: int, dtype, w_d: int) -> jax.Array:
+    """Token cross entropy f32 [N] of the head ``w`` on ``x_NxD``, ``chunk`` tokens at a time.
+
+    ``w``: the head's weight, its D on axis ``w_d`` (0: kernel [D, V]; 1: embedding [V, D]).
+    ``dtype``: the head GEMM's compute dtype. Matches ``token_cross_entropy`` of the full
+    logits ``x @ w`` computed in ``dtype`` and upcast to f32.
+    """
+    return _forward(x_NxD, w, targets_N, chunk, dtype, w_d)[0]
+
+
+def _fwd(x_NxD, w, targets_N, chunk, dtype, w_d):
+    ce_N, lse_N = _forward(x_NxD, w, targets_N, chunk, dtype, w_d)
+    return ce_N, (x_NxD, w, targets_N, lse_N)
+
+
+def _bwd(chunk, dtype, w_d, res, g_N):
+    x_NxD, w, targets_N, lse_N = res
+    w_c, n_tokens = w.astype(dtype), x_NxD.shape[0]
+    chunk, vocab = chunk_size(n_tokens, chunk), w.shape[1 - w_d]
+
+    def body(dw_acc, xs):
+        x_CxD, t_C, lse_C, g_C = xs
+        logits_CxV = _logits(x_CxD, w_c, w_d)
+        # d ce / d logits = softmax - onehot(target); padding tokens have g = 0.
+        p_CxV = jnp.exp(logits_CxV - lse_C[:, None])
+        dlogits_CxV = (p_CxV - jax.nn.one_hot(t_C, vocab, dtype=jnp.float32)) * g_C[:, None]
+        # The backward GEMMs in the compute dtype, as autodiff runs the unchunked head's.
+        dlogits_CxV = dlogits_CxV.astype(dtype)
+        dx_CxD = jax.lax.dot_general(dlogits_CxV, w_c, (((1,), (1 - w_d,)), ((), ())))
+        x_c = x_CxD.astype(dtype)
+        if w_d == 0:  # kernel [D, V]: x^T @ dlogits
+            dw = jax.lax.dot_general(x_c, dlogits_CxV, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # fmt: skip
+        else:  # embedding [V, D]: dlogits^T @ x
+            dw = jax.lax.dot_general(dlogits_CxV, x_c, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # fmt: skip
+        # The weight gradient sums over chunks in f32: one rounding to w's dtype at the end.
+        return dw_acc + dw, dx_CxD.astype(x_CxD.dtype)
+
+    xs = tuple(_chunks(a, chunk) for a in (x_NxD, targets_N, lse_N, g_N.astype(jnp.float32)))
+    dw, dx_nxCxD = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+    return _tokens(dx_nxCxD, n_tokens), dw.astype(w.dtype), None
+
+
+chunked_cross_entropy.defvjp(_fwd, _bwd)

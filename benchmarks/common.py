@@ -321,3 +321,33 @@ def trace_steps(compiled, state, batch, steps: int, top: int) -> dict:
             jax.block_until_ready(metrics)
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
         return {"traced_wall_ms_per_step": wall_ms, **summarize_trace(trace_dir, steps, top)}
+
+
+XLA_DUMP = "FP8JAX_DUMP"  # env var: the XLA dump folder a memory report parses
+
+
+def parse_live_range(text: str, top: int) -> dict:
+    """Peak buffers and the per-operation breakdown from XLA's live-range dump."""
+    out = {"peak_buffers": [], "breakdown": []}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\s*Live ranges at \d+ \(peak\):", line):
+            for ln in lines[i + 1 :]:
+                m = re.match(r"\s+(\S+?)(\{[^}]*\})?: (\d+) bytes", ln)
+                if not m:
+                    break
+                out["peak_buffers"].append({"buffer": m.group(1), "bytes": int(m.group(3))})
+        m = re.match(r"\s*Stack trace breakdown for peak usage: ([\d ]+) bytes", line)
+        if m:
+            out["peak_bytes"] = int(m.group(1).replace(" ", ""))
+            for ln in lines[i + 2 :]:
+                # First-level children of the root only: '├── name (p%, total: N bytes, ...'
+                c = re.match(r"\s{6}[├└]── (.+?) \(([\d.]+)%, total: ([\d ]+) bytes", ln)
+                if c:
+                    total = int(c.group(3).replace(" ", ""))
+                    out["breakdown"].append({"op": c.group(1), "bytes": total})
+                elif not re.match(r"\s{6}[│ ]", ln):
+                    break
+    out["peak_buffers"] = sorted(out["peak_buffers"], key=lambda r: -r["bytes"])[:top]
+    out["breakdown"] = sorted(out["breakdown"], key=lambda r: -r["bytes"])[:top]
+    return out

@@ -20,41 +20,13 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import re
 import sys
 import tempfile
 
 from benchmarks import common, runner
 
 MODULES = {"step": "train_step", "init": "init_state"}  # --program: the jitted function's name
-DUMP = "FP8JAX_DUMP"  # the child's XLA dump folder (the parent sets XLA_FLAGS to match)
-
-
-def parse_live_range(text: str, top: int) -> dict:
-    """Peak buffers and the per-operation breakdown from XLA's live-range dump."""
-    out = {"peak_buffers": [], "breakdown": []}
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if re.match(r"\s*Live ranges at \d+ \(peak\):", line):
-            for ln in lines[i + 1 :]:
-                m = re.match(r"\s+(\S+?)(\{[^}]*\})?: (\d+) bytes", ln)
-                if not m:
-                    break
-                out["peak_buffers"].append({"buffer": m.group(1), "bytes": int(m.group(3))})
-        m = re.match(r"\s*Stack trace breakdown for peak usage: ([\d ]+) bytes", line)
-        if m:
-            out["peak_bytes"] = int(m.group(1).replace(" ", ""))
-            for ln in lines[i + 2 :]:
-                # First-level children of the root only: '├── name (p%, total: N bytes, ...'
-                c = re.match(r"\s{6}[├└]── (.+?) \(([\d.]+)%, total: ([\d ]+) bytes", ln)
-                if c:
-                    total = int(c.group(3).replace(" ", ""))
-                    out["breakdown"].append({"op": c.group(1), "bytes": total})
-                elif not re.match(r"\s{6}[│ ]", ln):
-                    break
-    out["peak_buffers"] = sorted(out["peak_buffers"], key=lambda r: -r["bytes"])[:top]
-    out["breakdown"] = sorted(out["breakdown"], key=lambda r: -r["bytes"])[:top]
-    return out
+DUMP = common.XLA_DUMP  # the child's XLA dump folder (the parent sets XLA_FLAGS to match)
 
 
 def config_for(run: str, quick: bool, sets=()):
@@ -87,7 +59,7 @@ def child(run: str, quick: bool, top: int, program: str = "step", sets=()) -> di
     }
     if files:
         with open(max(files, key=os.path.getsize)) as f:
-            rec.update(parse_live_range(f.read(), top))
+            rec.update(common.parse_live_range(f.read(), top))
     else:
         rec["error"] = "XLA wrote no live-range file (this jaxlib may not dump it)"
     return rec

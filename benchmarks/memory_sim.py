@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 
-from benchmarks import memory_peak, runner
+from benchmarks import common, runner
 
 GIB = 2**30
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -98,11 +98,11 @@ def child(run: str, devices: int, quick: bool, sets=()) -> dict:
     # outputs) plus the step's temporaries.
     held = rec["argument_gib"] + rec["output_gib"] - rec["alias_gib"]
     rec["total_gib"] = held + rec["temp_gib"]
-    if os.environ.get(memory_peak.DUMP):  # --live-range: what is alive at the peak
-        files = glob.glob(os.path.join(os.environ[memory_peak.DUMP], "*train_step*live-range.txt"))
+    if os.environ.get(common.XLA_DUMP):  # --live-range: what is alive at the peak
+        files = glob.glob(os.path.join(os.environ[common.XLA_DUMP], "*train_step*live-range.txt"))
         if files:
             with open(max(files, key=os.path.getsize)) as f:
-                rec.update(memory_peak.parse_live_range(f.read(), 12))
+                rec.update(common.parse_live_range(f.read(), 12))
     return rec
 
 
@@ -138,7 +138,7 @@ def main(argv=None):
         if dumps:  # XLA's buffer assignment, parsed as benchmarks.memory_peak does
             dump = os.path.join(dumps, runner.safe_name(run))
             flags += f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
-            extra = {memory_peak.DUMP: dump}
+            extra = {common.XLA_DUMP: dump}
         return {**os.environ, **extra, "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"{flags} {flag}".strip()}  # fmt: skip
 

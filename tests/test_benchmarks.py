@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from benchmarks import block_gemm, cast_transpose, common, memory_peak, parity, runner, step
+from benchmarks import block_gemm, cast_transpose, common, parity, runner, step
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 
@@ -451,7 +451,7 @@ LIVE_RANGE = """HloLiveRange (max 12):
 
 
 def test_parse_live_range():
-    out = memory_peak.parse_live_range(LIVE_RANGE, top=2)
+    out = common.parse_live_range(LIVE_RANGE, top=2)
     assert out["peak_bytes"] == 10165479754
     assert [b["buffer"] for b in out["peak_buffers"]] == ["multiply_add_fusion.14", "divide_fusion"]
     # First-level entries only (params is inside state), largest first.

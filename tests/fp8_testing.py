@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,3 +107,13 @@ def set_field(config, field: str, value) -> None:
         target = target[part]
     with target.ignore_type():
         target[key] = value
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compiles():
+    """Most XLA optimisations off in a test module that imports this: compiles dominate there,
+    and every check is numerical (a test may turn them back on for itself)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

@@ -13,16 +13,9 @@ from fp8jax.ops import scaling
 from fp8jax.trainer import generate, sampling, spec
 from fp8jax.trainer import loop as train_lib
 
+from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
+
 VOCAB, MAX_LEN = 300, 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """Most XLA optimisations off: compiles dominate here, and every check is numerical."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def model_cfg(style="llama", level="O0", **model) -> models.ModelConfig:

@@ -19,20 +19,12 @@ from fp8jax.trainer import dpo, loop, spec
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
 
+from fp8_testing import fast_compiles, set_field  # noqa: F401 (fast_compiles: autouse)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, L, V = 3, 10, 512  # B * L = 30 tokens: chunks of 7 leave 2 padding tokens in the last
 CHUNK = 7
 RTOL = 1e-5  # f32 model: the chunked and full paths differ only in summation order
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """Most XLA optimisations off (compiles dominate; the checks are numerical); the memory
-    test turns them back on."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def run_spec(style="gpt", level="O0", **changes):
@@ -41,11 +33,7 @@ def run_spec(style="gpt", level="O0", **changes):
     c.fp8.level, c.compilation_cache_dir = level, ""
     c.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64)  # fast
     for key, value in changes.items():
-        *parents, leaf = key.split(".")
-        target = c
-        for part in parents:
-            target = target[part]
-        target[leaf] = value
+        set_field(c, key, value)
     return spec.parse(c)
 
 

@@ -13,18 +13,11 @@ from fp8jax import FP8, FP8_STATS, models
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
+from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
+
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
 LOGICAL_PARAM_AXES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", "norm"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """Most XLA optimisations off: compiles dominate here, and every check is numerical."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def tiny(style="gpt", level="O1", **model):

@@ -21,7 +21,10 @@ from fp8jax.ops import dot, mlp, remat
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
-from fp8_testing import ROOT
+from fp8_testing import (
+    ROOT,
+    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
+)
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -156,15 +159,6 @@ def test_matmul_gradients_unchanged_by_policy(path):
 # --- A tiny model's block ----------------------------------------------------------------
 
 B, L = 2, 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """Most XLA optimisations off: compiles dominate here, and every check is numerical."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def model_cfg(level, policy, style="gpt"):

@@ -253,7 +253,7 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
         for g, ls in members.items()
     }
     out = dict(params)
-    out_specs = jax.tree.map(lambda s: s, plan.specs, is_leaf=_is_spec)
+    out_specs = plan.specs  # extended below without mutating it
     rep = jax.sharding.PartitionSpec()
     for g in groups:
         lead = () if g == ROOT else _lead_shape(params[g], stack_of[g])
@@ -267,10 +267,6 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
             out[g] = {**params[g], GATHER_KEY: extra}
             out_specs = {**out_specs, g: {**out_specs[g], GATHER_KEY: extra_specs}}
     return out, out_specs, groups, w_amax, count
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, jax.sharding.PartitionSpec)
 
 
 def _lead_shape(tree, stack: int) -> tuple[int, ...]:

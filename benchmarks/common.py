@@ -348,6 +348,14 @@ def parse_live_range(text: str, top: int) -> dict:
                     out["breakdown"].append({"op": c.group(1), "bytes": total})
                 elif not re.match(r"\s{6}[│ ]", ln):
                     break
+    # The same breakdown summed over layers: 'block_3/mlp/...' counts as 'block_*/mlp/...'.
+    folded: dict[str, int] = {}
+    for b in out["breakdown"]:
+        op = re.sub(r"block_\d+", "block_*", b["op"])
+        folded[op] = folded.get(op, 0) + b["bytes"]
+    out["by_op_over_layers"] = [
+        {"op": op, "bytes": n} for op, n in sorted(folded.items(), key=lambda kv: -kv[1])
+    ][:top]
     out["peak_buffers"] = sorted(out["peak_buffers"], key=lambda r: -r["bytes"])[:top]
     out["breakdown"] = sorted(out["breakdown"], key=lambda r: -r["bytes"])[:top]
     return out

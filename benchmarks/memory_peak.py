@@ -8,7 +8,8 @@ the trainer's jitted step in a fresh process and compiles it, without running it
 dumping the step's buffer assignment. XLA's ``*-live-range.txt`` names the buffers live at the
 peak and breaks the peak down by the JAX operation that made each buffer
 (``jit(train_step)/transpose(jvp(...))/...``). Printed per run: compiled temp/argument bytes,
-the peak's top buffers and the top of that breakdown. Writes ``memory_peak_<program>_<run>.json``
+the peak's top buffers and the top of that breakdown, summed over layers
+(``block_3/...`` counted as ``block_*/...``). Writes ``memory_peak_<program>_<run>.json``
 per run. Works on CPU too (a proxy: CPU fusion differs).
 
 ``--program init`` does the same for the jitted init, whose transient can exceed the step's
@@ -101,7 +102,7 @@ def main(argv=None):
         if "error" in r:
             continue
         print(f"\n=== {r['run']} ({a.program})")
-        for b in r.get("breakdown", []):
+        for b in r.get("by_op_over_layers", []):
             print(f"  {b['bytes'] / 2**30:8.2f} GiB  {b['op'][:110]}")
         print("  largest buffers live at the peak:")
         for b in r.get("peak_buffers", []):

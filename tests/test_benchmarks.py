@@ -461,6 +461,18 @@ def test_parse_live_range():
     ]
 
 
+def test_parse_live_range_sums_an_op_over_layers():
+    text = LIVE_RANGE.replace("jit(train_step)/add", "jit(train_step)/block_0/mul").replace(
+        "jit(train_step)/div", "jit(train_step)/block_12/mul"
+    )
+    out = common.parse_live_range(text, top=5)
+    assert out["by_op_over_layers"][0] == {
+        "op": "jit(train_step)/block_*/mul",
+        "bytes": 3372220424 + 1820491780,
+    }
+    assert [b["op"] for b in out["by_op_over_layers"]][1:] == ["state"]
+
+
 def test_step_child_times_and_profiles_one_run(tmp_path):
     """One quick run of benchmarks.step's child: timings, loss, kernel summary, HLO file."""
     rec = step.child("tiny:O1", quick=True, steps=1, profile=1, hlo_dir=str(tmp_path))

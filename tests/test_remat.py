@@ -5,7 +5,9 @@ function), under ``jax.eval_shape``: no compile. Only the FP8 matmuls make E4M3 
 E4M3 residual is a saved FP8 operand.
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +243,75 @@ def test_block_gradients_unchanged_by_policy():
             np.testing.assert_array_equal(
                 np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=policy
             )
+
+
+def elementwise_fn(level, style, on):
+    """``(params, x) -> block output`` without block remat, ``recompute_elementwise=on``."""
+    cfg, _, fp8, _, pos = block_setup(level, style)
+    module = Block(dataclasses.replace(cfg, recompute_elementwise=on))
+
+    def f(params, x):
+        (y, _), _ = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
+        return y
+
+    return f
+
+
+def activations(res) -> list[tuple]:
+    """The residuals with a token axis first ([B, L, ...] or [B * L, ...]): not the weights."""
+    return [(d, s) for d, s in res if len(s) >= 2 and s[0] in (B, B * L)]
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_recompute_elementwise_keeps_no_norm_or_activation_intermediates(level, style):
+    """With model.recompute_elementwise, no f32 [B, L, D] norm intermediate stays for the
+    backward pass, the MLP keeps one wide (>= d_ff per token) tensor besides its E4M3 operands
+    (its first matmul's output), and the activation residuals shrink."""
+    cfg, params, _, x, _ = block_setup(level, style)
+
+    def wide(res):
+        return [(d, s) for d, s in res if d != E4M3 and math.prod(s) >= B * L * cfg.d_ff]
+
+    def norm_f32(res):
+        return [e for e in res if e == (jnp.dtype(jnp.float32), (B, L, cfg.d_model))]
+
+    def nbytes(res):
+        return sum(d.itemsize * math.prod(s) for d, s in res)
+
+    off = activations(residuals(elementwise_fn(level, style, False), params, x))
+    on = activations(residuals(elementwise_fn(level, style, True), params, x))
+    assert norm_f32(off) and not norm_f32(on), (off, on)
+    assert len(wide(on)) == 1 <= len(wide(off)), (wide(off), wide(on))
+    assert nbytes(on) < nbytes(off)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_recompute_elementwise_gradients_unchanged(level):
+    """The same parameter and input gradients with and without the recompute, to f32 rounding
+    (f32 activations: XLA:CPU rounds a recomputed bf16 value where its fusions end)."""
+    cfg, params, fp8, x, pos = block_setup(level, "llama")
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32))
+    x = x.astype(jnp.float32)
+    r = randn(8, x.shape, jnp.float32)
+
+    def grads(params, x):
+        out = []
+        for on in (False, True):
+            module = Block(dataclasses.replace(cfg, recompute_elementwise=on))
+
+            def loss(p, x, module=module):
+                (y, _), _ = module.apply({"params": p, FP8: fp8}, x, pos, None, mutable=[FP8])
+                return jnp.sum(y * r)
+
+            out.append(jax.grad(loss, argnums=(0, 1))(params, x))
+        return out
+
+    ref, got = jax.jit(grads)(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        # f32 sums in another order (the recomputed norm's reductions): a few ulps.
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-6 * np.abs(b).max())
 
 
 # --- A compiled train step ------------------------------------------------------------------

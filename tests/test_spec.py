@@ -50,6 +50,7 @@ CHANGES = {
     "model.rope_theta": (5e5, {"model"}),
     "model.attention_impl": ("cudnn", {"model"}),
     "model.loss_chunk": (4096, {"model"}),
+    "model.recompute_elementwise": (True, {"model"}),
     "fp8.level": ("O2", {"fp8"}),
     "fp8.recipe": ("current", {"fp8", "model"}),  # the model's matmuls use the recipe
     "fp8.history_len": (4, {"fp8", "model"}),

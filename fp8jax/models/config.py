@@ -45,7 +45,8 @@ REMAT_POLICIES = {
 # Positive sizes of a model.
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")
 MODEL_FLAGS = (
-    "scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings", "qkv_bias"
+    "scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings", "qkv_bias",
+    "recompute_elementwise",
 )  # fmt: skip
 
 
@@ -98,6 +99,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
     loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
+    # remat_policy 'none': norms and the MLP's activation recomputed in the backward pass from
+    # their inputs rather than keeping their intermediates (see layers.recomputes_elementwise)
+    recompute_elementwise: bool
 
     @property
     def head_dim(self) -> int:

@@ -24,6 +24,7 @@ from fp8jax.models.config import ModelConfig, RopeScaling
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import mlp as fp8_mlp
+from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
@@ -79,6 +80,17 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
 
+def recomputes_elementwise(cfg: ModelConfig) -> bool:
+    """Whether the norms and the MLP's activation are recomputed in the backward pass.
+
+    Only without block remat (``remat_policy='none'``), where autodiff would keep each norm's
+    f32 intermediates and the activation's (GELU's tanh terms, SwiGLU's product) for every
+    layer. Each norm then keeps only its input and the MLP what its matmuls need; the backward
+    pass redoes a few elementwise passes per layer.
+    """
+    return cfg.recompute_elementwise and cfg.remat_policy == "none"
+
+
 def dense(
     cfg: ModelConfig,
     features,
@@ -116,9 +128,11 @@ def norm(cfg: ModelConfig, name: str) -> nn.Module:
     """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
     common = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    # Recomputed: only the input is saved (the same params: nn.remat lifts the module).
+    wrap = nn.remat if recomputes_elementwise(cfg) else (lambda cls: cls)
     if cfg.style == "gpt":
-        return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
-    return nn.RMSNorm(scale_init=scale_init, **common)
+        return wrap(nn.LayerNorm)(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
+    return wrap(nn.RMSNorm)(scale_init=scale_init, **common)
 
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
@@ -306,9 +320,23 @@ class Block(nn.Module):
         attn = Attention(c, name="attn")
         x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
-        x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
+        x_BxLxD = x_BxLxD + _mlp_cls(c)(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         return x_BxLxD, None
+
+
+def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
+    """``Mlp``, or ``Mlp`` recomputing its activation in the backward pass.
+
+    The fused FP8 MLP's custom VJP already keeps only the pre-activation. Otherwise the policy
+    keeps the matmuls' outputs (and, at O1+, their E4M3 operands: ``ops.remat``) and drops the
+    activation's intermediates, which the backward pass recomputes from the first output.
+    """
+    if not recomputes_elementwise(cfg) or fuses_mlp(cfg):
+        return Mlp
+    if cfg.recipe is None:
+        return nn.remat(Mlp, policy=jax.checkpoint_policies.dots_saveable)
+    return nn.remat(Mlp, policy=fp8_remat.fp8_dots_and_inputs_saveable)
 
 
 def _residual_std(cfg: ModelConfig) -> float:

@@ -19,6 +19,8 @@ from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
+from fp8_testing import set_field
+
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -33,11 +35,7 @@ def dpo_run(path="", level="O0", **changes):
     c.fp8.level, c.data.path = level, str(path)
     c.compilation_cache_dir = ""
     for key, value in changes.items():
-        *parents, leaf = key.split(".")
-        target = c
-        for part in parents:
-            target = target[part]
-        target[leaf] = value
+        set_field(c, key, value)
     return spec.parse(c)
 
 

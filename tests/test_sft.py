@@ -16,6 +16,8 @@ from fp8jax.trainer import chat, loop, sft_data, spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 
+from fp8_testing import set_field
+
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -36,11 +38,7 @@ def sft_run(path="", **changes):
     c.model.vocab_size, c.fp8.level, c.data.path = 300, "O0", str(path)
     c.compilation_cache_dir = ""
     for key, value in changes.items():
-        *parents, leaf = key.split(".")
-        target = c
-        for part in parents:
-            target = target[part]
-        target[leaf] = value
+        set_field(c, key, value)
     return spec.parse(c)
 
 

@@ -317,7 +317,7 @@ def test_recompute_elementwise_gradients_unchanged(level):
 # --- A compiled train step ------------------------------------------------------------------
 
 
-def micro_config(policy):
+def micro_config(policy, recompute=False):
     """configs/tiny.py shrunk to one block at O1, with ``policy``. f32 activations: with bf16,
     XLA:CPU rounds a recomputed bf16 value where its fusions end, which differ between the
     forward and the recomputation, so even 'full' moves the gradients by bf16 rounding."""
@@ -325,13 +325,14 @@ def micro_config(policy):
     m = c.model
     m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 1, 64, 2, 2, 128
     m.vocab_size, m.max_len, m.remat_policy = 128, 16, policy
+    m.recompute_elementwise = recompute
     c.seq_len, c.batch_size = 16, 4
     return c
 
 
-def two_step_losses(policy):
+def two_step_losses(policy, recompute=False):
     """The losses of two compiled train steps (the second after the first's update)."""
-    c = micro_config(policy)
+    c = micro_config(policy, recompute)
     env = train_lib.setup(spec.parse(c))
     state = env.init(jax.random.PRNGKey(c.seed))
     tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
@@ -345,6 +346,12 @@ def two_step_losses(policy):
 def test_train_step_loss_matches_full():
     """The policy that saves the most of ours against 'full' (the block tests cover the rest)."""
     assert two_step_losses("fp8_dots_and_inputs_saveable") == two_step_losses("full")
+
+
+def test_train_step_with_recompute_elementwise_matches():
+    """The scanned train step with model.recompute_elementwise: the same losses to f32
+    rounding (the recomputed norms sum in another order)."""
+    np.testing.assert_allclose(two_step_losses("none", True), two_step_losses("none"), rtol=1e-6)
 
 
 def test_policies_named_in_config_comment():

@@ -46,6 +46,7 @@ BAD = {
     "model.fp8_lm_head": ["no"],
     "model.tie_embeddings": [None],
     "model.qkv_bias": [1],
+    "model.recompute_elementwise": ["yes"],
     "init_from": [None, 3],
     "data.format": ["csv", ""],
     "data.packing": ["yes"],

@@ -308,10 +308,14 @@ def test_recompute_elementwise_gradients_unchanged(level):
         return out
 
     ref, got = jax.jit(grads)(params, x)
+    # The recomputed norms sum d_model f32 terms in another order: relative error up to
+    # d_model ulps, plus one ulp of the largest gradient where an entry cancels to near zero.
+    eps = float(np.finfo(np.float32).eps)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
-        # f32 sums in another order (the recomputed norm's reductions): a few ulps.
         b = np.asarray(b)
-        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-6 * np.abs(b).max())
+        np.testing.assert_allclose(
+            np.asarray(a), b, rtol=cfg.d_model * eps, atol=eps * np.abs(b).max()
+        )
 
 
 # --- A compiled train step ------------------------------------------------------------------
@@ -349,9 +353,17 @@ def test_train_step_loss_matches_full():
 
 
 def test_train_step_with_recompute_elementwise_matches():
-    """The scanned train step with model.recompute_elementwise: the same losses to f32
-    rounding (the recomputed norms sum in another order)."""
-    np.testing.assert_allclose(two_step_losses("none", True), two_step_losses("none"), rtol=1e-6)
+    """The scanned train step with model.recompute_elementwise. Remat leaves the forward pass
+    as it is: the first loss is the same bits. The second follows an update whose gradients
+    differ by summation order; Adam's normalized update times the learning rate moves a weight
+    by far less than its ulp, so at most a few weights round the other way: a few ulps of
+    the loss."""
+    (first, second), (first_ref, second_ref) = (
+        two_step_losses("none", True),
+        two_step_losses("none"),
+    )
+    assert first == first_ref
+    np.testing.assert_allclose(second, second_ref, rtol=4 * float(np.finfo(np.float32).eps))
 
 
 def test_policies_named_in_config_comment():

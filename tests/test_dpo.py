@@ -19,7 +19,7 @@ from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
-from fp8_testing import set_field
+from fp8_testing import with_overrides
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -34,8 +34,7 @@ def dpo_run(path="", level="O0", **changes):
     c.model.update(num_layers=1, d_model=64, num_heads=2, num_kv_heads=2, d_ff=128)
     c.fp8.level, c.data.path = level, str(path)
     c.compilation_cache_dir = ""
-    for key, value in changes.items():
-        set_field(c, key, value)
+    with_overrides(c, changes)
     return spec.parse(c)
 
 

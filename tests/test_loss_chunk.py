@@ -19,7 +19,7 @@ from fp8jax.trainer import dpo, loop, spec
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
 
-from fp8_testing import fast_compiles, set_field  # noqa: F401 (fast_compiles: autouse)
+from fp8_testing import fast_compiles, with_overrides  # noqa: F401 (fast_compiles: autouse)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, L, V = 3, 10, 512  # B * L = 30 tokens: chunks of 7 leave 2 padding tokens in the last
@@ -32,8 +32,7 @@ def run_spec(style="gpt", level="O0", **changes):
     c = loop.load_config("tiny", style)
     c.fp8.level, c.compilation_cache_dir = level, ""
     c.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64)  # fast
-    for key, value in changes.items():
-        set_field(c, key, value)
+    with_overrides(c, changes)
     return spec.parse(c)
 
 

@@ -16,7 +16,7 @@ from fp8jax.trainer import chat, loop, sft_data, spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 
-from fp8_testing import set_field
+from fp8_testing import with_overrides
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -37,8 +37,7 @@ def sft_run(path="", **changes):
     c.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64)
     c.model.vocab_size, c.fp8.level, c.data.path = 300, "O0", str(path)
     c.compilation_cache_dir = ""
-    for key, value in changes.items():
-        set_field(c, key, value)
+    with_overrides(c, changes)
     return spec.parse(c)
 
 

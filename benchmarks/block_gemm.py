@@ -10,19 +10,23 @@ training step, each in the "NT" layout the FP8 tensor cores take (contraction in
 * ``dgrad`` dx = dy . w^T:   a = dy [M, N] (1 x 128 tiles), b = w [K, N] (blocks); contraction N
 * ``wgrad`` dw = x^T . dy:   a = x^T [K, M], b = dy^T [N, M], both 1 x 128 tiles along M
 
-Columns: the block-scaled kernel's TFLOP/s (the best tuning of a small sweep: the whole sweep
-on the first GEMM, its fastest ``--keep`` tunings on the others), cuBLASLt's tensorwise FP8
-GEMM (``lax.dot_general`` of the same FP8 operands, bf16 out: ``__cublas$lt$matmul$f8``,
-counted in the compiled HLO), bf16 (the same GEMM on bf16 operands) and block / bf16. Timing:
+Columns: the Mosaic GPU kernel's TFLOP/s (``block_gemm.mosaic_block_scaled_dot``, the kernel
+CUDA runs for whole tiles: the best of ``MOSAIC_SWEEP``, the layout's default tuning first),
+the Triton kernel's (its default tuning; ``--triton-sweep``: the best of a sweep, the whole
+sweep on the first GEMM, its fastest ``--keep`` tunings on the others), cuBLASLt's tensorwise
+FP8 GEMM (``lax.dot_general`` of the same FP8 operands, bf16 out: ``__cublas$lt$matmul$f8``,
+counted in the compiled HLO), bf16 (the same GEMM on bf16 operands) and Mosaic / bf16. Timing:
 jit, warm-up, ``block_until_ready``, median of ``--reps`` repetitions; FLOPs = 2 M N K. A check
-runs the kernel against the reference (``impl='xla'``) on ``CHECK`` in f32 and reports the
-largest difference relative to the largest output. ``--quick``: tiny shapes, the kernel in
+runs ``block_scaled_dot`` (the Mosaic kernel on a GPU) and the Triton kernel against the
+reference (``impl='xla'``) on ``CHECK`` in f32 and reports the largest difference relative to
+the largest output. ``--quick``: tiny shapes, the Triton kernel in
 Pallas' interpreter (a CPU smoke test, not a timing). Writes ``block_gemm.json``.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common, runner
-from fp8jax.ops import block_gemm
+from fp8jax.ops import block_gemm, block_gemm_mgpu
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (16384, 16384, 4096)]  # M x K x N
 QUICK_SHAPES = [(64, 256, 160)]
@@ -51,6 +55,23 @@ SWEEP = [(*c, True, True) for c in itertools.product((64, 128), (128, 256), (4, 
     (128, 128, 8, 4, True, False),
 ]
 QUICK_SWEEP = [(64, 128, 4, 3, True, True), (128, 128, 8, 4, False, False)]
+TRITON_DEFAULT = (
+    block_gemm.BM,
+    block_gemm.BN,
+    block_gemm.WARPS,
+    block_gemm.STAGES,
+    block_gemm.PREFETCH,
+    True,
+)
+_T = block_gemm_mgpu.Tuning
+# The Mosaic kernel's tunings: CTAs of 128 x 128 (two 64-row warpgroups) and 128 x 256 or
+# 256 x 128 (two 128 x 128 warpgroups), with and without two-CTA clusters sharing an operand.
+MOSAIC_SWEEP = [
+    block_gemm_mgpu.BLOCKS,
+    block_gemm_mgpu.ROWS,
+    _T(tile_m=128, wg_dim="m", stages=3, cluster="n", grid_width=16),
+    _T(tile_m=128, wg_dim="n", stages=3, cluster="m", grid_width=16),
+]
 KEYS = ("bm", "bn", "warps", "stages", "prefetch", "fast_acc")
 CHECK = (2048, 4096, 2048)  # M x K x N of the kernel-vs-reference check
 F8_GEMM, TRITON = "__cublas$lt$matmul$f8", "__gpu$xla.gpu.triton"
@@ -111,13 +132,36 @@ def sweep(args, tunings, a, interpret: bool) -> list[dict]:
     return rows
 
 
+def mosaic_sweep(layout: str, args, a) -> list[dict]:
+    """Seconds per call of the Mosaic kernel under each tuning, the layout's default first."""
+    default = block_gemm_mgpu.BLOCKS if layout != "wgrad" else block_gemm_mgpu.ROWS
+    tunings = [default] + [t for t in MOSAIC_SWEEP if t != default]
+    rows = []
+    for tuning in tunings:
+        row = {"tuning": str(tuning).removeprefix("Tuning")}
+        fn = jax.jit(lambda *x, t=tuning: block_gemm.mosaic_block_scaled_dot(*x, tuning=t))
+        try:
+            row["s"] = _time(fn, args, a)
+        except Exception as e:  # shared memory or a shape it does not tile: a result too
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
-    """One GEMM's row: the kernel's best tuning, cuBLASLt FP8, bf16 (TFLOP/s) and the ratio."""
+    """One GEMM's row: each kernel's best tuning, cuBLASLt FP8, bf16 (TFLOP/s) and the ratio."""
     rows, cols, c = gemm_dims(layout, shape)
     flop = 2 * rows * cols * c
     args = operands(layout, shape)
     rec = {"gemm": f"{layout} {'x'.join(map(str, shape))}", "layout": layout}
     rec.update(shape=list(shape), dims=[rows, cols, c])
+    if not interpret:
+        rec["mosaic_sweep"] = mosaic_sweep(layout, args, a)
+        timed = [r for r in rec["mosaic_sweep"] if "s" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["s"])
+            rec["mosaic_best"], rec["mosaic_tflops"] = best["tuning"], flop / best["s"] / 1e12
+            rec["mosaic_default_tflops"] = flop / rec["mosaic_sweep"][0].get("s", math.inf) / 1e12
     t0 = time.perf_counter()
     rec["sweep"] = sweep(args, tunings, a, interpret)
     rec["sweep_s"] = time.perf_counter() - t0
@@ -138,6 +182,8 @@ def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
     rec["bf16_tflops"] = flop / _time(bf16, bf, a) / 1e12
     if "block_tflops" in rec:
         rec["block_over_bf16"] = rec["block_tflops"] / rec["bf16_tflops"]
+    if "mosaic_tflops" in rec:
+        rec["mosaic_over_bf16"] = rec["mosaic_tflops"] / rec["bf16_tflops"]
     return rec
 
 
@@ -165,12 +211,19 @@ def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
         run = lambda impl: jax.jit(  # noqa: E731
             lambda *x: block_gemm.block_scaled_dot(*x, out_dtype=jnp.float32, impl=impl)
         )(*args)
+        triton = jax.jit(
+            lambda *x: block_gemm.pallas_block_scaled_dot(
+                *x, out_dtype=jnp.float32, interpret=interpret
+            )
+        )
         row = {"layout": layout, "b": jnp.dtype(b_fmt).name}
+        row["kernel"] = block_gemm.kernel_for(*gemm_dims(layout, shape), 128, layout != "wgrad")
         try:
             y, ref = np.asarray(run(impl), np.float64), np.asarray(run("xla"), np.float64)
+            tri = np.asarray(triton(*args), np.float64)
             row["max_rel_diff"] = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
             exact = _f64(*args)
-            for name, v in (("kernel", y), ("reference", ref)):
+            for name, v in (("kernel", y), ("triton", tri), ("reference", ref)):
                 row[f"{name}_vs_f64"] = float(np.max(np.abs(v - exact)) / np.max(np.abs(exact)))
         except Exception as e:  # a kernel that does not compile is this check's result
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -179,12 +232,14 @@ def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
 
 
 COLUMNS = {
-    "block TF/s": lambda r: f"{r['block_tflops']:.0f}",
-    "best (bm, bn, warps, stages, prefetch, fast_acc)": lambda r: str(tuple(r["best"].values())),
+    "mosaic TF/s": lambda r: f"{r['mosaic_tflops']:.0f}" if "mosaic_tflops" in r else "-",
+    "mosaic best": lambda r: r.get("mosaic_best", "-"),
+    "triton TF/s": lambda r: f"{r['block_tflops']:.0f}",
+    "triton (bm, bn, warps, stages, prefetch, fast_acc)": lambda r: str(tuple(r["best"].values())),
     "cuBLASLt f8 TF/s": lambda r: f"{r['cublas_f8_tflops']:.0f}",
     "f8 gemms": lambda r: r["f8_gemms"],
     "bf16 TF/s": lambda r: f"{r['bf16_tflops']:.0f}",
-    "block/bf16": lambda r: f"{r['block_over_bf16']:.2f}",
+    "mosaic/bf16": lambda r: f"{r['mosaic_over_bf16']:.2f}" if "mosaic_over_bf16" in r else "-",
 }
 
 
@@ -205,11 +260,14 @@ def main(argv=None):
     p.add_argument("--min-rep-s", type=float, default=0.05, help="min seconds per repetition")
     p.add_argument("--max-iters", type=int, default=50, help="max calls per repetition")
     p.add_argument("--keep", type=int, default=4, help="tunings of the first sweep kept")
+    p.add_argument("--triton-sweep", action="store_true", help="sweep the Triton kernel's tuning")
     a = runner.parse_args(p, argv)
     interpret = a.quick or jax.devices()[0].platform != "gpu"
     if a.quick:
         a.reps, a.min_rep_s, a.max_iters = 1, 0.0, 1
     shapes, tunings = (QUICK_SHAPES, QUICK_SWEEP) if a.quick else (SHAPES, SWEEP)
+    if not a.quick and not a.triton_sweep:
+        tunings = [TRITON_DEFAULT]
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rows: list[dict] = []
     data = {**info, "rows": rows}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax.ops import block_gemm
+from fp8jax.ops import block_gemm, block_gemm_mgpu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TRITON = "__gpu$xla.gpu.triton"
@@ -156,6 +156,43 @@ def test_pallas_lowers_to_one_triton_kernel_on_cuda_and_none_on_cpu():
     )
     text = tuned.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON) == 1
+
+
+MOSAIC = "@mosaic_gpu"  # Pallas' Mosaic GPU custom call (mosaic_gpu or mosaic_gpu_v2)
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_whole_tiles_run_the_mosaic_kernel_on_cuda(blocks):
+    """Whole 128 x 128 output tiles and tiles of K lower to one Mosaic GPU call (no Triton),
+    any other shape to the Triton kernel, and never either on the CPU."""
+    whole = _operands(256, 512, 384, blocks=blocks)
+    text = _cuda_text("pallas", whole)
+    assert text.count(MOSAIC) == 1 and TRITON not in text
+    assert block_gemm.kernel_for(256, 512, 384, BLOCK, blocks) == "mosaic"
+    ragged = _operands(256, 512, 300, blocks=blocks)  # K not whole tiles
+    text = _cuda_text("pallas", ragged)
+    assert text.count(TRITON) == 1 and MOSAIC not in text
+    assert block_gemm.kernel_for(256, 512, 300, BLOCK, blocks) == "triton"
+    assert MOSAIC not in jax.jit(lambda *x: block_gemm.block_scaled_dot(*x)).lower(*whole).as_text()
+
+
+def test_mosaic_tuning_follows_b_and_the_shape():
+    """With per-row multipliers of b a 128 x 256 CTA where N allows, else 128 x 128; with b's
+    blocks always 128 x 128 (one b multiplier per warpgroup); none for partial tiles."""
+    rows, blocks = block_gemm_mgpu.ROWS, block_gemm_mgpu.BLOCKS
+    assert rows.cta == (128, 256) and blocks.cta == (128, 128)
+    assert block_gemm_mgpu.tuning_for(256, 512, 256, 128, b_blocks=False) == rows
+    assert block_gemm_mgpu.tuning_for(256, 384, 256, 128, b_blocks=False) == blocks
+    assert block_gemm_mgpu.tuning_for(256, 512, 256, 128, b_blocks=True) == blocks
+    for m, n, k, block in ((200, 256, 256, 128), (256, 192, 256, 128), (256, 256, 256, 64)):
+        assert block_gemm_mgpu.tuning_for(m, n, k, block, b_blocks=True) is None
+    with pytest.raises(ValueError, match="not whole 128 x 128 output tiles") as info:
+        block_gemm.mosaic_block_scaled_dot(*_operands(200, 256, 256))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unsupported tuning"):
+        block_gemm_mgpu.block_scaled_dot(
+            *_operands(256, 256, 256, blocks=False), tuning=block_gemm_mgpu.Tuning(tile_m=32)
+        )
 
 
 def test_b_blocks_reads_the_shape_unless_told():

@@ -167,6 +167,26 @@ def test_entries_name_their_recipe_and_kernel(recipe, kernel, platform):
         assert f"{recipe:<8} {coverage.BLOCK_GEMM}" in str(report)
 
 
+def test_the_mosaic_block_kernel_is_named_as_the_block_gemm():
+    """Whole 128 x 128 tiles run the Mosaic GPU kernel on CUDA: its three calls (fwd, dgrad,
+    wgrad) are the block recipe's FP8 GEMMs, with the operands the kernel reads."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, 256), np.float32))
+    w = jnp.asarray(rng.standard_normal((256, 256), np.float32))
+    meta = fp8jax.init_meta(fp8jax.make_recipe("block"))
+
+    def loss(x, w, meta):
+        return jnp.sum(fp8jax.dot_general(x, w, DENSE, meta, cast_kernel="pallas")[0] ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, meta)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    report = coverage.coverage_report(lowered.lower(lowering_platforms=("cuda",)), compile=False)
+    fp8 = [e for e in report.entries if e.is_fp8]
+    assert text.count("@mosaic_gpu") == 3 and "fp8_block_scaled_dot" not in text.split("@mosaic")[0]
+    assert len(fp8) == 3 and {(e.kernel, e.recipe) for e in fp8} == {(coverage.BLOCK_GEMM, "block")}
+    assert all(e.lhs_shape == e.rhs_shape == (256, 256) for e in fp8)
+
+
 def test_gemm_counts_count_the_block_kernel_as_fp8():
     text = "\n".join(
         [
@@ -176,9 +196,13 @@ def test_gemm_counts_count_the_block_kernel_as_fp8():
             'c = bf16[8,8] custom-call(x), custom_call_target="__gpu$xla.gpu.triton", '
             'backend_config={"name":"fp8_cast_transpose"}',
             'd = bf16[8,8] custom-call(x), custom_call_target="__cublas$lt$matmul"',
+            'e = bf16[8,8] custom-call(x), custom_call_target="mosaic_gpu_v2", '
+            'metadata={op_name="jit(f)/fp8_block/fp8_block_scaled_dot/pallas_call"}',
+            'f = bf16[8,8] custom-call(x), custom_call_target="mosaic_gpu_v2", '
+            'metadata={op_name="jit(f)/attention/pallas_call"}',
         ]
     )
     counts = coverage.gemm_counts(text)
-    assert counts == {"__cublas$lt$matmul$f8": 1, coverage.BLOCK_GEMM: 1, "__cublas$lt$matmul": 1}
+    assert counts == {"__cublas$lt$matmul$f8": 1, coverage.BLOCK_GEMM: 2, "__cublas$lt$matmul": 1}
     report = coverage.CoverageReport(entries=(), gemm_counts=counts)
-    assert (report.num_fp8_gemms, report.num_other_gemms) == (2, 1)
+    assert (report.num_fp8_gemms, report.num_other_gemms) == (3, 1)

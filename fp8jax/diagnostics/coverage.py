@@ -30,6 +30,7 @@ FP8_TYPES = (
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 BLOCK_GEMM = "fp8_block_scaled_dot"  # fp8jax's block-scaled FP8 GEMM (ops.block_gemm, Pallas)
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "mosaic_gpu"  # Pallas' Mosaic GPU kernels' custom calls (mosaic_gpu, mosaic_gpu_v2)
 # The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>'.
 # (in the backward pass inside transpose(jvp(...))).
 _RECIPE = re.compile(r"(?:^|[/(])fp8_(delayed|current|rowwise|block)(?:[/)]|$)")
@@ -199,6 +200,14 @@ def _loc_name(line: str, locs: dict[str, str]) -> str:
     return locs.get(loc.group(1), "") if loc else ""
 
 
+def _is_block_gemm(line: str, locs: dict[str, str]) -> bool:
+    """Whether a StableHLO line calls the block-scaled GEMM: the Triton kernel names itself,
+    the Mosaic kernel's call runs under a scope of its name."""
+    if TRITON in line:
+        return f'name = "{BLOCK_GEMM}"' in line
+    return f"@{MOSAIC}" in line and BLOCK_GEMM in _loc_name(line, locs)
+
+
 def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     """Every dot in a StableHLO module, with how many times the call graph reaches it."""
     locs = _locations(text)
@@ -214,7 +223,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
             call_site.setdefault(callee, (func, _loc_name(line, locs)))
-        if _DOT.search(line) or (TRITON in line and f'name = "{BLOCK_GEMM}"' in line):
+        if _DOT.search(line) or _is_block_gemm(line, locs):
             dots.append((func, line))
 
     memo: dict[str, int] = {}
@@ -240,7 +249,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     entries = []
     for f, line in dots:
         name = joined(scope(f), _loc_name(line, locs))
-        if TRITON in line:
+        if _is_block_gemm(line, locs):
             entries.append(_block_gemm_entry(line, f, reach(f), name))
             continue
         sig = _SIG.search(line)
@@ -303,8 +312,13 @@ def gemm_counts(compiled_text: str) -> dict[str, int]:
             counts[target] += 1
     for kind in _FUSION_KIND.findall(compiled_text):
         counts[kind] += 1
-    # The block-scaled GEMM is a Triton custom call named by its kernel.
-    n_block = sum(1 for line in compiled_text.splitlines() if TRITON in line and BLOCK_GEMM in line)
+    # The block-scaled GEMM is a Triton custom call named by its kernel, or a Mosaic GPU custom
+    # call whose op name carries the kernel's scope.
+    n_block = sum(
+        1
+        for line in compiled_text.splitlines()
+        if (TRITON in line or MOSAIC in line) and BLOCK_GEMM in line
+    )
     if n_block:
         counts[BLOCK_GEMM] = n_block
     return dict(counts)

@@ -20,11 +20,16 @@ along K do not factor out of the sum, so each ``block``-wide partial is moved in
 accumulator with its scales: DeepSeek-V3's promotion every 128 of K, which also bounds the
 error of the tensor cores' limited-precision FP8 accumulation to one tile.
 
-``impl``: 'pallas' (and 'auto' on GPUs) runs a Pallas kernel (Triton backend) on CUDA and the
-reference elsewhere; 'xla' the reference; 'interpret' the kernel in Pallas' interpreter (any
-backend: tests). Mixed formats (E5M2 x E4M3) take the kernel too: Triton's dot wants both
-operands of one type, so the kernel converts both tiles to f16, which holds every E4M3 and E5M2
-value exactly (same products and sums, half the FP8 tensor-core rate).
+``impl``: 'pallas' (and 'auto' on GPUs) runs a Pallas kernel on CUDA and the reference
+elsewhere; 'xla' the reference; 'interpret' the Triton kernel in Pallas' interpreter (any
+backend: tests). On CUDA a GEMM of whole 128 x 128 output tiles and tiles of K runs the
+warp-specialized Mosaic GPU kernel (``block_gemm_mgpu``: Hopper's FP8 WGMMA, TMA pipelines),
+any other shape the Triton kernel here, which pads. Mixed formats (E5M2 x E4M3) take either:
+FP8 WGMMA takes the pair; Triton's dot wants both operands of one type, so the Triton kernel
+converts both tiles to f16, which holds every E4M3 and E5M2 value exactly (same products and
+sums, half the FP8 tensor-core rate). The Mosaic kernel promotes with the product of a row's
+and b's block multipliers (one rounding less than the contract's two multiplies) where b has
+blocks, so on the GPU the two kernels agree to f32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import kernels, tile_dot
+from fp8jax.ops import block_gemm_mgpu, kernels, tile_dot
 
 BLOCK = 128  # DeepSeek-V3's tile: elements of K per scale
 OUT_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
@@ -299,6 +304,46 @@ def pallas_block_scaled_dot(
     return y[:m, :n]
 
 
+def mosaic_block_scaled_dot(
+    a_MxK: jax.Array,
+    a_inv_MxT: jax.Array,
+    b_NxK: jax.Array,
+    b_inv: jax.Array,
+    *,
+    block: int = BLOCK,
+    out_dtype=jnp.bfloat16,
+    b_blocks: bool | None = None,
+    tuning: block_gemm_mgpu.Tuning | None = None,
+) -> jax.Array:
+    """The Mosaic GPU kernel of ``block_scaled_dot`` (CUDA, Hopper) with the contract's operands;
+    ``tuning`` defaults to ``block_gemm_mgpu.tuning_for`` the shape (one error if none tiles it).
+    """
+    blocks = check_operands(a_MxK, a_inv_MxT, b_NxK, b_inv, block, out_dtype, b_blocks)
+    (m, k), n = a_MxK.shape, b_NxK.shape[0]
+    tuning = tuning or block_gemm_mgpu.tuning_for(m, n, k, block, blocks)
+    if tuning is None:
+        raise ValueError(
+            f"mosaic_block_scaled_dot: [{m}, {k}] . [{n}, {k}]^T with block {block} is not whole "
+            f"128 x 128 output tiles and tiles of K: use block_scaled_dot, which pads"
+        )
+    return block_gemm_mgpu.block_scaled_dot(
+        a_MxK,
+        jnp.asarray(a_inv_MxT, jnp.float32).T,  # [T, M]: one tile of K's multipliers a row
+        b_NxK,
+        _rows(b_inv, blocks, block, n).T,  # [T, N]
+        block=block,
+        out_dtype=out_dtype,
+        b_blocks=blocks,
+        tuning=tuning,
+    )
+
+
+def kernel_for(m: int, n: int, k: int, block: int, b_blocks: bool) -> str:
+    """The CUDA kernel ``block_scaled_dot`` runs for a shape: 'mosaic' or 'triton'."""
+    whole = block_gemm_mgpu.tuning_for(m, n, k, block, b_blocks) is not None
+    return "mosaic" if whole and block_gemm_mgpu.available() else "triton"
+
+
 def block_scaled_dot(
     a_MxK: jax.Array,
     a_inv_MxT: jax.Array,
@@ -319,13 +364,16 @@ def block_scaled_dot(
     Pallas' interpreter).
     """
     impl = kernels.resolve_impl(impl)
-    check_operands(a_MxK, a_inv_MxT, b_NxK, b_inv, block, out_dtype, b_blocks)
+    blocks = check_operands(a_MxK, a_inv_MxT, b_NxK, b_inv, block, out_dtype, b_blocks)
     options = {"block": block, "out_dtype": out_dtype, "b_blocks": b_blocks}
+    (m, k), n = a_MxK.shape, b_NxK.shape[0]
 
     def reference(a, a_inv, b, b_inv):
         return block_scaled_dot_reference(a, a_inv, b, b_inv, **options)
 
     def kernel(a, a_inv, b, b_inv, interpret=False):
+        if not interpret and kernel_for(m, n, k, block, blocks) == "mosaic":
+            return mosaic_block_scaled_dot(a, a_inv, b, b_inv, **options)
         return pallas_block_scaled_dot(a, a_inv, b, b_inv, **options, interpret=interpret)
 
     args = (a_MxK, a_inv_MxT, b_NxK, b_inv)

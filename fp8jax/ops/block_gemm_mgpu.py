@@ -1,0 +1,350 @@
+"""The block-scaled FP8 GEMM as a warp-specialized Mosaic GPU kernel for Hopper (sm_90a).
+
+The contract is ``block_gemm``'s: ``y = a . b^T`` with a [M, K] and b [N, K] FP8 (K innermost,
+the layout FP8 WGMMA takes), one f32 multiplier per row of a and per row of b for each
+``block``-wide tile of K, and for each tile t in order::
+
+    partial = dot(a[:, tile t], b[:, tile t]^T)              # f32, in the tensor cores
+    acc = acc + (partial * a_inv[:, t][:, None]) * b_inv[:, t][None, :]
+
+The kernel is persistent (one CTA per SM walks the output tiles) and warp-specialized: a memory
+warpgroup streams each tile of K of a, b and their multipliers into shared memory through TMA,
+``stages`` deep, while two compute warpgroups each own ``tile_m`` x ``tile_n`` of the CTA's
+output. A compute warpgroup runs the WGMMA of one tile of K into a scratch accumulator of 64
+rows, waits for it, and promotes it into its f32 accumulator with the two multipliers; while it
+promotes, the other warpgroup's WGMMA keeps the tensor cores busy (DeepSeek-V3's promotion
+every 128 of K, scheduled as DeepGEMM does on Hopper). The epilogue rounds to the output dtype
+and stores through shared memory with TMA.
+
+Registers bound the shapes: a compute warpgroup holds its accumulator (tile_m * tile_n / 128
+f32 per thread) and one 64-row partial (tile_n / 2), within the 232 registers the pipeline
+gives it, so (tile_m, tile_n) is (64, 128) or (128, 128).
+
+Operands must be whole tiles (``takes``); ``block_gemm`` pads the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+KERNEL_NAME = "fp8_block_scaled_dot"  # the Triton kernel's name too: coverage counts either
+WGMMA_ROWS = 64  # rows of one FP8 WGMMA accumulator fragment (m64nNk32)
+COMPUTE_WGS = 2  # compute warpgroups per CTA; a third warpgroup issues the TMA copies
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """One launch configuration of the kernel (benchmarks/block_gemm.py sweeps these)."""
+
+    tile_m: int = 64  # output rows per compute warpgroup (64 or 128)
+    tile_n: int = 128  # output columns per compute warpgroup
+    wg_dim: str = "m"  # the compute warpgroups split the CTA's tile along "m" or "n"
+    stages: int = 4  # tiles of K in flight in shared memory
+    grid_minor: str = "n"  # launch order: output tiles walk "n" (or "m") fastest ...
+    grid_width: int = 8  # ... in bands of this many tiles (L2 reuse)
+    cluster: str | None = None  # two CTAs along "m" (or "n") share b's (a's) tiles by multicast
+    epi_n: int = 64  # columns per epilogue store
+
+    @property
+    def cta(self) -> tuple[int, int]:
+        """The CTA's output tile (rows, columns)."""
+        two = COMPUTE_WGS
+        return (
+            self.tile_m * (two if self.wg_dim == "m" else 1),
+            self.tile_n * (two if self.wg_dim == "n" else 1),
+        )
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """The output tile of one cluster (rows, columns)."""
+        rows, cols = self.cta
+        return (rows * (2 if self.cluster == "m" else 1), cols * (2 if self.cluster == "n" else 1))
+
+
+# The fastest of benchmarks/block_gemm.py's sweep on an H200 (8192^3, bf16 out). With b in
+# block x block tiles (fwd, dgrad) a warpgroup promotes with one multiplier per row (a's times
+# b's block), and a 128 x 128 CTA of two 64-row warpgroups is fastest; with per-row multipliers
+# of b (wgrad) each promotion multiplies twice, and a 128 x 256 CTA of two 128 x 128 warpgroups,
+# which reads less per FLOP, wins.
+BLOCKS = Tuning(tile_m=64, tile_n=128, wg_dim="m", stages=4, grid_width=16)
+ROWS = Tuning(tile_m=128, tile_n=128, wg_dim="n", stages=3, grid_width=16)
+DEFAULT = BLOCKS
+
+
+def takes(m: int, n: int, k: int, block: int, tuning: Tuning = DEFAULT) -> bool:
+    """Whether the kernel takes [m, k] . [n, k]^T as it is: whole cluster tiles and tiles of K."""
+    rows, cols = tuning.cluster_tile
+    return block == 128 and m % rows == 0 and n % cols == 0 and k % block == 0
+
+
+def tuning_for(m: int, n: int, k: int, block: int, b_blocks: bool) -> Tuning | None:
+    """The tuning for a GEMM's shape and b's multipliers, or None where no tuning tiles it."""
+    for tuning in (BLOCKS,) if b_blocks else (ROWS, BLOCKS):
+        if takes(m, n, k, block, tuning):
+            return tuning
+    return None
+
+
+def available() -> bool:
+    """Whether this JAX has Pallas' Mosaic GPU backend."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    return True
+
+
+def _check(tuning: Tuning) -> None:
+    ok = (
+        tuning.tile_m in (64, 128)
+        and tuning.tile_n in (64, 128)
+        and tuning.wg_dim in ("m", "n")
+        and tuning.grid_minor in ("m", "n")
+        and tuning.cluster in (None, "m", "n")
+        and tuning.stages >= 2
+        and tuning.tile_n % tuning.epi_n == 0
+    )
+    if not ok:
+        raise ValueError(f"block_gemm_mgpu: unsupported tuning {tuning}")
+
+
+def _kernel(
+    a_gmem,
+    b_gmem,
+    a_s_gmem,
+    b_s_gmem,
+    out_gmem,
+    *,
+    tuning: Tuning,
+    block: int,
+    scalar_b: bool,
+):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = a_gmem.shape
+    n = b_gmem.shape[0]
+    out_dtype = out_gmem.dtype
+    tile_m, tile_n, epi_n = tuning.tile_m, tuning.tile_n, tuning.epi_n
+    cta_m, cta_n = tuning.cta
+    cl_m, cl_n = tuning.cluster_tile
+    m_iters, n_iters, k_iters = m // cl_m, n // cl_n, k // block
+
+    # FP8 tiles are 128 bytes wide along K: 128-byte swizzle, 8-row tiling (WGMMA's layout).
+    swizzle = plgpu.find_swizzle(block * 8)
+    fp8_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(epi_n * out_bytes * 8)
+    out_transforms = (
+        plgpu.TilingTransform((8, out_swizzle // out_bytes)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
+    a_shared = ("cluster",) if tuning.cluster == "n" else ()  # a's rows serve both CTAs
+    b_shared = ("cluster",) if tuning.cluster == "m" else ()
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (cta_m, block),
+                    lambda t: (0, t),
+                    transforms=fp8_transforms,
+                    memory_space=plgpu.SMEM,
+                    collective_axes=a_shared,
+                ),
+                plgpu.BlockSpec(
+                    (cta_n, block),
+                    lambda t: (0, t),
+                    transforms=fp8_transforms,
+                    memory_space=plgpu.SMEM,
+                    collective_axes=b_shared,
+                ),
+                plgpu.BlockSpec(
+                    (1, cta_m), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=a_shared
+                ),
+                plgpu.BlockSpec(
+                    (1, cta_n), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=b_shared
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_WGS,
+            max_concurrent_steps=tuning.stages,
+            compute_context=context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, a_s_gmem, b_s_gmem),
+        out_smem=plgpu.SMEM(
+            (COMPUTE_WGS, 2, WGMMA_ROWS, epi_n), out_dtype, transforms=out_transforms
+        ),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        def _tiles(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(
+                lin, (m_iters, n_iters), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
+            )
+            if tuning.cluster == "m":
+                mi = mi * 2 + cta
+            elif tuning.cluster == "n":
+                ni = ni * 2 + cta
+            cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+            wg_rows = pl.ds(wg * tile_m, tile_m) if tuning.wg_dim == "m" else pl.ds(0, tile_m)
+            wg_cols = pl.ds(wg * tile_n, tile_n) if tuning.wg_dim == "n" else pl.ds(0, tile_n)
+            subs = tile_m // WGMMA_ROWS
+            ROW, COL = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+            def scales(a_s_smem, b_s_smem, rows):
+                """A sub-tile's multipliers: per row [64] (a's, times b's block multiplier with
+                ``scalar_b``), and b's per column [tile_n] otherwise (None)."""
+                a_s = _load(plgpu, a_s_smem.at[0, rows], ROW)
+                if scalar_b:  # this warpgroup's columns lie in one b block: 64 copies of it
+                    b_one = _load(plgpu, b_s_smem.at[0, pl.ds(wg_cols.start, WGMMA_ROWS)], ROW)
+                    return a_s * b_one, None
+                return a_s, _load(plgpu, b_s_smem.at[0, wg_cols], COL)
+
+            def promote(acc, partial, a_s, b_s):
+                shape = (WGMMA_ROWS, tile_n)
+                scaled = partial * lax.broadcast_in_dim(a_s, shape, [0])
+                if b_s is not None:
+                    scaled = scaled * lax.broadcast_in_dim(b_s, shape, [1])
+                return acc + scaled
+
+            def body(_, a_smem, b_smem, a_s_smem, b_s_smem, acc):
+                acc = list(acc)
+                b_t = plgpu.transpose_ref(b_smem.at[wg_cols], (1, 0))  # [block, tile_n], K-major
+                pending = None  # (sub-tile, partial, multipliers) awaiting promotion
+                for i in range(subs):  # a 64-row WGMMA each; the previous one promoted meanwhile
+                    rows = pl.ds(wg_rows.start + i * WGMMA_ROWS, WGMMA_ROWS)
+
+                    def mma(tmp_ref, rows=rows, pending=pending):
+                        plgpu.wgmma(tmp_ref, a_smem.at[rows], b_t)
+                        promoted = (
+                            None if pending is None else promote(acc[pending[0]], *pending[1:])
+                        )
+                        return tmp_ref[...], scales(a_s_smem, b_s_smem, rows), promoted
+
+                    partial, (a_s, b_s), promoted = pl.run_scoped(
+                        mma, plgpu.ACC((WGMMA_ROWS, tile_n), jnp.float32)
+                    )
+                    if pending is not None:
+                        acc[pending[0]] = promoted
+                    pending = (i, partial, a_s, b_s)
+                acc[pending[0]] = promote(acc[pending[0]], *pending[1:])
+                return tuple(acc)
+
+            def context(run):
+                # The accumulators: 64-row f32 fragments in WGMMA's register layout.
+                zero = plgpu.layout_cast(
+                    jnp.zeros((WGMMA_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                )
+                acc = run((zero,) * subs)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                slot = 0
+                for i in range(subs):
+                    y = acc[i].astype(out_dtype)
+                    for j in range(tile_n // epi_n):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = y[:, j * epi_n : (j + 1) * epi_n]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            out_gmem.at[cta_rows, cta_cols]
+                            .at[pl.ds(wg_rows.start + i * WGMMA_ROWS, WGMMA_ROWS)]
+                            .at[:, pl.ds(wg_cols.start + j * epi_n, epi_n)],
+                        )
+                        slot = 1 - slot
+
+            pipeline(body, context)(
+                a_gmem.at[cta_rows],
+                b_gmem.at[cta_cols],
+                a_s_gmem.at[:, cta_rows],
+                b_s_gmem.at[:, cta_cols],
+                allocations=allocs,
+            )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _load(plgpu, ref, layout):
+    """``ref`` read into registers in ``layout`` (older JAX takes the index positionally)."""
+    needs_idx = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+    return plgpu.load(ref, (), layout=layout) if needs_idx else plgpu.load(ref, layout=layout)
+
+
+def _num_sms() -> int:
+    from jax.extend import backend
+
+    return getattr(backend.get_default_device(), "core_count", 132)  # CPUs trace only
+
+
+def block_scaled_dot(
+    a_MxK: jax.Array,
+    a_inv_TxM: jax.Array,
+    b_NxK: jax.Array,
+    b_inv_TxN: jax.Array,
+    *,
+    block: int = 128,
+    out_dtype=jnp.bfloat16,
+    b_blocks: bool = False,
+    tuning: Tuning = DEFAULT,
+) -> jax.Array:
+    """``y`` [M, N] by the contract, with the multipliers transposed: a's [T, M], b's [T, N].
+
+    The operands must be whole tiles (``takes``); one multiplier per row of b and tile, which
+    with ``b_blocks`` repeats each ``block`` x ``block`` tile's multiplier along its rows (a
+    warpgroup then reads one multiplier of b per tile and promotes with a * b per row).
+    """
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    _check(tuning)
+    (m, k), n = a_MxK.shape, b_NxK.shape[0]
+    if not takes(m, n, k, block, tuning):
+        raise ValueError(
+            f"block_gemm_mgpu: [{m}, {k}] . [{n}, {k}]^T with block {block} is not whole "
+            f"{tuning.cluster_tile} tiles and tiles of K"
+        )
+    cluster = 2 if tuning.cluster else 1
+    sms = _num_sms()
+    f = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tuning=tuning,
+            block=block,
+            scalar_b=b_blocks and block % tuning.tile_n == 0,
+        ),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(sms // cluster,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        kernel_name=KERNEL_NAME,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    with jax.named_scope(KERNEL_NAME):  # the custom call's name stack, which coverage reads
+        return f(
+            a_MxK,
+            b_NxK,
+            jnp.asarray(a_inv_TxM, jnp.float32),
+            jnp.asarray(b_inv_TxN, jnp.float32),
+        )

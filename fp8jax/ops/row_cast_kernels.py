@@ -141,7 +141,11 @@ def pallas_cast_transpose_rows(
     As ``block_cast.cast_transpose_rows``. ``tuning``: ``(bm, bk, amax warps, cast warps)``,
     default ``blocks(x.shape)`` and 4 warps each; sides must be multiples of bm and bk.
     """
-    bm, bk, amax_warps, cast_warps = tuning or (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
+    if tuning is None:
+        if blocks(x_MxK.shape) is None:
+            raise ValueError(f"x_MxK sides must be multiples of 16, got shape {x_MxK.shape}")
+        tuning = (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
+    bm, bk, amax_warps, cast_warps = tuning
     amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps)
     scale_M, inv_M = block_cast_kernels.tile_scales(amax_M, fmt, recipe)
     scale_K, inv_K = block_cast_kernels.tile_scales(amax_K, fmt, recipe)

@@ -11,6 +11,14 @@ and reports the effective bandwidth: bytes read once plus both FP8 layouts writt
 ``--sweep`` also times the kernel's tunings (block rows x columns, Triton warps and stages) on
 each shape, checks each against XLA's bits, and names the fastest (on CPUs through Pallas'
 interpreter: a check of the sweep, not a timing). Writes ``cast_transpose.json``.
+
+``--rowwise`` times the rowwise recipe's cast instead, ``fp8jax.ops.block_cast.
+cast_transpose_rows`` (x per row and x.T per row, with their inverse scales and amaxes), on
+gpt_1b3's operands: XLA's references against the two-pass kernels (``'interpret'`` on CPUs,
+so ``--quick`` checks the kernels' bits there), calls queued back to back; with ``--sweep``
+the kernels' tunings, each pass timed alone too. Writes ``cast_transpose_rows.json``:
+
+    PYTHONUNBUFFERED=1 python -m benchmarks.cast_transpose --rowwise --sweep --out "$OUT"
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import runner
-from fp8jax.ops import formats, kernels
+from fp8jax.ops import block_cast, formats, kernels, row_cast_kernels, scaling
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
 SHAPES = [
@@ -176,13 +184,154 @@ BEST_COLUMNS = {
 }
 
 
+# The rowwise recipe's operands in gpt_1b3's step (batch 8 x 2048): x and dy (E4M3, the recipe's
+# default grad format) and the f32 weights at O1.
+ROWWISE_SHAPES = [
+    ("x of q/kv/o/wi (bf16)", (16384, 2048), jnp.bfloat16, "e4m3"),
+    ("x of mlp wo, dy of wi (bf16)", (16384, 8192), jnp.bfloat16, "e4m3"),
+    ("w of mlp wi (f32, O1)", (2048, 8192), jnp.float32, "e4m3"),
+]
+# (bm, bk, warps of the amax pass, warps of the cast pass); the kernels' default first.
+ROW_TUNINGS = [
+    (64, 128, 4, 4),
+    (32, 128, 4, 4),
+    (64, 128, 8, 8),
+    (128, 64, 4, 4),
+    (128, 128, 4, 4),
+    (128, 128, 8, 8),
+    (64, 256, 4, 8),
+    (128, 256, 8, 8),
+]
+
+
+def _time_queued(fn, args, iters: int) -> float:
+    """Seconds per call of ``iters`` calls queued back to back with one wait at the end: the
+    device's time per call once dispatch runs ahead of it."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / iters
+
+
+def _same_rows(a, b) -> bool:
+    """All of ``cast_transpose_rows``' outputs bit-identical (no NaN in the benchmark's data)."""
+    bits = lambda t: np.atleast_1d(np.asarray(t)).view(np.uint8)  # noqa: E731
+    return all(np.array_equal(bits(u), bits(v)) for u, v in zip(a, b, strict=True))
+
+
+def sweep_rows(x, fmt, recipe, ref, moved: int, iters: int, interpret: bool) -> list[dict]:
+    """One row per tuning that fits x: microseconds of both passes and of each alone, GB/s,
+    bits equal to ``ref``."""
+    rows = []
+    ones_M, ones_K = jnp.ones(x.shape[:1], jnp.float32), jnp.ones(x.shape[1:], jnp.float32)
+    for bm, bk, amax_warps, cast_warps in ROW_TUNINGS:
+        if x.shape[0] % bm or x.shape[1] % bk:
+            continue
+        row = {"bm": bm, "bk": bk, "amax_warps": amax_warps, "cast_warps": cast_warps}
+        tuning = (bm, bk, amax_warps, cast_warps)
+        both = jax.jit(
+            lambda x, t=tuning: row_cast_kernels.pallas_cast_transpose_rows(
+                x, fmt, recipe, interpret, t
+            )
+        )
+        amax = jax.jit(
+            lambda x, t=tuning: row_cast_kernels.pallas_row_col_amax(x, *t[:2], interpret, t[2])
+        )
+        cast = jax.jit(
+            lambda x, s, st, t=tuning: row_cast_kernels.pallas_cast_rows_cols(
+                x, s, st, fmt, *t[:2], interpret, t[3]
+            )
+        )
+        try:
+            row["same_bits"] = _same_rows(jax.device_get(both(x)), ref)
+            sec = _time_queued(both, (x,), iters)
+            row.update(us=sec * 1e6, gb_s=moved / sec / 1e9)
+            row["amax_us"] = _time_queued(amax, (x,), iters) * 1e6
+            row["cast_us"] = _time_queued(cast, (x, ones_M, ones_K), iters) * 1e6
+        except Exception as e:  # a tuning that does not compile (registers, shared memory)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def measure_rows(name, shape, dtype, fmt, iters: int, sweep_too: bool, on_gpu: bool) -> dict:
+    """One tensor's row of ``--rowwise``: XLA's and the kernels' time and bandwidth (bytes read
+    once plus both FP8 layouts written), same bits, the sweep."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    recipe = scaling.RowwiseScaling()
+    moved = x.size * jnp.dtype(dtype).itemsize + 2 * x.size
+    row = {"tensor": name, "shape": list(shape), "dtype": jnp.dtype(dtype).name, "fmt": fmt}
+    outs = {}
+    # On CPUs 'pallas' is XLA's ops: the interpreter runs the kernels there instead.
+    for label, impl in (("xla", "xla"), ("kernel", "pallas" if on_gpu else "interpret")):
+        fn = jax.jit(lambda x, impl=impl: block_cast.cast_transpose_rows(x, fmt, recipe, impl))
+        try:
+            outs[label] = jax.device_get(fn(x))
+            sec = _time_queued(fn, (x,), iters)
+            row.update({f"{label}_us": sec * 1e6, f"{label}_gb_s": moved / sec / 1e9})
+        except Exception as e:  # a kernel that does not compile here is a result too
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if len(outs) == 2:
+        row["same_bits"] = _same_rows(outs["xla"], outs["kernel"])
+        row["speedup"] = row["xla_us"] / row["kernel_us"]
+    if sweep_too and "xla" in outs:
+        row["sweep"] = sweep_rows(x, fmt, recipe, outs["xla"], moved, iters, not on_gpu)
+        timed = [t for t in row["sweep"] if "us" in t]
+        row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
+    return row
+
+
+ROW_COLUMNS = {
+    "shape": lambda r: "x".join(map(str, r["shape"])),
+    "dtype": lambda r: r["dtype"],
+    "xla us": lambda r: f"{r['xla_us']:.1f}",
+    "GB/s": lambda r: f"{r['xla_gb_s']:.0f}",
+    "kernel us": lambda r: f"{r['kernel_us']:.1f}",
+    "kernel GB/s": lambda r: f"{r['kernel_gb_s']:.0f}",
+    "speedup": lambda r: f"{r['speedup']:.2f}x",
+    "same": lambda r: r["same_bits"],
+    "error": lambda r: (r.get("xla_error") or r["kernel_error"])[:60],
+}
+ROW_BEST_COLUMNS = {
+    "best (bm, bk, amax warps, cast warps)": lambda r: str(
+        tuple(r["best"][k] for k in ("bm", "bk", "amax_warps", "cast_warps"))
+    ),
+    "us": lambda r: f"{r['best']['us']:.1f}",
+    "amax pass us": lambda r: f"{r['best']['amax_us']:.1f}",
+    "cast pass us": lambda r: f"{r['best']['cast_us']:.1f}",
+    "GB/s": lambda r: f"{r['best']['gb_s']:.0f}",
+    "same": lambda r: r["best"]["same_bits"],
+    "errors": lambda r: sum("error" in t for t in r["sweep"]),
+}
+
+
+def main_rows(a, on_gpu: bool) -> None:
+    """``--rowwise``: the table and ``cast_transpose_rows.json``."""
+    rows = []
+    for name, shape, dtype, fmt in ROWWISE_SHAPES:
+        if a.quick:  # sides stay multiples of the kernels' blocks
+            shape = (shape[0] // 64, shape[1] // 16)
+        rows.append(measure_rows(name, shape, dtype, fmt, a.iters, a.sweep, on_gpu))
+        print(json.dumps(rows[-1]), flush=True)
+    info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    runner.write_json(a.out, "cast_transpose_rows", {**info, "rows": rows})
+    print("\n" + runner.table(rows, ROW_COLUMNS, "tensor"))
+    if a.sweep:
+        print("\n" + runner.table(rows, ROW_BEST_COLUMNS, "tensor"))
+
+
 def main(argv=None):
     p = runner.parser(__doc__, child=False)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time the kernel's tunings")
+    p.add_argument("--rowwise", action="store_true", help="the rowwise recipe's cast instead")
     a = runner.parse_args(p, argv)
     on_gpu = jax.devices()[0].platform == "gpu"
+    if a.rowwise:
+        return main_rows(a, on_gpu)
     rows = []
     for name, shape, dtype, fmt in SHAPES:
         if a.quick:

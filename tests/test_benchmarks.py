@@ -537,6 +537,18 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     assert reduces_in_body(True)
 
 
+def test_cast_transpose_rowwise_checks_the_kernels_and_their_tunings():
+    """--rowwise on a CPU: the kernels through Pallas' interpreter, each tuning that fits."""
+    import jax.numpy as jnp
+
+    row = cast_transpose.measure_rows("x", (32, 128), jnp.bfloat16, "e4m3", 1, True, False)
+    assert row["same_bits"] and row["xla_us"] > 0 and row["kernel_us"] > 0, row
+    fits = [t for t in cast_transpose.ROW_TUNINGS if 32 % t[0] == 0 and 128 % t[1] == 0]
+    assert len(row["sweep"]) == len(fits) >= 1
+    assert all(t["same_bits"] and t["amax_us"] > 0 and t["cast_us"] > 0 for t in row["sweep"])
+    assert "x" in cast_transpose.runner.table([row], cast_transpose.ROW_COLUMNS, "tensor")
+
+
 def test_block_gemm_measures_a_layout_and_checks_the_kernel():
     """One GEMM's row (Pallas' interpreter on CPU) and the kernel-vs-reference check."""
     args = argparse.Namespace(reps=1, min_rep_s=0.0, max_iters=1)  # one call per timing

@@ -11,7 +11,8 @@ partial tile, scaled by the amax of the elements it has (zero padding changes no
 
 ``cast_transpose_tiles`` and ``cast_transpose_blocks`` write both GEMM layouts of an operand with
 their scales in one pass: a Pallas kernel (``block_cast_kernels``) lowered to Triton on CUDA,
-these references elsewhere, the same bits either way.
+these references elsewhere, the same bits either way. ``cast_transpose_rows`` does so for the
+rowwise recipe in two passes (``row_cast_kernels``: a row's scale needs the whole row first).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import block_cast_kernels, formats, kernels, scaling
+from fp8jax.ops import block_cast_kernels, formats, kernels, row_cast_kernels, scaling
 
 
 def _pad_to(x: jax.Array, axis: int, tile: int) -> jax.Array:
@@ -80,27 +81,33 @@ def dequantize_blocks(q_KxN: jax.Array, inv_KbxNb: jax.Array, block: int) -> jax
     return q_KxN.astype(jnp.float32) * inv
 
 
-def _check_cast(x: jax.Array, fmt, tile: int, name: str) -> None:
-    """One-line errors for what the fused casts do not take."""
+def _check_operand(x: jax.Array, fmt, name: str, dtypes: tuple) -> None:
+    """One-line errors for a format, a rank or a dtype that a fused cast does not take."""
     formats.as_dtype(fmt)
     if x.ndim != 2:
         raise ValueError(f"{name} must be 2-D, got shape {x.shape}: reshape it to [rows, K] first")
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise TypeError(f"{name} must be bfloat16 or float32, got {x.dtype}: cast it first")
+    if jnp.dtype(x.dtype) not in tuple(map(jnp.dtype, dtypes)):
+        names = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {x.dtype}: cast it first")
+
+
+def _check_cast(x: jax.Array, fmt, tile: int, name: str) -> None:
+    """One-line errors for what the fused tile and block casts do not take."""
+    _check_operand(x, fmt, name, (jnp.bfloat16, jnp.float32))
     if not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
         raise ValueError(f"FP8 tile must be a power of two >= 16, got {tile!r}: use 128")
 
 
-def _dispatch(impl: str, x: jax.Array, tile: int, reference, pallas):
+def _dispatch(impl: str, x: jax.Array, takes: bool, reference, pallas):
     """``reference(x)`` or ``pallas(x, interpret)``, as ``kernels.cast_transpose`` picks.
 
-    'xla', and shapes the kernel does not take (``block_cast_kernels.kernel_takes``: sides not
-    whole tiles, tiles over ``MAX_KERNEL_TILE``), run the reference; 'interpret' the kernel in
-    Pallas' interpreter; 'pallas' (and 'auto' on GPUs) the Triton kernel when lowered for CUDA
-    and the reference for any other platform.
+    'xla', and shapes the kernel does not take (``takes`` false: e.g. sides not whole tiles,
+    tiles over ``block_cast_kernels.MAX_KERNEL_TILE``), run the reference; 'interpret' the
+    kernel in Pallas' interpreter; 'pallas' (and 'auto' on GPUs) the Triton kernel when lowered
+    for CUDA and the reference for any other platform.
     """
     impl = kernels.resolve_impl(impl)
-    if impl == "xla" or not block_cast_kernels.kernel_takes(x.shape, tile):
+    if impl == "xla" or not takes:
         return reference(x)
     if impl == "interpret":
         return pallas(x, True)
@@ -128,7 +135,7 @@ def cast_transpose_tiles(
     return _dispatch(
         impl,
         x_MxK,
-        tile,
+        block_cast_kernels.kernel_takes(x_MxK.shape, tile),
         reference,
         lambda x, interpret: block_cast_kernels.pallas_cast_transpose_tiles(
             x, fmt, tile, recipe, interpret
@@ -154,9 +161,40 @@ def cast_transpose_blocks(
     return _dispatch(
         impl,
         w_KxN,
-        block,
+        block_cast_kernels.kernel_takes(w_KxN.shape, block),
         reference,
         lambda w, interpret: block_cast_kernels.pallas_cast_transpose_blocks(
             w, fmt, block, recipe, interpret
         ),
+    )
+
+
+def cast_transpose_rows(
+    x_MxK: jax.Array, fmt, recipe: scaling.Recipe, impl: str = kernels.AUTO
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)``: x and x.T per row.
+
+    ``q, inv, amax`` are ``quantize_tiles(x)``'s with one tile per row (along K), ``qt, inv_t,
+    amax_t`` are ``quantize_tiles(x.T)``'s (one per column of x, along M): the rowwise recipe's
+    two layouts of an operand. The kernels (``row_cast_kernels``) read x twice, once for the
+    row and column amaxes and once for both FP8 copies; the references read it for each of x
+    and x.T. ``x`` bfloat16, float16 or float32; ``fmt`` 'e4m3' or 'e5m2'; ``impl`` as in
+    ``kernels.cast_transpose``; sides that are not multiples of 16 take the references.
+    """
+    _check_operand(x_MxK, fmt, "x_MxK", (jnp.bfloat16, jnp.float16, jnp.float32))
+    kernels.check_impl(impl)
+    takes = row_cast_kernels.blocks(x_MxK.shape) is not None
+
+    def reference(x):
+        m, k = x.shape
+        q, inv, amax = quantize_tiles(x, fmt, k, recipe)
+        qt, inv_t, amax_t = quantize_tiles(x.T, fmt, m, recipe)
+        return q, inv, qt, inv_t, amax, amax_t
+
+    return _dispatch(
+        impl,
+        x_MxK,
+        takes,
+        reference,
+        lambda x, interpret: row_cast_kernels.pallas_cast_transpose_rows(x, fmt, recipe, interpret),
     )

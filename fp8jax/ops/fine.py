@@ -16,6 +16,9 @@ on the quantized operands and the output is multiplied by the row and column inv
 Block scales along K do not: ``block_gemm.block_scaled_dot`` rescales each T-wide partial
 product into an f32 accumulator. x and w are E4M3 (precision); dy is the recipe's
 ``grad_format``, E4M3 by default, since per-row or per-tile scales follow a gradient's range.
+Each operand's two layouts come from one ``block_cast`` call (``cast_transpose_rows``,
+``cast_transpose_tiles``, ``cast_transpose_blocks``): fused Pallas kernels on CUDA GPUs
+(``GemmConfig.cast``), the XLA references elsewhere, the same bits either way.
 
 The FP8 state keeps per-tensor amaxes for health reporting only (recorded as under current
 scaling); the scales themselves are never stored.
@@ -65,23 +68,22 @@ def check_unbatched(recipe, batched: bool) -> None:
         )
 
 
-def _rows(x_MxK, fmt, recipe):
-    """One scale per row along the last axis: ``(q, inv [M, 1], amax)``."""
-    return block_cast.quantize_tiles(x_MxK, fmt, x_MxK.shape[1], recipe)
-
-
 def _scaled(y_MxN, inv_rows_M1, inv_cols_N1, dtype):
     """A rowwise GEMM's output times its row and column inverse scales, in f32."""
     return (y_MxN.astype(jnp.float32) * inv_rows_M1 * inv_cols_N1[:, 0][None, :]).astype(dtype)
 
 
 def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
-    # E4M3 for x and w. Forward: x per row (along K), w per column (w.T per row, along K);
-    # wgrad's copies: x.T per row (along M); dgrad's: w per row (along N).
-    xq, x_inv, amax_x = _rows(x, formats.E4M3, recipe)
-    wq_t, wt_inv, amax_w = _rows(w.T, formats.E4M3, recipe)
-    xq_t, xt_inv, _ = _rows(x.T, formats.E4M3, recipe)
-    wq, w_inv, _ = _rows(w, formats.E4M3, recipe)
+    impl = cfg.cast
+    # E4M3 for x and w, each in both layouts in one call. x per row (along K) for this GEMM and
+    # x.T per row (along M) for wgrad; w.T per row (w per column, along K) for this GEMM and w
+    # per row (along N) for dgrad. w's recorded amax is w.T's rows', as its forward operand's.
+    xq, x_inv, xq_t, xt_inv, amax_x, _ = block_cast.cast_transpose_rows(
+        x, formats.E4M3, recipe, impl
+    )
+    wq, w_inv, wq_t, wt_inv, _, amax_w = block_cast.cast_transpose_rows(
+        w, formats.E4M3, recipe, impl
+    )
     y = gemm.mm(xq, wq_t, 1, 1, False, gemm.acc_dtype(cfg.out_dtype))  # [M, N]
     y = _scaled(y, x_inv, wt_inv, cfg.out_dtype)
     return y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
@@ -89,8 +91,9 @@ def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
 
 def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype):
     xq_t, xt_inv, wq, w_inv = res
-    gq, g_inv, amax_g = _rows(g, fmt, recipe)  # dgrad: dy per row, along N
-    gq_t, gt_inv, _ = _rows(g.T, fmt, recipe)  # wgrad: dy.T per row, along M
+    # dy in the recipe's grad format: per row (along N) for dgrad, dy.T per row (along M) for
+    # wgrad, both in one call.
+    gq, g_inv, gq_t, gt_inv, amax_g, _ = block_cast.cast_transpose_rows(g, fmt, recipe, cfg.cast)
     dx = gemm.mm(gq, wq, 1, 1, False, gemm.acc_dtype(dx_dtype))  # [M, K], N contracted
     dw = gemm.mm(xq_t, gq_t, 1, 1, False, gemm.acc_dtype(gemm.wgrad_dtype(cfg)))  # [K, N]
     return _scaled(dx, g_inv, w_inv, dx_dtype), _scaled(dw, xt_inv, gt_inv, cfg.w_dtype), amax_g

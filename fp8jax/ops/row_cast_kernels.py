@@ -1,0 +1,156 @@
+"""Pallas kernels of the rowwise cast: both GEMM layouts of an operand, one scale per row of each.
+
+The rowwise recipe quantizes x [M, K] per row along K (the forward / dgrad operand) and x.T per
+row along M, i.e. x per column (the wgrad operand). A row's scale needs the whole row's amax, so
+one pass cannot both find the scales and apply them; two passes over x do it:
+
+1. ``pallas_row_col_amax`` reads each [bm, bk] block of x once and writes its rows' and columns'
+   partial maxima; a small XLA max over the blocks gives every row's and column's amax.
+2. ``pallas_cast_rows_cols`` reads x once more and writes q [M, K] (x times its row scales) and
+   qt [K, M] (x times its column scales, transposed) in FP8.
+
+The scales between the passes are ``block_cast_kernels.tile_scales`` of those amaxes in XLA, the
+references' own ops on the same values; pass 2 multiplies, saturates and casts as
+``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``' bits for x and x.T with
+one tile per row. ``tile_abs`` maps every non-finite element to Inf before a max: a row or
+column with one keeps scale 1 and its non-finite elements come out NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.ops import block_cast_kernels, formats, scaling
+
+# Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. 64 rows x 128
+# columns with 4 warps is the tensorwise cast_transpose kernel's tuning, which writes the same
+# two FP8 layouts from the same block.
+ROW_BLOCKS, COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
+_AMAX_WARPS, _CAST_WARPS = 4, 4
+
+
+def blocks(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(bm, bk)``: the largest ``ROW_BLOCKS`` x ``COL_BLOCKS`` block that tiles a 2-D ``shape``,
+    or None where none does (a side not a multiple of 16, or empty): the references' shapes."""
+    if len(shape) != 2 or 0 in shape:
+        return None
+    bm = next((b for b in ROW_BLOCKS if shape[0] % b == 0), None)
+    bk = next((b for b in COL_BLOCKS if shape[1] % b == 0), None)
+    return None if bm is None or bk is None else (bm, bk)
+
+
+def _params(num_warps: int):
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def _amax_kernel(x_ref, row_ref, col_ref):
+    abs_bxk = block_cast_kernels.tile_abs(x_ref[...].astype(jnp.float32))  # block (i, j), once
+    row_ref[...] = jnp.max(abs_bxk, axis=1)  # [bm]: its rows over block column j's K slice
+    col_ref[...] = jnp.max(abs_bxk, axis=0)  # [bk]: its columns over block row i's M slice
+
+
+def pallas_row_col_amax(
+    x_MxK: jax.Array, bm: int, bk: int, interpret: bool, num_warps: int = _AMAX_WARPS
+) -> tuple[jax.Array, jax.Array]:
+    """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs(x)``, one read of x."""
+    from jax.experimental import pallas as pl
+
+    m, k = x_MxK.shape
+    gm, gk = m // bm, k // bk
+    row_MxGk, col_GmxK = pl.pallas_call(
+        _amax_kernel,
+        grid=(gm, gk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j))],
+        out_specs=[
+            pl.BlockSpec((bm, pl.squeezed), lambda i, j: (i, j)),
+            pl.BlockSpec((pl.squeezed, bk), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, gk), jnp.float32),
+            jax.ShapeDtypeStruct((gm, k), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=_params(num_warps),
+        name="fp8_row_col_amax",
+    )(x_MxK)
+    # Max is exact in any order: the partials' max is the rows' and columns' own.
+    return jnp.max(row_MxGk, axis=1), jnp.max(col_GmxK, axis=0)
+
+
+def _cast_kernel(x_ref, s_row_ref, s_col_ref, q_ref, qt_ref, *, dtype, limit: float):
+    x_bxk = x_ref[...].astype(jnp.float32)  # block (i, j) of x, read once
+    finite_bxk = jnp.isfinite(x_bxk)
+    # FP8 (E4M3 for x and w, the grad format for dy) of x scaled per row for q, per column for
+    # qt. f32 multiply and clip before the narrow cast, as formats.quantize: out-of-range values
+    # saturate, Inf and NaN become NaN.
+    q_ref[...] = formats.saturate(x_bxk * s_row_ref[...][:, None], finite_bxk, limit).astype(dtype)
+    yt_bxk = formats.saturate(x_bxk * s_col_ref[...][None, :], finite_bxk, limit)
+    qt_ref[...] = yt_bxk.astype(dtype).T  # cast first: a quarter of the bytes to transpose
+
+
+def pallas_cast_rows_cols(
+    x_MxK: jax.Array,
+    scale_M: jax.Array,
+    scale_K: jax.Array,
+    fmt,
+    bm: int,
+    bk: int,
+    interpret: bool,
+    num_warps: int = _CAST_WARPS,
+) -> tuple[jax.Array, jax.Array]:
+    """``(q [M, K], qt [K, M])``: ``saturate(x * scale_M[:, None])`` and
+    ``saturate(x * scale_K[None, :]).T`` cast to ``fmt``, one read of x."""
+    from jax.experimental import pallas as pl
+
+    m, k = x_MxK.shape
+    dtype = formats.as_dtype(fmt)
+    kernel = functools.partial(_cast_kernel, dtype=dtype, limit=formats.fmax(dtype))
+    return pl.pallas_call(
+        kernel,
+        grid=(m // bm, k // bk),
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+            pl.BlockSpec((bm,), lambda i, j: (i,)),
+            pl.BlockSpec((bk,), lambda i, j: (j,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+            pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, m), dtype)],
+        interpret=interpret,
+        compiler_params=_params(num_warps),
+        name="fp8_cast_rows_cols",
+    )(x_MxK, scale_M.astype(jnp.float32), scale_K.astype(jnp.float32))
+
+
+def pallas_cast_transpose_rows(
+    x_MxK: jax.Array,
+    fmt,
+    recipe: scaling.Recipe,
+    interpret: bool,
+    tuning: tuple[int, int, int, int] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)`` of x, two kernels.
+
+    As ``block_cast.cast_transpose_rows``. ``tuning``: ``(bm, bk, amax warps, cast warps)``,
+    default ``blocks(x.shape)`` and 4 warps each; sides must be multiples of bm and bk.
+    """
+    if tuning is None:
+        if blocks(x_MxK.shape) is None:
+            raise ValueError(f"x_MxK sides must be multiples of 16, got shape {x_MxK.shape}")
+        tuning = (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
+    bm, bk, amax_warps, cast_warps = tuning
+    amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps)
+    scale_M, inv_M = block_cast_kernels.tile_scales(amax_M, fmt, recipe)
+    scale_K, inv_K = block_cast_kernels.tile_scales(amax_K, fmt, recipe)
+    q, qt = pallas_cast_rows_cols(x_MxK, scale_M, scale_K, fmt, bm, bk, interpret, cast_warps)
+    amax, amax_t = (
+        scaling.sanitize_amax(block_cast_kernels.finite_max(a)) for a in (amax_M, amax_K)
+    )
+    return q, inv_M[:, None], qt, inv_K[:, None], amax, amax_t

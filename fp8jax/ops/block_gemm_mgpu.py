@@ -313,8 +313,6 @@ def block_scaled_dot(
     with ``b_blocks`` repeats each ``block`` x ``block`` tile's multiplier along its rows (a
     warpgroup then reads one multiplier of b per tile and promotes with a * b per row).
     """
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     _check(tuning)
     (m, k), n = a_MxK.shape, b_NxK.shape[0]
     if not takes(m, n, k, block, tuning):
@@ -322,17 +320,32 @@ def block_scaled_dot(
             f"block_gemm_mgpu: [{m}, {k}] . [{n}, {k}]^T with block {block} is not whole "
             f"{tuning.cluster_tile} tiles and tiles of K"
         )
-    cluster = 2 if tuning.cluster else 1
-    sms = _num_sms()
-    f = plgpu.kernel(
-        functools.partial(
-            _kernel,
-            tuning=tuning,
+    out_dtype = jnp.dtype(out_dtype)
+    with jax.named_scope(KERNEL_NAME):  # the custom call's name stack, which coverage reads
+        return _launch(
+            a_MxK,
+            b_NxK,
+            jnp.asarray(a_inv_TxM, jnp.float32),
+            jnp.asarray(b_inv_TxN, jnp.float32),
             block=block,
+            out_dtype=out_dtype,
             scalar_b=b_blocks and block % tuning.tile_n == 0,
-        ),
+            tuning=tuning,
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("block", "out_dtype", "scalar_b", "tuning"))
+def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tuning):
+    """The kernel's launch, jitted: every call of one shape, dtype and tuning in a program
+    shares one traced and lowered kernel (a model's layers lower it once, not once a layer)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (m, _), n = a_MxK.shape, b_NxK.shape[0]
+    cluster = 2 if tuning.cluster else 1
+    f = plgpu.kernel(
+        functools.partial(_kernel, tuning=tuning, block=block, scalar_b=scalar_b),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(sms // cluster,),
+        grid=(_num_sms() // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
         cluster_names=("cluster",),
@@ -341,10 +354,4 @@ def block_scaled_dot(
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    with jax.named_scope(KERNEL_NAME):  # the custom call's name stack, which coverage reads
-        return f(
-            a_MxK,
-            b_NxK,
-            jnp.asarray(a_inv_TxM, jnp.float32),
-            jnp.asarray(b_inv_TxN, jnp.float32),
-        )
+    return f(a_MxK, b_NxK, a_s_TxM, b_s_TxN)

@@ -7,18 +7,23 @@ the layout FP8 WGMMA takes), one f32 multiplier per row of a and per row of b fo
     partial = dot(a[:, tile t], b[:, tile t]^T)              # f32, in the tensor cores
     acc = acc + (partial * a_inv[:, t][:, None]) * b_inv[:, t][None, :]
 
+except that where b's multipliers come from ``block`` x ``block`` tiles (one per warpgroup and
+tile of K) the two are multiplied first, ``partial * (a_inv * b_inv)``: one multiply per element
+instead of two, and a result that can differ from the contract's in the last bit.
+
 The kernel is persistent (one CTA per SM walks the output tiles) and warp-specialized: a memory
 warpgroup streams each tile of K of a, b and their multipliers into shared memory through TMA,
 ``stages`` deep, while two compute warpgroups each own ``tile_m`` x ``tile_n`` of the CTA's
 output. A compute warpgroup runs the WGMMA of one tile of K into a scratch accumulator of 64
 rows, waits for it, and promotes it into its f32 accumulator with the two multipliers; while it
 promotes, the other warpgroup's WGMMA keeps the tensor cores busy (DeepSeek-V3's promotion
-every 128 of K, scheduled as DeepGEMM does on Hopper). The epilogue rounds to the output dtype
-and stores through shared memory with TMA.
+every 128 of K). A warpgroup of 128 rows runs two 64-row WGMMAs a tile, promoting the first
+while the second runs. The epilogue rounds to the output dtype and stores through shared memory
+with TMA.
 
 Registers bound the shapes: a compute warpgroup holds its accumulator (tile_m * tile_n / 128
-f32 per thread) and one 64-row partial (tile_n / 2), within the 232 registers the pipeline
-gives it, so (tile_m, tile_n) is (64, 128) or (128, 128).
+f32 per thread) and its 64-row partials (tile_n / 2 each), within the 232 registers the
+pipeline gives it, so tile_n is at most 128.
 
 Operands must be whole tiles (``takes``); ``block_gemm`` pads the rest.
 """

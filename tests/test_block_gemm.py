@@ -176,6 +176,16 @@ def test_whole_tiles_run_the_mosaic_kernel_on_cuda(blocks):
     assert MOSAIC not in jax.jit(lambda *x: block_gemm.block_scaled_dot(*x)).lower(*whole).as_text()
 
 
+def test_vmapped_mosaic_kernel_launches_unbatched_in_a_loop():
+    """Batched (vmapped replicas), the persistent Mosaic kernel runs once per batch element on
+    unbatched operands inside a loop, not as a batched grid."""
+    a, a_inv, b, b_inv = (jnp.stack([x, x]) for x in _operands(256, 256, 256))
+    f = jax.jit(jax.vmap(lambda *x: block_gemm.block_scaled_dot(*x, impl="pallas")))
+    text = f.trace(a, a_inv, b, b_inv).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if MOSAIC in line]
+    assert call.endswith("-> tensor<256x256xbf16>") and "stablehlo.while" in text
+
+
 def test_mosaic_tuning_follows_b_and_the_shape():
     """With per-row multipliers of b a 128 x 256 CTA where N allows, else 128 x 128; with b's
     blocks always 128 x 128 (one b multiplier per warpgroup); none for partial tiles."""

@@ -347,7 +347,7 @@ def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tunin
 
     (m, _), n = a_MxK.shape, b_NxK.shape[0]
     cluster = 2 if tuning.cluster else 1
-    f = plgpu.kernel(
+    kernel = plgpu.kernel(
         functools.partial(_kernel, tuning=tuning, block=block, scalar_b=scalar_b),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(_num_sms() // cluster,),
@@ -359,4 +359,24 @@ def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tunin
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return f(a_MxK, b_NxK, a_s_TxM, b_s_TxN)
+
+    # Batched (vmapped replicas under tensor parallelism): one launch per batch element in a
+    # loop, each the unbatched kernel above, rather than a batched grid for this persistent one.
+    @jax.custom_batching.custom_vmap
+    def launch(*operands):
+        return kernel(*operands)
+
+    @launch.def_vmap
+    def _batched(axis_size, in_batched, *operands):
+        del axis_size
+
+        def one(batched):
+            it = iter(batched)
+            return launch(
+                *(next(it) if b else x for x, b in zip(operands, in_batched, strict=True))
+            )
+
+        picked = tuple(x for x, b in zip(operands, in_batched, strict=True) if b)
+        return jax.lax.map(one, picked), True
+
+    return launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN)

@@ -96,13 +96,19 @@ def tuning_for(m: int, n: int, k: int, block: int, b_blocks: bool) -> Tuning | N
     return None
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this JAX has Pallas' Mosaic GPU backend."""
+    """Whether the kernel can run: this JAX has Pallas' Mosaic GPU backend, and the GPU is a
+    Hopper (WGMMA is sm_90a's), or no GPU is attached (lowering for CUDA elsewhere)."""
     try:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     except ImportError:  # pragma: no cover
         return False
-    return True
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return True
+    return str(getattr(gpus[0], "compute_capability", "9.0")).startswith("9.")
 
 
 def _check(tuning: Tuning) -> None:

@@ -56,6 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
     # MLP only its first matmul's output (the activation and the norms are recomputed, a few
     # elementwise passes), instead of their f32 and bf16 intermediates. Saves most at O0
     # (benchmarks/RESULTS.md, "gpt_1b3 memory against PyTorch"), for ~2% of the step's speed.
+    # GPT's fused FP8 MLP also rebuilds wo's E4M3 input (the wgrad operand) in the backward.
     m.recompute_elementwise = False  # recompute norms and the MLP activation in the backward
 
     # --- FP8 (FP8-LM levels) ---

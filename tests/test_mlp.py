@@ -174,6 +174,48 @@ def test_fused_mlp_writes_no_pre_activation_and_casts_f32_weights_directly():
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
 
 
+def test_recompute_cast_rebuilds_wo_input_bit_for_bit_and_keeps_it_out_of_the_residuals():
+    """``recompute_cast``: the same outputs, gradients and FP8 state bits; the residuals lose
+    exactly wo's E4M3 transposed input ([F, M], one byte each); lowered for CUDA, one more cast
+    kernel (the backward's)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)  # [M, D]
+    w1 = jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.bfloat16)  # [D, F]
+    b1 = jnp.asarray(rng.standard_normal(128) * 0.1, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((128, 64)) * 0.1, jnp.bfloat16)
+    m = fp8jax.init_meta()
+    m = m.replace(x=m.x.replace(scale=jnp.float32(64.0)))  # wo's input scale != 1: it matters
+
+    def run(recompute, kernel="interpret"):
+        def f(x, w1, b1, w2):
+            y, m1, m2 = mlp.gelu_mlp(x, w1, b1, w2, m, m, kernel, recompute_cast=recompute)
+            return y, (m1, m2)
+
+        (y, metas), vjp = jax.vjp(f, x, w1, b1, w2)
+        ct_y = jnp.asarray(rng.standard_normal(y.shape), y.dtype)
+        ct_metas = jax.tree.map(jnp.zeros_like, metas)
+        saved = sum(v.nbytes for v in jax.tree.leaves(vjp) if hasattr(v, "nbytes"))
+        return (y, metas, vjp((ct_y, ct_metas))), saved
+
+    rng_state = rng.bit_generator.state
+    kept, kept_bytes = run(False)
+    rng.bit_generator.state = rng_state
+    rebuilt, rebuilt_bytes = run(True)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert kept_bytes - rebuilt_bytes == 128 * 32  # wo's E4M3 x.T: F x M bytes
+
+    def lowered(recompute):
+        def loss(x, w1, b1, w2):
+            y, _, _ = mlp.gelu_mlp(x, w1, b1, w2, m, m, "pallas", recompute_cast=recompute)
+            return jnp.sum(y.astype(jnp.float32))
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))  # the forward is used
+        return grad.trace(x, w1, b1, w2).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lowered(False).count(TRITON) == 6 and lowered(True).count(TRITON) == 7
+
+
 def test_fused_mlp_train_step_at_o2_tracks_two_matmuls():
     """The whole train step at O2 (FP16 masters dequantized in the fused layers)."""
 

@@ -17,6 +17,7 @@ from flax import linen as nn
 
 import fp8jax
 from fp8jax import FP8
+from fp8jax.models import layers
 from fp8jax.models.config import REMAT_POLICIES
 from fp8jax.models.layers import Block
 from fp8jax.ops import dot, mlp, remat
@@ -284,6 +285,28 @@ def test_recompute_elementwise_keeps_no_norm_or_activation_intermediates(level, 
     assert norm_f32(off) and not norm_f32(on), (off, on)
     assert len(wide(on)) == 1 <= len(wide(off)), (wide(off), wide(on))
     assert nbytes(on) < nbytes(off)
+
+
+def test_recompute_elementwise_rebuilds_the_fused_mlps_fp8_input():
+    """GPT's fused FP8 MLP (fused casts) with model.recompute_elementwise keeps no E4M3
+    [d_ff, tokens] residual (wo's input for its weight gradient), only the narrower ones."""
+    cfg, params, fp8, x, pos = block_setup("O1")
+    cfg = dataclasses.replace(cfg, cast_kernel="interpret")
+    assert layers.fuses_mlp(cfg)
+
+    def saved(on):
+        module = Block(dataclasses.replace(cfg, recompute_elementwise=on))
+
+        def f(params, x):
+            (y, _), _ = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
+            return y
+
+        return fp8_saved(residuals(f, params, x))
+
+    wo_input = (cfg.d_ff, B * L)
+    off, on = saved(False), saved(True)
+    assert wo_input in off and wo_input not in on, (off, on)
+    assert sorted(off) == sorted([*on, wo_input])
 
 
 @pytest.mark.parametrize("level", ["O0", "O1"])

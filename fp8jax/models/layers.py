@@ -85,8 +85,9 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
 
     Only without block remat (``remat_policy='none'``), where autodiff would keep each norm's
     f32 intermediates and the activation's (GELU's tanh terms, SwiGLU's product) for every
-    layer. Each norm then keeps only its input and the MLP what its matmuls need; the backward
-    pass redoes a few elementwise passes per layer.
+    layer. Each norm then keeps only its input and the MLP what its matmuls need (the fused FP8
+    MLP not even wo's FP8 input, rebuilt by its cast: ``ops.mlp``); the backward pass redoes a
+    few elementwise passes per layer.
     """
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 
@@ -282,7 +283,14 @@ class Mlp(nn.Module):
         w2_FxD, meta2 = wo.Fp8DotGeneral_0(None, wo.kernel)
         b1_F = wi.bias
         y_BxLxD, meta1, meta2 = fp8_mlp.gelu_mlp(
-            x_BxLxD, w1_DxF, b1_F, w2_FxD, meta1, meta2, c.cast_kernel
+            x_BxLxD,
+            w1_DxF,
+            b1_F,
+            w2_FxD,
+            meta1,
+            meta2,
+            c.cast_kernel,
+            recompute_cast=recomputes_elementwise(c),
         )
         wi.Fp8DotGeneral_0.write(meta1)
         wo.Fp8DotGeneral_0.write(meta2)

@@ -8,6 +8,11 @@ is the two fused-cast matmuls of ``ops.gemm``; the second one's cast reads the f
 output and applies its unscale, the bias and the GELU in f32, so no XLA pass writes the
 pre-activation (a [tokens, d_ff] read and write per layer).
 
+``recompute_cast`` keeps the backward pass's largest residual out of memory: wo's E4M3
+transposed input (gelu(pre) in FP8, [d_ff, tokens], the wgrad operand) is rebuilt in the
+backward from the raw GEMM output it keeps anyway, by the same cast with the same scale, so the
+same bits; one more read of that output and write of both FP8 layouts per layer.
+
 Only the delayed-scaling, fused-kernel path is one VJP; anything else (current scaling,
 ``cast_kernel='xla'``, shapes not in multiples of 16) runs the same math as two ``dot_general``
 calls with the GELU as the second one's prologue.
@@ -36,6 +41,17 @@ class _Cfg(NamedTuple):
     b_dtype: jnp.dtype
     w1_dtype: jnp.dtype  # the weights as given (f32 masters are quantized straight from f32)
     w2_dtype: jnp.dtype
+    recompute_cast: bool  # rebuild wo's E4M3 transposed input in the backward (module doc)
+
+
+def _wo_input_cast(cfg: _Cfg, h_raw, inv1, b1, m2: Fp8Meta):
+    """wo's E4M3 input, both layouts, from wi's raw output: ``gelu(h_raw * inv1[0] + b1)``
+    computed in f32 inside the cast, with wo's x scale."""
+    c2 = cfg.layer2
+    affine = (inv1[0], b1)
+    return kernels.cast_transpose(
+        h_raw, m2.x.scale, formats.E4M3, c2.cast, c2.prologue, affine=affine
+    )
 
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
@@ -48,6 +64,8 @@ def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
     affine = (inv1[0], b1)
     with jax.named_scope("wo"):
         y, m2_new, (aq_t, w2q, inv2, _) = gemm.fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
+    if cfg.recompute_cast:  # rebuilt in the backward from h_raw, which it keeps anyway
+        aq_t = None
     return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2)
 
 
@@ -71,6 +89,11 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
         g2q, g2q_t, hist_g2 = kernels.cast_transpose(
             g, m2.dy.scale, formats.E5M2, c2.cast, pending=ct_m2.dy.amax_history
         )
+        if aq_t is None:  # the forward's cast again: same input, scale and bits
+            # Tied to the cotangent so that neither JAX nor XLA merges it with the forward's
+            # cast (which would keep that cast's output alive until here after all).
+            h_again, inv_again, b_again, _ = jax.lax.optimization_barrier((h_raw, inv1, b1, g))
+            aq_t = _wo_input_cast(cfg, h_again, inv_again, b_again, m2)[1]
         # da [M, F] raw, dw2 [F, D]
         da, dw2 = gemm.fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t, cfg.w2_dtype)
     with jax.named_scope("wi"):
@@ -103,13 +126,23 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = kernels.AUTO):
+def gelu_mlp(
+    x,
+    w1,
+    b1,
+    w2,
+    meta1: Fp8Meta,
+    meta2: Fp8Meta,
+    cast_kernel: str = kernels.AUTO,
+    recompute_cast: bool = False,
+):
     """``gelu(x . w1 + b1) . w2`` in FP8 (x [..., D], w1 [D, F], b1 [F], w2 [F, D]).
 
     Computes in x's dtype; wider weights (f32 masters) are quantized as given, with no copy in
     x's dtype, and get their gradients back in their own dtype. Returns ``(y [..., D], meta1,
     meta2)`` with this call's amaxes recorded, as two ``dot.dot_general`` calls would; the
-    output bias is the caller's.
+    output bias is the caller's. ``recompute_cast``: wo's FP8 input for its weight gradient is
+    rebuilt in the backward pass rather than kept (module docstring).
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     for name, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
@@ -129,7 +162,7 @@ def gelu_mlp(x, w1, b1, w2, meta1: Fp8Meta, meta2: Fp8Meta, cast_kernel: str = k
         pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
         return y.reshape(*lead, w2.shape[1]), meta1, meta2
-    cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)))
+    cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)), bool(recompute_cast))
     with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
         y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)
     return y.reshape(*lead, w2.shape[1]), meta1, meta2

@@ -159,33 +159,29 @@ def _kernel(
     a_shared = ("cluster",) if tuning.cluster == "n" else ()  # a's rows serve both CTAs
     b_shared = ("cluster",) if tuning.cluster == "m" else ()
 
+    def operand(rows: int, shared: tuple):
+        """The pipeline's specs of one operand: its [rows, block] FP8 tile of K and that tile's
+        multipliers [1, rows], multicast over the cluster where ``shared``."""
+        tile = plgpu.BlockSpec(
+            (rows, block),
+            lambda t: (0, t),
+            transforms=fp8_transforms,
+            memory_space=plgpu.SMEM,
+            collective_axes=shared,
+        )
+        scales = plgpu.BlockSpec(
+            (1, rows), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=shared
+        )
+        return tile, scales
+
+    (a_spec, a_s_spec), (b_spec, b_s_spec) = operand(cta_m, a_shared), operand(cta_n, b_shared)
+
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (cta_m, block),
-                    lambda t: (0, t),
-                    transforms=fp8_transforms,
-                    memory_space=plgpu.SMEM,
-                    collective_axes=a_shared,
-                ),
-                plgpu.BlockSpec(
-                    (cta_n, block),
-                    lambda t: (0, t),
-                    transforms=fp8_transforms,
-                    memory_space=plgpu.SMEM,
-                    collective_axes=b_shared,
-                ),
-                plgpu.BlockSpec(
-                    (1, cta_m), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=a_shared
-                ),
-                plgpu.BlockSpec(
-                    (1, cta_n), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=b_shared
-                ),
-            ],
+            in_specs=[a_spec, b_spec, a_s_spec, b_s_spec],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=tuning.stages,

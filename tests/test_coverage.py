@@ -179,8 +179,9 @@ def test_the_mosaic_block_kernel_is_named_as_the_block_gemm():
         return jnp.sum(fp8jax.dot_general(x, w, DENSE, meta, cast_kernel="pallas")[0] ** 2)
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, meta)
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-    report = coverage.coverage_report(lowered.lower(lowering_platforms=("cuda",)), compile=False)
+    lowered = lowered.lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    report = coverage.coverage_report(lowered, compile=False)
     fp8 = [e for e in report.entries if e.is_fp8]
     assert text.count("@mosaic_gpu") == 3 and "fp8_block_scaled_dot" not in text.split("@mosaic")[0]
     assert len(fp8) == 3 and {(e.kernel, e.recipe) for e in fp8} == {(coverage.BLOCK_GEMM, "block")}

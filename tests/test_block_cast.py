@@ -250,3 +250,29 @@ def test_bad_inputs_are_one_line_errors():
         block_cast.cast_transpose_blocks(x, "e3m4", 128, r)
     with pytest.raises(ValueError, match="unknown FP8 cast kernel 'triton'"):
         block_cast.cast_transpose_tiles(x, "e4m3", 128, r, "triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tiles_prologue_casts_the_activation(dtype):
+    """``prologue='gelu_tanh'``: the tiles kernel reads the pre-activation; its outputs are the
+    XLA path's bit for bit, and q and qt dequantize to gelu(x) within E4M3's rounding (2**-4
+    relative, 2**-10 of the tile's inverse scale for subnormals); the cast of x differs."""
+    recipe = scaling.BlockScaling()
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((256, 256)) * 3, dtype)
+
+    def cast(impl):
+        return jax.jit(
+            lambda x: block_cast.cast_transpose_tiles(x, "e4m3", 128, recipe, impl, "gelu_tanh")
+        )
+
+    assert "pallas_call" in str(jax.make_jaxpr(cast("interpret"))(x))
+    got = cast("interpret")(x)
+    for a, b in zip(got, cast("xla")(x), strict=True):
+        _assert_same(a, b)
+    gelu = np.asarray(jax.nn.gelu(x.astype(jnp.float32), approximate=True))
+    q, inv, qt, inv_t, _ = got
+    for q_, inv_, want in ((q, inv, gelu), (qt, inv_t, gelu.T)):
+        inv_full = np.repeat(np.asarray(inv_), 128, axis=1)
+        err = np.abs(np.asarray(q_, np.float32) * inv_full - want)
+        assert (err <= 2**-4 * np.abs(want) + 2**-10 * inv_full * (1 + 1e-6)).all(), err.max()
+    assert not np.array_equal(_bits(q), _bits(_tiles("interpret", "e4m3", 128, recipe)(x)[0]))

@@ -197,3 +197,46 @@ def test_fine_matmul_through_the_kernels_gives_the_xla_bits(x_dtype, grad_format
     assert np.isnan(np.asarray(y)[:, 60]).all() and np.isfinite(np.asarray(y)[:, :60]).all()
     assert np.isnan(np.asarray(dx)[:, 9]).all()  # dgrad reads w per row: row 9 holds the Inf
     assert float(amax_w) == 3.0 and float(amax_x) > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_prologue_casts_the_activation(dtype):
+    """With ``prologue='gelu_tanh'`` both kernels read the pre-activation: their outputs are the
+    XLA path's bit for bit (GELU in f32 in the same jitted program), and q dequantizes to gelu(x)
+    within E4M3's rounding (half a step: 2**-4 relative, 2**-10 of the row's inverse scale for
+    subnormals); the cast of x itself differs."""
+    recipe = scaling.RowwiseScaling()
+    x = jnp.asarray(randn(5, (64, 256), 3.0), dtype)
+
+    def cast(impl):
+        return jax.jit(
+            lambda x: block_cast.cast_transpose_rows(x, "e4m3", recipe, impl, "gelu_tanh")
+        )
+
+    assert str(jax.make_jaxpr(cast("interpret"))(x)).count("pallas_call") == 2
+    got = cast("interpret")(x)
+    for a, b in zip(got, cast("xla")(x), strict=True):
+        _assert_same(a, b)
+    q, inv = np.asarray(got[0], np.float32), np.asarray(got[1])
+    gelu = np.asarray(jax.nn.gelu(x.astype(jnp.float32), approximate=True))
+    err = np.abs(q * inv - gelu)
+    assert (err <= 2**-4 * np.abs(gelu) + 2**-10 * inv * (1 + 1e-6)).all(), err.max()
+    plain = _rows("interpret", "e4m3", recipe)(x)
+    assert not np.array_equal(_bits(got[0]), _bits(plain[0]))
+
+
+def test_fine_prologue_runs_inside_the_cast_kernels_on_cuda():
+    """A rowwise or block GEMM with a GELU prologue on a GPU: no XLA tanh (x's kernels apply
+    it to the pre-activation they read), the GPU's tanh.approx inside them; XLA's casts keep
+    XLA's tanh."""
+
+    def text(recipe, cast):
+        meta = scaling.init_meta(recipe)
+        h, w = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.bfloat16)
+        f = jax.jit(lambda h, w: dot.dot_general(h, w, DENSE, meta, None, cast, "gelu_tanh")[0])
+        return f.trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+
+    for recipe in (scaling.RowwiseScaling(), scaling.BlockScaling()):
+        fused, plain = text(recipe, "pallas"), text(recipe, "xla")
+        assert "stablehlo.tanh" not in fused and "tanh.approx.f32" in fused
+        assert "stablehlo.tanh" in plain

@@ -20,7 +20,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import block_cast_kernels, formats, kernels, row_cast_kernels, scaling
+from fp8jax.ops import (
+    activations,
+    block_cast_kernels,
+    formats,
+    kernels,
+    row_cast_kernels,
+    scaling,
+)
 
 
 def _pad_to(x: jax.Array, axis: int, tile: int) -> jax.Array:
@@ -115,19 +122,27 @@ def _dispatch(impl: str, x: jax.Array, takes: bool, reference, pallas):
 
 
 def cast_transpose_tiles(
-    x_MxK: jax.Array, fmt, tile: int, recipe: scaling.Recipe, impl: str = kernels.AUTO
+    x_MxK: jax.Array,
+    fmt,
+    tile: int,
+    recipe: scaling.Recipe,
+    impl: str = kernels.AUTO,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of x in one pass.
 
     ``q, inv`` are ``quantize_tiles(x)``'s 1 x T tiles along K (the forward and dgrad operand),
     ``qt, inv_t`` are ``quantize_tiles(x.T)``'s: 1 x T tiles along M of x.T, T x 1 tiles of x
     (the wgrad operand). ``amax`` is ``quantize_tiles(x)``'s. ``fmt`` 'e4m3' or 'e5m2' (the
-    recipe's format for x or dy); ``impl`` as in ``kernels.cast_transpose``.
+    recipe's format for x or dy); ``impl`` as in ``kernels.cast_transpose``. ``prologue`` (a
+    name in ``activations.ACTIVATIONS``) casts ``act(x)`` in f32 instead, in the same pass.
     """
     _check_cast(x_MxK, fmt, tile, "x_MxK")
     kernels.check_impl(impl)
+    act = activations.activation(prologue)  # a clear error for an unknown name
 
     def reference(x):
+        x = act(x.astype(jnp.float32)) if prologue else x
         q, inv, amax = quantize_tiles(x, fmt, tile, recipe)
         qt, inv_t, _ = quantize_tiles(x.T, fmt, tile, recipe)
         return q, inv, qt, inv_t, amax
@@ -138,7 +153,7 @@ def cast_transpose_tiles(
         block_cast_kernels.kernel_takes(x_MxK.shape, tile),
         reference,
         lambda x, interpret: block_cast_kernels.pallas_cast_transpose_tiles(
-            x, fmt, tile, recipe, interpret
+            x, fmt, tile, recipe, interpret, prologue=prologue
         ),
     )
 
@@ -170,7 +185,11 @@ def cast_transpose_blocks(
 
 
 def cast_transpose_rows(
-    x_MxK: jax.Array, fmt, recipe: scaling.Recipe, impl: str = kernels.AUTO
+    x_MxK: jax.Array,
+    fmt,
+    recipe: scaling.Recipe,
+    impl: str = kernels.AUTO,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)``: x and x.T per row.
 
@@ -180,12 +199,16 @@ def cast_transpose_rows(
     row and column amaxes and once for both FP8 copies; the references read it for each of x
     and x.T. ``x`` bfloat16, float16 or float32; ``fmt`` 'e4m3' or 'e5m2'; ``impl`` as in
     ``kernels.cast_transpose``; sides that are not multiples of 16 take the references.
+    ``prologue`` (a name in ``activations.ACTIVATIONS``) casts ``act(x)`` in f32 instead: both
+    kernels apply it to what they read.
     """
     _check_operand(x_MxK, fmt, "x_MxK", (jnp.bfloat16, jnp.float16, jnp.float32))
     kernels.check_impl(impl)
+    act = activations.activation(prologue)  # a clear error for an unknown name
     takes = row_cast_kernels.blocks(x_MxK.shape) is not None
 
     def reference(x):
+        x = act(x.astype(jnp.float32)) if prologue else x
         m, k = x.shape
         q, inv, amax = quantize_tiles(x, fmt, k, recipe)
         qt, inv_t, amax_t = quantize_tiles(x.T, fmt, m, recipe)
@@ -196,5 +219,7 @@ def cast_transpose_rows(
         x_MxK,
         takes,
         reference,
-        lambda x, interpret: row_cast_kernels.pallas_cast_transpose_rows(x, fmt, recipe, interpret),
+        lambda x, interpret: row_cast_kernels.pallas_cast_transpose_rows(
+            x, fmt, recipe, interpret, prologue=prologue
+        ),
     )

@@ -13,6 +13,10 @@ the GPU both sides divide with PTX ``div.full.f32``: XLA lowers an f32 division 
 does Triton. A tile's amax takes Inf for any non-finite element before the max, so whether the
 backend's max propagates NaN changes nothing (``tile_abs``, the references' rule too).
 
+The tiles kernel takes an optional ``prologue`` (an MLP's activation, ``activations.ACTIVATIONS``)
+applied in f32 to each block it reads, so the activation is never written out; on the GPU its
+tanh is ``kernels.kernel_tanh``'s approximation.
+
 A block is held whole in registers, so the kernels take tiles up to ``MAX_KERNEL_TILE``.
 """
 
@@ -23,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import formats, scaling
+from fp8jax.ops import activations, formats, kernels, scaling
 
 MAX_KERNEL_TILE = 128  # a [T, T] f32 block in registers: 64 KiB at T = 128
 # Warps per [128, 128] block, the fastest of 4, 8, 16 on an H200 (x [16384, 2048] bf16, w
@@ -69,9 +73,11 @@ def _record(amax_ref, tile_amax):
     plt.atomic_max(amax_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _tiles_kernel(x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe):
+def _tiles_kernel(
+    x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe, act
+):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
-    x_TxT = x_ref[...].astype(jnp.float32)  # block (i, j) of x, read once
+    x_TxT = act(x_ref[...].astype(jnp.float32))  # block (i, j) of x, read once
     abs_TxT = tile_abs(x_TxT)
     # Row r's amax over this block's K slice: the 1 x T tile (r, j) of q. Column c's over its M
     # slice: the T x 1 tile of x that is tile (c, i) of x.T.
@@ -133,14 +139,17 @@ def pallas_cast_transpose_tiles(
     recipe: scaling.Recipe,
     interpret: bool,
     num_warps: int = _TILES_WARPS,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of x, one kernel.
+    """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of ``act(x)``, one kernel
+    (``act`` the ``prologue``, identity for None).
 
     Sides must be multiples of ``tile`` (``kernel_takes``); ``block_cast.cast_transpose_tiles``
     routes the others to the references.
     """
     dtype = formats.as_dtype(fmt)
-    kernel = functools.partial(_tiles_kernel, fmt=fmt, recipe=recipe)
+    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
+    kernel = functools.partial(_tiles_kernel, fmt=fmt, recipe=recipe, act=act)
 
     def in_out(pl, m, k, t):
         f32 = jnp.float32

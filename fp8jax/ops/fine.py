@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import (
-    activations,
     block_cast,
     block_cast_kernels,
     block_gemm,
@@ -79,7 +78,7 @@ def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
     # x.T per row (along M) for wgrad; w.T per row (w per column, along K) for this GEMM and w
     # per row (along N) for dgrad. w's recorded amax is w.T's rows', as its forward operand's.
     xq, x_inv, xq_t, xt_inv, amax_x, _ = block_cast.cast_transpose_rows(
-        x, formats.E4M3, recipe, impl
+        x, formats.E4M3, recipe, impl, prologue=cfg.prologue
     )
     wq, w_inv, wq_t, wt_inv, _, amax_w = block_cast.cast_transpose_rows(
         w, formats.E4M3, recipe, impl
@@ -104,7 +103,7 @@ def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w):
     # E4M3 for x and w. x: 1 x T tiles along K for this GEMM and T x 1 (x.T's 1 x T along M)
     # for wgrad; w: T x T blocks, which serve the forward ([N, K]) and dgrad ([K, N]) alike.
     xq, x_inv, xq_t, xt_inv, amax_x = block_cast.cast_transpose_tiles(
-        x, formats.E4M3, t, recipe, impl
+        x, formats.E4M3, t, recipe, impl, prologue=cfg.prologue
     )
     wq, wq_t, w_inv, amax_w = block_cast.cast_transpose_blocks(w, formats.E4M3, t, recipe, impl)
     y = block_gemm.block_scaled_dot(
@@ -135,9 +134,9 @@ def _impl(recipe):
 
 def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
     recipe = check_recipes(meta)
+    # With a prologue x is the pre-activation: the cast applies act in f32 to what it reads
+    # (act(x) is quantized unrounded and never written out) and the backward keeps x for act'.
     x_pre = x if cfg.prologue else None
-    if cfg.prologue:
-        x = activations.activation(cfg.prologue)(x.astype(jnp.float32))  # quantized unrounded
     y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = _impl(recipe)[0](cfg, recipe, x, w)
     # Named for remat policies (ops.remat): the backward GEMMs' operands with their tile scales.
     res = (*checkpoint_name((xq_t, xt_inv), FP8_X), *checkpoint_name((wq, w_inv), FP8_W))

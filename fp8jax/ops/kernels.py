@@ -60,7 +60,7 @@ def _block(n: int, blocks) -> int | None:
     return next((b for b in blocks if n % b == 0), None)
 
 
-def _kernel_tanh(interpret: bool):
+def kernel_tanh(interpret: bool):
     """The tanh a kernel's activation uses: the GPU's tanh.approx.f32 (one instruction, relative
     error ~2**-11, far below E4M3's 2**-4 spacing; libdevice's exact tanh makes the GELU kernel
     compute-bound). The interpreter runs jnp.tanh."""
@@ -184,7 +184,7 @@ def pallas_cast_transpose(
         dtype=dtype,
         cast_first=cast_first,
         prologue=prologue,
-        tanh=_kernel_tanh(interpret),
+        tanh=kernel_tanh(interpret),
         affine=affine is not None,
     )
     scalars = [scale, *alpha]
@@ -339,7 +339,7 @@ def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, inter
         limit=formats.fmax(dtype),
         dtype=dtype,
         act=act,
-        tanh=_kernel_tanh(interpret),
+        tanh=kernel_tanh(interpret),
         affine=affine is not None,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))

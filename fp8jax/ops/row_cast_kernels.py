@@ -12,7 +12,9 @@ one pass cannot both find the scales and apply them; two passes over x do it:
 The scales between the passes are ``block_cast_kernels.tile_scales`` of those amaxes in XLA, the
 references' own ops on the same values; pass 2 multiplies, saturates and casts as
 ``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``' bits for x and x.T with
-one tile per row. ``tile_abs`` maps every non-finite element to Inf before a max: a row or
+one tile per row. With a ``prologue`` (an MLP's activation, ``activations.ACTIVATIONS``) both
+passes read the pre-activation and apply it in f32 to each block, so the activation is never
+written out; on the GPU its tanh is ``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps every non-finite element to Inf before a max: a row or
 column with one keeps scale 1 and its non-finite elements come out NaN.
 """
 
@@ -23,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import block_cast_kernels, formats, scaling
+from fp8jax.ops import activations, block_cast_kernels, formats, kernels, scaling
 
 # Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. 64 rows x 128
 # columns with 4 warps is the tensorwise cast_transpose kernel's tuning, which writes the same
@@ -48,22 +50,29 @@ def _params(num_warps: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _amax_kernel(x_ref, row_ref, col_ref):
-    abs_bxk = block_cast_kernels.tile_abs(x_ref[...].astype(jnp.float32))  # block (i, j), once
+def _amax_kernel(x_ref, row_ref, col_ref, *, act):
+    abs_bxk = block_cast_kernels.tile_abs(act(x_ref[...].astype(jnp.float32)))  # block (i, j)
     row_ref[...] = jnp.max(abs_bxk, axis=1)  # [bm]: its rows over block column j's K slice
     col_ref[...] = jnp.max(abs_bxk, axis=0)  # [bk]: its columns over block row i's M slice
 
 
 def pallas_row_col_amax(
-    x_MxK: jax.Array, bm: int, bk: int, interpret: bool, num_warps: int = _AMAX_WARPS
+    x_MxK: jax.Array,
+    bm: int,
+    bk: int,
+    interpret: bool,
+    num_warps: int = _AMAX_WARPS,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs(x)``, one read of x."""
+    """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs(act(x))``, one read
+    of x (``act`` the ``prologue``, identity for None)."""
     from jax.experimental import pallas as pl
 
     m, k = x_MxK.shape
     gm, gk = m // bm, k // bk
+    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
     row_MxGk, col_GmxK = pl.pallas_call(
-        _amax_kernel,
+        functools.partial(_amax_kernel, act=act),
         grid=(gm, gk),
         in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j))],
         out_specs=[
@@ -82,8 +91,8 @@ def pallas_row_col_amax(
     return jnp.max(row_MxGk, axis=1), jnp.max(col_GmxK, axis=0)
 
 
-def _cast_kernel(x_ref, s_row_ref, s_col_ref, q_ref, qt_ref, *, dtype, limit: float):
-    x_bxk = x_ref[...].astype(jnp.float32)  # block (i, j) of x, read once
+def _cast_kernel(x_ref, s_row_ref, s_col_ref, q_ref, qt_ref, *, dtype, limit: float, act):
+    x_bxk = act(x_ref[...].astype(jnp.float32))  # block (i, j) of x, read once
     finite_bxk = jnp.isfinite(x_bxk)
     # FP8 (E4M3 for x and w, the grad format for dy) of x scaled per row for q, per column for
     # qt. f32 multiply and clip before the narrow cast, as formats.quantize: out-of-range values
@@ -102,14 +111,17 @@ def pallas_cast_rows_cols(
     bk: int,
     interpret: bool,
     num_warps: int = _CAST_WARPS,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(q [M, K], qt [K, M])``: ``saturate(x * scale_M[:, None])`` and
-    ``saturate(x * scale_K[None, :]).T`` cast to ``fmt``, one read of x."""
+    """``(q [M, K], qt [K, M])``: ``saturate(a * scale_M[:, None])`` and
+    ``saturate(a * scale_K[None, :]).T`` cast to ``fmt``, ``a = act(x)`` (``act`` the
+    ``prologue``, identity for None), one read of x."""
     from jax.experimental import pallas as pl
 
     m, k = x_MxK.shape
     dtype = formats.as_dtype(fmt)
-    kernel = functools.partial(_cast_kernel, dtype=dtype, limit=formats.fmax(dtype))
+    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
+    kernel = functools.partial(_cast_kernel, dtype=dtype, limit=formats.fmax(dtype), act=act)
     return pl.pallas_call(
         kernel,
         grid=(m // bm, k // bk),
@@ -135,6 +147,7 @@ def pallas_cast_transpose_rows(
     recipe: scaling.Recipe,
     interpret: bool,
     tuning: tuple[int, int, int, int] | None = None,
+    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)`` of x, two kernels.
 
@@ -146,10 +159,12 @@ def pallas_cast_transpose_rows(
             raise ValueError(f"x_MxK sides must be multiples of 16, got shape {x_MxK.shape}")
         tuning = (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
     bm, bk, amax_warps, cast_warps = tuning
-    amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps)
+    amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps, prologue)
     scale_M, inv_M = block_cast_kernels.tile_scales(amax_M, fmt, recipe)
     scale_K, inv_K = block_cast_kernels.tile_scales(amax_K, fmt, recipe)
-    q, qt = pallas_cast_rows_cols(x_MxK, scale_M, scale_K, fmt, bm, bk, interpret, cast_warps)
+    q, qt = pallas_cast_rows_cols(
+        x_MxK, scale_M, scale_K, fmt, bm, bk, interpret, cast_warps, prologue
+    )
     amax, amax_t = (
         scaling.sanitize_amax(block_cast_kernels.finite_max(a)) for a in (amax_M, amax_K)
     )

@@ -14,8 +14,9 @@ references' own ops on the same values; pass 2 multiplies, saturates and casts a
 ``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``' bits for x and x.T with
 one tile per row. With a ``prologue`` (an MLP's activation, ``activations.ACTIVATIONS``) both
 passes read the pre-activation and apply it in f32 to each block, so the activation is never
-written out; on the GPU its tanh is ``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps every non-finite element to Inf before a max: a row or
-column with one keeps scale 1 and its non-finite elements come out NaN.
+written out; on the GPU its tanh is ``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps
+every non-finite element to Inf before a max: a row or column with one keeps scale 1 and its
+non-finite elements come out NaN.
 """
 
 from __future__ import annotations

@@ -240,8 +240,8 @@ def sweep_rows(x, fmt, recipe, ref, moved: int, iters: int, interpret: bool) -> 
             lambda x, t=tuning: row_cast_kernels.pallas_row_col_amax(x, *t[:2], interpret, t[2])
         )
         cast = jax.jit(
-            lambda x, s, st, t=tuning: row_cast_kernels.pallas_cast_rows_cols(
-                x, s, st, fmt, *t[:2], interpret, t[3]
+            lambda x, a, at, t=tuning: row_cast_kernels.pallas_cast_rows_cols(
+                x, a, at, fmt, recipe, *t[:2], interpret, t[3]
             )
         )
         try:

@@ -4,19 +4,19 @@ The rowwise recipe quantizes x [M, K] per row along K (the forward / dgrad opera
 row along M, i.e. x per column (the wgrad operand). A row's scale needs the whole row's amax, so
 one pass cannot both find the scales and apply them; two passes over x do it:
 
-1. ``pallas_row_col_amax`` reads each [bm, bk] block of x once and writes its rows' and columns'
-   partial maxima; a small XLA max over the blocks gives every row's and column's amax.
+1. ``pallas_row_col_amax`` reads each [bm, bk] block of x once and maxes its rows' and columns'
+   maxima into the row and column amaxes (atomic on the GPU: max is exact in any order).
 2. ``pallas_cast_rows_cols`` reads x once more and writes q [M, K] (x times its row scales) and
-   qt [K, M] (x times its column scales, transposed) in FP8.
+   qt [K, M] (x times its column scales, transposed) in FP8, with both inverse-scale vectors.
 
-The scales between the passes are ``block_cast_kernels.tile_scales`` of those amaxes in XLA, the
-references' own ops on the same values; pass 2 multiplies, saturates and casts as
-``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``' bits for x and x.T with
-one tile per row. With a ``prologue`` (an MLP's activation, ``activations.ACTIVATIONS``) both
-passes read the pre-activation and apply it in f32 to each block, so the activation is never
-written out; on the GPU its tanh is ``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps
-every non-finite element to Inf before a max: a row or column with one keeps scale 1 and its
-non-finite elements come out NaN.
+Pass 2 computes each block's scales from those amaxes with ``block_cast_kernels.tile_scales``,
+the references' own ops on the same values (dividing as XLA does on the GPU), then multiplies,
+saturates and casts as ``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``'
+bits for x and x.T with one tile per row. With a ``prologue`` (an MLP's activation,
+``activations.ACTIVATIONS``) both passes read the pre-activation and apply it in f32 to each
+block, so the activation is never written out; on the GPU its tanh is
+``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps every non-finite element to Inf
+before a max: a row or column with one keeps scale 1 and its non-finite elements come out NaN.
 """
 
 from __future__ import annotations
@@ -51,10 +51,16 @@ def _params(num_warps: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _amax_kernel(x_ref, row_ref, col_ref, *, act):
+def _amax_kernel(x_ref, _row_in, _col_in, row_ref, col_ref, *, act):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
     abs_bxk = block_cast_kernels.tile_abs(act(x_ref[...].astype(jnp.float32)))  # block (i, j)
-    row_ref[...] = jnp.max(abs_bxk, axis=1)  # [bm]: its rows over block column j's K slice
-    col_ref[...] = jnp.max(abs_bxk, axis=0)  # [bk]: its columns over block row i's M slice
+    bm, bk = abs_bxk.shape
+    # Rows of block row i over block column j's K slice, columns of block column j over block
+    # row i's M slice: maxed into their amaxes (atomic on the GPU, a plain max interpreted).
+    plt.atomic_max(row_ref, (pl.ds(0, bm),), jnp.max(abs_bxk, axis=1))
+    plt.atomic_max(col_ref, (pl.ds(0, bk),), jnp.max(abs_bxk, axis=0))
 
 
 def pallas_row_col_amax(
@@ -70,76 +76,84 @@ def pallas_row_col_amax(
     from jax.experimental import pallas as pl
 
     m, k = x_MxK.shape
-    gm, gk = m // bm, k // bk
     act = activations.activation(prologue, kernels.kernel_tanh(interpret))
-    row_MxGk, col_GmxK = pl.pallas_call(
+    rows, cols = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    f32 = jnp.float32
+    return pl.pallas_call(
         functools.partial(_amax_kernel, act=act),
-        grid=(gm, gk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j))],
-        out_specs=[
-            pl.BlockSpec((bm, pl.squeezed), lambda i, j: (i, j)),
-            pl.BlockSpec((pl.squeezed, bk), lambda i, j: (i, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, gk), jnp.float32),
-            jax.ShapeDtypeStruct((gm, k), jnp.float32),
-        ],
+        grid=(m // bm, k // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), rows, cols],
+        out_specs=[rows, cols],
+        out_shape=[jax.ShapeDtypeStruct((m,), f32), jax.ShapeDtypeStruct((k,), f32)],
+        input_output_aliases={1: 0, 2: 1},  # the amaxes start at zero and are maxed in place
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_row_col_amax",
-    )(x_MxK)
-    # Max is exact in any order: the partials' max is the rows' and columns' own.
-    return jnp.max(row_MxGk, axis=1), jnp.max(col_GmxK, axis=0)
+    )(x_MxK, jnp.zeros((m,), f32), jnp.zeros((k,), f32))
 
 
-def _cast_kernel(x_ref, s_row_ref, s_col_ref, q_ref, qt_ref, *, dtype, limit: float, act):
+def _cast_kernel(
+    x_ref, a_row_ref, a_col_ref, q_ref, qt_ref, inv_row_ref, inv_col_ref, *, fmt, recipe, act
+):
+    dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
     x_bxk = act(x_ref[...].astype(jnp.float32))  # block (i, j) of x, read once
     finite_bxk = jnp.isfinite(x_bxk)
+    # This block's rows' and columns' scales from their amaxes; every program of a block row
+    # (column) writes the same inverse scales.
+    s_row, inv_row_ref[...] = block_cast_kernels.tile_scales(a_row_ref[...], fmt, recipe)
+    s_col, inv_col_ref[...] = block_cast_kernels.tile_scales(a_col_ref[...], fmt, recipe)
     # FP8 (E4M3 for x and w, the grad format for dy) of x scaled per row for q, per column for
     # qt. f32 multiply and clip before the narrow cast, as formats.quantize: out-of-range values
     # saturate, Inf and NaN become NaN.
-    q_ref[...] = formats.saturate(x_bxk * s_row_ref[...][:, None], finite_bxk, limit).astype(dtype)
-    yt_bxk = formats.saturate(x_bxk * s_col_ref[...][None, :], finite_bxk, limit)
+    q_ref[...] = formats.saturate(x_bxk * s_row[:, None], finite_bxk, limit).astype(dtype)
+    yt_bxk = formats.saturate(x_bxk * s_col[None, :], finite_bxk, limit)
     qt_ref[...] = yt_bxk.astype(dtype).T  # cast first: a quarter of the bytes to transpose
 
 
 def pallas_cast_rows_cols(
     x_MxK: jax.Array,
-    scale_M: jax.Array,
-    scale_K: jax.Array,
+    amax_M: jax.Array,
+    amax_K: jax.Array,
     fmt,
+    recipe: scaling.Recipe,
     bm: int,
     bk: int,
     interpret: bool,
     num_warps: int = _CAST_WARPS,
     prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``(q [M, K], qt [K, M])``: ``saturate(a * scale_M[:, None])`` and
-    ``saturate(a * scale_K[None, :]).T`` cast to ``fmt``, ``a = act(x)`` (``act`` the
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(q [M, K], qt [K, M], inv_M, inv_K)``: ``saturate(a * scale_M[:, None])`` and
+    ``saturate(a * scale_K[None, :]).T`` cast to ``fmt`` with ``scale_M, inv_M`` and ``scale_K,
+    inv_K`` the ``tile_scales`` of ``amax_M`` and ``amax_K``, ``a = act(x)`` (``act`` the
     ``prologue``, identity for None), one read of x."""
     from jax.experimental import pallas as pl
 
     m, k = x_MxK.shape
     dtype = formats.as_dtype(fmt)
     act = activations.activation(prologue, kernels.kernel_tanh(interpret))
-    kernel = functools.partial(_cast_kernel, dtype=dtype, limit=formats.fmax(dtype), act=act)
+    kernel = functools.partial(_cast_kernel, fmt=fmt, recipe=recipe, act=act)
+    rows, cols = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    f32 = jnp.float32
     return pl.pallas_call(
         kernel,
         grid=(m // bm, k // bk),
-        in_specs=[
-            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
-            pl.BlockSpec((bm,), lambda i, j: (i,)),
-            pl.BlockSpec((bk,), lambda i, j: (j,)),
-        ],
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), rows, cols],
         out_specs=[
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
+            rows,
+            cols,
         ],
-        out_shape=[jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, m), dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, k), dtype),
+            jax.ShapeDtypeStruct((k, m), dtype),
+            jax.ShapeDtypeStruct((m,), f32),
+            jax.ShapeDtypeStruct((k,), f32),
+        ],
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_cast_rows_cols",
-    )(x_MxK, scale_M.astype(jnp.float32), scale_K.astype(jnp.float32))
+    )(x_MxK, amax_M.astype(f32), amax_K.astype(f32))
 
 
 def pallas_cast_transpose_rows(
@@ -161,10 +175,8 @@ def pallas_cast_transpose_rows(
         tuning = (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
     bm, bk, amax_warps, cast_warps = tuning
     amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps, prologue)
-    scale_M, inv_M = block_cast_kernels.tile_scales(amax_M, fmt, recipe)
-    scale_K, inv_K = block_cast_kernels.tile_scales(amax_K, fmt, recipe)
-    q, qt = pallas_cast_rows_cols(
-        x_MxK, scale_M, scale_K, fmt, bm, bk, interpret, cast_warps, prologue
+    q, qt, inv_M, inv_K = pallas_cast_rows_cols(
+        x_MxK, amax_M, amax_K, fmt, recipe, bm, bk, interpret, cast_warps, prologue
     )
     amax, amax_t = (
         scaling.sanitize_amax(block_cast_kernels.finite_max(a)) for a in (amax_M, amax_K)

@@ -190,6 +190,48 @@ def bytes_rows(name: str, r: dict, num_devices: int) -> dict:
     return out
 
 
+def block_gather_check(devices) -> dict:
+    """O3's per-layer gather of block-recipe kernels on a (2, 4) mesh, sharded on the first and
+    on the last axis: does the gathered weight quantize to the unsharded weight's E4M3 tiles and
+    inverse scales bit for bit, and which element types did the all-gathers move?"""
+    from jax.sharding import Mesh
+
+    from fp8jax.ops import block_cast, scaling
+    from fp8jax.parallel import layerwise
+
+    mesh = Mesh(np.array(devices).reshape(2, 4, 1), sharding.MESH_AXES)
+    recipe = scaling.BlockScaling(block_size=16)
+    out = {}
+    for name, shape, dim in (("first", (256, 8, 64), 0), ("last", (8, 64, 256), 2)):
+        rng = np.random.default_rng(len(shape) + dim)
+        w = rng.standard_normal(shape) * np.logspace(-2, 2, shape[-1])
+        w = jnp.asarray(w, jnp.float32)
+        leaf = layerwise.LeafInfo(("kernel",), dim, False, True, True, recipe)
+        group = layerwise.Group((leaf,), (2, 4), comm.CommConfig(), "uint8", "bfloat16")
+        spec = [None] * len(shape)
+        spec[dim] = "fsdp"
+        fn = jax.jit(
+            jax.shard_map(
+                lambda w, g=group: layerwise.gathered(g, (w,), ())[0],
+                mesh=mesh,
+                in_specs=P(*spec),
+                out_specs=P(),
+                check_vma=False,
+            )
+        )
+        got = fn(w)
+        matrix = lambda x, d=dim: layerwise.kernel_matrix(x, d)  # noqa: E731
+        quant = lambda x: block_cast.quantize_blocks(matrix(x), "e4m3", 16, recipe)  # noqa: E731
+        want = quant(w.astype(jnp.bfloat16))  # what one device's matmul quantizes
+        bits = lambda t: np.atleast_1d(np.asarray(t)).view(np.uint8)  # noqa: E731
+        out[f"{name}_same_bits"] = all(
+            np.array_equal(bits(a), bits(b)) for a, b in zip(quant(got), want, strict=True)
+        )
+        rows = hlo.collectives(fn.lower(w).compile().as_text(), len(devices))
+        out[f"{name}_gather_dtypes"] = sorted({r["dtype"] for r in rows})
+    return out
+
+
 def overflow_check() -> dict:
     """Gradients whose FP8 sum overflows naively: FP8 psum vs ``comm.reduce_gradients``."""
     mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1))
@@ -352,11 +394,12 @@ def main() -> dict:
         # Per-layer gathers at O1 (an option there): each micro-batch's gradients are reduced
         # in FP8 in its own backward pass, then averaged.
         "O1 FSDP layer": (o1(data=2, fsdp=4, gather="layer"), devs, "base O1"),
-        # The block recipe: per-tile scales from the gathered weights and the replicas' own
-        # activations, the FP8 gradient reduction as under per-tensor scales.
-        "base O3 block": (_with(tiny_config("O3"), recipe="block"), one, None),
+        # The block recipe: per-tile scales from the replicas' own activations, the kernels
+        # gathered as E4M3 tiles (16 x 16: a 64-wide model's shards are whole tiles), the FP8
+        # gradient reduction as under per-tensor scales.
+        "base O3 block": (_with(tiny_config("O3"), recipe="block", block_size=16), one, None),
         "O3 FSDP block": (
-            _with(tiny_config("O3", data=2, fsdp=4), recipe="block"),
+            _with(tiny_config("O3", data=2, fsdp=4), recipe="block", block_size=16),
             devs,
             "base O3 block",
         ),  # fmt: skip
@@ -397,6 +440,14 @@ def main() -> dict:
         compare=compared,
         bytes=table,
         overflow=overflow_check(),
+        block_gather=block_gather_check(devs),
+        o3_block_all_gathers=sorted(
+            {
+                r["dtype"]
+                for r in hlo.collectives(results["O3 FSDP block"]["hlo"], len(devs))
+                if r["op"] == "all-gather"
+            }
+        ),  # fmt: skip
         stablehlo_O1=stablehlo_fp8(tiny_config("O1", data=8)),
         stablehlo_O3=stablehlo_fp8(tiny_config("O3", data=2, fsdp=4)),
         stablehlo_O1_FSDP_bf16=stablehlo_fp8(_bf16(tiny_config("O1", data=2, fsdp=4))),

@@ -276,3 +276,47 @@ def test_tiles_prologue_casts_the_activation(dtype):
         err = np.abs(np.asarray(q_, np.float32) * inv_full - want)
         assert (err <= 2**-4 * np.abs(want) + 2**-10 * inv_full * (1 + 1e-6)).all(), err.max()
     assert not np.array_equal(_bits(q), _bits(_tiles("interpret", "e4m3", 128, recipe)(x)[0]))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block", "pow2", "margin"),
+    [
+        (jnp.bfloat16, 128, False, 0),
+        (jnp.float32, 128, True, 0),
+        (jnp.float32, 16, False, 2),
+        (jnp.bfloat16, 32, True, -1),
+    ],
+)
+def test_requantizable_blocks_give_back_the_same_bits(dtype, block, pow2, margin):
+    """O3's FP8 block gather: shards quantized at tile boundaries are the whole weight's tiles;
+    the handed-over ``requantizable_blocks`` quantizes back to the same q, inv and amax bit for
+    bit, where plain dequantization (q * inv) moves some tiles' scales."""
+    recipe = scaling.BlockScaling(block_size=block, power_of_two=pow2, margin=margin)
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((4 * block, 6 * block)) * np.logspace(-3, 2, 6 * block)[None, :]
+    w[:block, :block] = 0.0  # an all-zero tile
+    w[3, 5] = -3e4  # its tile's amax, negative
+    w = jnp.asarray(w, dtype)
+    quant = jax.jit(lambda w: block_cast.quantize_blocks(w, "e4m3", block, recipe))
+    q, inv, amax = quant(w)
+    # Shards along either axis, each quantized alone: the whole weight's tiles.
+    for axis in (0, 1):
+        parts = [quant(p) for p in jnp.split(w, 2, axis=axis)]
+        for i, whole in ((0, q), (1, inv)):
+            joined = jnp.concatenate([p[i] for p in parts], axis)
+            np.testing.assert_array_equal(_bits(joined), _bits(whole))
+    amax_b = block_cast.block_amaxes(w, block)
+    assert float(jnp.max(amax_b)) == float(amax)
+    handed = jax.jit(block_cast.requantizable_blocks, static_argnums=3)(q, inv, amax_b, block)
+    assert handed.dtype == jnp.float32
+    for a, b in zip(quant(handed), (q, inv, amax), strict=True):
+        _assert_same(a, b)
+    # q * inv but at each tile's largest |q|, which carries the tile's amax.
+    plain = np.asarray(block_cast.dequantize_blocks(q, inv, block))
+    full = lambda t: np.repeat(np.repeat(np.asarray(t), block, 0), block, 1)  # noqa: E731
+    abs_q = np.abs(np.asarray(q, np.float32))
+    top = (abs_q == full(block_cast.block_amaxes(jnp.asarray(abs_q), block))) & (abs_q > 0)
+    np.testing.assert_array_equal(np.asarray(handed)[~top], plain[~top])
+    np.testing.assert_array_equal(np.abs(np.asarray(handed))[top], full(amax_b)[top])
+    if not pow2:  # with powers of two most tiles' scales survive plain dequantization too
+        assert not np.array_equal(_bits(quant(plain)[1]), _bits(inv))

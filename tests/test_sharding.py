@@ -321,6 +321,20 @@ def test_sharded_steps_match_one_device(checks):
 
 
 @pytest.mark.slow
+def test_o3_block_gather_moves_e4m3_tiles_that_requantize_exactly(checks):
+    # Kernels sharded on their first or their last axis: the gathered weight quantizes to the
+    # unsharded weight's E4M3 tiles and inverse scales bit for bit (handing over q * inv alone
+    # moves ~4% of the tiles' scales); the all-gathers move the tiles as u8 and their inverse
+    # scales and amaxes in f32, no weight in a wider type.
+    block = checks["block_gather"]
+    for side in ("first", "last"):
+        assert block[f"{side}_same_bits"], block
+        assert block[f"{side}_gather_dtypes"] == ["f32", "u8"], block
+    # The trainer's O3 block step gathers its kernels as E4M3 too (u8 on CPU's wire).
+    assert "u8" in checks["o3_block_all_gathers"], checks["o3_block_all_gathers"]
+
+
+@pytest.mark.slow
 def test_replicas_compile_custom_partitioned_attention(checks):
     # cuDNN attention is a custom-partitioned op. In replicas manual over data x fsdp only, JAX
     # still called its partitioner, which failed on the manual axes (on GPUs: O1 at data=2,

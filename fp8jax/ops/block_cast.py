@@ -75,6 +75,40 @@ def quantize_blocks(
     return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(block_cast_kernels.finite_max(amax_KbxNb))
 
 
+def block_amaxes(w_KxN: jax.Array, block: int) -> jax.Array:
+    """Each ``block`` x ``block`` tile's amax, f32 [ceil(K / block), ceil(N / block)] (Inf for a
+    tile with a non-finite element): what ``quantize_blocks`` scales each tile from."""
+    w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)
+    kb, nb = w.shape[0] // block, w.shape[1] // block
+    return jnp.max(block_cast_kernels.tile_abs(w.reshape(kb, block, nb, block)), axis=(1, 3))
+
+
+def requantizable_blocks(
+    q_KxN: jax.Array, inv_KbxNb: jax.Array, amax_KbxNb: jax.Array, block: int
+) -> jax.Array:
+    """An f32 weight whose ``quantize_blocks`` is ``(q, inv)`` bit for bit (any margin, powers of
+    two or not), from ``quantize_blocks``' q and inv of a weight and its ``block_amaxes``.
+
+    Each element is ``q * inv`` clipped to its tile's amax, and the elements holding their
+    tile's largest |q| are set to +-amax: each tile's amax, hence its scale and inv, comes out as
+    before, and every ``q * inv * scale`` is within a few f32 ulps of q, far inside half an FP8
+    step, so it rounds back to q. (Dequantizing alone would move the amax by the rounding of
+    ``max|q| * inv``, and the scale with it.)
+    """
+    k, n = q_KxN.shape
+
+    def full(t_KbxNb):  # one value per tile, repeated over its elements
+        return jnp.repeat(jnp.repeat(t_KbxNb, block, axis=0), block, axis=1)[:k, :n]
+
+    q = q_KxN.astype(jnp.float32)
+    amax = full(amax_KbxNb.astype(jnp.float32))
+    w = jnp.clip(q * full(inv_KbxNb), -amax, amax)
+    abs_q = block_cast_kernels.tile_abs(q)
+    top = full(block_amaxes(abs_q, block))  # the tile's largest |q|
+    at_top = (abs_q == top) & jnp.isfinite(top) & (top > 0)
+    return jnp.where(at_top, jnp.sign(q) * amax, w)
+
+
 def dequantize_tiles(q_MxK: jax.Array, inv_MxT: jax.Array, tile: int) -> jax.Array:
     """``q * inv`` per 1 x ``tile`` tile, f32 (tests and references)."""
     inv = jnp.repeat(inv_MxT, tile, axis=1)[:, : q_MxK.shape[1]]

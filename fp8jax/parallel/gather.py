@@ -3,7 +3,8 @@ kernels and embeddings in the model's compute dtype (the layers' own first cast,
 the gather), the rest in their stored dtype. At O3 the matmul kernels of FP8 layers are
 quantized to E4M3 with the layer's own weight scale on their shard first, so only FP8 bytes
 move (in ``fp8jax.parallel.comm``'s wire format); under the rowwise and block recipes, whose
-scales come from the whole gathered weight, they move in the compute dtype. The gathered FP8
+scales come from the gathered weight, they move in the compute dtype here (the per-layer gather,
+``parallel.layerwise``, moves block-recipe kernels as E4M3 tiles). The gathered FP8
 weight is handed to the model dequantized; the FP8 matmul re-quantizes it with the same scale,
 which lands exactly on the gathered FP8 values (the round trip's error is far below half an
 E4M3 step), so the GEMM sees the gathered bytes.

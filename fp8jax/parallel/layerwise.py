@@ -5,7 +5,8 @@ The train step's per-device replicas (``trainer.replicas``) get the params still
 model's blocks and the leaves outside them (embedding, final norm, head) each pass their
 params through a custom VJP whose forward all-gathers the layer's shards (at O3
 an FP8 layer's kernel as E4M3 with the layer's weight scale, as ``gather.gather_params`` moves
-it; the other kernels and embeddings in the compute dtype) and whose backward sums every
+it; under the block recipe as E4M3 tiles with their scales, ``block_gather``; the other kernels
+and embeddings in the compute dtype) and whose backward sums every
 replica's gradient of that layer into this device's shard (``comm.reduce_fp8``: E5M2 with a
 shared scale and f32 accumulation; small gradients in f32). Under remat the gather sits inside
 the remat region, so the backward pass gathers the layer again instead of keeping it; a remat
@@ -36,7 +37,7 @@ from flax import linen as nn
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import formats, scaling
+from fp8jax.ops import block_cast, formats, scaling
 from fp8jax.ops.remat import GATHERED
 from fp8jax.optim.master import path_key
 from fp8jax.parallel import comm
@@ -57,6 +58,9 @@ class LeafInfo:
     fp8: bool  # O3 FP8 kernel: moves as E4M3 with its layer's weight scale
     cast: bool  # moves in the compute dtype (the layer's first cast, moved before the gather)
     fp8_grad: bool  # its gradient is reduced in FP8 (comm.min_fp8_size elements or more)
+    # O3 block-recipe kernel sharded on its first or last axis at tile boundaries: moves as E4M3
+    # tiles with their inverse scales and amaxes (``block_gather``); None otherwise.
+    blocks: scaling.BlockScaling | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +141,60 @@ def _scale_key(path: tuple[str, ...]) -> str:
     return "/".join(path)
 
 
-def _gathered(group: Group, leaves, scales):
-    """Forward: every leaf whole on this device (its fsdp shards all-gathered)."""
+def block_gather(layer_shape: tuple[int, ...], fsdp_dim: int, fsdp: int, recipe) -> bool:
+    """Whether an O3 kernel of ``layer_shape`` (one layer's), sharded ``fsdp`` ways on
+    ``fsdp_dim``, can move as its block recipe's E4M3 tiles.
+
+    The FP8 matmul tiles a kernel as [contracted axes, free axes]. A kernel sharded on its first
+    axis is taken to contract that axis alone (a projection from the residual stream, as
+    fp8jax's models' q/kv and MLP-in kernels do) and one sharded on its last axis to keep that
+    axis alone free (a projection into it: o, MLP-out), so a shard is whole rows or columns of
+    that matrix; with a shard a whole number of tiles wide, the shard's tiles are the weight's.
+    """
+    if not isinstance(recipe, scaling.BlockScaling) or len(layer_shape) < 2:
+        return False
+    if fsdp_dim not in (0, len(layer_shape) - 1):
+        return False
+    return (layer_shape[fsdp_dim] // fsdp) % recipe.block_size == 0
+
+
+def kernel_matrix(w: jax.Array, fsdp_dim: int) -> jax.Array:
+    """One layer's kernel sharded on ``fsdp_dim`` (its first or last axis) as the FP8 matmul's
+    [K, N] matrix, as ``block_gather`` takes it."""
+    return w.reshape(w.shape[0], -1) if fsdp_dim == 0 else w.reshape(-1, w.shape[-1])
+
+
+def _gathered_blocks(group: Group, li: LeafInfo, w):
+    """A block-recipe kernel gathered as E4M3 tiles; handed over in f32 so that the matmul's
+    quantization gives back the gathered tiles and their scales bit for bit."""
+    recipe, axis = li.blocks, 0 if li.fsdp_dim == 0 else 1
+    b = recipe.block_size
+    w_KxN = kernel_matrix(w.astype(jnp.dtype(group.compute_dtype)), li.fsdp_dim)
+    # E4M3 (the block recipe's weight format) per T x T tile, as the matmul quantizes it: the
+    # shard's tiles are whole tiles of the weight, so these are the weight's own.
+    q, inv, _ = block_cast.quantize_blocks(w_KxN, formats.E4M3, b, recipe)
+    amax = block_cast.block_amaxes(w_KxN, b)
+    got = lax.all_gather(comm.to_wire(q, group.wire), "fsdp", axis=axis, tiled=True)
+    inv, amax = (lax.all_gather(t, "fsdp", axis=axis, tiled=True) for t in (inv, amax))
+    q = comm.from_wire(got, formats.E4M3, group.wire)
+    w_full = block_cast.requantizable_blocks(q, inv, amax, b)
+    shape = list(w.shape)
+    shape[li.fsdp_dim] *= group.mesh_shape[1]
+    return w_full.reshape(shape)
+
+
+def gathered(group: Group, leaves, scales):
+    """One layer's ``leaves`` whole on this device, its fsdp shards all-gathered (inside a
+    ``shard_map`` over the mesh; ``scales``: the weight scales of its per-tensor FP8 kernels)."""
     compute = jnp.dtype(group.compute_dtype)
     scales = iter(scales)
     out = []
     for li, w in zip(group.leaves, leaves, strict=True):
         if li.fsdp_dim is None:
             out.append(w)
+            continue
+        if li.blocks is not None:
+            out.append(_gathered_blocks(group, li, w))
             continue
         if li.fp8:
             s = next(scales)
@@ -192,10 +242,10 @@ def _gather_fn(group: Group, dtypes: tuple[str, ...]):
 
     @jax.custom_vjp
     def gather(leaves, scales, mu, stats):
-        return _gathered(group, leaves, scales)
+        return gathered(group, leaves, scales)
 
     def fwd(leaves, scales, mu, stats):
-        return _gathered(group, leaves, scales), (scales, mu, stats)
+        return gathered(group, leaves, scales), (scales, mu, stats)
 
     def bwd(res, cts):
         scales, mu, stats = res
@@ -235,19 +285,25 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
         per_layer = math.prod(w.shape[stack:]) if g != ROOT else w.size
         fp8_grad = per_layer >= cfg.min_fp8_size
         count += w.size if fp8_grad else 0
-        fp8 = False
+        fp8, blocks = False, None
+        layer_dim = None if dim is None else dim - (stack if g != ROOT else 0)
         if plan.level >= 3 and dim is not None and path[-1] == "kernel":
             meta = find_meta(fp8_state, path)
-            # Fine-grained recipes scale each tile from the gathered weight: compute dtype.
-            if meta is not None and not scaling.is_fine(meta.w.recipe):
+            layer_shape = w.shape[stack:] if g != ROOT else w.shape
+            if meta is not None and block_gather(
+                layer_shape, layer_dim, mesh_shape[1], meta.w.recipe
+            ):
+                blocks = meta.w.recipe
+            # Rowwise scales, and tiles a shard would cut, come from the gathered weight itself:
+            # those kernels move in the compute dtype.
+            elif meta is not None and not scaling.is_fine(meta.w.recipe):
                 fp8 = True
                 w_c = w.astype(plan.compute_dtype)
                 amax = comm.amax_stacked(w_c, stack)  # global: over every shard
                 w_amax[path] = amax
                 scales.setdefault(g, {})[_scale_key(rel)] = scaling.use_scale(meta.w, amax)
         cast = path[-1] in COMPUTE_DTYPE_LEAVES
-        layer_dim = None if dim is None else dim - (stack if g != ROOT else 0)
-        members.setdefault(g, []).append(LeafInfo(rel, layer_dim, fp8, cast, fp8_grad))
+        members.setdefault(g, []).append(LeafInfo(rel, layer_dim, fp8, cast, fp8_grad, blocks))
     groups = {
         g: Group(tuple(ls), mesh_shape, cfg, wire, jnp.dtype(plan.compute_dtype).name)
         for g, ls in members.items()
@@ -291,8 +347,11 @@ __all__ = [
     "LeafInfo",
     "ROOT",
     "active",
+    "block_gather",
     "block_view",
+    "gathered",
     "group_of",
+    "kernel_matrix",
     "prepare",
     "split_grads",
     "wrap_model",

@@ -255,53 +255,35 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         sig = _SIG.search(line)
         if not sig:
             continue
-        (ld, ls), (rd, rs), (od, os_) = (_tensor(t) for t in sig.groups())
+        lhs, rhs, out = (_tensor(t) for t in sig.groups())
         dims = {"contracting": [(), ()], "batching": [(), ()]}
         for kind, a, b in _DIMS.findall(line):
             dims[kind.removesuffix("_dims")] = [_ints(a), _ints(b)]
         for side, kind, a in _GENERIC.findall(line):
             dims[kind][side == "rhs"] = _ints(a)
-        if "dot_general" not in line and ls and rs:
+        if "dot_general" not in line and lhs[1] and rhs[1]:
             # Plain stablehlo.dot: contract lhs's last axis with rhs's first.
-            dims["contracting"] = [(len(ls) - 1,), (0,)]
-        entries.append(
-            DotEntry(
-                lhs_dtype=ld,
-                rhs_dtype=rd,
-                out_dtype=od,
-                lhs_shape=ls,
-                rhs_shape=rs,
-                out_shape=os_,
-                contracting=tuple(dims["contracting"]),
-                batching=tuple(dims["batching"]),
-                function=f,
-                count=reach(f),
-                name=name.removesuffix("/dot_general"),
-            )
-        )
+            dims["contracting"] = [(len(lhs[1]) - 1,), (0,)]
+        where = (f, reach(f), name.removesuffix("/dot_general"))
+        entries.append(_entry(lhs, rhs, out, (*dims["contracting"], *dims["batching"]), where))
     return tuple(entries)
+
+
+def _entry(lhs, rhs, out, dims, where, kernel: str = "dot_general") -> DotEntry:
+    """A ``DotEntry`` from its three ``(dtype, shape)`` tensors, ``dims`` (lhs and rhs
+    contracting, then batching) and ``where``: (function, count, name)."""
+    (ld, ls), (rd, rs), (od, os_), (lc, rc, lb, rb) = lhs, rhs, out, dims
+    function, count, name = where
+    return DotEntry(ld, rd, od, ls, rs, os_, (lc, rc), (lb, rb), function, count, name, kernel)
 
 
 def _block_gemm_entry(line: str, function: str, count: int, name: str) -> DotEntry:
     """The block-scaled GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K
     contracted), then their inverse scales."""
     operands, out = _OPERANDS.search(line).groups()
-    (ld, ls), (rd, rs) = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
-    od, os_ = _tensor(out)
-    return DotEntry(
-        lhs_dtype=ld,
-        rhs_dtype=rd,
-        out_dtype=od,
-        lhs_shape=ls,
-        rhs_shape=rs,
-        out_shape=os_,
-        contracting=((1,), (1,)),
-        batching=((), ()),
-        function=function,
-        count=count,
-        name=name,
-        kernel=BLOCK_GEMM,
-    )
+    a, b = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
+    dims = ((1,), (1,), (), ())
+    return _entry(a, b, _tensor(out), dims, (function, count, name), BLOCK_GEMM)
 
 
 def gemm_counts(compiled_text: str) -> dict[str, int]:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax.ops import block_cast, block_cast_kernels, formats, scaling
+from fp8jax.ops import block_cast, block_cast_kernels, dot, formats, scaling
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -320,3 +320,24 @@ def test_requantizable_blocks_give_back_the_same_bits(dtype, block, pow2, margin
     np.testing.assert_array_equal(np.abs(np.asarray(handed))[top], full(amax_b)[top])
     if not pow2:  # with powers of two most tiles' scales survive plain dequantization too
         assert not np.array_equal(_bits(quant(plain)[1]), _bits(inv))
+
+
+def test_float16_operands_take_the_kernels():
+    """A float16 model's operands: the kernels read them as the references do (same bits), and
+    the block recipe's matmul runs on them."""
+    recipe = scaling.BlockScaling()
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((256, 256)) * 50, jnp.float16)
+    for cast in (_tiles, _blocks):
+        got, want = cast("interpret", "e4m3", 128, recipe)(x), cast("xla", "e4m3", 128, recipe)(x)
+        for a, b in zip(got, want, strict=True):
+            _assert_same(a, b)
+    meta = scaling.init_meta(recipe)
+    dims = (((1,), (0,)), ((), ()))
+    h = x / 50  # a product well inside float16's range
+    y, _ = jax.jit(lambda x, w: dot.dot_general(x, w, dims, meta, None, "xla", "gelu_tanh"))(h, h)
+    want = jax.nn.gelu(h.astype(jnp.float32), approximate=True) @ h.astype(jnp.float32)
+    assert y.dtype == jnp.float16
+    err = float(jnp.linalg.norm(y.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    # Each E4M3 operand is within half a step (2**-4 relative) of its value: the product within
+    # about twice that, far from the error of a wrong activation or a zero GEMM (1.0).
+    assert err < 2 * 2**-4, err

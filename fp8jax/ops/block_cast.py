@@ -134,7 +134,7 @@ def _check_operand(x: jax.Array, fmt, name: str, dtypes: tuple) -> None:
 
 def _check_cast(x: jax.Array, fmt, tile: int, name: str) -> None:
     """One-line errors for what the fused tile and block casts do not take."""
-    _check_operand(x, fmt, name, (jnp.bfloat16, jnp.float32))
+    _check_operand(x, fmt, name, (jnp.bfloat16, jnp.float16, jnp.float32))
     if not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
         raise ValueError(f"FP8 tile must be a power of two >= 16, got {tile!r}: use 128")
 

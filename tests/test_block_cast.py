@@ -242,7 +242,7 @@ def test_bad_inputs_are_one_line_errors():
     r, x = scaling.BlockScaling(), jnp.ones((128, 128))
     with pytest.raises(ValueError, match="must be 2-D.*reshape"):
         block_cast.cast_transpose_tiles(jnp.ones((2, 128, 128)), "e4m3", 128, r)
-    with pytest.raises(TypeError, match="bfloat16 or float32.*cast it"):
+    with pytest.raises(TypeError, match="bfloat16 or float16 or float32.*cast it"):
         block_cast.cast_transpose_blocks(jnp.ones((128, 128), jnp.int32), "e4m3", 128, r)
     with pytest.raises(ValueError, match="power of two >= 16.*use 128"):
         block_cast.cast_transpose_tiles(x, "e4m3", 96, r)

@@ -66,21 +66,24 @@ def quantize_blocks(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(q [K, N], inv [ceil(K / block), ceil(N / block)], amax)``: ``block`` x ``block`` tiles."""
     k, n = w_KxN.shape
-    w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)  # [K', N'] f32
-    kb, nb = w.shape[0] // block, w.shape[1] // block
-    w_4d = w.reshape(kb, block, nb, block)
+    w_4d = _split_blocks(w_KxN, block)
+    kb, _, nb, _ = w_4d.shape
     amax_KbxNb = jnp.max(block_cast_kernels.tile_abs(w_4d), axis=(1, 3))
     scale, inv_KbxNb = block_cast_kernels.tile_scales(amax_KbxNb, fmt, recipe)
     q = formats.quantize(w_4d, scale[:, None, :, None], fmt).reshape(kb * block, nb * block)
     return q[:k, :n], inv_KbxNb, scaling.sanitize_amax(block_cast_kernels.finite_max(amax_KbxNb))
 
 
+def _split_blocks(w_KxN: jax.Array, block: int) -> jax.Array:
+    """``w`` as f32 [ceil(K / block), block, ceil(N / block), block], the edge tiles zero-padded."""
+    w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)  # [K', N'] f32
+    return w.reshape(w.shape[0] // block, block, w.shape[1] // block, block)
+
+
 def block_amaxes(w_KxN: jax.Array, block: int) -> jax.Array:
     """Each ``block`` x ``block`` tile's amax, f32 [ceil(K / block), ceil(N / block)] (Inf for a
     tile with a non-finite element): what ``quantize_blocks`` scales each tile from."""
-    w = _pad_to(_pad_to(w_KxN.astype(jnp.float32), 0, block), 1, block)
-    kb, nb = w.shape[0] // block, w.shape[1] // block
-    return jnp.max(block_cast_kernels.tile_abs(w.reshape(kb, block, nb, block)), axis=(1, 3))
+    return jnp.max(block_cast_kernels.tile_abs(_split_blocks(w_KxN, block)), axis=(1, 3))
 
 
 def requantizable_blocks(
@@ -102,7 +105,7 @@ def requantizable_blocks(
 
     q = q_KxN.astype(jnp.float32)
     amax = full(amax_KbxNb.astype(jnp.float32))
-    w = jnp.clip(q * full(inv_KbxNb), -amax, amax)
+    w = jnp.clip(dequantize_blocks(q_KxN, inv_KbxNb, block), -amax, amax)
     abs_q = block_cast_kernels.tile_abs(q)
     top = full(block_amaxes(abs_q, block))  # the tile's largest |q|
     at_top = (abs_q == top) & jnp.isfinite(top) & (top > 0)
@@ -116,7 +119,7 @@ def dequantize_tiles(q_MxK: jax.Array, inv_MxT: jax.Array, tile: int) -> jax.Arr
 
 
 def dequantize_blocks(q_KxN: jax.Array, inv_KbxNb: jax.Array, block: int) -> jax.Array:
-    """``q * inv`` per ``block`` x ``block`` tile, f32 (tests and references)."""
+    """``q * inv`` per ``block`` x ``block`` tile, f32."""
     k, n = q_KxN.shape
     inv = jnp.repeat(jnp.repeat(inv_KbxNb, block, axis=0), block, axis=1)[:k, :n]
     return q_KxN.astype(jnp.float32) * inv

@@ -51,6 +51,14 @@ def _params(num_warps: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
+def _vectors(bm: int, bk: int):
+    """The block specs of a row vector [M] and a column vector [K] (amaxes, inverse scales) for
+    the [bm, bk] block (i, j)."""
+    from jax.experimental import pallas as pl
+
+    return pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+
+
 def _amax_kernel(x_ref, _row_in, _col_in, row_ref, col_ref, *, act):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -77,7 +85,7 @@ def pallas_row_col_amax(
 
     m, k = x_MxK.shape
     act = activations.activation(prologue, kernels.kernel_tanh(interpret))
-    rows, cols = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    rows, cols = _vectors(bm, bk)
     f32 = jnp.float32
     return pl.pallas_call(
         functools.partial(_amax_kernel, act=act),
@@ -132,7 +140,7 @@ def pallas_cast_rows_cols(
     dtype = formats.as_dtype(fmt)
     act = activations.activation(prologue, kernels.kernel_tanh(interpret))
     kernel = functools.partial(_cast_kernel, fmt=fmt, recipe=recipe, act=act)
-    rows, cols = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    rows, cols = _vectors(bm, bk)
     f32 = jnp.float32
     return pl.pallas_call(
         kernel,

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.ops import (
-    activations,
     block_cast_kernels,
+    cast_source,
     formats,
     kernels,
     row_cast_kernels,
@@ -142,8 +142,9 @@ def _check_cast(x: jax.Array, fmt, tile: int, name: str) -> None:
         raise ValueError(f"FP8 tile must be a power of two >= 16, got {tile!r}: use 128")
 
 
-def _dispatch(impl: str, x: jax.Array, takes: bool, reference, pallas):
-    """``reference(x)`` or ``pallas(x, interpret)``, as ``kernels.cast_transpose`` picks.
+def _dispatch(impl: str, x, takes: bool, reference, pallas):
+    """``reference(x)`` or ``pallas(x, interpret)``, as ``kernels.cast_transpose`` picks (``x`` an
+    array or a ``cast_source.Source``).
 
     'xla', and shapes the kernel does not take (``takes`` false: e.g. sides not whole tiles,
     tiles over ``block_cast_kernels.MAX_KERNEL_TILE``), run the reference; 'interpret' the
@@ -155,42 +156,71 @@ def _dispatch(impl: str, x: jax.Array, takes: bool, reference, pallas):
         return reference(x)
     if impl == "interpret":
         return pallas(x, True)
-    return jax.lax.platform_dependent(x, cuda=lambda x: pallas(x, False), default=reference)
+    if not isinstance(x, cast_source.Source):
+        return jax.lax.platform_dependent(x, cuda=lambda x: pallas(x, False), default=reference)
+    fn = x.fn  # static: only the arrays go through platform_dependent
+
+    def rebuilt(arrays):
+        return cast_source.Source(*arrays, fn)
+
+    return jax.lax.platform_dependent(
+        (x.mats, x.rows, x.cols),
+        cuda=lambda a: pallas(rebuilt(a), False),
+        default=lambda a: reference(rebuilt(a)),
+    )
+
+
+def _source(x, prologue: str | None) -> cast_source.Source:
+    """``x`` as a source: an array (through ``prologue``) or a source as given, checked."""
+    if isinstance(x, cast_source.Source):
+        if prologue is not None:
+            raise ValueError("give a cast source its activation itself, not as prologue")
+        cast_source.check(x)
+        return x
+    return cast_source.plain(x, prologue)
+
+
+def _with_sums(value_MxK: jax.Array, col_sums: bool) -> tuple:
+    """The references' column sums of the quantized values, when asked for."""
+    return (jnp.sum(value_MxK, axis=0),) if col_sums else ()
 
 
 def cast_transpose_tiles(
-    x_MxK: jax.Array,
+    x_MxK,
     fmt,
     tile: int,
     recipe: scaling.Recipe,
     impl: str = kernels.AUTO,
     prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    col_sums: bool = False,
+) -> tuple[jax.Array, ...]:
     """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of x in one pass.
 
     ``q, inv`` are ``quantize_tiles(x)``'s 1 x T tiles along K (the forward and dgrad operand),
     ``qt, inv_t`` are ``quantize_tiles(x.T)``'s: 1 x T tiles along M of x.T, T x 1 tiles of x
     (the wgrad operand). ``amax`` is ``quantize_tiles(x)``'s. ``fmt`` 'e4m3' or 'e5m2' (the
-    recipe's format for x or dy); ``impl`` as in ``kernels.cast_transpose``. ``prologue`` (a
-    name in ``activations.ACTIVATIONS``) casts ``act(x)`` in f32 instead, in the same pass.
+    recipe's format for x or dy); ``impl`` as in ``kernels.cast_transpose``. ``x`` is an array
+    or a ``cast_source.Source`` (quantized as its f32 values); ``prologue`` (a name in
+    ``activations.ACTIVATIONS``) casts ``act(x)`` in f32 instead, in the same pass. With
+    ``col_sums`` the f32 column sums [K] of the quantized values come last.
     """
-    _check_cast(x_MxK, fmt, tile, "x_MxK")
+    src = _source(x_MxK, prologue)
+    _check_cast(src.mats[0], fmt, tile, "x_MxK")
     kernels.check_impl(impl)
-    act = activations.activation(prologue)  # a clear error for an unknown name
 
-    def reference(x):
-        x = act(x.astype(jnp.float32)) if prologue else x
+    def reference(src):
+        x = cast_source.evaluate(src)
         q, inv, amax = quantize_tiles(x, fmt, tile, recipe)
         qt, inv_t, _ = quantize_tiles(x.T, fmt, tile, recipe)
-        return q, inv, qt, inv_t, amax
+        return (q, inv, qt, inv_t, amax, *_with_sums(x, col_sums))
 
     return _dispatch(
         impl,
-        x_MxK,
-        block_cast_kernels.kernel_takes(x_MxK.shape, tile),
+        src,
+        block_cast_kernels.kernel_takes(src.shape, tile),
         reference,
-        lambda x, interpret: block_cast_kernels.pallas_cast_transpose_tiles(
-            x, fmt, tile, recipe, interpret, prologue=prologue
+        lambda src, interpret: block_cast_kernels.pallas_cast_transpose_tiles(
+            src, fmt, tile, recipe, interpret, col_sums=col_sums
         ),
     )
 
@@ -222,41 +252,44 @@ def cast_transpose_blocks(
 
 
 def cast_transpose_rows(
-    x_MxK: jax.Array,
+    x_MxK,
     fmt,
     recipe: scaling.Recipe,
     impl: str = kernels.AUTO,
     prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    col_sums: bool = False,
+) -> tuple[jax.Array, ...]:
     """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)``: x and x.T per row.
 
     ``q, inv, amax`` are ``quantize_tiles(x)``'s with one tile per row (along K), ``qt, inv_t,
     amax_t`` are ``quantize_tiles(x.T)``'s (one per column of x, along M): the rowwise recipe's
     two layouts of an operand. The kernels (``row_cast_kernels``) read x twice, once for the
     row and column amaxes and once for both FP8 copies; the references read it for each of x
-    and x.T. ``x`` bfloat16, float16 or float32; ``fmt`` 'e4m3' or 'e5m2'; ``impl`` as in
-    ``kernels.cast_transpose``; sides that are not multiples of 16 take the references.
-    ``prologue`` (a name in ``activations.ACTIVATIONS``) casts ``act(x)`` in f32 instead: both
-    kernels apply it to what they read.
+    and x.T. ``x`` bfloat16, float16 or float32, or a ``cast_source.Source`` of them; ``fmt``
+    'e4m3' or 'e5m2'; ``impl`` as in ``kernels.cast_transpose``; sides that are not multiples
+    of 16 take the references. ``prologue`` (a name in ``activations.ACTIVATIONS``) casts
+    ``act(x)`` in f32 instead: both kernels apply it to what they read. With ``col_sums`` the
+    f32 column sums [K] of the quantized values come last.
     """
-    _check_operand(x_MxK, fmt, "x_MxK", (jnp.bfloat16, jnp.float16, jnp.float32))
+    src = _source(x_MxK, prologue)
+    for a in src.mats:
+        _check_operand(a, fmt, "x_MxK", (jnp.bfloat16, jnp.float16, jnp.float32))
     kernels.check_impl(impl)
-    act = activations.activation(prologue)  # a clear error for an unknown name
-    takes = row_cast_kernels.blocks(x_MxK.shape) is not None
+    takes = row_cast_kernels.blocks(src.shape) is not None
 
-    def reference(x):
-        x = act(x.astype(jnp.float32)) if prologue else x
+    def reference(src):
+        x = cast_source.evaluate(src)
         m, k = x.shape
         q, inv, amax = quantize_tiles(x, fmt, k, recipe)
         qt, inv_t, amax_t = quantize_tiles(x.T, fmt, m, recipe)
-        return q, inv, qt, inv_t, amax, amax_t
+        return (q, inv, qt, inv_t, amax, amax_t, *_with_sums(x, col_sums))
 
     return _dispatch(
         impl,
-        x_MxK,
+        src,
         takes,
         reference,
-        lambda x, interpret: row_cast_kernels.pallas_cast_transpose_rows(
-            x, fmt, recipe, interpret, prologue=prologue
+        lambda src, interpret: row_cast_kernels.pallas_cast_transpose_rows(
+            src, fmt, recipe, interpret, col_sums=col_sums
         ),
     )

@@ -13,9 +13,11 @@ the GPU both sides divide with PTX ``div.full.f32``: XLA lowers an f32 division 
 does Triton. A tile's amax takes Inf for any non-finite element before the max, so whether the
 backend's max propagates NaN changes nothing (``tile_abs``, the references' rule too).
 
-The tiles kernel takes an optional ``prologue`` (an MLP's activation, ``activations.ACTIVATIONS``)
-applied in f32 to each block it reads, so the activation is never written out; on the GPU its
-tanh is ``kernels.kernel_tanh``'s approximation.
+The tiles kernel quantizes a ``cast_source.Source``: x itself, an MLP's activation of its
+pre-activation, or that activation's gradient, evaluated in f32 on each block it reads, so those
+values are never written out; on the GPU an activation's tanh is ``kernels.kernel_tanh``'s
+approximation. With ``col_sums`` it also writes each block's column sums (a bias gradient's),
+added over the block rows in XLA.
 
 A block is held whole in registers, so the kernels take tiles up to ``MAX_KERNEL_TILE``.
 """
@@ -27,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import activations, formats, kernels, scaling
+from fp8jax.ops import cast_source, formats, kernels, scaling
 
 MAX_KERNEL_TILE = 128  # a [T, T] f32 block in registers: 64 KiB at T = 128
 # Warps per [128, 128] block, the fastest of 4, 8, 16 on an H200 (x [16384, 2048] bf16, w
@@ -73,11 +75,14 @@ def _record(amax_ref, tile_amax):
     plt.atomic_max(amax_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _tiles_kernel(
-    x_ref, _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, amax_ref, *, fmt, recipe, act
-):
+def _tiles_kernel(*refs, src, tanh, fmt, recipe, sums: bool):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
-    x_TxT = act(x_ref[...].astype(jnp.float32))  # block (i, j) of x, read once
+    n_in = len(src.mats) + len(src.rows) + len(src.cols)
+    mats = refs[: len(src.mats)]
+    rows = refs[len(src.mats) : len(src.mats) + len(src.rows)]
+    cols = refs[len(src.mats) + len(src.rows) : n_in]
+    x_TxT = cast_source.evaluate_block(src, mats, rows, cols, tanh)  # block (i, j), read once
+    _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, *sum_ref, amax_ref = refs[n_in:]
     abs_TxT = tile_abs(x_TxT)
     # Row r's amax over this block's K slice: the 1 x T tile (r, j) of q. Column c's over its M
     # slice: the T x 1 tile of x that is tile (c, i) of x.T.
@@ -94,6 +99,8 @@ def _tiles_kernel(
     q_ref[...] = y_TxT.astype(dtype)
     yt_TxT = formats.saturate(x_TxT * scale_col_T[None, :], finite_TxT, limit)
     qt_ref[...] = yt_TxT.astype(dtype).T
+    if sums:  # this block's column sums: row i of the [M / T, K] partial sums
+        sum_ref[0][...] = jnp.sum(x_TxT, axis=0)
     _record(amax_ref, amax_row_T)  # the tensor's amax is over q's (1 x T) tiles
 
 
@@ -110,51 +117,65 @@ def _blocks_kernel(w_ref, _amax_in, q_ref, qt_ref, inv_ref, amax_ref, *, fmt, re
     _record(amax_ref, amax_1x1)
 
 
-def _call(kernel, x, tile, interpret, num_warps, in_out):
-    """``pallas_call`` of ``kernel`` over x's [tile, tile] blocks with the amax target aliased."""
+def _call(kernel, operands, in_specs, shape, tile, interpret, num_warps, in_out):
+    """``pallas_call`` of ``kernel`` over the [tile, tile] blocks of a ``shape`` tensor:
+    ``operands`` read by ``in_specs``, then the amax target (aliased), then ``in_out``'s outputs
+    and the amax."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    (m, k), t = x.shape, tile
-    grid = (m // t, k // t)
+    (m, k), t = shape, tile
     whole = pl.BlockSpec((1,), lambda i, j: (0,))
     specs, shapes = zip(*in_out(pl, m, k, t), strict=True)
     return pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=[pl.BlockSpec((t, t), lambda i, j: (i, j)), whole],
+        grid=(m // t, k // t),
+        in_specs=[*in_specs, whole],
         out_specs=[*specs, whole],
         out_shape=[*shapes, jax.ShapeDtypeStruct((1,), jnp.float32)],
-        input_output_aliases={1: len(specs)},
+        input_output_aliases={len(operands): len(specs)},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=kernel.func.__name__.strip("_"),
-    )(x, jnp.zeros((1,), jnp.float32))
+    )(*operands, jnp.zeros((1,), jnp.float32))
+
+
+def _block_spec(pl, t):
+    return pl.BlockSpec((t, t), lambda i, j: (i, j))
 
 
 def pallas_cast_transpose_tiles(
-    x_MxK: jax.Array,
+    src: cast_source.Source,
     fmt,
     tile: int,
     recipe: scaling.Recipe,
     interpret: bool,
     num_warps: int = _TILES_WARPS,
-    prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of ``act(x)``, one kernel
-    (``act`` the ``prologue``, identity for None).
+    col_sums: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of the source's values, one
+    kernel; with ``col_sums`` also their column sums (f32 [K]).
 
     Sides must be multiples of ``tile`` (``kernel_takes``); ``block_cast.cast_transpose_tiles``
     routes the others to the references.
     """
-    dtype = formats.as_dtype(fmt)
-    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
-    kernel = functools.partial(_tiles_kernel, fmt=fmt, recipe=recipe, act=act)
+    from jax.experimental import pallas as pl
+
+    dtype, t = formats.as_dtype(fmt), tile
+    tanh = kernels.kernel_tanh(interpret)
+    kernel = functools.partial(
+        _tiles_kernel, src=src, tanh=tanh, fmt=fmt, recipe=recipe, sums=col_sums
+    )
+    vec_row = pl.BlockSpec((t,), lambda i, j: (i,))
+    vec_col = pl.BlockSpec((t,), lambda i, j: (j,))
+    in_specs = (
+        [_block_spec(pl, t)] * len(src.mats) + [vec_row] * len(src.rows) + [vec_col] * len(src.cols)
+    )
 
     def in_out(pl, m, k, t):
         f32 = jnp.float32
-        return [
-            (pl.BlockSpec((t, t), lambda i, j: (i, j)), jax.ShapeDtypeStruct((m, k), dtype)),
+        out = [
+            (_block_spec(pl, t), jax.ShapeDtypeStruct((m, k), dtype)),
             (
                 pl.BlockSpec((t, pl.squeezed), lambda i, j: (i, j)),
                 jax.ShapeDtypeStruct((m, k // t), f32),
@@ -165,9 +186,20 @@ def pallas_cast_transpose_tiles(
                 jax.ShapeDtypeStruct((k, m // t), f32),
             ),
         ]
+        if col_sums:
+            out.append(
+                (
+                    pl.BlockSpec((pl.squeezed, t), lambda i, j: (i, j)),
+                    jax.ShapeDtypeStruct((m // t, k), f32),
+                )
+            )
+        return out
 
-    q, inv, qt, inv_t, amax = _call(kernel, x_MxK, tile, interpret, num_warps, in_out)
-    return q, inv, qt, inv_t, amax[0]
+    operands = (*src.mats, *src.rows, *src.cols)
+    out = _call(kernel, operands, in_specs, src.shape, t, interpret, num_warps, in_out)
+    q, inv, qt, inv_t, *sums, amax = out
+    # The partial sums of the [M / T] block rows, added in a fixed order.
+    return (q, inv, qt, inv_t, amax[0], *(jnp.sum(p, axis=0) for p in sums))
 
 
 def pallas_cast_transpose_blocks(
@@ -193,5 +225,9 @@ def pallas_cast_transpose_blocks(
             ),
         ]
 
-    q, qt, inv, amax = _call(kernel, w_KxN, block, interpret, num_warps, in_out)
+    from jax.experimental import pallas as pl
+
+    in_specs = [_block_spec(pl, block)]
+    args = (kernel, (w_KxN,), in_specs, w_KxN.shape, block, interpret, num_warps, in_out)
+    q, qt, inv, amax = _call(*args)
     return q, qt, inv, amax[0]

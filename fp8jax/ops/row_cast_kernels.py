@@ -12,11 +12,13 @@ one pass cannot both find the scales and apply them; two passes over x do it:
 Pass 2 computes each block's scales from those amaxes with ``block_cast_kernels.tile_scales``,
 the references' own ops on the same values (dividing as XLA does on the GPU), then multiplies,
 saturates and casts as ``formats.quantize``. So the kernels give ``block_cast.quantize_tiles``'
-bits for x and x.T with one tile per row. With a ``prologue`` (an MLP's activation,
-``activations.ACTIVATIONS``) both passes read the pre-activation and apply it in f32 to each
-block, so the activation is never written out; on the GPU its tanh is
-``kernels.kernel_tanh``'s approximation. ``tile_abs`` maps every non-finite element to Inf
-before a max: a row or column with one keeps scale 1 and its non-finite elements come out NaN.
+bits for x and x.T with one tile per row. What they quantize is a ``cast_source.Source``: x
+itself, an MLP's activation of its pre-activation, or that activation's gradient. Both passes
+read the source's operands and evaluate it in f32 on each block, so its values are never
+written out; on the GPU an activation's tanh is ``kernels.kernel_tanh``'s approximation. With
+``col_sums`` the first pass also writes each block's column sums (a bias gradient's), added
+over the block rows in XLA. ``tile_abs`` maps every non-finite element to Inf before a max: a
+row or column with one keeps scale 1 and its non-finite elements come out NaN.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import activations, block_cast_kernels, formats, kernels, scaling
+from fp8jax.ops import block_cast_kernels, cast_source, formats, kernels, scaling
 
 # Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. 64 rows x 128
 # columns with 4 warps is the tensorwise cast_transpose kernel's tuning, which writes the same
@@ -59,52 +61,84 @@ def _vectors(bm: int, bk: int):
     return pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
 
 
-def _amax_kernel(x_ref, _row_in, _col_in, row_ref, col_ref, *, act):
+def _source_specs(src: cast_source.Source, bm: int, bk: int) -> list:
+    """Block specs of ``src``'s operands, in order: [bm, bk] blocks, then row and column vectors."""
+    from jax.experimental import pallas as pl
+
+    rows, cols = _vectors(bm, bk)
+    mat = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
+    return [mat] * len(src.mats) + [rows] * len(src.rows) + [cols] * len(src.cols)
+
+
+def _source_block(src: cast_source.Source, refs, tanh) -> tuple[jax.Array, list]:
+    """``src`` on this program's block (f32 [bm, bk]) and the refs after its operands."""
+    n_m, n_r, n_c = len(src.mats), len(src.rows), len(src.cols)
+    mats, rows, cols = refs[:n_m], refs[n_m : n_m + n_r], refs[n_m + n_r : n_m + n_r + n_c]
+    x_bxk = cast_source.evaluate_block(src, mats, rows, cols, tanh)
+    return x_bxk, refs[n_m + n_r + n_c :]
+
+
+def _amax_kernel(*refs, src, tanh, sums: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    abs_bxk = block_cast_kernels.tile_abs(act(x_ref[...].astype(jnp.float32)))  # block (i, j)
+    x_bxk, refs = _source_block(src, refs, tanh)  # block (i, j), read once
+    _row_in, _col_in, row_ref, col_ref, *sum_ref = refs
+    abs_bxk = block_cast_kernels.tile_abs(x_bxk)
     bm, bk = abs_bxk.shape
     # Rows of block row i over block column j's K slice, columns of block column j over block
     # row i's M slice: maxed into their amaxes (atomic on the GPU, a plain max interpreted).
     plt.atomic_max(row_ref, (pl.ds(0, bm),), jnp.max(abs_bxk, axis=1))
     plt.atomic_max(col_ref, (pl.ds(0, bk),), jnp.max(abs_bxk, axis=0))
+    if sums:  # this block's column sums: row i of the [M / bm, K] partial sums
+        sum_ref[0][...] = jnp.sum(x_bxk, axis=0)
 
 
 def pallas_row_col_amax(
-    x_MxK: jax.Array,
+    src: cast_source.Source,
     bm: int,
     bk: int,
     interpret: bool,
     num_warps: int = _AMAX_WARPS,
-    prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs(act(x))``, one read
-    of x (``act`` the ``prologue``, identity for None)."""
+    col_sums: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs`` of the source's
+    values, one read of its operands; with ``col_sums`` also each column's sum (f32 [K])."""
     from jax.experimental import pallas as pl
 
-    m, k = x_MxK.shape
-    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
+    m, k = src.shape
     rows, cols = _vectors(bm, bk)
     f32 = jnp.float32
-    return pl.pallas_call(
-        functools.partial(_amax_kernel, act=act),
+    kernel = functools.partial(
+        _amax_kernel, src=src, tanh=kernels.kernel_tanh(interpret), sums=col_sums
+    )
+    n_in = len(src.mats) + len(src.rows) + len(src.cols)
+    out_specs = [rows, cols]
+    out_shape = [jax.ShapeDtypeStruct((m,), f32), jax.ShapeDtypeStruct((k,), f32)]
+    if col_sums:
+        out_specs.append(pl.BlockSpec((pl.squeezed, bk), lambda i, j: (i, j)))
+        out_shape.append(jax.ShapeDtypeStruct((m // bm, k), f32))
+    out = pl.pallas_call(
+        kernel,
         grid=(m // bm, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), rows, cols],
-        out_specs=[rows, cols],
-        out_shape=[jax.ShapeDtypeStruct((m,), f32), jax.ShapeDtypeStruct((k,), f32)],
-        input_output_aliases={1: 0, 2: 1},  # the amaxes start at zero and are maxed in place
+        in_specs=[*_source_specs(src, bm, bk), rows, cols],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        # The amaxes start at zero and are maxed in place.
+        input_output_aliases={n_in: 0, n_in + 1: 1},
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_row_col_amax",
-    )(x_MxK, jnp.zeros((m,), f32), jnp.zeros((k,), f32))
+    )(*src.mats, *src.rows, *src.cols, jnp.zeros((m,), f32), jnp.zeros((k,), f32))
+    if col_sums:  # the partial sums of the [M / bm] block rows, added in a fixed order
+        return out[0], out[1], jnp.sum(out[2], axis=0)
+    return out[0], out[1]
 
 
-def _cast_kernel(
-    x_ref, a_row_ref, a_col_ref, q_ref, qt_ref, inv_row_ref, inv_col_ref, *, fmt, recipe, act
-):
+def _cast_kernel(*refs, src, tanh, fmt, recipe):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
-    x_bxk = act(x_ref[...].astype(jnp.float32))  # block (i, j) of x, read once
+    x_bxk, refs = _source_block(src, refs, tanh)  # block (i, j), read once
+    a_row_ref, a_col_ref, q_ref, qt_ref, inv_row_ref, inv_col_ref = refs
     finite_bxk = jnp.isfinite(x_bxk)
     # This block's rows' and columns' scales from their amaxes; every program of a block row
     # (column) writes the same inverse scales.
@@ -119,7 +153,7 @@ def _cast_kernel(
 
 
 def pallas_cast_rows_cols(
-    x_MxK: jax.Array,
+    src: cast_source.Source,
     amax_M: jax.Array,
     amax_K: jax.Array,
     fmt,
@@ -128,24 +162,23 @@ def pallas_cast_rows_cols(
     bk: int,
     interpret: bool,
     num_warps: int = _CAST_WARPS,
-    prologue: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], qt [K, M], inv_M, inv_K)``: ``saturate(a * scale_M[:, None])`` and
     ``saturate(a * scale_K[None, :]).T`` cast to ``fmt`` with ``scale_M, inv_M`` and ``scale_K,
-    inv_K`` the ``tile_scales`` of ``amax_M`` and ``amax_K``, ``a = act(x)`` (``act`` the
-    ``prologue``, identity for None), one read of x."""
+    inv_K`` the ``tile_scales`` of ``amax_M`` and ``amax_K``, ``a`` the source's values, one
+    read of its operands."""
     from jax.experimental import pallas as pl
 
-    m, k = x_MxK.shape
+    m, k = src.shape
     dtype = formats.as_dtype(fmt)
-    act = activations.activation(prologue, kernels.kernel_tanh(interpret))
-    kernel = functools.partial(_cast_kernel, fmt=fmt, recipe=recipe, act=act)
+    tanh = kernels.kernel_tanh(interpret)
+    kernel = functools.partial(_cast_kernel, src=src, tanh=tanh, fmt=fmt, recipe=recipe)
     rows, cols = _vectors(bm, bk)
     f32 = jnp.float32
     return pl.pallas_call(
         kernel,
         grid=(m // bm, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), rows, cols],
+        in_specs=[*_source_specs(src, bm, bk), rows, cols],
         out_specs=[
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
@@ -161,32 +194,33 @@ def pallas_cast_rows_cols(
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_cast_rows_cols",
-    )(x_MxK, amax_M.astype(f32), amax_K.astype(f32))
+    )(*src.mats, *src.rows, *src.cols, amax_M.astype(f32), amax_K.astype(f32))
 
 
 def pallas_cast_transpose_rows(
-    x_MxK: jax.Array,
+    src: cast_source.Source,
     fmt,
     recipe: scaling.Recipe,
     interpret: bool,
     tuning: tuple[int, int, int, int] | None = None,
-    prologue: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)`` of x, two kernels.
+    col_sums: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``(q [M, K], inv [M, 1], qt [K, M], inv_t [K, 1], amax, amax_t)`` of the source's values,
+    two kernels; with ``col_sums`` also their column sums (f32 [K], from the first kernel).
 
     As ``block_cast.cast_transpose_rows``. ``tuning``: ``(bm, bk, amax warps, cast warps)``,
-    default ``blocks(x.shape)`` and 4 warps each; sides must be multiples of bm and bk.
+    default ``blocks(shape)`` and 4 warps each; sides must be multiples of bm and bk.
     """
     if tuning is None:
-        if blocks(x_MxK.shape) is None:
-            raise ValueError(f"x_MxK sides must be multiples of 16, got shape {x_MxK.shape}")
-        tuning = (*blocks(x_MxK.shape), _AMAX_WARPS, _CAST_WARPS)
+        if blocks(src.shape) is None:
+            raise ValueError(f"x_MxK sides must be multiples of 16, got shape {src.shape}")
+        tuning = (*blocks(src.shape), _AMAX_WARPS, _CAST_WARPS)
     bm, bk, amax_warps, cast_warps = tuning
-    amax_M, amax_K = pallas_row_col_amax(x_MxK, bm, bk, interpret, amax_warps, prologue)
+    amax_M, amax_K, *sums = pallas_row_col_amax(src, bm, bk, interpret, amax_warps, col_sums)
     q, qt, inv_M, inv_K = pallas_cast_rows_cols(
-        x_MxK, amax_M, amax_K, fmt, recipe, bm, bk, interpret, cast_warps, prologue
+        src, amax_M, amax_K, fmt, recipe, bm, bk, interpret, cast_warps
     )
     amax, amax_t = (
         scaling.sanitize_amax(block_cast_kernels.finite_max(a)) for a in (amax_M, amax_K)
     )
-    return q, inv_M[:, None], qt, inv_K[:, None], amax, amax_t
+    return (q, inv_M[:, None], qt, inv_K[:, None], amax, amax_t, *sums)

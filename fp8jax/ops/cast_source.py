@@ -1,0 +1,142 @@
+"""What a fine-grained FP8 cast quantizes: an f32 function of [M, K] tensors and row and column
+vectors, evaluated elementwise where the cast reads them.
+
+A plain cast quantizes x itself. The fine recipes' MLP hands the casts more: wo's input cast
+computes ``gelu(h * inv_r + b)`` from wi's GEMM output ``h`` (its row and column unscale ``inv_r
+= inv_M[m] * inv_F[f]`` and the bias ``b``), and wi's output-gradient cast computes ``gelu'(pre) *
+da`` from the same ``h`` and wo's dgrad output ``da``. Neither the pre-activation, the activation
+nor its gradient is written out: each kernel block (``row_cast_kernels``, ``block_cast_kernels``)
+evaluates ``fn`` on the blocks it reads, and the XLA references evaluate it on whole arrays with
+the same f32 operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.ops import activations
+
+
+class Source(NamedTuple):
+    """``fn(mats, rows, cols, tanh)``: f32, elementwise over ``mats`` ([M, K] each) with ``rows``
+    ([M] each) broadcast along K and ``cols`` ([K] each) along M. ``fn`` is static."""
+
+    mats: tuple[jax.Array, ...]
+    rows: tuple[jax.Array, ...]
+    cols: tuple[jax.Array, ...]
+    fn: Callable
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.mats[0].shape
+
+    @property
+    def dtype(self):
+        return self.mats[0].dtype
+
+
+def plain(x_MxK: jax.Array, prologue: str | None = None) -> Source:
+    """``act(x)`` in f32 (``act`` the ``prologue``, identity for None)."""
+    activations.activation(prologue)  # a clear error for an unknown name
+
+    def fn(mats, rows, cols, tanh):
+        return activations.activation(prologue, tanh)(mats[0].astype(jnp.float32))
+
+    return Source((x_MxK,), (), (), fn)
+
+
+def _pre(h, row_inv, col_inv, bias):
+    """``h * row_inv * col_inv + bias`` in f32; a None inverse is 1 (h already unscaled)."""
+    pre = h.astype(jnp.float32)
+    if row_inv is not None:
+        pre = pre * row_inv
+    if col_inv is not None:
+        pre = pre * col_inv
+    return pre + bias.astype(jnp.float32)
+
+
+def _split(rows, cols, scaled):
+    """``(row_inv, col_inv)`` from the front of ``rows`` and ``cols`` (None where unscaled) and
+    what is left of each."""
+    if not scaled:
+        return None, None, rows, cols
+    return rows[0], cols[0], rows[1:], cols[1:]
+
+
+def activated(
+    h_MxK: jax.Array,
+    inv_M: jax.Array | None,
+    inv_K: jax.Array | None,
+    bias_K: jax.Array,
+    act: str,
+) -> Source:
+    """``act(h * inv_M[:, None] * inv_K[None, :] + bias_K)`` in f32: a layer's activation from its
+    GEMM output (``inv_M, inv_K`` None for an output already unscaled)."""
+    activations.activation(act)
+    scaled = inv_M is not None
+
+    def fn(mats, rows, cols, tanh):
+        r, c, _, (b,) = _split(rows, cols, scaled)
+        return activations.activation(act, tanh)(_pre(mats[0], r, c, b))
+
+    extra_rows, extra_cols = ((inv_M,), (inv_K,)) if scaled else ((), ())
+    return Source((h_MxK,), extra_rows, (*extra_cols, bias_K), fn)
+
+
+def activation_grad(
+    h_MxK: jax.Array,
+    inv_M: jax.Array | None,
+    inv_K: jax.Array | None,
+    bias_K: jax.Array,
+    da_MxK: jax.Array,
+    da_inv_M: jax.Array | None,
+    da_inv_K: jax.Array | None,
+    act: str,
+) -> Source:
+    """``act'(pre) * da * da_inv_M[:, None] * da_inv_K[None, :]`` in f32, ``pre`` as in
+    ``activated``: the gradient at the pre-activation from the activation's (a dgrad output)."""
+    activations.check_activation(act, activations.ACTIVATION_GRADS)
+    scaled = inv_M is not None
+
+    def fn(mats, rows, cols, tanh):
+        r, c, rows, (b, *cols) = _split(rows, cols, scaled)
+        pre = _pre(mats[0], r, c, b)
+        da = mats[1].astype(jnp.float32)
+        if scaled:
+            da = da * rows[0] * cols[0]
+        return activations.ACTIVATION_GRADS[act](pre, tanh) * da
+
+    rows = (inv_M, da_inv_M) if scaled else ()
+    cols = (inv_K, bias_K, da_inv_K) if scaled else (bias_K,)
+    return Source((h_MxK, da_MxK), rows, cols, fn)
+
+
+def evaluate(src: Source, tanh=jnp.tanh) -> jax.Array:
+    """``src`` on whole arrays, f32 [M, K] (the references')."""
+    rows = tuple(r.astype(jnp.float32)[:, None] for r in src.rows)
+    cols = tuple(c.astype(jnp.float32)[None, :] for c in src.cols)
+    return src.fn(src.mats, rows, cols, tanh)
+
+
+def evaluate_block(src: Source, mat_refs, row_refs, col_refs, tanh) -> jax.Array:
+    """``src`` on one kernel block: [bm, bk] refs for ``mats``, [bm] and [bk] refs for vectors."""
+    mats = tuple(r[...] for r in mat_refs)
+    rows = tuple(r[...].astype(jnp.float32)[:, None] for r in row_refs)
+    cols = tuple(c[...].astype(jnp.float32)[None, :] for c in col_refs)
+    return src.fn(mats, rows, cols, tanh)
+
+
+def check(src: Source) -> None:
+    """One-line errors for operands that do not line up."""
+    m, k = src.shape
+    for a in src.mats:
+        if a.shape != (m, k):
+            raise ValueError(f"cast source tensors must share one [M, K] shape, got {a.shape}")
+    for name, vecs, n in (("row", src.rows, m), ("column", src.cols, k)):
+        for v in vecs:
+            if v.shape != (n,):
+                raise ValueError(f"cast source {name} vectors must be [{n}], got {v.shape}")

@@ -71,12 +71,12 @@ def fuses_activation(cfg: ModelConfig) -> bool:
 def fuses_mlp(cfg: ModelConfig) -> bool:
     """Whether GPT's MLP runs as one FP8 custom VJP (``fp8jax.ops.mlp``, ``fp8.fuse_mlp``).
 
-    Only where that VJP applies (delayed scaling, the fused cast kernel): elsewhere, as where
-    ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path keeps its
-    activation sharding constraint.
+    Only where a VJP applies (delayed scaling or a fine recipe, the fused cast kernels):
+    elsewhere, as where ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path
+    keeps its activation sharding constraint.
     """
-    delayed = scaling.is_delayed(cfg.recipe)
-    fusable = cfg.cast_kernel != "xla" and delayed and cfg.style == "gpt"
+    recipe_fuses = scaling.is_delayed(cfg.recipe) or scaling.is_fine(cfg.recipe)
+    fusable = cfg.cast_kernel != "xla" and recipe_fuses and cfg.style == "gpt"
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
 

@@ -156,18 +156,7 @@ def _dispatch(impl: str, x, takes: bool, reference, pallas):
         return reference(x)
     if impl == "interpret":
         return pallas(x, True)
-    if not isinstance(x, cast_source.Source):
-        return jax.lax.platform_dependent(x, cuda=lambda x: pallas(x, False), default=reference)
-    fn = x.fn  # static: only the arrays go through platform_dependent
-
-    def rebuilt(arrays):
-        return cast_source.Source(*arrays, fn)
-
-    return jax.lax.platform_dependent(
-        (x.mats, x.rows, x.cols),
-        cuda=lambda a: pallas(rebuilt(a), False),
-        default=lambda a: reference(rebuilt(a)),
-    )
+    return jax.lax.platform_dependent(x, cuda=lambda x: pallas(x, False), default=reference)
 
 
 def _source(x, prologue: str | None) -> cast_source.Source:

@@ -33,8 +33,10 @@ from fp8jax.ops import cast_source, formats, kernels, scaling
 
 MAX_KERNEL_TILE = 128  # a [T, T] f32 block in registers: 64 KiB at T = 128
 # Warps per [128, 128] block, the fastest of 4, 8, 16 on an H200 (x [16384, 2048] bf16, w
-# [2048, 8192] bf16): the tiles kernel keeps two scaled copies live, the blocks kernel one.
-_TILES_WARPS, _BLOCKS_WARPS = 4, 8
+# [2048, 8192] bf16): the tiles kernel keeps two scaled copies live, the blocks kernel one. A
+# tiles source of more operands than one tensor (an activation's gradient: [16384, 8192]) takes
+# 8: with 4 its blocks spill (four times slower).
+_TILES_WARPS, _SOURCE_WARPS, _BLOCKS_WARPS = 4, 8, 8
 
 
 def kernel_takes(shape: tuple[int, ...], tile: int) -> bool:
@@ -150,7 +152,7 @@ def pallas_cast_transpose_tiles(
     tile: int,
     recipe: scaling.Recipe,
     interpret: bool,
-    num_warps: int = _TILES_WARPS,
+    num_warps: int | None = None,
     col_sums: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``(q [M, K], inv [M, K/T], qt [K, M], inv_t [K, M/T], amax)`` of the source's values, one
@@ -161,6 +163,9 @@ def pallas_cast_transpose_tiles(
     """
     from jax.experimental import pallas as pl
 
+    if num_warps is None:
+        alone = len(src.mats) + len(src.rows) + len(src.cols) == 1
+        num_warps = _TILES_WARPS if alone else _SOURCE_WARPS
     dtype, t = formats.as_dtype(fmt), tile
     tanh = kernels.kernel_tanh(interpret)
     kernel = functools.partial(

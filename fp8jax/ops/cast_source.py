@@ -13,22 +13,24 @@ the same f32 operations.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from fp8jax.ops import activations
 
 
-class Source(NamedTuple):
+@struct.dataclass
+class Source:
     """``fn(mats, rows, cols, tanh)``: f32, elementwise over ``mats`` ([M, K] each) with ``rows``
-    ([M] each) broadcast along K and ``cols`` ([K] each) along M. ``fn`` is static."""
+    ([M] each) broadcast along K and ``cols`` ([K] each) along M. A pytree of its arrays;
+    ``fn`` is static."""
 
     mats: tuple[jax.Array, ...]
     rows: tuple[jax.Array, ...]
     cols: tuple[jax.Array, ...]
-    fn: Callable
+    fn: Callable = struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -39,8 +41,15 @@ class Source(NamedTuple):
         return self.mats[0].dtype
 
 
+def identity(mats, rows, cols, tanh):
+    """A plain cast's ``fn``: the tensor itself, in f32."""
+    return mats[0].astype(jnp.float32)
+
+
 def plain(x_MxK: jax.Array, prologue: str | None = None) -> Source:
-    """``act(x)`` in f32 (``act`` the ``prologue``, identity for None)."""
+    """``act(x)`` in f32 (``act`` the ``prologue``; x itself for None)."""
+    if prologue is None:
+        return Source((x_MxK,), (), (), identity)
     activations.activation(prologue)  # a clear error for an unknown name
 
     def fn(mats, rows, cols, tanh):
@@ -50,48 +59,56 @@ def plain(x_MxK: jax.Array, prologue: str | None = None) -> Source:
 
 
 def _pre(h, row_inv, col_inv, bias):
-    """``h * row_inv * col_inv + bias`` in f32; a None inverse is 1 (h already unscaled)."""
+    """``h * row_inv * col_inv + bias`` in f32; a None inverse is 1 (h already unscaled), a None
+    bias 0 (h the pre-activation itself)."""
     pre = h.astype(jnp.float32)
     if row_inv is not None:
         pre = pre * row_inv
     if col_inv is not None:
         pre = pre * col_inv
-    return pre + bias.astype(jnp.float32)
+    return pre if bias is None else pre + bias.astype(jnp.float32)
 
 
-def _split(rows, cols, scaled):
-    """``(row_inv, col_inv)`` from the front of ``rows`` and ``cols`` (None where unscaled) and
-    what is left of each."""
-    if not scaled:
-        return None, None, rows, cols
-    return rows[0], cols[0], rows[1:], cols[1:]
+def _split(rows, cols, scaled: bool, biased: bool):
+    """``(row_inv, col_inv, bias)`` from the front of ``rows`` and ``cols`` (None where unscaled
+    or unbiased) and what is left of each."""
+    r, c = (rows[0], cols[0]) if scaled else (None, None)
+    rows, cols = (rows[1:], cols[1:]) if scaled else (rows, cols)
+    b, cols = (cols[0], cols[1:]) if biased else (None, cols)
+    return r, c, b, rows, cols
+
+
+def _front(inv_M, inv_K, bias_K) -> tuple[tuple, tuple]:
+    """The leading row and column vectors ``_split`` takes apart."""
+    scaled = ((inv_M,), (inv_K,)) if inv_M is not None else ((), ())
+    return scaled[0], (*scaled[1], *(() if bias_K is None else (bias_K,)))
 
 
 def activated(
     h_MxK: jax.Array,
     inv_M: jax.Array | None,
     inv_K: jax.Array | None,
-    bias_K: jax.Array,
+    bias_K: jax.Array | None,
     act: str,
 ) -> Source:
     """``act(h * inv_M[:, None] * inv_K[None, :] + bias_K)`` in f32: a layer's activation from its
-    GEMM output (``inv_M, inv_K`` None for an output already unscaled)."""
+    GEMM output (``inv_M, inv_K`` None for an output already unscaled, ``bias_K`` None for
+    none)."""
     activations.activation(act)
-    scaled = inv_M is not None
+    scaled, biased = inv_M is not None, bias_K is not None
 
     def fn(mats, rows, cols, tanh):
-        r, c, _, (b,) = _split(rows, cols, scaled)
+        r, c, b, _, _ = _split(rows, cols, scaled, biased)
         return activations.activation(act, tanh)(_pre(mats[0], r, c, b))
 
-    extra_rows, extra_cols = ((inv_M,), (inv_K,)) if scaled else ((), ())
-    return Source((h_MxK,), extra_rows, (*extra_cols, bias_K), fn)
+    return Source((h_MxK,), *_front(inv_M, inv_K, bias_K), fn)
 
 
 def activation_grad(
     h_MxK: jax.Array,
     inv_M: jax.Array | None,
     inv_K: jax.Array | None,
-    bias_K: jax.Array,
+    bias_K: jax.Array | None,
     da_MxK: jax.Array,
     da_inv_M: jax.Array | None,
     da_inv_K: jax.Array | None,
@@ -100,18 +117,20 @@ def activation_grad(
     """``act'(pre) * da * da_inv_M[:, None] * da_inv_K[None, :]`` in f32, ``pre`` as in
     ``activated``: the gradient at the pre-activation from the activation's (a dgrad output)."""
     activations.check_activation(act, activations.ACTIVATION_GRADS)
-    scaled = inv_M is not None
+    scaled, biased = inv_M is not None, bias_K is not None
+    da_scaled = da_inv_M is not None
 
     def fn(mats, rows, cols, tanh):
-        r, c, rows, (b, *cols) = _split(rows, cols, scaled)
+        r, c, b, rows, cols = _split(rows, cols, scaled, biased)
         pre = _pre(mats[0], r, c, b)
         da = mats[1].astype(jnp.float32)
-        if scaled:
+        if da_scaled:
             da = da * rows[0] * cols[0]
         return activations.ACTIVATION_GRADS[act](pre, tanh) * da
 
-    rows = (inv_M, da_inv_M) if scaled else ()
-    cols = (inv_K, bias_K, da_inv_K) if scaled else (bias_K,)
+    rows, cols = _front(inv_M, inv_K, bias_K)
+    if da_scaled:
+        rows, cols = (*rows, da_inv_M), (*cols, da_inv_K)
     return Source((h_MxK, da_MxK), rows, cols, fn)
 
 

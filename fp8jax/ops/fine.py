@@ -27,6 +27,7 @@ scaling); the scales themselves are never stored.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,22 @@ def _scaled(y_MxN, inv_rows_M1, inv_cols_N1, dtype):
     return (y_MxN.astype(jnp.float32) * inv_rows_M1 * inv_cols_N1[:, 0][None, :]).astype(dtype)
 
 
-def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
+class Out(NamedTuple):
+    """A GEMM's output and what unscales it: ``y * inv_M[:, None] * inv_N[None, :]`` (rowwise,
+    with ``raw``) or ``y`` itself (both None: unscaled already)."""
+
+    y: jax.Array
+    inv_M: jax.Array | None = None
+    inv_N: jax.Array | None = None
+
+
+def _out_rowwise(y_raw, inv_M1, inv_N1, dtype, raw: bool) -> Out:
+    if raw:
+        return Out(y_raw, inv_M1[:, 0], inv_N1[:, 0])
+    return Out(_scaled(y_raw, inv_M1, inv_N1, dtype))
+
+
+def _fwd_rowwise(cfg: GemmConfig, recipe, x, w, raw):
     impl = cfg.cast
     # E4M3 for x and w, each in both layouts in one call. x per row (along K) for this GEMM and
     # x.T per row (along M) for wgrad; w.T per row (w per column, along K) for this GEMM and w
@@ -84,21 +100,24 @@ def _fwd_rowwise(cfg: GemmConfig, recipe, x, w):
         w, formats.E4M3, recipe, impl
     )
     y = gemm.mm(xq, wq_t, 1, 1, False, gemm.acc_dtype(cfg.out_dtype))  # [M, N]
-    y = _scaled(y, x_inv, wt_inv, cfg.out_dtype)
-    return y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
+    out = _out_rowwise(y, x_inv, wt_inv, cfg.out_dtype, raw)
+    return out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
 
 
-def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype):
+def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype, raw, col_sums):
     xq_t, xt_inv, wq, w_inv = res
     # dy in the recipe's grad format: per row (along N) for dgrad, dy.T per row (along M) for
     # wgrad, both in one call.
-    gq, g_inv, gq_t, gt_inv, amax_g, _ = block_cast.cast_transpose_rows(g, fmt, recipe, cfg.cast)
+    gq, g_inv, gq_t, gt_inv, amax_g, _, *sums = block_cast.cast_transpose_rows(
+        g, fmt, recipe, cfg.cast, col_sums=col_sums
+    )
     dx = gemm.mm(gq, wq, 1, 1, False, gemm.acc_dtype(dx_dtype))  # [M, K], N contracted
     dw = gemm.mm(xq_t, gq_t, 1, 1, False, gemm.acc_dtype(gemm.wgrad_dtype(cfg)))  # [K, N]
-    return _scaled(dx, g_inv, w_inv, dx_dtype), _scaled(dw, xt_inv, gt_inv, cfg.w_dtype), amax_g
+    dx = _out_rowwise(dx, g_inv, w_inv, dx_dtype, raw)
+    return dx, _scaled(dw, xt_inv, gt_inv, cfg.w_dtype), amax_g, sums
 
 
-def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w):
+def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w, raw):
     t, impl = recipe.block_size, cfg.cast
     # E4M3 for x and w. x: 1 x T tiles along K for this GEMM and T x 1 (x.T's 1 x T along M)
     # for wgrad; w: T x T blocks, which serve the forward ([N, K]) and dgrad ([K, N]) alike.
@@ -109,27 +128,52 @@ def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w):
     y = block_gemm.block_scaled_dot(
         xq, x_inv, wq_t, w_inv.T, block=t, out_dtype=cfg.out_dtype, impl=impl, b_blocks=True
     )
-    return y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
+    return Out(y), (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
 
 
-def _bwd_block(cfg: GemmConfig, recipe: BlockScaling, res, g, fmt, dx_dtype):
+def _bwd_block(cfg: GemmConfig, recipe: BlockScaling, res, g, fmt, dx_dtype, raw, col_sums):
     t, impl = recipe.block_size, cfg.cast
     xq_t, xt_inv, wq, w_inv = res
     # dy: 1 x T tiles along N for dgrad, T x 1 (dy.T's 1 x T along M) for wgrad.
-    gq, g_inv, gq_t, gt_inv, amax_g = block_cast.cast_transpose_tiles(g, fmt, t, recipe, impl)
+    gq, g_inv, gq_t, gt_inv, amax_g, *sums = block_cast.cast_transpose_tiles(
+        g, fmt, t, recipe, impl, col_sums=col_sums
+    )
     dx = block_gemm.block_scaled_dot(
         gq, g_inv, wq, w_inv, block=t, out_dtype=dx_dtype, impl=impl, b_blocks=True
     )  # [M, K]: w [K, N] with its T x T blocks, N contracted
     dw = block_gemm.block_scaled_dot(
         xq_t, xt_inv, gq_t, gt_inv, block=t, out_dtype=cfg.w_dtype, impl=impl, b_blocks=False
     )  # [K, N]: M contracted, both operands tiled along M
-    return dx, dw, amax_g
+    return Out(dx), dw, amax_g, sums
 
 
-def _impl(recipe):
-    if isinstance(recipe, BlockScaling):
-        return _fwd_block, _bwd_block
-    return _fwd_rowwise, _bwd_rowwise
+def forward(cfg: GemmConfig, recipe: scaling.FineRecipe, x, w_KxN, raw: bool = False):
+    """``(Out of x . w [M, N], (amax_x, amax_w), residuals for backward)`` under ``recipe``.
+
+    ``x`` is an [M, K] array or a ``cast_source.Source``; ``raw`` leaves a rowwise output
+    scaled (its ``Out`` carries the inverse scales), in ``acc_dtype(cfg.out_dtype)``.
+    """
+    fwd = _fwd_block if isinstance(recipe, BlockScaling) else _fwd_rowwise
+    return fwd(cfg, recipe, x, w_KxN, raw)
+
+
+def backward(
+    cfg: GemmConfig,
+    recipe: scaling.FineRecipe,
+    res,
+    g,
+    fmt,
+    dx_dtype,
+    raw: bool = False,
+    col_sums: bool = False,
+):
+    """``(Out of dx [M, K], dw [K, N], amax_g, [column sums of g])`` from ``forward``'s
+    residuals and ``g`` ([M, N] array or ``cast_source.Source``) quantized to ``fmt``.
+
+    ``raw`` as in ``forward``; ``col_sums`` returns g's f32 column sums from its cast.
+    """
+    bwd = _bwd_block if isinstance(recipe, BlockScaling) else _bwd_rowwise
+    return bwd(cfg, recipe, res, g, fmt, dx_dtype, raw, col_sums)
 
 
 def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
@@ -137,10 +181,10 @@ def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
     # With a prologue x is the pre-activation: the cast applies act in f32 to what it reads
     # (act(x) is quantized unrounded and never written out) and the backward keeps x for act'.
     x_pre = x if cfg.prologue else None
-    y, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = _impl(recipe)[0](cfg, recipe, x, w)
+    out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = forward(cfg, recipe, x, w)
     # Named for remat policies (ops.remat): the backward GEMMs' operands with their tile scales.
     res = (*checkpoint_name((xq_t, xt_inv), FP8_X), *checkpoint_name((wq, w_inv), FP8_W))
-    y = checkpoint_name(y, FP8_OUT)
+    y = checkpoint_name(out.y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta, (*res, x_pre)
 
@@ -162,7 +206,8 @@ def _fine_bwd(cfg: GemmConfig, saved, cts):
     g, ct_meta = cts  # g [M, N] in the output dtype
     recipe = check_recipes(meta)
     dx_dtype = jnp.float32 if cfg.prologue else cfg.x_dtype  # act' in f32, as the tensorwise path
-    dx, dw, amax_g = _impl(recipe)[1](cfg, recipe, tuple(res), g, meta.dy.fmt, dx_dtype)
+    dx, dw, amax_g, _ = backward(cfg, recipe, tuple(res), g, meta.dy.fmt, dx_dtype)
+    dx = dx.y
     if cfg.prologue:
         dx = gemm.dgrad_out(cfg, dx, 1.0, x_pre)
     hist = scaling.record(ct_meta.dy, amax_g).amax_history

@@ -13,9 +13,10 @@ transposed input (gelu(pre) in FP8, [d_ff, tokens], the wgrad operand) is rebuil
 backward from the raw GEMM output it keeps anyway, by the same cast with the same scale, so the
 same bits; one more read of that output and write of both FP8 layouts per layer.
 
-Only the delayed-scaling, fused-kernel path is one VJP; anything else (current scaling,
-``cast_kernel='xla'``, shapes not in multiples of 16) runs the same math as two ``dot_general``
-calls with the GELU as the second one's prologue.
+Only the delayed-scaling, fused-kernel path is one VJP here; the fine recipes (rowwise, block)
+have theirs in ``ops.fine_mlp``; anything else (current scaling, ``cast_kernel='xla'``, shapes
+not in multiples of 16) runs the same math as two ``dot_general`` calls with the GELU as the
+second one's prologue.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import dot, formats, gemm, kernels
+from fp8jax.ops import dot, fine_mlp, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -152,6 +153,11 @@ def gelu_mlp(
     dtype = jnp.dtype(x.dtype)
     layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel)
     layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT)
+    if scaling.is_fine(meta1.x.recipe):  # tiles of any shape, the references off the GPU
+        y, meta1, meta2 = fine_mlp.gelu_mlp(
+            x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast
+        )
+        return y.reshape(*lead, w2.shape[1]), meta1, meta2
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
     aligned = all(d % dot.PAD == 0 and d > 0 for d in dims)  # empty: dot_general's own path
     if not (

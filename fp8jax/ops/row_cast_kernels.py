@@ -30,11 +30,11 @@ import jax.numpy as jnp
 
 from fp8jax.ops import block_cast_kernels, cast_source, formats, kernels, scaling
 
-# Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. 64 rows x 128
-# columns with 4 warps is the tensorwise cast_transpose kernel's tuning, which writes the same
-# two FP8 layouts from the same block.
+# Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. Default tunings
+# (the fastest of 64/32/128 rows x 64/128/256 columns and 4 or 8 warps on an H200, for
+# gpt_1b3's [16384, 8192] MLP activation): 64 x 128 blocks with 8 warps for a tensor alone
+# (4 with an activation), 64 x 64 with 4 warps for a source of more operands.
 ROW_BLOCKS, COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
-_AMAX_WARPS, _CAST_WARPS = 4, 4
 
 
 def blocks(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -45,6 +45,17 @@ def blocks(shape: tuple[int, ...]) -> tuple[int, int] | None:
     bm = next((b for b in ROW_BLOCKS if shape[0] % b == 0), None)
     bk = next((b for b in COL_BLOCKS if shape[1] % b == 0), None)
     return None if bm is None or bk is None else (bm, bk)
+
+
+def default_tuning(src: cast_source.Source) -> tuple[int, int, int, int]:
+    """``(bm, bk, amax warps, cast warps)`` for ``src`` (the measured defaults above)."""
+    if blocks(src.shape) is None:
+        raise ValueError(f"x_MxK sides must be multiples of 16, got shape {src.shape}")
+    bm, bk = blocks(src.shape)
+    if len(src.mats) + len(src.rows) + len(src.cols) > 1:
+        return bm, min(bk, 64), 4, 4
+    with_act = src.fn is not cast_source.identity
+    return (bm, bk, 4, 4) if with_act else (bm, bk, 8, 8)
 
 
 def _params(num_warps: int):
@@ -99,7 +110,7 @@ def pallas_row_col_amax(
     bm: int,
     bk: int,
     interpret: bool,
-    num_warps: int = _AMAX_WARPS,
+    num_warps: int = 4,
     col_sums: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``(amax_M, amax_K)`` f32: each row's and each column's max ``tile_abs`` of the source's
@@ -161,7 +172,7 @@ def pallas_cast_rows_cols(
     bm: int,
     bk: int,
     interpret: bool,
-    num_warps: int = _CAST_WARPS,
+    num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(q [M, K], qt [K, M], inv_M, inv_K)``: ``saturate(a * scale_M[:, None])`` and
     ``saturate(a * scale_K[None, :]).T`` cast to ``fmt`` with ``scale_M, inv_M`` and ``scale_K,
@@ -212,9 +223,7 @@ def pallas_cast_transpose_rows(
     default ``blocks(shape)`` and 4 warps each; sides must be multiples of bm and bk.
     """
     if tuning is None:
-        if blocks(src.shape) is None:
-            raise ValueError(f"x_MxK sides must be multiples of 16, got shape {src.shape}")
-        tuning = (*blocks(src.shape), _AMAX_WARPS, _CAST_WARPS)
+        tuning = default_tuning(src)
     bm, bk, amax_warps, cast_warps = tuning
     amax_M, amax_K, *sums = pallas_row_col_amax(src, bm, bk, interpret, amax_warps, col_sums)
     q, qt, inv_M, inv_K = pallas_cast_rows_cols(

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import runner
-from fp8jax.ops import block_cast, formats, kernels, row_cast_kernels, scaling
+from fp8jax.ops import block_cast, cast_source, formats, kernels, row_cast_kernels, scaling
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
 SHAPES = [
@@ -231,17 +231,20 @@ def sweep_rows(x, fmt, recipe, ref, moved: int, iters: int, interpret: bool) -> 
             continue
         row = {"bm": bm, "bk": bk, "amax_warps": amax_warps, "cast_warps": cast_warps}
         tuning = (bm, bk, amax_warps, cast_warps)
+        src = cast_source.plain
         both = jax.jit(
             lambda x, t=tuning: row_cast_kernels.pallas_cast_transpose_rows(
-                x, fmt, recipe, interpret, t
+                src(x), fmt, recipe, interpret, t
             )
         )
         amax = jax.jit(
-            lambda x, t=tuning: row_cast_kernels.pallas_row_col_amax(x, *t[:2], interpret, t[2])
+            lambda x, t=tuning: row_cast_kernels.pallas_row_col_amax(
+                src(x), *t[:2], interpret, t[2]
+            )
         )
         cast = jax.jit(
             lambda x, a, at, t=tuning: row_cast_kernels.pallas_cast_rows_cols(
-                x, a, at, fmt, recipe, *t[:2], interpret, t[3]
+                src(x), a, at, fmt, recipe, *t[:2], interpret, t[3]
             )
         )
         try:

@@ -148,12 +148,23 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
 
 
+def _max_rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+
+
+def _fwd_states(fp8_state) -> list:
+    """The FP8 state's x and w leaves (its dy states dropped)."""
+    pairs = jax.tree_util.tree_leaves_with_path(fp8_state)
+    return [v for path, v in pairs if ".dy" not in jax.tree_util.keystr(path)]
+
+
 def compare(base: dict, other: dict) -> dict:
     """Differences of a sharded run from the single-device run."""
     rel = lambda a, b: abs(a - b) / max(abs(a), 1e-30)
     u_base = _flat(base["params"]) - _flat(base["params0"])
     u_other = _flat(other["params"]) - _flat(other["params0"])
     fp8_b, fp8_o = _flat(base["fp8_after_0"]), _flat(other["fp8_after_0"])
+    fwd_b, fwd_o = (_flat(_fwd_states(r["fp8_after_0"])) for r in (base, other))
     return dict(
         mesh=other["mesh"],
         loss_rel=[
@@ -173,7 +184,9 @@ def compare(base: dict, other: dict) -> dict:
             * np.linalg.norm(_flat(other["params_after_0"]) - _flat(base["params_after_0"]))
         ),
         loss1_scale=abs(base["metrics"][1]["loss"]),
-        fp8_state_step0_rel=float(np.max(np.abs(fp8_o - fp8_b) / np.maximum(np.abs(fp8_b), 1e-30))),
+        fp8_state_step0_rel=_max_rel(fp8_o, fp8_b),
+        # The same, over the x and w states alone (the forward's amaxes and scales).
+        fp8_state_step0_fwd_rel=_max_rel(fwd_o, fwd_b),
         scales_identical_across_devices=other["scales_identical_across_devices"],
         comm=[{k: v for k, v in m.items() if k.startswith("comm_")} for m in other["metrics"]],
         seconds=round(other["seconds"], 1),

@@ -35,6 +35,12 @@ from sharded_checks import tiny_config  # noqa: E402
 # Tolerances of a sharded step against the single-device step (2 steps; step 1 updates).
 EXACT_RTOL = 1e-5  # loss / grad norm / FP8 state when gradients are reduced in f32 (TP only)
 LOSS_RTOL = 1e-5  # loss: the forward pass never sees FP8 communication before the first update
+# dy's amaxes at step 0 under the block recipe: per-tile scales come from each replica's own f32
+# values, which differ from the one-device run's by f32 reassociation, so a gradient element at
+# an E4M3 rounding boundary can round the other way and move the amaxes downstream of it by a
+# fraction of its value's FP8 step (2**-3 relative). Measured: 1.4e-3 on the tests' data with
+# GPT's fused block MLP, 2e-7 where no element flips (two other data seeds, either MLP).
+BLOCK_DY_RTOL = 2.0**-6
 FP8_GRAD_NORM_RTOL = 1e-2  # grad norm after E5M2 all-to-all + all-gather (~5% per element)
 # Relative L2 of the Adam update. Adam divides by sqrt(v) + 1e-8, so gradients near zero (and
 # m near 0) turn tiny absolute differences into large update differences.
@@ -303,7 +309,9 @@ def test_sharded_steps_match_one_device(checks):
     for name, c in cmp.items():
         assert c["scales_identical_across_devices"], name
         # Step 0: identical forward, hence identical amaxes and scales (global, not per shard).
-        assert c["fp8_state_step0_rel"] <= EXACT_RTOL, (name, c)
+        assert c["fp8_state_step0_fwd_rel"] <= EXACT_RTOL, (name, c)
+        dy_rtol = BLOCK_DY_RTOL if "block" in name else EXACT_RTOL
+        assert c["fp8_state_step0_rel"] <= dy_rtol, (name, c)
         assert c["loss_rel"][0] <= LOSS_RTOL, (name, c)
         # Step 1 follows the first update: its loss may differ by what the updates' difference
         # moves it to first order (twice that, for the second-order term), plus LOSS_RTOL.

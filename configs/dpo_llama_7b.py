@@ -13,25 +13,18 @@ of 2048 tokens, on every visible GPU (data-parallel; O3 with mesh.fsdp > 1 shard
 the reference's weights with it).
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Preference-tune the checkpoint in ``init_from`` (a directory; required)."""
-    c = _base().get_config()  # every field; the model's sizes are replaced by the checkpoint's
+    c = load_config(BASE)  # every field; the model's sizes are replaced by the checkpoint's
     c.init_from = init_from  # HF model dir or fp8jax (SFT) work dir
     m = c.model
     m.style = "llama"  # the checkpoint's architecture replaces this and the sizes

@@ -9,25 +9,18 @@ reward accuracy climbs from 0 (policy == reference) towards 1 and the reward mar
 within a hundred steps, a minute or so on 2 CPU cores.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Tiny DPO config; ``init_from``: a work dir fine-tuned by configs/sft_tiny.py, or ''."""
-    c = _base().get_config()  # every field, with the tiny CPU model of configs/tiny.py
+    c = load_config(BASE)  # every field, with the tiny CPU model of configs/tiny.py
     c.init_from = init_from  # '' = random init; else the checkpoint policy and reference start from
     c.data.format = "dpo"  # {"prompt", "chosen", "rejected"} pairs, DPO loss
     c.data.path = ""  # '' = the novel preference pairs of the shipped corpus (dpo_data.novel_pairs)

@@ -8,25 +8,18 @@ this width FP8's quantize passes cost about what its GEMMs save, and O1's loss t
 corpus is far too small for this model and vocabulary.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config() -> ml_collections.ConfigDict:
     """GPT-2 small (125M class) on one GPU."""
-    c = _base().get_config()  # every field; the lines below override the tiny defaults
+    c = load_config(BASE)  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "gpt"  # learned positions, LayerNorm, GELU, biases
     m.vocab_size = 32768  # BPE vocabulary (multiple of 128 keeps the LM head GEMM aligned)

@@ -7,25 +7,18 @@ in FP8), full block remat, 64k tokens per step (one-GPU figures at this batch: m
 docs/performance.md). Set ``--config.data.path`` to a large corpus.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config() -> ml_collections.ConfigDict:
     """LLaMA-2-7B shapes on 8 GPUs, FP8-LM level O3."""
-    c = _base().get_config()  # every field; the lines below override the tiny defaults
+    c = load_config(BASE)  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "llama"  # RoPE, RMSNorm, SwiGLU, no biases
     m.vocab_size = 32000  # LLaMA-2's SentencePiece vocabulary size

@@ -9,25 +9,18 @@ The validation loss (per completion token) falls from ~6 to below ln(6) ~ 1.8 wi
 hundred steps, a minute or two on 2 CPU cores.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Tiny SFT config; ``init_from``: a work dir pre-trained by configs/tiny.py, or ''."""
-    c = _base().get_config()  # every field, with the tiny CPU model of configs/tiny.py
+    c = load_config(BASE)  # every field, with the tiny CPU model of configs/tiny.py
     c.init_from = init_from  # '' = random init; else the checkpoint to fine-tune
     c.data.format = "sft"  # prompt/completion examples, loss on completions
     c.data.path = ""  # '' = the novel task of the shipped corpus (sft_data.novel_task)

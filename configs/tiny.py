@@ -6,25 +6,18 @@ minute on 2 CPU cores. The validation loss falls from ~6.2 (ln of the vocab) to 
 Variants: ``--config configs/tiny.py:llama`` switches to the LLaMA-style block.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from fp8jax.trainer.loop import load_config
 
-def _base():
-    """configs/base.py, loaded by path because train.py loads configs as files."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8jax_configs_base", pathlib.Path(__file__).with_name("base.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
 
 
 def get_config(variant: str = "gpt") -> ml_collections.ConfigDict:
     """Tiny CPU config; ``variant`` is 'gpt' or 'llama'."""
-    c = _base().get_config()  # every field, with this run's CPU-sized defaults
+    c = load_config(BASE)  # every field, with this run's CPU-sized defaults
     c.model.style = variant  # which block: see base.py
     if variant == "llama":
         c.model.num_kv_heads = 2  # grouped-query: 2 query heads per key/value head

@@ -66,7 +66,9 @@ class _Preempted:
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"  # in a source checkout
 
 
-def load_config(name_or_path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+def load_config(
+    name_or_path: str | os.PathLike, arg: str | None = None
+) -> ml_collections.ConfigDict:
     """``get_config(arg)`` of a config file, given its path or its name under ``configs/``."""
     path = pathlib.Path(name_or_path)
     if path.suffix != ".py":

@@ -4,7 +4,7 @@ This file is the one place that decides each field's default (fp8jax.trainer.spe
 every field and supplies none). The defaults are the tiny CPU run (configs/tiny.py); named
 configs override what differs.
 Config files are loaded by path (``--config configs/x.py``), not as a package, so each one
-loads this file by its path next to ``__file__``.
+loads this file by its path next to ``__file__`` (``fp8jax.trainer.loop.load_config``).
 """
 
 import ml_collections

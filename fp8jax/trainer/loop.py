@@ -66,13 +66,11 @@ class _Preempted:
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"  # in a source checkout
 
 
-def load_config(
-    name_or_path: str | os.PathLike, arg: str | None = None
-) -> ml_collections.ConfigDict:
+def load_config(name: str | os.PathLike, arg: str | None = None) -> ml_collections.ConfigDict:
     """``get_config(arg)`` of a config file, given its path or its name under ``configs/``."""
-    path = pathlib.Path(name_or_path)
+    path = pathlib.Path(name)
     if path.suffix != ".py":
-        path = CONFIG_DIR / f"{name_or_path}.py"
+        path = CONFIG_DIR / f"{name}.py"
     if not path.is_file():
         raise FileNotFoundError(f"no config file {path}: pass a path or a name in {CONFIG_DIR}")
     # Loaded by path, as ml_collections' --config flag does (configs/ is not a package).

@@ -194,7 +194,8 @@ def cast_transpose_tiles(
     ``col_sums`` the f32 column sums [K] of the quantized values come last.
     """
     src = _source(x_MxK, prologue)
-    _check_cast(src.mats[0], fmt, tile, "x_MxK")
+    for a in src.mats:
+        _check_cast(a, fmt, tile, "x_MxK")
     kernels.check_impl(impl)
 
     def reference(src):

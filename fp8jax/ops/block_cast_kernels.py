@@ -79,12 +79,8 @@ def _record(amax_ref, tile_amax):
 
 def _tiles_kernel(*refs, src, tanh, fmt, recipe, sums: bool):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
-    n_in = len(src.mats) + len(src.rows) + len(src.cols)
-    mats = refs[: len(src.mats)]
-    rows = refs[len(src.mats) : len(src.mats) + len(src.rows)]
-    cols = refs[len(src.mats) + len(src.rows) : n_in]
-    x_TxT = cast_source.evaluate_block(src, mats, rows, cols, tanh)  # block (i, j), read once
-    _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, *sum_ref, amax_ref = refs[n_in:]
+    x_TxT, refs = cast_source.evaluate_block(src, refs, tanh)  # block (i, j), read once
+    _amax_in, q_ref, inv_ref, qt_ref, inv_t_ref, *sum_ref, amax_ref = refs
     abs_TxT = tile_abs(x_TxT)
     # Row r's amax over this block's K slice: the 1 x T tile (r, j) of q. Column c's over its M
     # slice: the T x 1 tile of x that is tile (c, i) of x.T.
@@ -119,31 +115,26 @@ def _blocks_kernel(w_ref, _amax_in, q_ref, qt_ref, inv_ref, amax_ref, *, fmt, re
     _record(amax_ref, amax_1x1)
 
 
-def _call(kernel, operands, in_specs, shape, tile, interpret, num_warps, in_out):
-    """``pallas_call`` of ``kernel`` over the [tile, tile] blocks of a ``shape`` tensor:
-    ``operands`` read by ``in_specs``, then the amax target (aliased), then ``in_out``'s outputs
-    and the amax."""
+def _call(kernel, src: cast_source.Source, tile, interpret, num_warps, in_out):
+    """``pallas_call`` of ``kernel`` over the [tile, tile] blocks of ``src``: its operands, then
+    the amax target (aliased), then ``in_out``'s outputs and the amax."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    (m, k), t = shape, tile
+    (m, k), t = src.shape, tile
     whole = pl.BlockSpec((1,), lambda i, j: (0,))
     specs, shapes = zip(*in_out(pl, m, k, t), strict=True)
     return pl.pallas_call(
         kernel,
         grid=(m // t, k // t),
-        in_specs=[*in_specs, whole],
+        in_specs=[*cast_source.block_specs(src, t, t), whole],
         out_specs=[*specs, whole],
         out_shape=[*shapes, jax.ShapeDtypeStruct((1,), jnp.float32)],
-        input_output_aliases={len(operands): len(specs)},
+        input_output_aliases={len(src.operands): len(specs)},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=kernel.func.__name__.strip("_"),
-    )(*operands, jnp.zeros((1,), jnp.float32))
-
-
-def _block_spec(pl, t):
-    return pl.BlockSpec((t, t), lambda i, j: (i, j))
+    )(*src.operands, jnp.zeros((1,), jnp.float32))
 
 
 def pallas_cast_transpose_tiles(
@@ -161,26 +152,18 @@ def pallas_cast_transpose_tiles(
     Sides must be multiples of ``tile`` (``kernel_takes``); ``block_cast.cast_transpose_tiles``
     routes the others to the references.
     """
-    from jax.experimental import pallas as pl
-
     if num_warps is None:
-        alone = len(src.mats) + len(src.rows) + len(src.cols) == 1
-        num_warps = _TILES_WARPS if alone else _SOURCE_WARPS
+        num_warps = _TILES_WARPS if len(src.operands) == 1 else _SOURCE_WARPS
     dtype, t = formats.as_dtype(fmt), tile
     tanh = kernels.kernel_tanh(interpret)
     kernel = functools.partial(
         _tiles_kernel, src=src, tanh=tanh, fmt=fmt, recipe=recipe, sums=col_sums
     )
-    vec_row = pl.BlockSpec((t,), lambda i, j: (i,))
-    vec_col = pl.BlockSpec((t,), lambda i, j: (j,))
-    in_specs = (
-        [_block_spec(pl, t)] * len(src.mats) + [vec_row] * len(src.rows) + [vec_col] * len(src.cols)
-    )
 
     def in_out(pl, m, k, t):
         f32 = jnp.float32
         out = [
-            (_block_spec(pl, t), jax.ShapeDtypeStruct((m, k), dtype)),
+            (pl.BlockSpec((t, t), lambda i, j: (i, j)), jax.ShapeDtypeStruct((m, k), dtype)),
             (
                 pl.BlockSpec((t, pl.squeezed), lambda i, j: (i, j)),
                 jax.ShapeDtypeStruct((m, k // t), f32),
@@ -200,9 +183,7 @@ def pallas_cast_transpose_tiles(
             )
         return out
 
-    operands = (*src.mats, *src.rows, *src.cols)
-    out = _call(kernel, operands, in_specs, src.shape, t, interpret, num_warps, in_out)
-    q, inv, qt, inv_t, *sums, amax = out
+    q, inv, qt, inv_t, *sums, amax = _call(kernel, src, t, interpret, num_warps, in_out)
     # The partial sums of the [M / T] block rows, added in a fixed order.
     return (q, inv, qt, inv_t, amax[0], *(jnp.sum(p, axis=0) for p in sums))
 
@@ -230,9 +211,6 @@ def pallas_cast_transpose_blocks(
             ),
         ]
 
-    from jax.experimental import pallas as pl
-
-    in_specs = [_block_spec(pl, block)]
-    args = (kernel, (w_KxN,), in_specs, w_KxN.shape, block, interpret, num_warps, in_out)
-    q, qt, inv, amax = _call(*args)
+    src = cast_source.plain(w_KxN)
+    q, qt, inv, amax = _call(kernel, src, block, interpret, num_warps, in_out)
     return q, qt, inv, amax[0]

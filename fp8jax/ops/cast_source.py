@@ -37,8 +37,9 @@ class Source:
         return self.mats[0].shape
 
     @property
-    def dtype(self):
-        return self.mats[0].dtype
+    def operands(self) -> tuple[jax.Array, ...]:
+        """Every array a kernel reads, in order: ``mats``, ``rows``, ``cols``."""
+        return (*self.mats, *self.rows, *self.cols)
 
 
 def identity(mats, rows, cols, tanh):
@@ -141,12 +142,24 @@ def evaluate(src: Source, tanh=jnp.tanh) -> jax.Array:
     return src.fn(src.mats, rows, cols, tanh)
 
 
-def evaluate_block(src: Source, mat_refs, row_refs, col_refs, tanh) -> jax.Array:
-    """``src`` on one kernel block: [bm, bk] refs for ``mats``, [bm] and [bk] refs for vectors."""
-    mats = tuple(r[...] for r in mat_refs)
-    rows = tuple(r[...].astype(jnp.float32)[:, None] for r in row_refs)
-    cols = tuple(c[...].astype(jnp.float32)[None, :] for c in col_refs)
-    return src.fn(mats, rows, cols, tanh)
+def block_specs(src: Source, bm: int, bk: int) -> list:
+    """Pallas block specs of ``src.operands`` for a kernel over its [bm, bk] blocks (i, j)."""
+    from jax.experimental import pallas as pl
+
+    mat = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
+    row, col = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    return [mat] * len(src.mats) + [row] * len(src.rows) + [col] * len(src.cols)
+
+
+def evaluate_block(src: Source, refs, tanh) -> tuple[jax.Array, tuple]:
+    """``src`` on one kernel block (f32 [bm, bk]) from the kernel's refs, which start with its
+    operands' (as ``block_specs`` lays them out), and the refs after those."""
+    n_m, n_r = len(src.mats), len(src.rows)
+    n = len(src.operands)
+    mats = tuple(r[...] for r in refs[:n_m])
+    rows = tuple(r[...].astype(jnp.float32)[:, None] for r in refs[n_m : n_m + n_r])
+    cols = tuple(c[...].astype(jnp.float32)[None, :] for c in refs[n_m + n_r : n])
+    return src.fn(mats, rows, cols, tanh), refs[n:]
 
 
 def check(src: Source) -> None:

@@ -88,14 +88,24 @@ def _out_rowwise(y_raw, inv_M1, inv_N1, dtype, raw: bool) -> Out:
     return Out(_scaled(y_raw, inv_M1, inv_N1, dtype))
 
 
+def cast_x(cfg: GemmConfig, recipe: scaling.FineRecipe, x) -> tuple[jax.Array, ...]:
+    """``(xq, x_inv, xq_t, xt_inv, amax_x)``: a forward GEMM's x in E4M3 in both layouts with
+    their scales (per row, or 1 x T tiles along K and M), ``x`` an array or a cast source."""
+    if isinstance(recipe, BlockScaling):
+        t = recipe.block_size
+        return block_cast.cast_transpose_tiles(
+            x, formats.E4M3, t, recipe, cfg.cast, prologue=cfg.prologue
+        )
+    out = block_cast.cast_transpose_rows(x, formats.E4M3, recipe, cfg.cast, prologue=cfg.prologue)
+    return out[:5]
+
+
 def _fwd_rowwise(cfg: GemmConfig, recipe, x, w, raw):
     impl = cfg.cast
     # E4M3 for x and w, each in both layouts in one call. x per row (along K) for this GEMM and
     # x.T per row (along M) for wgrad; w.T per row (w per column, along K) for this GEMM and w
     # per row (along N) for dgrad. w's recorded amax is w.T's rows', as its forward operand's.
-    xq, x_inv, xq_t, xt_inv, amax_x, _ = block_cast.cast_transpose_rows(
-        x, formats.E4M3, recipe, impl, prologue=cfg.prologue
-    )
+    xq, x_inv, xq_t, xt_inv, amax_x = cast_x(cfg, recipe, x)
     wq, w_inv, wq_t, wt_inv, _, amax_w = block_cast.cast_transpose_rows(
         w, formats.E4M3, recipe, impl
     )
@@ -121,9 +131,7 @@ def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w, raw):
     t, impl = recipe.block_size, cfg.cast
     # E4M3 for x and w. x: 1 x T tiles along K for this GEMM and T x 1 (x.T's 1 x T along M)
     # for wgrad; w: T x T blocks, which serve the forward ([N, K]) and dgrad ([K, N]) alike.
-    xq, x_inv, xq_t, xt_inv, amax_x = block_cast.cast_transpose_tiles(
-        x, formats.E4M3, t, recipe, impl, prologue=cfg.prologue
-    )
+    xq, x_inv, xq_t, xt_inv, amax_x = cast_x(cfg, recipe, x)
     wq, wq_t, w_inv, amax_w = block_cast.cast_transpose_blocks(w, formats.E4M3, t, recipe, impl)
     y = block_gemm.block_scaled_dot(
         xq, x_inv, wq_t, w_inv.T, block=t, out_dtype=cfg.out_dtype, impl=impl, b_blocks=True

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import block_cast, cast_source, fine, formats, gemm, scaling
+from fp8jax.ops import cast_source, fine, gemm, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import BlockScaling, Fp8Meta
@@ -46,16 +46,6 @@ def _activation(out1: fine.Out, b1) -> cast_source.Source:
     """wo's input: ``gelu(h * unscale + b1)`` from wi's GEMM output, in f32 inside the cast
     (``b1`` None: h has its bias)."""
     return cast_source.activated(out1.y, out1.inv_M, out1.inv_N, b1, ACT)
-
-
-def _wgrad_operand(cfg: GemmConfig, recipe, src: cast_source.Source):
-    """``(qt, inv_t)``: the transposed E4M3 layout of ``src`` that ``fine.forward`` keeps."""
-    e4m3, impl = formats.E4M3, cfg.cast
-    if isinstance(recipe, BlockScaling):
-        out = block_cast.cast_transpose_tiles(src, e4m3, recipe.block_size, recipe, impl)
-    else:
-        out = block_cast.cast_transpose_rows(src, e4m3, recipe, impl)
-    return out[2], out[3]
 
 
 def _fwd_impl(cfg: _Cfg, recipe, x, w1, b1, w2):
@@ -105,7 +95,8 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
             # Tied to the cotangent so that neither JAX nor XLA merges it with the forward's
             # cast (which would keep that cast's output alive until here after all).
             out_again, b_again, _ = jax.lax.optimization_barrier((out1, b1, g))
-            res2 = (*_wgrad_operand(c2, recipe, _activation(out_again, b_again)), *res2[2:])
+            xq_t, xt_inv = fine.cast_x(c2, recipe, _activation(out_again, b_again))[2:4]
+            res2 = (xq_t, xt_inv, *res2[2:])
         # da [M, F]: d loss / d gelu(pre), left as its GEMM wrote it (raw under rowwise).
         da, dw2, amax_g2, _ = fine.backward(c2, recipe, res2, g, m2.dy.fmt, c2.x_dtype, raw=True)
     with jax.named_scope("wi"):

@@ -150,14 +150,14 @@ def gelu_mlp(
         dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
-    dtype = jnp.dtype(x.dtype)
-    layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel)
-    layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT)
     if scaling.is_fine(meta1.x.recipe):  # tiles of any shape, the references off the GPU
         y, meta1, meta2 = fine_mlp.gelu_mlp(
             x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast
         )
         return y.reshape(*lead, w2.shape[1]), meta1, meta2
+    dtype = jnp.dtype(x.dtype)
+    layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel)
+    layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT)
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
     aligned = all(d % dot.PAD == 0 and d > 0 for d in dims)  # empty: dot_general's own path
     if not (

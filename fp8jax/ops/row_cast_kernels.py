@@ -52,7 +52,7 @@ def default_tuning(src: cast_source.Source) -> tuple[int, int, int, int]:
     if blocks(src.shape) is None:
         raise ValueError(f"x_MxK sides must be multiples of 16, got shape {src.shape}")
     bm, bk = blocks(src.shape)
-    if len(src.mats) + len(src.rows) + len(src.cols) > 1:
+    if len(src.operands) > 1:
         return bm, min(bk, 64), 4, 4
     with_act = src.fn is not cast_source.identity
     return (bm, bk, 4, 4) if with_act else (bm, bk, 8, 8)
@@ -72,28 +72,11 @@ def _vectors(bm: int, bk: int):
     return pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
 
 
-def _source_specs(src: cast_source.Source, bm: int, bk: int) -> list:
-    """Block specs of ``src``'s operands, in order: [bm, bk] blocks, then row and column vectors."""
-    from jax.experimental import pallas as pl
-
-    rows, cols = _vectors(bm, bk)
-    mat = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    return [mat] * len(src.mats) + [rows] * len(src.rows) + [cols] * len(src.cols)
-
-
-def _source_block(src: cast_source.Source, refs, tanh) -> tuple[jax.Array, list]:
-    """``src`` on this program's block (f32 [bm, bk]) and the refs after its operands."""
-    n_m, n_r, n_c = len(src.mats), len(src.rows), len(src.cols)
-    mats, rows, cols = refs[:n_m], refs[n_m : n_m + n_r], refs[n_m + n_r : n_m + n_r + n_c]
-    x_bxk = cast_source.evaluate_block(src, mats, rows, cols, tanh)
-    return x_bxk, refs[n_m + n_r + n_c :]
-
-
 def _amax_kernel(*refs, src, tanh, sums: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    x_bxk, refs = _source_block(src, refs, tanh)  # block (i, j), read once
+    x_bxk, refs = cast_source.evaluate_block(src, refs, tanh)  # block (i, j), read once
     _row_in, _col_in, row_ref, col_ref, *sum_ref = refs
     abs_bxk = block_cast_kernels.tile_abs(x_bxk)
     bm, bk = abs_bxk.shape
@@ -123,7 +106,7 @@ def pallas_row_col_amax(
     kernel = functools.partial(
         _amax_kernel, src=src, tanh=kernels.kernel_tanh(interpret), sums=col_sums
     )
-    n_in = len(src.mats) + len(src.rows) + len(src.cols)
+    n_in = len(src.operands)
     out_specs = [rows, cols]
     out_shape = [jax.ShapeDtypeStruct((m,), f32), jax.ShapeDtypeStruct((k,), f32)]
     if col_sums:
@@ -132,7 +115,7 @@ def pallas_row_col_amax(
     out = pl.pallas_call(
         kernel,
         grid=(m // bm, k // bk),
-        in_specs=[*_source_specs(src, bm, bk), rows, cols],
+        in_specs=[*cast_source.block_specs(src, bm, bk), rows, cols],
         out_specs=out_specs,
         out_shape=out_shape,
         # The amaxes start at zero and are maxed in place.
@@ -140,7 +123,7 @@ def pallas_row_col_amax(
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_row_col_amax",
-    )(*src.mats, *src.rows, *src.cols, jnp.zeros((m,), f32), jnp.zeros((k,), f32))
+    )(*src.operands, jnp.zeros((m,), f32), jnp.zeros((k,), f32))
     if col_sums:  # the partial sums of the [M / bm] block rows, added in a fixed order
         return out[0], out[1], jnp.sum(out[2], axis=0)
     return out[0], out[1]
@@ -148,7 +131,7 @@ def pallas_row_col_amax(
 
 def _cast_kernel(*refs, src, tanh, fmt, recipe):
     dtype, limit = formats.as_dtype(fmt), formats.fmax(fmt)
-    x_bxk, refs = _source_block(src, refs, tanh)  # block (i, j), read once
+    x_bxk, refs = cast_source.evaluate_block(src, refs, tanh)  # block (i, j), read once
     a_row_ref, a_col_ref, q_ref, qt_ref, inv_row_ref, inv_col_ref = refs
     finite_bxk = jnp.isfinite(x_bxk)
     # This block's rows' and columns' scales from their amaxes; every program of a block row
@@ -189,7 +172,7 @@ def pallas_cast_rows_cols(
     return pl.pallas_call(
         kernel,
         grid=(m // bm, k // bk),
-        in_specs=[*_source_specs(src, bm, bk), rows, cols],
+        in_specs=[*cast_source.block_specs(src, bm, bk), rows, cols],
         out_specs=[
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
@@ -205,7 +188,7 @@ def pallas_cast_rows_cols(
         interpret=interpret,
         compiler_params=_params(num_warps),
         name="fp8_cast_rows_cols",
-    )(*src.mats, *src.rows, *src.cols, amax_M.astype(f32), amax_K.astype(f32))
+    )(*src.operands, amax_M.astype(f32), amax_K.astype(f32))
 
 
 def pallas_cast_transpose_rows(
@@ -220,7 +203,7 @@ def pallas_cast_transpose_rows(
     two kernels; with ``col_sums`` also their column sums (f32 [K], from the first kernel).
 
     As ``block_cast.cast_transpose_rows``. ``tuning``: ``(bm, bk, amax warps, cast warps)``,
-    default ``blocks(shape)`` and 4 warps each; sides must be multiples of bm and bk.
+    default ``default_tuning(src)``; sides must be multiples of bm and bk.
     """
     if tuning is None:
         tuning = default_tuning(src)

@@ -10,8 +10,10 @@ training step, each in the "NT" layout the FP8 tensor cores take (contraction in
 * ``dgrad`` dx = dy . w^T:   a = dy [M, N] (1 x 128 tiles), b = w [K, N] (blocks); contraction N
 * ``wgrad`` dw = x^T . dy:   a = x^T [K, M], b = dy^T [N, M], both 1 x 128 tiles along M
 
-Columns: the Mosaic GPU kernel's TFLOP/s (``block_gemm.mosaic_block_scaled_dot``, the kernel
-CUDA runs for whole tiles: the best of ``MOSAIC_SWEEP``, the layout's default tuning first),
+Columns: cuBLASLt's own block-scaled GEMM's TFLOP/s (``ops.cublaslt.block_dot``, the kernel
+CUDA runs where it is available), the Mosaic GPU kernel's
+(``block_gemm.mosaic_block_scaled_dot``, the kernel CUDA runs for whole tiles otherwise: the best
+of ``MOSAIC_SWEEP``, the layout's default tuning first),
 the Triton kernel's (its default tuning; ``--triton-sweep``: the best of a sweep, the whole
 sweep on the first GEMM, its fastest ``--keep`` tunings on the others), cuBLASLt's tensorwise
 FP8 GEMM (``lax.dot_general`` of the same FP8 operands, bf16 out: ``__cublas$lt$matmul$f8``,
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common, runner
-from fp8jax.ops import block_gemm, block_gemm_mgpu
+from fp8jax.ops import block_gemm, block_gemm_mgpu, cublaslt
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (16384, 16384, 4096)]  # M x K x N
 QUICK_SHAPES = [(64, 256, 160)]
@@ -155,6 +157,9 @@ def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
     args = operands(layout, shape)
     rec = {"gemm": f"{layout} {'x'.join(map(str, shape))}", "layout": layout}
     rec.update(shape=list(shape), dims=[rows, cols, c])
+    if not interpret and cublaslt.available():
+        lt = jax.jit(lambda *x: cublaslt.block_dot(*x, layout != "wgrad", jnp.bfloat16))
+        rec["cublaslt_tflops"] = flop / _time(lt, args, a) / 1e12
     if not interpret:
         rec["mosaic_sweep"] = mosaic_sweep(layout, args, a)
         timed = [r for r in rec["mosaic_sweep"] if "s" in r]
@@ -182,8 +187,9 @@ def measure(layout: str, shape, tunings, a, interpret: bool) -> dict:
     rec["bf16_tflops"] = flop / _time(bf16, bf, a) / 1e12
     if "block_tflops" in rec:
         rec["block_over_bf16"] = rec["block_tflops"] / rec["bf16_tflops"]
-    if "mosaic_tflops" in rec:
-        rec["mosaic_over_bf16"] = rec["mosaic_tflops"] / rec["bf16_tflops"]
+    for kernel in ("mosaic", "cublaslt"):
+        if f"{kernel}_tflops" in rec:
+            rec[f"{kernel}_over_bf16"] = rec[f"{kernel}_tflops"] / rec["bf16_tflops"]
     return rec
 
 
@@ -217,13 +223,20 @@ def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
             )
         )
         row = {"layout": layout, "b": jnp.dtype(b_fmt).name}
-        row["kernel"] = block_gemm.kernel_for(*gemm_dims(layout, shape), 128, layout != "wgrad")
+        dims, dtypes = gemm_dims(layout, shape), (E4M3, b_fmt, jnp.float32)
+        row["kernel"] = block_gemm.kernel_for(*dims, 128, layout != "wgrad", dtypes)
         try:
             y, ref = np.asarray(run(impl), np.float64), np.asarray(run("xla"), np.float64)
             tri = np.asarray(triton(*args), np.float64)
             row["max_rel_diff"] = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
             exact = _f64(*args)
-            for name, v in (("kernel", y), ("triton", tri), ("reference", ref)):
+            others = [("kernel", y), ("triton", tri), ("reference", ref)]
+            if row["kernel"] == "cublaslt":  # the kernel it stands in front of, the same way
+                mosaic = jax.jit(
+                    lambda *x: block_gemm.mosaic_block_scaled_dot(*x, out_dtype=jnp.float32)
+                )
+                others.append(("mosaic", np.asarray(mosaic(*args), np.float64)))
+            for name, v in others:
                 row[f"{name}_vs_f64"] = float(np.max(np.abs(v - exact)) / np.max(np.abs(exact)))
         except Exception as e:  # a kernel that does not compile is this check's result
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -232,6 +245,9 @@ def check(shape, interpret: bool, cases=CHECK_CASES) -> list[dict]:
 
 
 COLUMNS = {
+    "cuBLASLt block TF/s": lambda r: (
+        f"{r['cublaslt_tflops']:.0f}" if "cublaslt_tflops" in r else "-"
+    ),
     "mosaic TF/s": lambda r: f"{r['mosaic_tflops']:.0f}" if "mosaic_tflops" in r else "-",
     "mosaic best": lambda r: r.get("mosaic_best", "-"),
     "triton TF/s": lambda r: f"{r['block_tflops']:.0f}",
@@ -240,6 +256,9 @@ COLUMNS = {
     "f8 gemms": lambda r: r["f8_gemms"],
     "bf16 TF/s": lambda r: f"{r['bf16_tflops']:.0f}",
     "mosaic/bf16": lambda r: f"{r['mosaic_over_bf16']:.2f}" if "mosaic_over_bf16" in r else "-",
+    "cuBLASLt/bf16": lambda r: (
+        f"{r['cublaslt_over_bf16']:.2f}" if "cublaslt_over_bf16" in r else "-"
+    ),
 }
 
 

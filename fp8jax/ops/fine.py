@@ -11,8 +11,9 @@ dgrad dy . wT dy per row (along N), w per row (along N)   dy 1 x T along N, w T 
 wgrad xT . dy x per column, dy per column (along M)       x T x 1, dy T x 1 (along M)
 ============  =========================================  ==========================================
 
-Rowwise scales factor out of the contraction: the per-tensor FP8 GEMM (cuBLASLt on Hopper) runs
-on the quantized operands and the output is multiplied by the row and column inverse scales.
+Rowwise scales factor out of the contraction: an FP8 GEMM runs on the quantized operands and its
+output is multiplied by the row and column inverse scales, in cuBLASLt's epilogue where its
+vector scales are available (``ops.cublaslt``, Hopper), else by XLA after a per-tensor FP8 GEMM.
 Block scales along K do not: ``block_gemm.block_scaled_dot`` rescales each T-wide partial
 product into an f32 accumulator. x and w are E4M3 (precision); dy is the recipe's
 ``grad_format``, E4M3 by default, since per-row or per-tile scales follow a gradient's range.
@@ -37,6 +38,7 @@ from fp8jax.ops import (
     block_cast,
     block_cast_kernels,
     block_gemm,
+    cublaslt,
     formats,
     gemm,
     scaling,
@@ -82,10 +84,32 @@ class Out(NamedTuple):
     inv_N: jax.Array | None = None
 
 
-def _out_rowwise(y_raw, inv_M1, inv_N1, dtype, raw: bool) -> Out:
+def rowwise_gemm(impl: str, a, a_inv_M1, b, b_inv_N1, dtype, acc_dtype) -> jax.Array:
+    """``(a . b^T) * a_inv * b_inv^T`` [M, N] in ``dtype`` from FP8 a [M, K] and b [N, K]:
+    cuBLASLt applies the multipliers in its f32 epilogue where it can (CUDA, ``impl`` not
+    'xla' or 'interpret'); otherwise an XLA FP8 GEMM into ``acc_dtype``, then ``_scaled``."""
+
+    def xla(a, a_inv, b, b_inv):
+        return _scaled(gemm.mm(a, b, 1, 1, False, acc_dtype), a_inv, b_inv, dtype)
+
+    (m, k), n = a.shape, b.shape[0]
+    fits = cublaslt.supports(m, n, k, a.dtype, b.dtype, dtype)
+    if impl in ("xla", "interpret") or not fits or not cublaslt.available():
+        return xla(a, a_inv_M1, b, b_inv_N1)
+
+    def lt(a, a_inv, b, b_inv):
+        return cublaslt.rowwise_dot(a, a_inv[:, 0], b, b_inv[:, 0], dtype)
+
+    return jax.lax.platform_dependent(a, a_inv_M1, b, b_inv_N1, cuda=lt, default=xla)
+
+
+def _out_rowwise(impl, a, a_inv_M1, b, b_inv_N1, dtype, raw: bool) -> Out:
+    """A rowwise GEMM's Out: unscaled (``rowwise_gemm``), or with ``raw`` its raw output in
+    ``dtype`` and the multipliers that unscale it."""
+    acc = gemm.acc_dtype(dtype)
     if raw:
-        return Out(y_raw, inv_M1[:, 0], inv_N1[:, 0])
-    return Out(_scaled(y_raw, inv_M1, inv_N1, dtype))
+        return Out(gemm.mm(a, b, 1, 1, False, acc), a_inv_M1[:, 0], b_inv_N1[:, 0])
+    return Out(rowwise_gemm(impl, a, a_inv_M1, b, b_inv_N1, dtype, acc))
 
 
 def cast_x(cfg: GemmConfig, recipe: scaling.FineRecipe, x) -> tuple[jax.Array, ...]:
@@ -109,8 +133,7 @@ def _fwd_rowwise(cfg: GemmConfig, recipe, x, w, raw):
     wq, w_inv, wq_t, wt_inv, _, amax_w = block_cast.cast_transpose_rows(
         w, formats.E4M3, recipe, impl
     )
-    y = gemm.mm(xq, wq_t, 1, 1, False, gemm.acc_dtype(cfg.out_dtype))  # [M, N]
-    out = _out_rowwise(y, x_inv, wt_inv, cfg.out_dtype, raw)
+    out = _out_rowwise(impl, xq, x_inv, wq_t, wt_inv, cfg.out_dtype, raw)  # [M, N]
     return out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
 
 
@@ -121,10 +144,10 @@ def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype, raw, col_sums):
     gq, g_inv, gq_t, gt_inv, amax_g, _, *sums = block_cast.cast_transpose_rows(
         g, fmt, recipe, cfg.cast, col_sums=col_sums
     )
-    dx = gemm.mm(gq, wq, 1, 1, False, gemm.acc_dtype(dx_dtype))  # [M, K], N contracted
-    dw = gemm.mm(xq_t, gq_t, 1, 1, False, gemm.acc_dtype(gemm.wgrad_dtype(cfg)))  # [K, N]
-    dx = _out_rowwise(dx, g_inv, w_inv, dx_dtype, raw)
-    return dx, _scaled(dw, xt_inv, gt_inv, cfg.w_dtype), amax_g, sums
+    dx = _out_rowwise(cfg.cast, gq, g_inv, wq, w_inv, dx_dtype, raw)  # [M, K], N contracted
+    acc = gemm.acc_dtype(gemm.wgrad_dtype(cfg))
+    dw = rowwise_gemm(cfg.cast, xq_t, xt_inv, gq_t, gt_inv, cfg.w_dtype, acc)  # [K, N]
+    return dx, dw, amax_g, sums
 
 
 def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w, raw):

@@ -152,6 +152,7 @@ def child(
         "state_gib": state_bytes / 2**30,  # the train state's bytes on device 0
         "fp8_gemms": coverage.gemm_counts(hlo).get(coverage.CUBLAS_FP8, 0),
         "block_gemms": coverage.gemm_counts(hlo).get(coverage.BLOCK_GEMM, 0),
+        "scaled_gemms": coverage.gemm_counts(hlo).get(coverage.SCALED_GEMM, 0),
         "hlo_ops_and_small": common.launches(hlo),
         # Bytes each device sends per step under ring costs, by collective and element type.
         "comm_bytes": hlo_lib.bytes_summary(hlo_lib.collectives(hlo, s.mesh.size)),
@@ -173,7 +174,7 @@ COLUMNS = {
     **runner.STEP_COLUMNS,
     "peak GiB": lambda r: _gib(r["peak_gib"]),
     "temp GiB": lambda r: _gib(r["temp_gib"]),
-    "f8": lambda r: r["fp8_gemms"] + r.get("block_gemms", 0),
+    "f8": lambda r: r["fp8_gemms"] + r.get("block_gemms", 0) + r.get("scaled_gemms", 0),
     "ops/tiny": lambda r: "/".join(map(str, r["hlo_ops_and_small"])),
     "host ms": lambda r: f"{r['host_ms_per_step']:.1f}",
     "disp ms": lambda r: f"{r['dispatch_ms_pipelined']:.1f}",

@@ -17,6 +17,8 @@ from collections import Counter
 
 import jax
 
+from fp8jax.ops import cublaslt
+
 # Element types XLA treats as FP8 (the first two are the ones fp8jax emits).
 FP8_TYPES = (
     "f8E4M3FN",
@@ -31,10 +33,12 @@ CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 BLOCK_GEMM = "fp8_block_scaled_dot"  # fp8jax's block-scaled FP8 GEMM (ops.block_gemm, Pallas)
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu"  # Pallas' Mosaic GPU kernels' custom calls (mosaic_gpu, mosaic_gpu_v2)
+SCALED_GEMM = cublaslt.TARGET  # cuBLASLt's rowwise- and block-scaled FP8 GEMMs (ops.cublaslt)
+FP8_KERNELS = (CUBLAS_FP8, BLOCK_GEMM, SCALED_GEMM)  # compiled GEMM kernels that run in FP8
 # The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>'.
 # (in the backward pass inside transpose(jvp(...))).
 _RECIPE = re.compile(r"(?:^|[/(])fp8_(delayed|current|rowwise|block)(?:[/)]|$)")
-_OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*(tensor<[^>]*>)")
+_OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*\(?(tensor<[^>]*>)")
 
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
 _CALL = re.compile(r"\bcall\s+@\"?([^\s(\"]+)")
@@ -75,7 +79,7 @@ class DotEntry:
     function: str  # the StableHLO function holding it ('main' or a private helper)
     count: int  # how many times the program reaches it (a loop body counts once)
     name: str  # JAX name stack, e.g. 'jit(step)/transpose(jvp(Dense_0))/Fp8DotGeneral_0'
-    kernel: str = "dot_general"  # 'dot_general' (XLA picks: cuBLASLt for FP8), or BLOCK_GEMM
+    kernel: str = "dot_general"  # 'dot_general' (XLA picks), BLOCK_GEMM or SCALED_GEMM
 
     @property
     def recipe(self) -> str:
@@ -136,14 +140,14 @@ class CoverageReport:
         kernels (None when not compiled for GPU)."""
         if self.gemm_counts is None:
             return None
-        return self.gemm_counts.get(CUBLAS_FP8, 0) + self.gemm_counts.get(BLOCK_GEMM, 0)
+        return sum(self.gemm_counts.get(k, 0) for k in FP8_KERNELS)
 
     @property
     def num_other_gemms(self) -> int | None:
         """Compiled GEMMs that are not FP8 (cuBLAS, cuBLASLt, Triton, cuDNN)."""
         if self.gemm_counts is None:
             return None
-        return sum(n for k, n in self.gemm_counts.items() if k not in (CUBLAS_FP8, BLOCK_GEMM))
+        return sum(n for k, n in self.gemm_counts.items() if k not in FP8_KERNELS)
 
     def __str__(self) -> str:
         def fmt(dtype, shape):
@@ -200,12 +204,14 @@ def _loc_name(line: str, locs: dict[str, str]) -> str:
     return locs.get(loc.group(1), "") if loc else ""
 
 
-def _is_block_gemm(line: str, locs: dict[str, str]) -> bool:
-    """Whether a StableHLO line calls the block-scaled GEMM: the Triton kernel names itself,
-    the Mosaic kernel's call runs under a scope of its name."""
+def _kernel_call(line: str, locs: dict[str, str]) -> str | None:
+    """The FP8 GEMM kernel a StableHLO line calls, if any: BLOCK_GEMM (the Triton kernel names
+    itself, the Mosaic kernel's call runs under a scope of its name) or SCALED_GEMM."""
+    if f"@{SCALED_GEMM}(" in line:
+        return SCALED_GEMM
     if TRITON in line:
-        return f'name = "{BLOCK_GEMM}"' in line
-    return f"@{MOSAIC}" in line and BLOCK_GEMM in _loc_name(line, locs)
+        return BLOCK_GEMM if f'name = "{BLOCK_GEMM}"' in line else None
+    return BLOCK_GEMM if f"@{MOSAIC}" in line and BLOCK_GEMM in _loc_name(line, locs) else None
 
 
 def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
@@ -223,7 +229,7 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
             call_site.setdefault(callee, (func, _loc_name(line, locs)))
-        if _DOT.search(line) or _is_block_gemm(line, locs):
+        if _DOT.search(line) or _kernel_call(line, locs):
             dots.append((func, line))
 
     memo: dict[str, int] = {}
@@ -249,8 +255,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     entries = []
     for f, line in dots:
         name = joined(scope(f), _loc_name(line, locs))
-        if _is_block_gemm(line, locs):
-            entries.append(_block_gemm_entry(line, f, reach(f), name))
+        kernel = _kernel_call(line, locs)
+        if kernel:
+            entries.append(_kernel_entry(line, kernel, (f, reach(f), name)))
             continue
         sig = _SIG.search(line)
         if not sig:
@@ -277,13 +284,12 @@ def _entry(lhs, rhs, out, dims, where, kernel: str = "dot_general") -> DotEntry:
     return DotEntry(ld, rd, od, ls, rs, os_, (lc, rc), (lb, rb), function, count, name, kernel)
 
 
-def _block_gemm_entry(line: str, function: str, count: int, name: str) -> DotEntry:
-    """The block-scaled GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K
-    contracted), then their inverse scales."""
+def _kernel_entry(line: str, kernel: str, where) -> DotEntry:
+    """An FP8 GEMM kernel's call as a dot: operands a [M, K] and b [N, K] (K contracted), then
+    their inverse scales; its first result is the product."""
     operands, out = _OPERANDS.search(line).groups()
     a, b = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
-    dims = ((1,), (1,), (), ())
-    return _entry(a, b, _tensor(out), dims, (function, count, name), BLOCK_GEMM)
+    return _entry(a, b, _tensor(out), ((1,), (1,), (), ()), where, kernel)
 
 
 def gemm_counts(compiled_text: str) -> dict[str, int]:

@@ -144,6 +144,13 @@ def _load() -> str | None:
     return None
 
 
+def require() -> None:
+    """Build and register the handler, or raise one error saying why it cannot run here."""
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"fp8jax.ops.cublaslt: unavailable here: {reason}")
+
+
 def available() -> bool:
     """Whether cuBLASLt's scaled GEMMs can run here (builds the handler on first call)."""
     return _load() is None
@@ -166,6 +173,7 @@ def supports(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype) -> bool:
 def scaled_mm(a_MxK, b_NxK, a_scale, b_scale, kind: int, out_dtype, fast_accum: bool = False):
     """``y`` [M, N] = a . b^T with cuBLASLt applying the scales (layouts by ``kind``:
     csrc/scaled_gemm.cc). The raw call: ``rowwise_dot`` and ``block_dot`` lay the scales out."""
+    require()
     m, n = a_MxK.shape[0], b_NxK.shape[0]
     call = jax.ffi.ffi_call(
         TARGET,

@@ -176,6 +176,19 @@ def compare(base: dict, other: dict) -> dict:
             for a, b in zip(base["metrics"], other["metrics"], strict=True)
         ],
         update_rel_l2=float(np.linalg.norm(u_other - u_base) / np.linalg.norm(u_base)),
+        # The share of parameters whose update moved by more than a tenth of its own size.
+        update_frac_off=float(np.mean(np.abs(u_other - u_base) > 0.1 * np.abs(u_base))),
+        # Step 1's gradient norm after the first update. The base run's gradient moved by at
+        # most |g0| + |g1| over its own first update u0; the runs' first updates differ by dp,
+        # so to first order (the curvature along u0) their step-1 gradients differ by
+        # (|g0| + |g1|) dp / |u0|.
+        grad1_first_order=float(
+            (base["metrics"][0]["grad_norm"] + base["metrics"][1]["grad_norm"])
+            * np.linalg.norm(_flat(other["params_after_0"]) - _flat(base["params_after_0"]))
+            / np.linalg.norm(_flat(base["params_after_0"]) - _flat(base["params0"]))
+        ),
+        grad1_diff=abs(other["metrics"][1]["grad_norm"] - base["metrics"][1]["grad_norm"]),
+        grad1_scale=base["metrics"][1]["grad_norm"],
         # Step 1's loss is taken after the first update: to first order the runs' losses differ
         # by g . (u_other - u_base), at most |g| |u_other - u_base| (Cauchy-Schwarz).
         loss1_diff=abs(other["metrics"][1]["loss"] - base["metrics"][1]["loss"]),

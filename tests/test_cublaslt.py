@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from fp8jax.diagnostics import coverage
-from fp8jax.ops import block_gemm, cublaslt, fine, scaling
-from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops import block_gemm, cublaslt, dot, scaling
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 CALL = f"@{cublaslt.TARGET}("
@@ -55,12 +54,20 @@ def lt_available(monkeypatch):
     monkeypatch.setattr(cublaslt, "_load", lambda: None)
 
 
+def _has_cuda() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
 def test_unavailable_here_says_why_and_the_raw_call_refuses(monkeypatch):
     cublaslt._load.cache_clear()
-    assert not cublaslt.available() and cublaslt.unavailable_reason() == "no CUDA GPU"
-    a, _, b, _ = _operands(32, 32, 64)
-    with pytest.raises(RuntimeError, match="unavailable here: no CUDA GPU"):
-        cublaslt.rowwise_dot(a, jnp.ones(32), b, jnp.ones(32), jnp.float32)
+    if not _has_cuda():
+        assert not cublaslt.available() and cublaslt.unavailable_reason() == "no CUDA GPU"
+        a, _, b, _ = _operands(32, 32, 64)
+        with pytest.raises(RuntimeError, match="unavailable here: no CUDA GPU"):
+            cublaslt.rowwise_dot(a, jnp.ones(32), b, jnp.ones(32), jnp.float32)
     monkeypatch.setenv("FP8JAX_CUBLASLT", "0")
     cublaslt._load.cache_clear()
     try:
@@ -104,7 +111,8 @@ def test_supports_fp8_pairs_and_multiples_of_16():
 
 
 def _cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered.as_text(debug_info=True)
 
 
 @pytest.mark.parametrize("blocks", [True, False])
@@ -141,20 +149,21 @@ def test_vmapped_cublaslt_gemm_runs_per_replica_in_a_loop(lt_available):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "block"])
 def test_fine_matmul_gemms_lower_to_cublaslt(lt_available, recipe):
-    """A fine recipe's three GEMMs each call cuBLASLt once on CUDA when it is available: rowwise
-    with the scales in its epilogue, block with its block scales; named by the recipe."""
-    cfg = GemmConfig(jnp.bfloat16, jnp.float32, jnp.bfloat16, False, "pallas")
-
+    """A fine recipe's three GEMMs (through ``dot_general``, with the GPU casts) each call
+    cuBLASLt once on CUDA when it is available: rowwise with the scales in its epilogue, block
+    with its block scales; no other GEMM, and the coverage report names each by its recipe."""
     meta = scaling.init_meta(scaling.make_recipe(recipe))
 
     def loss(x, w):
-        y, _ = fine.fine_matmul(cfg, x, w, meta)
+        y, _ = dot.dot_general(x, w, (((1,), (0,)), ((), ())), meta, cast_kernel="pallas")
         return y.astype(jnp.float32).sum()
 
     x = jax.random.normal(jax.random.PRNGKey(0), (256, 384), jnp.bfloat16)
     w = jax.random.normal(jax.random.PRNGKey(1), (384, 512), jnp.float32)
     text = _cuda_text(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
     assert text.count(CALL) == 3  # fwd, dgrad and wgrad
-    assert "__cublas" not in text and "dot_general" not in text
+    entries = coverage.parse_stablehlo(text)
+    assert [e.kernel for e in entries] == [coverage.SCALED_GEMM] * 3
+    assert {e.recipe for e in entries} == {recipe}
     cpu = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
     assert CALL not in cpu

@@ -45,7 +45,13 @@ FP8_GRAD_NORM_RTOL = 1e-2  # grad norm after E5M2 all-to-all + all-gather (~5% p
 # Relative L2 of the Adam update. Adam divides by sqrt(v) + 1e-8, so gradients near zero (and
 # m near 0) turn tiny absolute differences into large update differences.
 FP8_UPDATE_RTOL = 0.25  # E5M2 gradients (about 2.5x the error they show)
-EXACT_UPDATE_RTOL = 0.05  # f32 gradients summed in another order (about 5x theirs)
+# f32 gradients summed in another order (TP only): the share of parameters whose two-step
+# update moved by more than a tenth of its size. Adam's first steps map each gradient element
+# to about +-lr, so an element whose gradient (or m, or v) lies within f32 reassociation noise
+# of zero can move by its whole update; how many do depends on the CPU's reduction order
+# (measured 3.2% on one x86 CPU, with update L2 differences of 5%). A wrong update (learning
+# rate, sign, decay, a step missing) moves nearly every parameter.
+EXACT_UPDATE_FRAC = 0.25
 BYTES_RATIO_MAX = 0.3  # O1's gradient bytes over O0's f32 all-reduce
 
 
@@ -324,8 +330,12 @@ def test_sharded_steps_match_one_device(checks):
             assert c["comm"][0]["comm_mu"] == 1.0 and c["comm"][0]["comm_saturated"] == 0.0
             assert c["comm"][1]["comm_mu"] > 1.0  # no clipping: mu grows
         else:  # tensor parallel only: gradients reduced by XLA in f32
-            assert max(c["grad_norm_rel"]) <= EXACT_RTOL, (name, c)
-            assert c["update_rel_l2"] <= EXACT_UPDATE_RTOL, (name, c)
+            assert c["grad_norm_rel"][0] <= EXACT_RTOL, (name, c)
+            # Step 1 follows the first update: its gradient norm may differ by what the
+            # updates' difference moves it to first order (twice that), plus EXACT_RTOL.
+            g1_bound = 2 * c["grad1_first_order"] + EXACT_RTOL * c["grad1_scale"]
+            assert c["grad1_diff"] <= g1_bound, (name, c)
+            assert c["update_frac_off"] <= EXACT_UPDATE_FRAC, (name, c)
 
 
 @pytest.mark.slow

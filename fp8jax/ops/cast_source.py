@@ -142,12 +142,20 @@ def evaluate(src: Source, tanh=jnp.tanh) -> jax.Array:
     return src.fn(src.mats, rows, cols, tanh)
 
 
+def vector_specs(bm: int, bk: int) -> tuple:
+    """Pallas block specs of a row vector [M] and a column vector [K] (a source's ``rows`` and
+    ``cols``, a kernel's amaxes or inverse scales) for the [bm, bk] block (i, j)."""
+    from jax.experimental import pallas as pl
+
+    return pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+
+
 def block_specs(src: Source, bm: int, bk: int) -> list:
     """Pallas block specs of ``src.operands`` for a kernel over its [bm, bk] blocks (i, j)."""
     from jax.experimental import pallas as pl
 
     mat = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    row, col = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    row, col = vector_specs(bm, bk)
     return [mat] * len(src.mats) + [row] * len(src.rows) + [col] * len(src.cols)
 
 

@@ -64,14 +64,6 @@ def _params(num_warps: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _vectors(bm: int, bk: int):
-    """The block specs of a row vector [M] and a column vector [K] (amaxes, inverse scales) for
-    the [bm, bk] block (i, j)."""
-    from jax.experimental import pallas as pl
-
-    return pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
-
-
 def _amax_kernel(*refs, src, tanh, sums: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -101,7 +93,7 @@ def pallas_row_col_amax(
     from jax.experimental import pallas as pl
 
     m, k = src.shape
-    rows, cols = _vectors(bm, bk)
+    rows, cols = cast_source.vector_specs(bm, bk)
     f32 = jnp.float32
     kernel = functools.partial(
         _amax_kernel, src=src, tanh=kernels.kernel_tanh(interpret), sums=col_sums
@@ -167,7 +159,7 @@ def pallas_cast_rows_cols(
     dtype = formats.as_dtype(fmt)
     tanh = kernels.kernel_tanh(interpret)
     kernel = functools.partial(_cast_kernel, src=src, tanh=tanh, fmt=fmt, recipe=recipe)
-    rows, cols = _vectors(bm, bk)
+    rows, cols = cast_source.vector_specs(bm, bk)
     f32 = jnp.float32
     return pl.pallas_call(
         kernel,

@@ -498,5 +498,144 @@ def test_amaxes_of_one_reduction_equal_separate_ones():
 
     xs = [jax.random.normal(jax.random.PRNGKey(i), (7, 33)) * 10.0**i for i in range(3)]
     xs[1] = xs[1].at[3, 5].set(-1e4)  # the amax is a magnitude
-    got = optim._amaxes(*xs)
+    got = optim.joint_amaxes(*xs)
     assert [float(g) for g in got] == [float(formats.amax(x)) for x in xs]
+
+
+# FusedAdamW: the trainer's one-pass step against tx.update + apply_updates + keeping the old
+# state on a skipped step. Both programs are the same jnp expressions; XLA's default excess
+# precision may keep a bf16 intermediate (the update) in f32 in one program and not the other,
+# so both compile without it.
+EXACT = {"xla_allow_excess_precision": False}
+LAYERS = 4
+
+
+def _fused_params():
+    """A stacked kernel and norm (nn.scan-like), an unstacked kernel, a bias, an embedding."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    return {
+        "blocks": {
+            "wi": {"kernel": jax.random.normal(k[0], (LAYERS, 16, 48)) * 0.1},
+            "norm": {"scale": 1.0 + 0.1 * jax.random.normal(k[1], (LAYERS, 16))},
+        },
+        "head": {"kernel": jax.random.normal(k[2], (16, 40)) * 0.2, "bias": jnp.zeros(40)},
+        "embed": {"embedding": jax.random.normal(k[3], (40, 16))},
+    }
+
+
+STACKED = {
+    "blocks": {"wi": {"kernel": True}, "norm": {"scale": True}},
+    "head": {"kernel": False, "bias": False},
+    "embed": {"embedding": False},
+}
+
+
+def _fused_grads(step: int, p32):
+    """Kernels' gradients in bf16 (they come from a bf16 view), others f32; odd steps clip."""
+    key = jax.random.PRNGKey(100 + step)
+    size = 3.0 if step % 2 else 0.01
+    g = jax.tree.map(lambda x: jax.random.normal(key, x.shape) * size, p32)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(jnp.bfloat16) if optim.is_matmul_weight(path, x) else x, g
+    )
+
+
+def _exact_jit(fn, *args):
+    return jax.jit(fn).lower(*args).compile(compiler_options=EXACT)
+
+
+def _assert_same_bits(a, b, msg):
+    assert jax.tree.structure(a) == jax.tree.structure(b), msg
+    leaves = jax.tree_util.tree_leaves_with_path(a)
+    for (path, x), y in zip(leaves, jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype, (msg, path)
+        np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=f"{msg} {path}")
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_fused_adamw_equals_update_then_apply(sr):
+    """Equal bits, every leaf kind, clipped and unclipped steps, a skipped non-finite step;
+    ``sr``: stochastic rounding of the moments and of the masters."""
+    from fp8jax.nn.state import keep_if_finite
+    from fp8jax.optim.fused import FusedAdamW
+
+    mask = lambda p: jax.tree_util.tree_map_with_path(optim.is_matmul_weight, p)  # noqa: E731
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
+    opt = FusedAdamW(schedule, weight_decay=0.1, weight_decay_mask=mask, grad_clip=1.0,
+                     stochastic_rounding=sr, seed=7)  # fmt: skip
+    tx = opt.transform()
+    p32 = _fused_params()
+    state = tx.init(p32)
+    masters = optim.to_master(p32)
+
+    def unfused(grads, state, masters, ok, seed):
+        updates, new = tx.update(grads, state, optim.materialize(masters, jnp.bfloat16))
+        params = optim.apply_updates(masters, updates, seed)
+        return keep_if_finite(params, masters, ok), keep_if_finite(new, state, ok)
+
+    def fused(grads, state, masters, ok, seed):
+        return opt.apply(grads, state, masters, ok, jnp.bfloat16, seed, STACKED)
+
+    ref = got = (masters, state)
+    for step in range(5):
+        grads = _fused_grads(step, p32)
+        ok = jnp.array(step != 3)
+        if step == 3:  # a non-finite gradient: the trainer's ``ok`` is False
+            grads["head"]["kernel"] = grads["head"]["kernel"].at[0, 0].set(jnp.nan)
+        seed = jnp.uint32(31 * step + 5) if sr else None
+        args = (grads, ref[1], ref[0], ok, seed)
+        ref = _exact_jit(unfused, *args)(*args)
+        args = (grads, got[1], got[0], ok, seed)
+        got = _exact_jit(fused, *args)(*args)
+        _assert_same_bits(ref, got, f"step {step}")
+    assert int(got[1][1][0].count) == 4  # the skipped step did not count
+    wi = got[0]["blocks"]["wi"]["kernel"]
+    assert optim.is_scaled(wi) and wi.data.dtype == jnp.float16
+    assert got[1][1][0].mu["blocks"]["wi"]["kernel"].data.dtype == jnp.float8_e4m3fn
+
+
+def test_fused_adamw_skipped_step_keeps_every_bit():
+    """``ok`` False leaves params and state exactly as they were (the scales included)."""
+    from fp8jax.optim.fused import FusedAdamW
+
+    opt = FusedAdamW(1e-2, weight_decay=0.1, grad_clip=1.0)
+    p32 = _fused_params()
+    state, masters = opt.transform().init(p32), optim.to_master(p32)
+    step = jax.jit(lambda g, s, p, ok: opt.apply(g, s, p, ok, jnp.bfloat16, None, STACKED))
+    state = step(_fused_grads(1, p32), state, masters, jnp.array(True))[1]  # nonzero moments
+    out = step(_fused_grads(2, p32), state, masters, jnp.array(False))
+    _assert_same_bits(out, (masters, state), "skipped")
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_fused_train_step_equals_the_unfused_one(rounding):
+    """The trainer's O2 step (stacked blocks, bf16 compute) with and without ``FusedAdamW``:
+    equal bits after a step, and after a skipped one (a NaN weight makes the loss NaN)."""
+    from fp8jax.trainer import loop as train_lib
+    from fp8jax.trainer import spec
+    from fp8jax.trainer import step as step_lib
+
+    c = train_lib.load_config("tiny")
+    c.fp8.level, c.fp8.master_rounding = "O2", rounding
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 3, 64, 2, 2, 128
+    m.vocab_size, m.max_len, m.dtype = 128, 16, "bfloat16"
+    c.seq_len, c.batch_size, c.warmup_steps = 16, 4, 2
+    env = train_lib.setup(spec.parse(c), donate=False)
+    assert env.model.cfg.scan_layers
+    tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    state = env.init(jax.random.PRNGKey(0))
+    steps = [
+        _exact_jit(step_lib.make_train_step(env.model, env.tx, env.run, env.mesh, fused=f),
+                   state, batch)
+        for f in (False, True)
+    ]  # fmt: skip
+    for i in range(3):
+        if i == 2:  # a NaN weight: NaN loss, the step is skipped
+            emb = state.params["embed"]["embedding"].at[tok[0, 0], 0].set(jnp.nan)
+            state = state.replace(params={**state.params, "embed": {"embedding": emb}})
+        (ref, m_ref), (got, m_got) = (step(state, batch) for step in steps)
+        _assert_same_bits((ref, m_ref), (got, m_got), f"step {i}")
+        state = got
+    assert int(state.step) == 2 and int(state.skipped) == 1

@@ -54,14 +54,20 @@ __all__ = [
     "Fp8AdamState",
     "ScaledTensor",
     "apply_updates",
+    "bias_corrections",
     "carry_masters",
     "dequantize_carried",
     "dequantize_carrier",
+    "direction",
     "fp8_adamw",
     "is_matmul_weight",
+    "joint_amaxes",
     "materialize",
+    "moment_seeds",
+    "new_moments",
     "scale_by_fp8_adam",
     "scale_for",
+    "step_seed",
     "storage_dtype",
     "to_master",
     "update_bound",
@@ -126,7 +132,40 @@ def _write(new: jax.Array, old, ok: jax.Array, seed, amax=None) -> Any:
     return jnp.where(ok, new, old)
 
 
-def _amaxes(*xs: jax.Array) -> tuple[jax.Array, ...]:
+def moment_seeds(base: jax.Array, index: int) -> tuple[jax.Array, jax.Array]:
+    """Stochastic-rounding seeds of leaf ``index``'s m and v from the step's ``base`` seed."""
+    salt = base + jnp.uint32((2 * index + 1) * 0x632BE5AB % 2**32)
+    return salt, salt ^ jnp.uint32(0x5BD1E995)
+
+
+def step_seed(count: jax.Array, seed: int) -> jax.Array:
+    """The step's base seed: noise differs per step and is fixed by (seed, count)."""
+    return count.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(seed)
+
+
+def new_moments(g, mu, nu, b1, b2) -> tuple[jax.Array, jax.Array]:
+    """This step's f32 ``m`` and ``v`` from the gradient and the stored moments."""
+    g32 = g.astype(jnp.float32)
+    m = b1 * _read(mu) + (1.0 - b1) * g32
+    v = b2 * _read(nu) + (1.0 - b2) * jnp.square(g32)
+    return m, v
+
+
+def direction(m, v, c1, c2, eps, limit) -> jax.Array:
+    """Adam's f32 update ``m_hat / (sqrt(v_hat) + eps)``, non-finite as 0, clipped to ``limit``."""
+    # From this step's f32 moments; quantization only affects later steps.
+    u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+    return jnp.clip(jnp.where(jnp.isfinite(u), u, 0.0), -limit, limit)
+
+
+def bias_corrections(b1, b2, count) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(1 - b1**count, 1 - b2**count, update clip limit)`` of step ``count``."""
+    c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
+    c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+    return c1, c2, BOUND_SLACK * update_bound(b1, b2, count)
+
+
+def joint_amaxes(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """``formats.amax`` of each of ``xs`` (one shape) from one reduction: one read of the inputs.
 
     Separate reductions of m and v each re-read the gradient and their moment, and XLA does not
@@ -181,9 +220,7 @@ def scale_by_fp8_adam(
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
-        c1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
-        c2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
-        limit = BOUND_SLACK * update_bound(b1, b2, count)
+        c1, c2, limit = bias_corrections(b1, b2, count)
 
         g_leaves, treedef = jax.tree.flatten(updates)
         mu_leaves = treedef.flatten_up_to(state.mu)
@@ -200,7 +237,7 @@ def scale_by_fp8_adam(
             ok = jnp.isfinite(sum(sq)) if sq else jnp.array(True)
 
         # Noise differs per step, leaf and moment, and is fixed by (seed, count): runs reproduce.
-        base = count.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(seed)
+        base = step_seed(count, seed)
         out_u, out_m, out_v = [], [], []
         for i, (g, mu, nu) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, strict=True)):
             if out_m:
@@ -209,20 +246,13 @@ def scale_by_fp8_adam(
                 # master.apply_updates' chain does for the masters).
                 prev = (out_u[-1], out_m[-1], out_v[-1])
                 g, mu, nu, _ = jax.lax.optimization_barrier((g, mu, nu, prev))
-            salt = base + jnp.uint32((2 * i + 1) * 0x632BE5AB % 2**32)
-            m_seed, v_seed = (
-                (salt, salt ^ jnp.uint32(0x5BD1E995)) if stochastic_rounding else (None,) * 2
-            )
-            g32 = g.astype(jnp.float32)
-            m = b1 * _read(mu) + (1.0 - b1) * g32
-            v = b2 * _read(nu) + (1.0 - b2) * jnp.square(g32)
-            # f32 update from this step's f32 moments; quantization only affects later steps.
-            u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-            u = jnp.clip(jnp.where(jnp.isfinite(u), u, 0.0), -limit, limit)
+            m_seed, v_seed = moment_seeds(base, i) if stochastic_rounding else (None, None)
+            m, v = new_moments(g, mu, nu, b1, b2)
+            u = direction(m, v, c1, c2, eps, limit)
             out_u.append(jnp.where(ok, u, 0.0).astype(g.dtype))
             amax_m = amax_v = None
             if is_scaled(mu) and is_scaled(nu):
-                amax_m, amax_v = _amaxes(m, v)
+                amax_m, amax_v = joint_amaxes(m, v)
             out_m.append(_write(m, mu, ok, m_seed, amax_m))
             out_v.append(_write(v, nu, ok, v_seed, amax_v))
         new_state = Fp8AdamState(

@@ -137,14 +137,16 @@ def scale_for(amax: jax.Array, prev_scale: jax.Array, dtype) -> jax.Array:
     return jnp.where(ok, scale, prev_scale).astype(jnp.float32)
 
 
-def hash_bits(shape, seed) -> jax.Array:
+def hash_bits(shape, seed, offset=0) -> jax.Array:
     """Random-looking uint32 per element from a hash of (element index, ``seed``).
 
     A counter-based hash (murmur3's finalizer) rather than ``jax.random``: it needs no key in the
-    optimizer state and costs a few integer ops per element inside the fused update.
+    optimizer state and costs a few integer ops per element inside the fused update. ``offset``
+    (uint32, wrapping) is added to every row-major index: a slice starting at flat element
+    ``offset`` of a larger tensor gets that tensor's noise.
     """
     shape = tuple(shape)
-    idx = jnp.zeros(shape, jnp.uint32)
+    idx = jnp.zeros(shape, jnp.uint32) + jnp.asarray(offset).astype(jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
@@ -253,6 +255,21 @@ def materialize(params, dtype=jnp.float32):
     )
 
 
+def updated_value(p, u) -> jax.Array:
+    """``p + u``: a ``ScaledTensor`` in f32 (before re-quantization), non-finite sums kept at the
+    old value; a plain leaf as ``optax.apply_updates`` (in its own dtype)."""
+    if not is_scaled(p):
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+    old = p.dequantize()
+    new = old + u.astype(jnp.float32)  # the update is applied in f32
+    return jnp.where(jnp.isfinite(new), new, old)
+
+
+def leaf_salt(base: jax.Array, index: int) -> jax.Array:
+    """Rounding seed of leaf ``index`` from the step's uint32 ``base`` (distinct per leaf)."""
+    return base * jnp.uint32(0x9E3779B1) + jnp.uint32((index * 0x632BE5AB) & 0xFFFFFFFF)
+
+
 def apply_updates(params, updates, seed=None) -> Any:
     """``params + updates``; ``ScaledTensor`` leaves add in f32 and re-quantize with a fresh scale.
 
@@ -264,17 +281,14 @@ def apply_updates(params, updates, seed=None) -> Any:
     def add(p, u, salt):
         if u is None:
             return p
-        if is_scaled(p):
-            old = p.dequantize()
-            new = old + u.astype(jnp.float32)  # the update is applied in f32
-            new = jnp.where(jnp.isfinite(new), new, old)
-            # An update below half a storage step (FP16: 2**-11 of the weight; small warm-up
-            # learning rates) is lost to round-to-nearest; rounding stochastically keeps it in
-            # expectation, as FP32 masters would.
-            narrow = p.data.dtype != jnp.dtype(jnp.float32)
-            noise = hash_bits(p.shape, salt) if salt is not None and narrow else None
-            return quantize_scaled(new, p.scale, p.data.dtype, noise)
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+        if not is_scaled(p):
+            return updated_value(p, u)
+        # An update below half a storage step (FP16: 2**-11 of the weight; small warm-up
+        # learning rates) is lost to round-to-nearest; rounding stochastically keeps it in
+        # expectation, as FP32 masters would.
+        narrow = p.data.dtype != jnp.dtype(jnp.float32)
+        noise = hash_bits(p.shape, salt) if salt is not None and narrow else None
+        return quantize_scaled(updated_value(p, u), p.scale, p.data.dtype, noise)
 
     is_leaf = lambda x: is_scaled(x) or x is None  # noqa: E731
     p_leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)
@@ -286,12 +300,7 @@ def apply_updates(params, updates, seed=None) -> Any:
             # Masters one at a time: each re-quantization needs its f32 value twice (amax,
             # then the cast), and XLA kept every leaf's f32 value alive at once otherwise.
             p, u, _ = jax.lax.optimization_barrier((p, u, last))
-        # Noise differs per leaf (odd multiplier: distinct salts) and per seed.
-        salt = (
-            None
-            if base is None
-            else base * jnp.uint32(0x9E3779B1) + jnp.uint32((i * 0x632BE5AB) & 0xFFFFFFFF)
-        )
+        salt = None if base is None else leaf_salt(base, i)
         out.append(add(p, u, salt))
         if is_scaled(out[-1]):
             last = out[-1]

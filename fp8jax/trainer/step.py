@@ -19,6 +19,7 @@ from fp8jax.models.layers import FLAX_FP8
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.optim import adam as optim
+from fp8jax.optim.fused import FusedAdamW
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
@@ -65,28 +66,51 @@ def learning_rate_schedule(o: OptimSpec) -> optax.Schedule:
     return lambda count: base(count + 1)
 
 
+def fused_adamw(run: RunSpec) -> FusedAdamW | None:
+    """O2+'s optimizer (FP8/FP16 moments with scales) as ``FusedAdamW``; None below O2."""
+    o, storage = run.optim, run.fp8.storage
+    if not storage.fp8_adam:
+        return None
+    return FusedAdamW(
+        learning_rate_schedule(o),
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
+        m_format=storage.m_format,
+        v_format=storage.v_format,
+        grad_clip=o.grad_clip,
+    )
+
+
 def make_optimizer(run: RunSpec) -> optax.GradientTransformation:
     """AdamW with clipping; O2+ keeps the matmul kernels' moments in FP8/FP16 with scales."""
-    o, storage = run.optim, run.fp8.storage
-    lr = learning_rate_schedule(o)
+    fused = fused_adamw(run)
+    if fused is not None:  # the train step itself skips a step with a non-finite gradient
+        return fused.transform()
+    o = run.optim
     clip = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-    if storage.fp8_adam:
-        adam = optim.fp8_adamw(
-            lr,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            weight_decay_mask=_kernel_mask,  # as at O0/O1: no decay on embeddings/norms/biases
-            m_format=storage.m_format,
-            v_format=storage.v_format,
-            assume_finite=True,  # the train step keeps the old state on a non-finite gradient
-        )
-    else:
-        adam = optax.adamw(
-            lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_kernel_mask
-        )
+    adam = optax.adamw(
+        learning_rate_schedule(o),
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        mask=_kernel_mask,
+    )
     return optax.chain(*clip, adam)
+
+
+def stacked_leaves(model):
+    """Tree of bools like the params: leaves whose leading axis is ``nn.scan``'s layers axis
+    (None for a model without the trainer's partitioning names)."""
+    if not hasattr(getattr(model, "cfg", None), "max_len"):
+        return None
+    names = sharding_lib.param_logical_names(model)
+    return jax.tree.map(
+        lambda n: bool(n) and n[0] == "layers", names, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def state_collection(model) -> str:
@@ -195,8 +219,13 @@ def _on_gpu(mesh) -> bool:
     return getattr(mesh.devices.flat[0], "platform", "") == "gpu"  # elsewhere 'pallas' is XLA
 
 
-def make_train_step(model, tx, run: RunSpec, mesh=None):
-    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's)."""
+def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's).
+
+    At O2+ ``tx`` must be ``make_optimizer(run)``: with ``fused`` the step runs it as
+    ``fused_adamw(run).apply`` (the same arithmetic, one pass per leaf, in place: less memory);
+    otherwise as ``tx.update`` and ``optim.apply_updates``.
+    """
     # Several data-parallel replicas at O1+: gradients reduced in FP8 (parallel.comm), at O3 FP8
     # kernels all-gathered (parallel.gather), over the mesh the step is jitted over.
     accum = run.optim.grad_accum_steps
@@ -217,6 +246,8 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
         raise ValueError("fp8.impl='flax' runs on one data-parallel replica only (benchmarks)")
 
     carry = level.fp8_adam and state_collection(model) == FP8
+    adamw = fused_adamw(run) if fused else None
+    stacked = stacked_leaves(model) if adamw is not None else None
     stochastic = run.fp8.master_rounding == "stochastic"
     seed, dtype, schedule = run.seed, run.model.dtype, learning_rate_schedule(run.optim)
 
@@ -256,9 +287,6 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
             fp8 = fp8_state.commit(fp8)  # once per step: amaxes merged over all uses by max
 
         grad_norm = optax.tree.norm(grads)
-        # Decay reads the compute-dtype view even when the model got carried masters (the
-        # same updates either way); XLA fuses each leaf's dequantization into its update.
-        updates, opt_state = tx.update(grads, state.opt_state, view)
         # A finite norm means every gradient is finite. With finite weights and moments (a
         # skipped step commits nothing) and eps > 0 (validated), AdamW's update is then finite
         # exactly when its learning rate is, so that scalar is checked rather than the norm of
@@ -266,12 +294,27 @@ def make_train_step(model, tx, run: RunSpec, mesh=None):
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         lr = schedule(state.step)
         ok = jnp.isfinite(loss["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
-        new_params = optim.apply_updates(state.params, updates, seed=master_seed(state.step))
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
+        seed = master_seed(state.step)
+        if adamw is not None:
+            # Masters through a barrier with the gradients: weight decay dequantizes them
+            # again after the backward pass instead of keeping the forward's view alive
+            # across it. The step writes the old values itself where not ``ok``, so nothing
+            # reads the old state afterwards and its donated buffers are updated in place.
+            masters, grads = jax.lax.optimization_barrier((state.params, grads))
+            new_params, opt_state = adamw.apply(
+                grads, state.opt_state, masters, ok, dtype, seed, stacked
+            )
+        else:
+            # Decay reads the compute-dtype view even when the model got carried masters (the
+            # same updates either way); XLA fuses each leaf's dequantization into its update.
+            updates, opt_state = tx.update(grads, state.opt_state, view)
+            new_params = keep(optim.apply_updates(state.params, updates, seed), state.params)
+            opt_state = keep(opt_state, state.opt_state)
         new_state = state.replace(
             step=state.step + jnp.where(ok, 1, 0),
-            params=keep(new_params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
+            params=new_params,
+            opt_state=opt_state,
             fp8=keep(fp8, state.fp8),
             comm=keep(comm_state, state.comm),
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1),

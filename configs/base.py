@@ -140,6 +140,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.b2 = 0.95  # Adam beta2
     c.eps = 1e-8  # Adam epsilon
     c.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
+    # O2+: a leaf stacked over the layers (scan_layers) has its optimizer update done in groups
+    # of layers whose f32 values (m, v, update, master) take at most this many MiB each, so the
+    # update holds no f32 copy of the whole leaf; the loops cost step time on small models.
+    c.update_slice_mib = 0.0  # MiB of f32 per value updated at a time; 0 = each leaf whole
 
     # --- loop ---
     c.eval_every_steps = 100  # validate every N steps

@@ -47,5 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 1000  # save every N steps
     c.sample_tokens = 64  # tokens sampled at the end
 
+    # The optimizer updates the stacked kernels' shards about a layer at a time: a whole
+    # shard's f32 working values (4.7B elements of wi per device) would not fit.
+    c.update_slice_mib = 256.0  # MiB of f32 per value updated at a time
     c.mesh.fsdp = 8  # shard params and optimizer state over 8 devices (data = the rest)
     return c

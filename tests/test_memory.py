@@ -173,7 +173,9 @@ def test_fused_adamw_holds_no_f32_copy_of_a_stacked_leaf():
 
     shape = (32, 64, 256)  # [layers, d_in, d_out]
     n = shape[0] * shape[1] * shape[2]
-    opt = FusedAdamW(optax.constant_schedule(1e-3), weight_decay=0.1, grad_clip=1.0)
+    slice_bytes = 4 * shape[1] * shape[2]  # one layer's f32 values at a time
+    opt = FusedAdamW(optax.constant_schedule(1e-3), weight_decay=0.1, grad_clip=1.0,
+                     slice_bytes=slice_bytes)  # fmt: skip
     tx = opt.transform()
     p32 = {"blocks": {"wi": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)}}}
     masters = jax.eval_shape(optim.to_master, p32)

@@ -552,17 +552,23 @@ def _assert_same_bits(a, b, msg):
         np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=f"{msg} {path}")
 
 
+# f32 bytes of one layer slice of the stacked kernel: slabs of 1 and 2 of its 4 slices, or whole.
+SLICE = 16 * 48 * 4
+
+
+@pytest.mark.parametrize("slice_bytes", [SLICE, 2 * SLICE, 0])
 @pytest.mark.parametrize("sr", [False, True])
-def test_fused_adamw_equals_update_then_apply(sr):
+def test_fused_adamw_equals_update_then_apply(sr, slice_bytes):
     """Equal bits, every leaf kind, clipped and unclipped steps, a skipped non-finite step;
-    ``sr``: stochastic rounding of the moments and of the masters."""
+    ``sr``: stochastic rounding of the moments and of the masters; the stacked leaves updated
+    a slice, two slices or the whole leaf at a time."""
     from fp8jax.nn.state import keep_if_finite
     from fp8jax.optim.fused import FusedAdamW
 
     mask = lambda p: jax.tree_util.tree_map_with_path(optim.is_matmul_weight, p)  # noqa: E731
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
     opt = FusedAdamW(schedule, weight_decay=0.1, weight_decay_mask=mask, grad_clip=1.0,
-                     stochastic_rounding=sr, seed=7)  # fmt: skip
+                     stochastic_rounding=sr, seed=7, slice_bytes=slice_bytes)  # fmt: skip
     tx = opt.transform()
     p32 = _fused_params()
     state = tx.init(p32)
@@ -598,7 +604,7 @@ def test_fused_adamw_skipped_step_keeps_every_bit():
     """``ok`` False leaves params and state exactly as they were (the scales included)."""
     from fp8jax.optim.fused import FusedAdamW
 
-    opt = FusedAdamW(1e-2, weight_decay=0.1, grad_clip=1.0)
+    opt = FusedAdamW(1e-2, weight_decay=0.1, grad_clip=1.0, slice_bytes=SLICE)
     p32 = _fused_params()
     state, masters = opt.transform().init(p32), optim.to_master(p32)
     step = jax.jit(lambda g, s, p, ok: opt.apply(g, s, p, ok, jnp.bfloat16, None, STACKED))
@@ -621,6 +627,7 @@ def test_fused_train_step_equals_the_unfused_one(rounding):
     m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff = 3, 64, 2, 2, 128
     m.vocab_size, m.max_len, m.dtype = 128, 16, "bfloat16"
     c.seq_len, c.batch_size, c.warmup_steps = 16, 4, 2
+    c.update_slice_mib = 64 * 128 * 4 / 2**20  # the stacked kernels a layer at a time
     env = train_lib.setup(spec.parse(c), donate=False)
     assert env.model.cfg.scan_layers
     tok = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
@@ -639,3 +646,15 @@ def test_fused_train_step_equals_the_unfused_one(rounding):
         _assert_same_bits((ref, m_ref), (got, m_got), f"step {i}")
         state = got
     assert int(state.step) == 2 and int(state.skipped) == 1
+
+
+def test_slab_layers():
+    """The most leading-axis slices that divide the length and fit the f32 budget."""
+    from fp8jax.optim.fused import slab_layers
+
+    per_layer = 2048 * 8192 * 4  # f32 bytes of one slice
+    assert slab_layers((24, 2048, 8192), 0) == 24  # no budget: the whole leaf
+    assert slab_layers((24, 2048, 8192), 5 * per_layer) == 4  # 5 does not divide 24
+    assert slab_layers((24, 2048, 8192), per_layer) == 1
+    assert slab_layers((24, 2048, 8192), per_layer - 1) == 1  # at least one slice
+    assert slab_layers((24, 2048, 8192), 24 * per_layer) == 24

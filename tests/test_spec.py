@@ -90,6 +90,7 @@ CHANGES = {
     "b2": (0.99, {"optim"}),
     "eps": (1e-6, {"optim"}),
     "grad_clip": (0.5, {"optim"}),
+    "update_slice_mib": (64.0, {"optim"}),
     "eval_every_steps": (7, {"loop"}),
     "eval_batches": (3, {"loop"}),
     "log_every_steps": (3, {"loop"}),

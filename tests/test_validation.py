@@ -90,6 +90,7 @@ BAD = {
     "b2": [1.0, 1.5],
     "eps": [0.0, -1e-8, INF],
     "grad_clip": [-1.0, NAN, INF],
+    "update_slice_mib": [-1.0, NAN, INF],
     "eval_every_steps": [0],
     "eval_batches": [0],
     "log_every_steps": [0],

@@ -11,15 +11,17 @@ the other; compiled with ``xla_allow_excess_precision=False`` they are equal.
 
 A per-tensor scale needs the amax of the whole new tensor before anything is cast, so a plain
 update materialises every f32 temporary of a leaf (m, v, the update, the new master: 16 bytes a
-parameter). A leaf stacked over layers (``nn.scan``) is therefore done one layer slice at a
-time, in two loops: the first reduces the new m, v and master amaxes over all slices, the second
-recomputes each slice and writes it with the scales those give. Only one slice's f32 values are
-alive at a time, for twice the arithmetic (not the memory traffic of f32 temporaries).
+parameter). With ``slice_bytes`` set, a leaf stacked over layers (``nn.scan``) is done a group
+of layer slices at a time (``slab_layers``), in two loops: the first reduces the new m, v and
+master amaxes over all groups, the second recomputes each group and writes it with the scales
+those give. Only one group's f32 values are alive at a time, for twice the arithmetic (not the
+memory traffic of f32 temporaries); the loops' small kernels cost step time on a small model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -64,15 +66,23 @@ def _from_bits(bits: jax.Array, dtype) -> jax.Array:
     return bits if bits.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _take(x, i: jax.Array, dtype=None):
-    """Slice ``i`` of ``x``'s leading axis (a ``ScaledTensor`` keeps its per-tensor scale).
-
-    ``x`` may be ``_as_bits``' view of an array of ``dtype``.
-    """
+def _take(x, i: jax.Array, k: int, dtype=None):
+    """Slices ``[i * k, (i + 1) * k)`` of ``x``'s leading axis (a ``ScaledTensor`` keeps its
+    per-tensor scale). ``x`` may be ``_as_bits``' view of an array of ``dtype``."""
     if is_scaled(x):
-        return ScaledTensor(_take(x.data, i, dtype), x.scale)
-    part = jax.lax.dynamic_index_in_dim(_as_bits(x), i, 0, keepdims=False)
+        return ScaledTensor(_take(x.data, i, k, dtype), x.scale)
+    part = jax.lax.dynamic_slice_in_dim(_as_bits(x), i * k, k, 0)
     return _from_bits(part, x.dtype if dtype is None else dtype)
+
+
+def slab_layers(shape: tuple[int, ...], slice_bytes: int) -> int:
+    """Leading-axis slices of a stacked leaf updated together: the most that divide its length
+    and whose f32 values take at most ``slice_bytes`` (at least 1; the whole leaf for 0)."""
+    n, per_slice = shape[0], math.prod(shape[1:])
+    if slice_bytes <= 0:
+        return n
+    fits = [k for k in range(1, n + 1) if n % k == 0 and 4 * k * per_slice <= slice_bytes]
+    return max(fits, default=1)
 
 
 def _narrow(store) -> bool:
@@ -95,6 +105,9 @@ class FusedAdamW:
     grad_clip: float = 0.0  # global-norm clip (0: none)
     stochastic_rounding: bool = False  # of the moments (``scale_by_fp8_adam``'s option)
     seed: int = 0  # of the moments' rounding noise
+    # f32 bytes per value (m, v, update, master) a stacked leaf's update handles at a time: its
+    # leading-axis slices are updated in groups this size. 0: every leaf whole.
+    slice_bytes: int = 0
 
     def transform(self) -> optax.GradientTransformation:
         """The optax chain whose ``update`` + ``apply_updates`` equal ``apply`` bit for bit."""
@@ -129,7 +142,8 @@ class FusedAdamW:
         Equals ``transform().update(grads, opt_state, materialize(params, decay_dtype))``, then
         ``apply_updates(params, updates, master_seed)``, then keeping the old params and state
         where not ``ok``. ``stacked``: a tree of bools like ``grads`` (or None): leaves whose
-        leading axis is unsharded and done one slice at a time (layers stacked by ``nn.scan``).
+        leading axis is unsharded and done in groups of slices (layers stacked by ``nn.scan``)
+        whose f32 values fit ``slice_bytes``.
         """
         ok = jnp.asarray(ok, jnp.bool_)
         *head, (adam_state, decay_state, lr_state) = opt_state
@@ -169,8 +183,11 @@ class FusedAdamW:
             if p_base is not None:
                 seeds[2] = leaf_salt(p_base, i)
             step = _Leaf(self, steps, decays[i], jnp.dtype(decay_dtype), seeds, ok)
-            run = step.sliced if sliced[i] and g.ndim >= 1 and g.shape[0] > 1 else step.whole
-            new_m, new_v, new_p = run(g, (mu, nu, p))
+            k = slab_layers(g.shape, self.slice_bytes) if sliced[i] and g.ndim >= 1 else 0
+            stores = (mu, nu, p)
+            new_m, new_v, new_p = (
+                step.sliced(g, stores, k) if 0 < k < g.shape[0] else step.whole(g, stores)
+            )
             out_m.append(new_m)
             out_v.append(new_v)
             out_p.append(new_p)
@@ -248,12 +265,9 @@ class _Leaf:
         scales = self.scales(self.amaxes(vals, stores), stores)
         return self.finish(self.encode(vals, stores, scales, 0), stores, scales)
 
-    def sliced(self, g: jax.Array, stores: tuple) -> list:
-        """The leaf one leading-axis slice at a time: amaxes over all slices, then the writes."""
-        n = g.shape[0]
-        per_slice = 1
-        for d in g.shape[1:]:
-            per_slice *= int(d)
+    def sliced(self, g: jax.Array, stores: tuple, k: int) -> list:
+        """The leaf ``k`` leading-axis slices at a time: amaxes over all slabs, then the writes."""
+        n, per_slab = g.shape[0] // k, k * math.prod(g.shape[1:])
         zeros = tuple(jnp.zeros((), jnp.float32) for st in stores if is_scaled(st))
         olds = [st.data if is_scaled(st) else st for st in stores]
         # Both loops read the stores from the buffers the second one writes: in place where
@@ -264,24 +278,24 @@ class _Leaf:
 
         def slab_of(bufs, i):
             return [
-                _take(ScaledTensor(b, st.scale) if is_scaled(st) else b, i, old.dtype)
+                _take(ScaledTensor(b, st.scale) if is_scaled(st) else b, i, k, old.dtype)
                 for b, st, old in zip(bufs, stores, olds, strict=True)
             ]
 
         def reduce_slice(i, acc):
             slab = slab_of(bufs, i)
-            amaxes = self.amaxes(self.values(_take(g_bits, i, g.dtype), slab), slab)
+            amaxes = self.amaxes(self.values(_take(g_bits, i, k, g.dtype), slab), slab)
             return tuple(jnp.maximum(a, b) for a, b in zip(acc, amaxes, strict=True))
 
         scales = self.scales(jax.lax.fori_loop(0, n, reduce_slice, zeros), stores)
 
         def write_slice(i, bufs):
             slab = slab_of(bufs, i)  # slice i still holds its old values
-            offset = i.astype(jnp.uint32) * jnp.uint32(per_slice % 2**32)
-            vals = self.values(_take(g_bits, i, g.dtype), slab)
+            offset = i.astype(jnp.uint32) * jnp.uint32(per_slab % 2**32)
+            vals = self.values(_take(g_bits, i, k, g.dtype), slab)
             new = self.encode(vals, slab, scales, offset)
             return [
-                jax.lax.dynamic_update_index_in_dim(b, _as_bits(x), i, 0)
+                jax.lax.dynamic_update_slice_in_dim(b, _as_bits(x), i * k, 0)
                 for b, x in zip(bufs, new, strict=True)
             ]
 

@@ -62,6 +62,7 @@ class OptimSpec:
     b2: float
     eps: float
     grad_clip: float  # global-norm clipping (0 = off)
+    update_slice_mib: float  # O2+: f32 MiB per value a stacked leaf's update takes at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,7 @@ OPTIM_RANGES = {
     "b2": "[0, 1)",
     "eps": "(0, inf)",  # 0 turns a zero gradient's update into 0/0
     "grad_clip": "[0, inf)",  # 0 = off
+    "update_slice_mib": "[0, inf)",  # 0 = whole leaves
 }
 
 

@@ -81,6 +81,7 @@ def fused_adamw(run: RunSpec) -> FusedAdamW | None:
         m_format=storage.m_format,
         v_format=storage.v_format,
         grad_clip=o.grad_clip,
+        slice_bytes=int(o.update_slice_mib * 2**20),
     )
 
 

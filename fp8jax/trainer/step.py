@@ -248,7 +248,9 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
 
     carry = level.fp8_adam and state_collection(model) == FP8
     adamw = fused_adamw(run) if fused else None
-    stacked = stacked_leaves(model) if adamw is not None else None
+    # Which leaves are stacked matters only when the update slices them.
+    slicing = adamw is not None and adamw.slice_bytes > 0
+    stacked = stacked_leaves(model) if slicing else None
     stochastic = run.fp8.master_rounding == "stochastic"
     seed, dtype, schedule = run.seed, run.model.dtype, learning_rate_schedule(run.optim)
 
@@ -296,7 +298,7 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
         lr = schedule(state.step)
         ok = jnp.isfinite(loss["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
-        seed = master_seed(state.step)
+        rounding_seed = master_seed(state.step)
         if adamw is not None:
             # Masters through a barrier with the gradients: weight decay dequantizes them
             # again after the backward pass instead of keeping the forward's view alive
@@ -304,13 +306,14 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
             # reads the old state afterwards and its donated buffers are updated in place.
             masters, grads = jax.lax.optimization_barrier((state.params, grads))
             new_params, opt_state = adamw.apply(
-                grads, state.opt_state, masters, ok, dtype, seed, stacked
+                grads, state.opt_state, masters, ok, dtype, rounding_seed, stacked
             )
         else:
             # Decay reads the compute-dtype view even when the model got carried masters (the
             # same updates either way); XLA fuses each leaf's dequantization into its update.
             updates, opt_state = tx.update(grads, state.opt_state, view)
-            new_params = keep(optim.apply_updates(state.params, updates, seed), state.params)
+            new_params = optim.apply_updates(state.params, updates, rounding_seed)
+            new_params = keep(new_params, state.params)
             opt_state = keep(opt_state, state.opt_state)
         new_state = state.replace(
             step=state.step + jnp.where(ok, 1, 0),

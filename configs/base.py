@@ -37,8 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Block recompute, what each policy keeps: docs/performance.md. jax's 'dots_saveable',
     # 'nothing_saveable', 'dots_with_no_batch_dims_saveable'; the FP8 GEMMs' named residuals:
     # 'fp8_dots_saveable' (outputs), 'fp8_inputs_saveable' (E4M3 operands, 1 byte/element),
-    # 'fp8_dots_and_inputs_saveable' (both); 'full_keep_gathered' ('full' keeping the weights
-    # per-layer fsdp gathers brought: comm.gather).
+    # 'fp8_dots_and_inputs_saveable' (both); 'activations_saveable' (every bf16 activation the
+    # backward reads, no E4M3 copy: re-casts x and w); 'full_keep_gathered' ('full' keeping the
+    # weights per-layer fsdp gathers brought: comm.gather).
     m.remat_policy = "none"  # 'none': keep every activation; 'full': recompute each block
     # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
     m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients

@@ -224,7 +224,9 @@ def test_block_gradients_unchanged_by_policy():
     same bits under every policy as without remat."""
     _, params, _, x, _ = block_setup("O1", "llama")
     r = randn(7, x.shape, jnp.float32)
-    policies = ("none", "full", *NEW)
+    # activations_saveable saves bf16 values (the residual stream, the MLP's hidden layer) that
+    # XLA:CPU otherwise keeps in f32 inside a fusion: test_activations_saveable_gradients.
+    policies = ("none", "full", *(p for p in NEW if p != "activations_saveable"))
 
     def grads(params, x):  # every policy in one program: one compile
         out = []
@@ -256,6 +258,81 @@ def elementwise_fn(level, style, on):
         return y
 
     return f
+
+
+def dot_count(f, params, x) -> int:
+    """``dot_general`` equations in the gradient program of ``f``: forward, recomputation and
+    backward GEMMs (attention's too, under ``attention_impl='xla'``)."""
+
+    def loss(p, x):
+        return jnp.sum(f(p, x)[0].astype(jnp.float32))
+
+    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)).count("dot_general")
+
+
+@pytest.mark.parametrize("cast", ["xla", "interpret"])
+@pytest.mark.parametrize("level", ["O0", "O1"])
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_activations_saveable_recomputes_no_gemm(style, level, cast):
+    """'activations_saveable' keeps no E4M3 copy and no f32 norm intermediate, yet its backward
+    pass runs as many GEMMs as without remat: no matmul or attention forward is recomputed
+    ('full' runs more, so the count sees a recomputation). Its bf16 [B, L, D] residuals are
+    the block's input and the MLP norm's. ``cast='interpret'``: GPT's fused FP8 MLP."""
+    cfg, params, fp8, x, pos = block_setup(level, style)
+    cfg = dataclasses.replace(cfg, cast_kernel=cast)
+
+    def fn(policy):
+        block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
+        module = block(cfg)
+
+        def f(params, x):
+            (y, _), st = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
+            return y, st
+
+        return f
+
+    res = residuals(fn("activations_saveable"), params, x)
+    assert fp8_saved(res) == []
+    assert (jnp.dtype(jnp.float32), (B, L, cfg.d_model)) not in res
+    assert [r for r in res if r == (BF16, (B, L, cfg.d_model))] == [(BF16, (B, L, cfg.d_model))] * 2
+    ref = dot_count(fn("none"), params, x)
+    assert (
+        dot_count(fn("activations_saveable"), params, x) == ref < dot_count(fn("full"), params, x)
+    )
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_activations_saveable_gradients(style):
+    """In f32 (no bf16 value rounded where a fusion ends) 'activations_saveable' gives the same
+    parameter and input gradients and FP8 state as no remat: what it saves is what the forward
+    computed, and what it recomputes is the forward's arithmetic again. To f32 summation order:
+    XLA:CPU sums GPT's bias gradients over the B * L tokens in another order under remat
+    ('full' too)."""
+    cfg, params, fp8, x, pos = block_setup("O1", style)
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32))
+    x = x.astype(jnp.float32)
+    r = randn(9, x.shape, jnp.float32)
+
+    def grads(params, x):
+        out = []
+        for policy in ("none", "activations_saveable"):
+            block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
+            module = block(cfg)
+
+            def loss(p, x, module=module):
+                (y, _), st = module.apply({"params": p, FP8: fp8}, x, pos, None, mutable=[FP8])
+                return jnp.sum(y * r), st
+
+            out.append(jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x))
+        return out
+
+    ref, got = jax.jit(grads)(params, x)
+    eps = float(np.finfo(np.float32).eps)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), b, rtol=B * L * eps, atol=eps * np.abs(b).max()
+        )
 
 
 def activations(res) -> list[tuple]:

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.models import decode
 from fp8jax.models.config import ModelConfig, RopeScaling
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
+from fp8jax.ops import attention as fp8_attention
 from fp8jax.ops import mlp as fp8_mlp
 from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
@@ -208,13 +210,8 @@ class Attention(nn.Module):
         if decode.decoding(self):  # generation: this call's keys/values join the cache
             o_BxLxNxH = decode.KVCache(name="cache")(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_BxL)
         else:
-            o_BxLxNxH = jax.nn.dot_product_attention(
-                q_BxLxNxH,
-                k_BxLxKxH,
-                v_BxLxKxH,
-                mask=mask_Bx1xLxL,
-                is_causal=True,
-                implementation=c.attention_impl,
+            o_BxLxNxH = fp8_attention.causal_attention(
+                q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_Bx1xLxL, c.attention_impl
             )
         o_BxLxNxH = constrain(o_BxLxNxH, ("batch", "length", "heads", None))
         out = dense(
@@ -256,6 +253,7 @@ class Mlp(nn.Module):
         prologue = None
         if c.style == "gpt":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
+            h_BxLxF = checkpoint_name(h_BxLxF, fp8_remat.HIDDEN)
             if fuses_activation(c):
                 # wo's E4M3 cast applies the GELU itself: act(h) is never written to memory,
                 # and the backward pass keeps only h (the pre-activation) for GELU's derivative.
@@ -265,6 +263,7 @@ class Mlp(nn.Module):
         else:
             # Gate and up projections fused: one FP8 quantization of x, one GEMM.
             gu_BxLx2xF = dense(c, (2, c.d_ff), ("embed", None, "mlp"), name="wi")(x_BxLxD)
+            gu_BxLx2xF = checkpoint_name(gu_BxLx2xF, fp8_remat.HIDDEN)
             h_BxLxF = nn.silu(gu_BxLx2xF[:, :, 0]) * gu_BxLx2xF[:, :, 1]
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
         out = dense(
@@ -328,6 +327,8 @@ class Block(nn.Module):
         attn = Attention(c, name="attn")
         x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        # Named for remat policies (ops.remat): the MLP norm's input, which its backward reads.
+        x_BxLxD = checkpoint_name(x_BxLxD, fp8_remat.RESIDUAL)
         x_BxLxD = x_BxLxD + _mlp_cls(c)(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         return x_BxLxD, None

@@ -14,6 +14,12 @@ re-quantizes x and w (and recomputes whatever produced x); it does not see the b
 GEMM on GPUs at all (a Pallas kernel, not a ``dot_general``). The names here do not depend on
 how a GEMM is lowered.
 
+Three names come from the model rather than the matmuls: ``ATTENTION`` (attention's residuals,
+``ops.attention``), ``HIDDEN`` (the MLP's first GEMM output, at any level) and ``RESIDUAL`` (the
+residual stream between a block's attention and its MLP). With ``FP8_OUT`` (the fused MLP's
+hidden output) they name every activation a block's backward pass reads, which is what
+``activations_saveable`` keeps.
+
 Build your own policy with ``jax.checkpoint_policies.save_only_these_names(FP8_X, ...)``.
 """
 
@@ -22,12 +28,16 @@ from __future__ import annotations
 import jax
 
 __all__ = [
+    "ATTENTION",
     "FP8_OUT",
     "GATHERED",
+    "HIDDEN",
     "FP8_W",
     "FP8_X",
     "NAMES",
     "POLICIES",
+    "RESIDUAL",
+    "activations_saveable",
     "fp8_dots_and_inputs_saveable",
     "fp8_dots_saveable",
     "fp8_inputs_saveable",
@@ -49,6 +59,13 @@ NAMES = (FP8_X, FP8_W, FP8_OUT)
 # A weight all-gathered over fsdp where its layer runs (``parallel.layerwise``), in the compute
 # dtype: saved, the backward pass reads it instead of gathering it again.
 GATHERED = "fp8jax_gathered"
+# Attention's backward residuals (q, k, v, its output and softmax statistics: ops.attention) and
+# its output, the o projection's input.
+ATTENTION = "fp8jax_attention"
+# The MLP's first GEMM output (its pre-activation, or SwiGLU's gate and up), any level.
+HIDDEN = "fp8jax_hidden"
+# The residual stream after a block's attention, the input of its MLP's norm.
+RESIDUAL = "fp8jax_residual"
 
 _cp = jax.checkpoint_policies
 
@@ -69,7 +86,13 @@ fp8_dots_and_inputs_saveable = _cp.save_from_both_policies(
 # Recompute the whole block but keep its gathered weights (per-layer fsdp gathers): one gather
 # per layer and step instead of two, for a layer's weights held from its forward to its backward.
 full_keep_gathered = _cp.save_only_these_names(GATHERED)
+# Every activation the block's backward reads (the MLP's hidden layer, attention's residuals, the
+# residual stream; FP8_OUT: the fused MLP's hidden layer) and no FP8 operand: the backward pass
+# re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits); it
+# runs no GEMM and no attention forward again.
+activations_saveable = _cp.save_only_these_names(FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
 POLICIES = {
+    "activations_saveable": activations_saveable,
     "fp8_dots_saveable": fp8_dots_saveable,
     "fp8_inputs_saveable": fp8_inputs_saveable,
     "fp8_dots_and_inputs_saveable": fp8_dots_and_inputs_saveable,

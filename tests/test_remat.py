@@ -181,12 +181,12 @@ def block_setup(level, style="gpt"):
     return cfg, variables["params"], variables.get(FP8, {}), x, pos
 
 
-def block_fn(level, policy, style="gpt"):
+def block_fn(level, policy, style="gpt", cfg=None):
     """``(params, x) -> (block output, FP8 state)`` under ``nn.remat`` with ``policy``, as
-    ``Transformer._blocks`` wraps it."""
-    cfg, _, fp8, _, pos = block_setup(level, style)
+    ``Transformer._blocks`` wraps it; ``cfg`` replaces the block's model config (same params)."""
+    setup_cfg, _, fp8, _, pos = block_setup(level, style)
     block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
-    module = block(cfg)
+    module = block(setup_cfg if cfg is None else cfg)
 
     def f(params, x):
         (y, _), state = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
@@ -278,18 +278,11 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
     pass runs as many GEMMs as without remat: no matmul or attention forward is recomputed
     ('full' runs more, so the count sees a recomputation). Its bf16 [B, L, D] residuals are
     the block's input and the MLP norm's. ``cast='interpret'``: GPT's fused FP8 MLP."""
-    cfg, params, fp8, x, pos = block_setup(level, style)
+    cfg, params, _, x, _ = block_setup(level, style)
     cfg = dataclasses.replace(cfg, cast_kernel=cast)
 
     def fn(policy):
-        block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
-        module = block(cfg)
-
-        def f(params, x):
-            (y, _), st = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
-            return y, st
-
-        return f
+        return block_fn(level, policy, style, cfg)
 
     res = residuals(fn("activations_saveable"), params, x)
     assert fp8_saved(res) == []
@@ -308,7 +301,7 @@ def test_activations_saveable_gradients(style):
     computed, and what it recomputes is the forward's arithmetic again. To f32 summation order:
     XLA:CPU sums GPT's bias gradients over the B * L tokens in another order under remat
     ('full' too)."""
-    cfg, params, fp8, x, pos = block_setup("O1", style)
+    cfg, params, _, x, _ = block_setup("O1", style)
     cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32))
     x = x.astype(jnp.float32)
     r = randn(9, x.shape, jnp.float32)
@@ -316,11 +309,10 @@ def test_activations_saveable_gradients(style):
     def grads(params, x):
         out = []
         for policy in ("none", "activations_saveable"):
-            block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
-            module = block(cfg)
+            f = block_fn("O1", policy, style, cfg)
 
-            def loss(p, x, module=module):
-                (y, _), st = module.apply({"params": p, FP8: fp8}, x, pos, None, mutable=[FP8])
+            def loss(p, x, f=f):
+                y, st = f(p, x)
                 return jnp.sum(y * r), st
 
             out.append(jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x))

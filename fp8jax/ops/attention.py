@@ -52,7 +52,7 @@ def causal_attention(
     implementation: str | None = None,
 ) -> jax.Array:
     """Causal attention (``mask``: True = may attend); output and residuals named ATTENTION."""
-    o_BxLxNxH = _attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_Bx1xLxL, implementation or None)
+    o_BxLxNxH = _attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_Bx1xLxL, implementation)
     # The output is also the o projection's input: named, a policy keeps it for that GEMM's
     # backward too (the same buffer as the residual inside).
     return checkpoint_name(o_BxLxNxH, ATTENTION)

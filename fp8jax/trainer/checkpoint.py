@@ -36,10 +36,11 @@ class Checkpointer:
 
     def __init__(self, workdir: str, keep: int = 2, every: int = 0):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        _remove_unfinished_writes(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=False,  # done above, before anything reads the directory
             enable_async_checkpointing=True,
         )
         self.manager = ocp.CheckpointManager(
@@ -182,6 +183,19 @@ class Checkpointer:
         """Block until every save is complete on disk, then stop orbax's background threads."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _remove_unfinished_writes(directory: str) -> None:
+    """Delete the temporary directories of saves a killed run left unfinished.
+
+    Orbax's own cleanup runs in a background thread that only a save waits for; done here, the
+    directory is settled before the checkpointer lists or restores anything. One process
+    deletes, as orbax does.
+    """
+    if jax.process_index() != 0 or not os.path.isdir(directory):
+        return
+    for path in ocp.path.step.all_temporary_paths(directory):
+        path.get().rmtree()
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

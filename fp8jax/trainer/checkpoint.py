@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from fp8jax.errors import CheckpointMismatchError
 
@@ -190,12 +191,13 @@ def _remove_unfinished_writes(directory: str) -> None:
 
     Orbax's own cleanup runs in a background thread that only a save waits for; done here, the
     directory is settled before the checkpointer lists or restores anything. One process
-    deletes, as orbax does.
+    deletes while the others wait at a barrier, as orbax does.
     """
-    if jax.process_index() != 0 or not os.path.isdir(directory):
-        return
-    for path in ocp.path.step.all_temporary_paths(directory):
-        path.get().rmtree()
+    if jax.process_index() == 0 and os.path.isdir(directory):
+        for name in ocp.path.step.tmp_checkpoints(directory):  # names, in every orbax >= 0.11
+            (epath.Path(directory) / name).rmtree()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("fp8jax: checkpoint directory settled")
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

@@ -227,8 +227,8 @@ threading.Event().wait()
 def test_kill9_during_an_async_write_restores_the_previous_checkpoint(tmp_path):
     """Injects SIGKILL into a process whose save of step 2 returned but is still writing.
 
-    The write had begun, yet the latest checkpoint is step 1 and it restores whole; reopening
-    removes the unfinished write.
+    The write had begun, yet the latest checkpoint is step 1 and it restores whole; opening a
+    checkpointer on the directory removes the unfinished write before it returns.
     """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(ROOT / "tests")]
@@ -247,7 +247,13 @@ def test_kill9_during_an_async_write_restores_the_previous_checkpoint(tmp_path):
     # The write had begun: orbax's temporary directory (or, where orbax writes in place and
     # marks completion with a commit file instead, the unmarked directory) of step 2 exists.
     assert any(p.name.split(".")[0] == "2" for p in ckpts.iterdir())
+    ckpt = Checkpointer(str(tmp_path))
+    try:
+        # Gone once the checkpointer is open, not later in a background thread.
+        assert sorted(p.name for p in ckpts.iterdir()) == ["1"]
+        assert ckpt.latest_step() == 1
+    finally:
+        ckpt.close()
     state, data = restore(tmp_path)
     assert data == {"step": 1}
     assert_trees_equal(state, jax.device_get(tiny_state(1)))
-    assert sorted(p.name for p in ckpts.iterdir()) == ["1"]

@@ -126,6 +126,44 @@ def test_chunk_sizes_from_one_token_to_more_than_the_batch():
             assert rel_err(gw if w_d == 0 else gw.T, want_g[1]) < RTOL, chunk
 
 
+def test_weighted_loss_forms_its_gradient_in_one_pass():
+    """``weighted_cross_entropy``: the weighted sum of the full product's CE and its gradients
+    (plain JAX), for every chunk size, under a cotangent != 1; the gradient program multiplies
+    by the head once per chunk for the logits and twice for dx and dw (three ``dot_general``s
+    where the per-token chunked loss runs four: it recomputes the logits); ce has no gradient."""
+    rng = np.random.default_rng(5)
+    x_NxD = jnp.asarray(rng.normal(size=(30, 16)), jnp.float32)
+    w_DxV = jnp.asarray(rng.normal(size=(16, 40)) * 0.5, jnp.float32)
+    t_N = jnp.asarray(rng.integers(0, 40, 30), jnp.int32)
+    wt_N = jnp.asarray(rng.uniform(size=30) * (rng.uniform(size=30) > 0.3), jnp.float32)
+    want_ce = reference_ce(x_NxD @ w_DxV, t_N)
+    ref = lambda x, w: 2.5 * jnp.sum(wt_N * reference_ce(x @ w, t_N))  # noqa: E731
+    want, want_g = jax.value_and_grad(ref, (0, 1))(x_NxD, w_DxV)
+    for chunk in (1, 7, 30, 64):
+        for w, w_d in ((w_DxV, 0), (w_DxV.T, 1)):
+
+            def loss(x, w, chunk=chunk, w_d=w_d):
+                ce, total = head_loss.weighted_cross_entropy(
+                    x, w, t_N, wt_N, chunk, jnp.float32, w_d
+                )
+                return 2.5 * total + jnp.sum(ce), ce  # ce: no gradient, so no term in it
+
+            grad_fn = jax.value_and_grad(loss, (0, 1), has_aux=True)
+            (got, ce), (gx, gw) = jax.jit(grad_fn)(x_NxD, w)
+            assert rel_err(ce, want_ce) < RTOL, chunk
+            assert rel_err(got - jnp.sum(ce), want) < RTOL, chunk
+            assert rel_err(gx, want_g[0]) < RTOL, chunk
+            assert rel_err(gw if w_d == 0 else gw.T, want_g[1]) < RTOL, chunk
+    weighted = lambda x, w: head_loss.weighted_cross_entropy(  # noqa: E731
+        x, w, t_N, wt_N, 7, jnp.float32, 0
+    )[1]
+    per_token = lambda x, w: jnp.sum(  # noqa: E731
+        wt_N * head_loss.chunked_cross_entropy(x, w, t_N, 7, jnp.float32, 0)
+    )
+    dots = lambda f: str(jax.make_jaxpr(jax.grad(f, (0, 1)))(x_NxD, w_DxV)).count("dot_general")  # noqa: E731
+    assert dots(weighted) == 3 and dots(per_token) == 4
+
+
 def test_init_with_targets_makes_the_same_params():
     """The chunked loss reads the untied head's kernel through ``HeadKernel``: same path,
     shape and initial values as ``nn.Dense`` 'head'."""

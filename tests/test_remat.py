@@ -172,21 +172,34 @@ def model_cfg(level, policy, style="gpt"):
 
 
 @functools.cache
-def block_setup(level, style="gpt"):
-    """(Block module, params, FP8 state, input) of configs/tiny.py's block at ``level``."""
+def block_setup(level, style="gpt", scales=False):
+    """(Block module, params, FP8 state, input) of configs/tiny.py's block at ``level``;
+    ``scales``: the FP8 state's scales set per operand kind instead of the initial 1s."""
     cfg = model_cfg(level, "none", style)
     x = randn(6, (B, L, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     variables = jax.jit(Block(cfg).init)(jax.random.key(0), x, pos, None)
-    return cfg, variables["params"], variables.get(FP8, {}), x, pos
+    # A scale per operand kind, none 1: a scale that a rebuilt FP8 copy takes from the wrong
+    # operand changes the gradients.
+    by_kind = {".x.scale": 8.0, ".w.scale": 64.0, ".dy.scale": 4.0}
+
+    def scaled(path, v):
+        key = jax.tree_util.keystr(path)
+        return v * next((f for k, f in by_kind.items() if key.endswith(k)), 1.0)
+
+    fp8 = variables.get(FP8, {})
+    fp8 = jax.tree_util.tree_map_with_path(scaled, fp8) if scales else fp8
+    return cfg, variables["params"], fp8, x, pos
 
 
-def block_fn(level, policy, style="gpt", cfg=None):
+def block_fn(level, policy, style="gpt", cfg=None, scales=False):
     """``(params, x) -> (block output, FP8 state)`` under ``nn.remat`` with ``policy``, as
-    ``Transformer._blocks`` wraps it; ``cfg`` replaces the block's model config (same params)."""
-    setup_cfg, _, fp8, _, pos = block_setup(level, style)
+    ``Transformer._blocks`` wraps it; ``cfg`` replaces the block's model config (same params);
+    ``scales``: as ``block_setup``'s."""
+    setup_cfg, _, fp8, _, pos = block_setup(level, style, scales=scales)
     block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
-    module = block(setup_cfg if cfg is None else cfg)
+    # The config names the policy too, as the model's does: layers read it (rebuilds_wo_input).
+    module = block(dataclasses.replace(setup_cfg if cfg is None else cfg, remat_policy=policy))
 
     def f(params, x):
         (y, _), state = module.apply({"params": params, FP8: fp8}, x, pos, None, mutable=[FP8])
@@ -294,22 +307,23 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
     )
 
 
-@pytest.mark.parametrize("style", ["gpt", "llama"])
-def test_activations_saveable_gradients(style):
+@pytest.mark.parametrize("style,cast", [("gpt", "xla"), ("gpt", "interpret"), ("llama", "xla")])
+def test_activations_saveable_gradients(style, cast):
     """In f32 (no bf16 value rounded where a fusion ends) 'activations_saveable' gives the same
     parameter and input gradients and FP8 state as no remat: what it saves is what the forward
     computed, and what it recomputes is the forward's arithmetic again. To f32 summation order:
     XLA:CPU sums GPT's bias gradients over the B * L tokens in another order under remat
-    ('full' too)."""
-    cfg, params, _, x, _ = block_setup("O1", style)
-    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32))
+    ('full' too). ``cast='interpret'``: GPT's fused FP8 MLP, whose backward rebuilds wo's E4M3
+    input under this policy."""
+    cfg, params, _, x, _ = block_setup("O1", style, scales=True)  # cached before block_fn
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32), cast_kernel=cast)
     x = x.astype(jnp.float32)
     r = randn(9, x.shape, jnp.float32)
 
     def grads(params, x):
         out = []
         for policy in ("none", "activations_saveable"):
-            f = block_fn("O1", policy, style, cfg)
+            f = block_fn("O1", policy, style, cfg, scales=True)
 
             def loss(p, x, f=f):
                 y, st = f(p, x)

@@ -63,6 +63,29 @@ def chunk_size(num_tokens: int, chunk: int) -> int:
     return max(1, min(chunk, num_tokens))
 
 
+def _dlogits(logits_CxV, lse_C, t_C, g_C, vocab: int) -> jax.Array:
+    """``(softmax - onehot(target)) * g``: d (g * ce) / d logits, f32 (padding tokens: g = 0)."""
+    p_CxV = jnp.exp(logits_CxV - lse_C[:, None])
+    return (p_CxV - jax.nn.one_hot(t_C, vocab, dtype=jnp.float32)) * g_C[:, None]
+
+
+def _chunk_grads(x_CxD, dlogits_CxV, w_c, w_d: int, dtype):
+    """``(dx [C, D] in x's dtype, dw f32)`` of one chunk from its logits' gradient.
+
+    The GEMMs run in the compute dtype, as autodiff runs the unchunked head's.
+    """
+    dlogits_CxV = dlogits_CxV.astype(dtype)
+    dx_CxD = jax.lax.dot_general(dlogits_CxV, w_c, (((1,), (1 - w_d,)), ((), ())))
+    x_c = x_CxD.astype(dtype)
+    if w_d == 0:  # kernel [D, V]: x^T @ dlogits
+        dw = jax.lax.dot_general(x_c, dlogits_CxV, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # fmt: skip
+    else:  # embedding [V, D]: dlogits^T @ x
+        dw = jax.lax.dot_general(dlogits_CxV, x_c, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # fmt: skip
+    return dx_CxD.astype(x_CxD.dtype), dw
+
+
 def _forward(x_NxD, w, targets_N, chunk: int, dtype, w_d: int):
     n_tokens, w_c = x_NxD.shape[0], w.astype(dtype)
     chunk = chunk_size(n_tokens, chunk)
@@ -104,21 +127,10 @@ def _bwd(chunk, dtype, w_d, res, g_N):
     def body(dw_acc, xs):
         x_CxD, t_C, lse_C, g_C = xs
         logits_CxV = _logits(x_CxD, w_c, w_d)
-        # d ce / d logits = softmax - onehot(target); padding tokens have g = 0.
-        p_CxV = jnp.exp(logits_CxV - lse_C[:, None])
-        dlogits_CxV = (p_CxV - jax.nn.one_hot(t_C, vocab, dtype=jnp.float32)) * g_C[:, None]
-        # The backward GEMMs in the compute dtype, as autodiff runs the unchunked head's.
-        dlogits_CxV = dlogits_CxV.astype(dtype)
-        dx_CxD = jax.lax.dot_general(dlogits_CxV, w_c, (((1,), (1 - w_d,)), ((), ())))
-        x_c = x_CxD.astype(dtype)
-        if w_d == 0:  # kernel [D, V]: x^T @ dlogits
-            dw = jax.lax.dot_general(x_c, dlogits_CxV, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # fmt: skip
-        else:  # embedding [V, D]: dlogits^T @ x
-            dw = jax.lax.dot_general(dlogits_CxV, x_c, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+        dlogits_CxV = _dlogits(logits_CxV, lse_C, t_C, g_C, vocab)
+        dx_CxD, dw = _chunk_grads(x_CxD, dlogits_CxV, w_c, w_d, dtype)
         # The weight gradient sums over chunks in f32: one rounding to w's dtype at the end.
-        return dw_acc + dw, dx_CxD.astype(x_CxD.dtype)
+        return dw_acc + dw, dx_CxD
 
     xs = tuple(_chunks(a, chunk) for a in (x_NxD, targets_N, lse_N, g_N.astype(jnp.float32)))
     dw, dx_nxCxD = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
@@ -126,3 +138,62 @@ def _bwd(chunk, dtype, w_d, res, g_N):
 
 
 chunked_cross_entropy.defvjp(_fwd, _bwd)
+
+
+def _forward_with_grads(x_NxD, w, targets_N, weights_N, chunk: int, dtype, w_d: int):
+    """``(ce_N, dx_NxD, dw)``: the token CE and the gradients of ``sum(weights * ce)``, in one
+    pass over the chunks (each chunk's logits computed once, for its loss and its gradient)."""
+    n_tokens, w_c = x_NxD.shape[0], w.astype(dtype)
+    chunk, vocab = chunk_size(n_tokens, chunk), w.shape[1 - w_d]
+
+    def body(dw_acc, xs):
+        x_CxD, t_C, wt_C = xs
+        logits_CxV = _logits(x_CxD, w_c, w_d)
+        lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+        target_C = jnp.take_along_axis(logits_CxV, t_C[:, None], axis=-1)[:, 0]
+        dlogits_CxV = _dlogits(logits_CxV, lse_C, t_C, wt_C, vocab)
+        dx_CxD, dw = _chunk_grads(x_CxD, dlogits_CxV, w_c, w_d, dtype)
+        return dw_acc + dw, (lse_C - target_C, dx_CxD)
+
+    xs = tuple(_chunks(a, chunk) for a in (x_NxD, targets_N, weights_N.astype(jnp.float32)))
+    dw, (ce_nxC, dx_nxCxD) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+    return _tokens(ce_nxC, n_tokens), _tokens(dx_nxCxD, n_tokens), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _weighted(x_NxD, w, targets_N, weights_N, chunk: int, dtype, w_d: int):
+    ce_N = _forward(x_NxD, w, targets_N, chunk, dtype, w_d)[0]
+    return ce_N, jnp.sum(ce_N * weights_N.astype(jnp.float32))
+
+
+def _weighted_fwd(x_NxD, w, targets_N, weights_N, chunk, dtype, w_d):
+    ce_N, dx_NxD, dw = _forward_with_grads(x_NxD, w, targets_N, weights_N, chunk, dtype, w_d)
+    # dw in w's dtype: one rounding, as chunked_cross_entropy's; scaled by the cotangent after.
+    total = jnp.sum(ce_N * weights_N.astype(jnp.float32))
+    return (ce_N, total), (dx_NxD, dw.astype(w.dtype))
+
+
+def _weighted_bwd(chunk, dtype, w_d, res, cts):
+    dx_NxD, dw = res
+    _, g = cts  # ce_N leaves weighted_cross_entropy without a gradient: its cotangent is 0
+    g = g.astype(jnp.float32)
+    scaled = lambda a: (a.astype(jnp.float32) * g).astype(a.dtype)  # noqa: E731
+    return scaled(dx_NxD), scaled(dw), None, None
+
+
+_weighted.defvjp(_weighted_fwd, _weighted_bwd)
+
+
+def weighted_cross_entropy(
+    x_NxD, w, targets_N, weights_N, chunk: int, dtype, w_d: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(ce_N, sum(weights_N * ce_N))``: ``chunked_cross_entropy`` and its weighted sum, whose
+    gradient the forward pass computes.
+
+    Each chunk's logits give its loss and, with its tokens' weights, its share of dx and dw in
+    the same scan step, so the backward pass only scales the kept dx [N, D] and f32 dw by the
+    sum's cotangent: no head GEMM runs twice. ``ce_N`` comes back without a gradient (use the
+    sum); the weights get none.
+    """
+    ce_N, total = _weighted(x_NxD, w, targets_N, weights_N, chunk, dtype, w_d)
+    return jax.lax.stop_gradient(ce_N), total

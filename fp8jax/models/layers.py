@@ -94,6 +94,15 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 
 
+def rebuilds_wo_input(cfg: ModelConfig) -> bool:
+    """Whether the fused FP8 MLP rebuilds wo's E4M3 input in the backward pass (``ops.mlp``'s
+    ``recompute_cast``) rather than keeping it: with ``recomputes_elementwise``, and under a
+    block remat policy that keeps no FP8 operand, which would otherwise redo wo's forward cast
+    (both layouts) where the backward's GELU' pass can write the one layout it needs."""
+    keeps_fp8_x = ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable")
+    return recomputes_elementwise(cfg) or cfg.remat_policy not in keeps_fp8_x
+
+
 def dense(
     cfg: ModelConfig,
     features,
@@ -289,7 +298,7 @@ class Mlp(nn.Module):
             meta1,
             meta2,
             c.cast_kernel,
-            recompute_cast=recomputes_elementwise(c),
+            recompute_cast=rebuilds_wo_input(c),
         )
         wi.Fp8DotGeneral_0.write(meta1)
         wo.Fp8DotGeneral_0.write(meta2)

@@ -54,13 +54,16 @@ tie_grads.defvjp(_tie_fwd, _tie_bwd)
 
 class Transformer(nn.Module):
     """``tokens [B, L] int32 -> logits [B, L, V] float32``, or with ``targets_BxL`` each
-    target's cross entropy float32 [B, L] (the head's logits never leave the model).
+    target's cross entropy float32 [B, L] (the head's logits never leave the model), or with
+    ``loss_weights_BxL`` too ``(cross entropy [B, L], sum(weights * cross entropy))``: a loss to
+    differentiate (the cross entropy comes back without a gradient).
 
     ``positions_BxL`` (default ``0..L-1`` in every row) place each token for RoPE or the learned
     position table; ``segment_ids_BxL`` (packed examples, one id per example) keep attention
     within an example. With ``cfg.loss_chunk`` > 0 the cross entropy runs the head over that
     many tokens at a time (``head_loss.chunked_cross_entropy``): no [B, L, V] logits in the
-    forward or backward pass.
+    forward or backward pass; with the weights, each chunk's gradient is formed where its
+    logits are (``head_loss.weighted_cross_entropy``), so the head's GEMM runs once.
     """
 
     cfg: ModelConfig
@@ -72,8 +75,11 @@ class Transformer(nn.Module):
         positions_BxL: jax.Array | None = None,
         segment_ids_BxL: jax.Array | None = None,
         targets_BxL: jax.Array | None = None,
-    ) -> jax.Array:
+        loss_weights_BxL: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         c = self.cfg
+        if loss_weights_BxL is not None and targets_BxL is None:
+            raise ValueError("loss_weights_BxL weighs targets: pass targets_BxL with them")
         default_positions = positions_BxL is None
         if default_positions:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
@@ -99,14 +105,18 @@ class Transformer(nn.Module):
         x_BxLxD = self._blocks(x_BxLxD, positions_BxL, segment_mask(segment_ids_BxL))
         x_BxLxD = norm(c, "final_norm")(x_BxLxD)
         if targets_BxL is not None and c.loss_chunk > 0:
-            return self._chunked_loss(x_BxLxD, embed, targets_BxL)
+            return self._chunked_loss(x_BxLxD, embed, targets_BxL, loss_weights_BxL)
         logits_BxLxV = self._head(x_BxLxD, embed)
         # Logits come out of the GEMM in cfg.dtype (bf16 backward GEMMs, half the memory of an
         # f32 product) and are upcast here, so the loss and its softmax run in f32.
         logits_BxLxV = constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
-        if targets_BxL is not None:
-            return head_loss.token_cross_entropy(logits_BxLxV, targets_BxL)
-        return logits_BxLxV
+        if targets_BxL is None:
+            return logits_BxLxV
+        ce_BxL = head_loss.token_cross_entropy(logits_BxLxV, targets_BxL)
+        if loss_weights_BxL is None:
+            return ce_BxL
+        total = jnp.sum(ce_BxL * loss_weights_BxL.astype(jnp.float32))
+        return jax.lax.stop_gradient(ce_BxL), total
 
     def _block_cls(self, name: str):
         """The block class for scope ``name``: remat'd as configured, its params gathered inside
@@ -181,7 +191,7 @@ class Transformer(nn.Module):
             return head_cls(name="head")(x_BxLxD.astype(c.dtype), table_VxD, dims)
         return jax.lax.dot_general(x_BxLxD.astype(c.dtype), table_VxD, dims)
 
-    def _chunked_loss(self, x_BxLxD, embed: nn.Embed, targets_BxL) -> jax.Array:
+    def _chunked_loss(self, x_BxLxD, embed: nn.Embed, targets_BxL, weights_BxL):
         c = self.cfg
         if c.fp8_lm_head:  # spec.parse refuses this pairing; library users get the same line
             raise ValueError(
@@ -193,10 +203,14 @@ class Transformer(nn.Module):
         else:
             w, w_d = HeadKernel(c, name="head")(), 0  # [D, V], nn.Dense's 'head' kernel
         b, length, d = x_BxLxD.shape
-        ce_N = head_loss.chunked_cross_entropy(
-            x_BxLxD.reshape(b * length, d), w, targets_BxL.reshape(-1), c.loss_chunk, c.dtype, w_d
+        x_NxD, t_N = x_BxLxD.reshape(b * length, d), targets_BxL.reshape(-1)
+        if weights_BxL is None:
+            ce_N = head_loss.chunked_cross_entropy(x_NxD, w, t_N, c.loss_chunk, c.dtype, w_d)
+            return ce_N.reshape(b, length)
+        ce_N, total = head_loss.weighted_cross_entropy(
+            x_NxD, w, t_N, weights_BxL.reshape(-1), c.loss_chunk, c.dtype, w_d
         )
-        return ce_N.reshape(b, length)
+        return ce_N.reshape(b, length), total
 
 
 class HeadKernel(nn.Module):

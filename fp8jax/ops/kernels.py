@@ -31,6 +31,10 @@ AUTO = "auto"  # the library ops' default cast: ``resolve_impl`` picks one of IM
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4
 # warps is the fastest tuning over GPT's operand shapes (measured: docs/performance.md).
 _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
+# Passes that compute an activation (a prologue, or act' and act of the backward's pass) run
+# fastest on 64 x 64 blocks: 320 against 347 us for the forward cast of a [16384, 8192] GELU
+# input, 371 against 580 us for its backward pass (measured: docs/kernels.md).
+_ACT_COL_BLOCKS = (64, 32, 16)
 _WARPS = 4
 
 
@@ -71,7 +75,7 @@ def kernel_tanh(interpret: bool):
     return plt.approx_tanh
 
 
-def _dispatch(impl: str, shape, reference, pallas, *args):
+def _dispatch(impl: str, shape, reference, pallas, *args, col_blocks=_COL_BLOCKS):
     """``reference(*args)`` or ``pallas(*args, bm, bk, interpret)`` for an [M, K] pass.
 
     'xla', and sides not in multiples of 16 (or empty), take XLA ops; 'interpret' runs the
@@ -79,7 +83,7 @@ def _dispatch(impl: str, shape, reference, pallas, *args):
     kernel for CUDA, XLA ops anywhere else.
     """
     impl = resolve_impl(impl)
-    bm, bk = _block(shape[0], _ROW_BLOCKS), _block(shape[1], _COL_BLOCKS)
+    bm, bk = _block(shape[0], _ROW_BLOCKS), _block(shape[1], col_blocks)
     if impl == "xla" or bm is None or bk is None or 0 in shape:
         return reference(*args)
     if impl == "interpret":
@@ -285,6 +289,7 @@ def cast_transpose(
         scale,
         pending,
         affine,
+        col_blocks=_COL_BLOCKS if prologue is None else _ACT_COL_BLOCKS,
     )
 
 
@@ -299,20 +304,23 @@ def _check_affine(affine, k: int) -> None:
         )
 
 
-def _grad_reference(pre, da, inv, scale, pending, affine, dtype, act):
+def _grad_reference(pre, da, inv, scale, pending, affine, act_scale, dtype, act):
     """XLA version of ``act_grad_cast_transpose``."""
     pre = _affine(pre.astype(jnp.float32), affine)
     d = activations.ACTIVATION_GRADS[act](pre) * (da.astype(jnp.float32) * inv)
     q = formats.quantize(d, scale, dtype)  # [M, K]
-    return q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0)
+    out = (q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0))
+    if act_scale is None:
+        return out
+    # act(pre) in E4M3 as the forward's prologue cast wrote it (same f32 operations, same bits).
+    return (*out, formats.quantize(activations.activation(act)(pre), act_scale, formats.E4M3).T)
 
 
-def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
-    # s_ref: [inv, scale(, alpha)]; bias_ref: this block's [bk] of the bias (with affine).
-    if affine:
-        s_ref, pre_ref, da_ref, bias_ref, _pending_in, q_ref, qt_ref, pending_ref, sum_ref = refs
-    else:
-        s_ref, pre_ref, da_ref, _pending_in, q_ref, qt_ref, pending_ref, sum_ref = refs
+def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool, act_out: bool, cast_first: bool):
+    # s_ref: [inv, scale, alpha, act_scale]; bias_ref: this block's [bk] of the bias (affine).
+    s_ref, pre_ref, da_ref, *rest = refs
+    bias_ref = rest.pop(0) if affine else None
+    _pending_in, q_ref, qt_ref, pending_ref, sum_ref, *act_ref = rest
     # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
     pre_bxk = pre_ref[...].astype(jnp.float32)
     if affine:
@@ -323,11 +331,34 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool):
     _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
     y_bxk = formats.saturate(d_bxk * s_ref[1], jnp.isfinite(d_bxk), limit)  # as quantize
-    q_ref[...] = y_bxk.astype(dtype)
-    qt_ref[...] = y_bxk.T.astype(dtype)
+    q_bxk = y_bxk.astype(dtype)
+    q_ref[...] = q_bxk
+    qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
+    if act_out:  # act(pre) in E4M3, transposed: the forward cast's bits (``_kernel``)
+        a_bxk = activations.activation(act, tanh)(pre_bxk)
+        e4m3 = formats.as_dtype(formats.E4M3)
+        ya_bxk = formats.saturate(a_bxk * s_ref[3], jnp.isfinite(a_bxk), formats.fmax(e4m3))
+        act_ref[0][...] = ya_bxk.astype(e4m3).T if cast_first else ya_bxk.T.astype(e4m3)
 
 
-def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, interpret):
+def pallas_act_grad_cast_transpose(
+    pre,
+    da,
+    inv,
+    scale,
+    dtype,
+    act,
+    bm: int,
+    bk: int,
+    interpret: bool,
+    pending=None,
+    affine=None,
+    act_scale=None,
+    num_warps=_WARPS,
+    num_stages=1,
+    cast_first=False,
+):
+    """The Pallas kernel of ``act_grad_cast_transpose`` with explicit tuning, for tuning runs."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -341,43 +372,58 @@ def _grad_pallas(pre, da, inv, scale, pending, affine, dtype, act, bm, bk, inter
         act=act,
         tanh=kernel_tanh(interpret),
         affine=affine is not None,
+        act_out=act_scale is not None,
+        cast_first=cast_first,
     )
     tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    # Power-of-two blocks for Triton: [inv, scale] or [inv, scale, alpha, unused].
-    scalars = [inv, scale, *alpha, *alpha]
-    q, qt, target, sums_GMxK = pl.pallas_call(
+    tile_t = pl.BlockSpec((bk, bm), lambda i, j: (j, i))
+    one = jnp.ones((), jnp.float32)
+    scalars = [inv, scale, *(alpha or [one]), one if act_scale is None else act_scale]
+    out_specs = [tile, tile_t, whole, pl.BlockSpec((1, bk), lambda i, j: (i, j))]
+    out_shape = [
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct((k, m), dtype),
+        jax.ShapeDtypeStruct(target.shape, jnp.float32),
+        jax.ShapeDtypeStruct((gm, k), jnp.float32),
+    ]
+    if act_scale is not None:
+        out_specs.append(tile_t)
+        out_shape.append(jax.ShapeDtypeStruct((k, m), formats.as_dtype(formats.E4M3)))
+    q, qt, target, sums_GMxK, *act_t = pl.pallas_call(
         kernel,
         grid=(gm, gk),
         in_specs=[pl.BlockSpec((len(scalars),), lambda i, j: (0,)), tile, tile, *bias_spec, whole],
-        out_specs=[
-            tile,
-            pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
-            whole,
-            pl.BlockSpec((1, bk), lambda i, j: (i, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, k), dtype),
-            jax.ShapeDtypeStruct((k, m), dtype),
-            jax.ShapeDtypeStruct(target.shape, jnp.float32),
-            jax.ShapeDtypeStruct((gm, k), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         input_output_aliases={3 + len(bias): 2},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_act_grad_cast_transpose",
     )(jnp.stack(scalars).astype(jnp.float32), pre, da, *bias, target)
-    return q, qt, _untarget(target, pending), jnp.sum(sums_GMxK, axis=0)
+    return (q, qt, _untarget(target, pending), jnp.sum(sums_GMxK, axis=0), *act_t)
 
 
 def act_grad_cast_transpose(
-    pre, da, inv, scale, fmt, impl: str = "pallas", act="gelu_tanh", pending=None, affine=None
+    pre,
+    da,
+    inv,
+    scale,
+    fmt,
+    impl: str = "pallas",
+    act="gelu_tanh",
+    pending=None,
+    affine=None,
+    act_scale=None,
 ):
     """``d = act'(pre) * da * inv`` quantized: ``(q [M, K], q.T [K, M], amax(d), sum_M(d))``.
 
     The backward of ``act(pre) . w`` followed by the E5M2 cast of the layer that made ``pre``,
     in one pass: ``da`` is the dgrad GEMM's raw output and ``inv`` its inverse scale. The
     column sums are the gradient of a bias added to ``pre``. ``pending`` and ``affine`` (the
-    pre-activation is ``pre * alpha + bias``): as in ``cast_transpose``.
+    pre-activation is ``pre * alpha + bias``): as in ``cast_transpose``. With ``act_scale`` a
+    fifth output, ``act(pre)`` cast to E4M3 with that scale, transposed [K, M]: the weight
+    gradient's operand that ``cast_transpose(pre, act_scale, 'e4m3', prologue=act)`` wrote in
+    the forward pass (the same bits), rebuilt by this pass for one more FP8 write.
     """
     dtype = formats.as_dtype(fmt)
     activations.check_activation(act, activations.ACTIVATION_GRADS)
@@ -385,9 +431,9 @@ def act_grad_cast_transpose(
     return _dispatch(
         impl,
         pre.shape,
-        lambda p, d, i, s, t, a: _grad_reference(p, d, i, s, t, a, dtype, act),
-        lambda p, d, i, s, t, a, bm, bk, interpret: _grad_pallas(
-            p, d, i, s, t, a, dtype, act, bm, bk, interpret
+        lambda p, d, i, s, t, a, c: _grad_reference(p, d, i, s, t, a, c, dtype, act),
+        lambda p, d, i, s, t, a, c, bm, bk, interpret: pallas_act_grad_cast_transpose(
+            p, d, i, s, dtype, act, bm, bk, interpret, t, a, c
         ),
         pre,
         da,
@@ -395,4 +441,6 @@ def act_grad_cast_transpose(
         scale,
         pending,
         affine,
+        act_scale,
+        col_blocks=_ACT_COL_BLOCKS,
     )

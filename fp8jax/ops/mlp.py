@@ -10,8 +10,8 @@ pre-activation (a [tokens, d_ff] read and write per layer).
 
 ``recompute_cast`` keeps the backward pass's largest residual out of memory: wo's E4M3
 transposed input (gelu(pre) in FP8, [d_ff, tokens], the wgrad operand) is rebuilt in the
-backward from the raw GEMM output it keeps anyway, by the same cast with the same scale, so the
-same bits; one more read of that output and write of both FP8 layouts per layer.
+backward from the raw GEMM output it keeps anyway, with the same scale and f32 operations, so
+the same bits, by the pass that already reads that output for GELU' (one more FP8 write).
 
 Only the delayed-scaling, fused-kernel path is one VJP here; the fine recipes (rowwise, block)
 have theirs in ``ops.fine_mlp``; anything else (current scaling, ``cast_kernel='xla'``, shapes
@@ -43,16 +43,6 @@ class _Cfg(NamedTuple):
     w1_dtype: jnp.dtype  # the weights as given (f32 masters are quantized straight from f32)
     w2_dtype: jnp.dtype
     recompute_cast: bool  # rebuild wo's E4M3 transposed input in the backward (module doc)
-
-
-def _wo_input_cast(cfg: _Cfg, h_raw, inv1, b1, m2: Fp8Meta):
-    """wo's E4M3 input, both layouts, from wi's raw output: ``gelu(h_raw * inv1[0] + b1)``
-    computed in f32 inside the cast, with wo's x scale."""
-    c2 = cfg.layer2
-    affine = (inv1[0], b1)
-    return kernels.cast_transpose(
-        h_raw, m2.x.scale, formats.E4M3, c2.cast, c2.prologue, affine=affine
-    )
 
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
@@ -90,17 +80,12 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
         g2q, g2q_t, hist_g2 = kernels.cast_transpose(
             g, m2.dy.scale, formats.E5M2, c2.cast, pending=ct_m2.dy.amax_history
         )
-        if aq_t is None:  # the forward's cast again: same input, scale and bits
-            # Tied to the cotangent so that neither JAX nor XLA merges it with the forward's
-            # cast (which would keep that cast's output alive until here after all).
-            h_again, inv_again, b_again, _ = jax.lax.optimization_barrier((h_raw, inv1, b1, g))
-            aq_t = _wo_input_cast(cfg, h_again, inv_again, b_again, m2)[1]
-        # da [M, F] raw, dw2 [F, D]
-        da, dw2 = gemm.fused_grads(c2, aq_t, w2q, inv2, g2q, g2q_t, cfg.w2_dtype)
+        da = gemm.mm(g2q, w2q, 1, 1, False, gemm.acc_dtype(c2.x_dtype))  # [M, F] raw
     with jax.named_scope("wi"):
         # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
-        # The pre-activation is rebuilt from the raw forward output, as wo's cast built it.
-        g1q, g1q_t, hist_g1, db1 = kernels.act_grad_cast_transpose(
+        # The pre-activation is rebuilt from the raw forward output, as wo's cast built it;
+        # without a kept wo input, the same pass writes it again (wo's x scale: the same bits).
+        g1q, g1q_t, hist_g1, db1, *rebuilt = kernels.act_grad_cast_transpose(
             h_raw,
             da,
             inv2[1],
@@ -110,7 +95,13 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
             ACT,
             ct_m1.dy.amax_history,
             affine=(inv1[0], b1),
+            act_scale=m2.x.scale if aq_t is None else None,
         )
+    with jax.named_scope("wo"):
+        aq_t = rebuilt[0] if aq_t is None else aq_t  # [F, M]
+        dw2 = gemm.mm(aq_t, g2q_t, 1, 1, False, gemm.acc_dtype(gemm.wgrad_dtype(c2)))
+        dw2 = gemm.unscale(dw2, inv2[2], cfg.w2_dtype)
+    with jax.named_scope("wi"):
         dx, dw1 = gemm.fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t, cfg.w1_dtype)
     # Weight gradients leave the GEMMs in the compute dtype (as nn.Dense's do) and are unscaled
     # into the weights' own dtype, a widening XLA fuses into the optimizer's update.

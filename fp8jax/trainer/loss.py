@@ -17,8 +17,11 @@ the global batch, so micro-batches and replicas again add up to the global mean.
 Every loss derives from the token cross entropy [B, L]: the steps get it from the model
 itself (``model.apply(..., targets_BxL=...)``, chunked with ``model.loss_chunk`` so that no
 [B, L, V] logits are kept), and ``batch_loss``, ``mean_cross_entropy`` and ``response_logps``
-take it. The logits-based functions (``cross_entropy``, ``weighted_ce``, ``sequence_logps``)
-are those applied to ``token_cross_entropy(logits, targets)``, for callers holding logits.
+take it. The train step of a pre-training or fine-tuning batch hands the model the targets'
+weights (``token_weights``) and differentiates the weighted sum it returns, which the chunked
+head computes with its gradient in one pass. The logits-based functions (``cross_entropy``,
+``weighted_ce``, ``sequence_logps``) are those applied to ``token_cross_entropy(logits,
+targets)``, for callers holding logits.
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ def model_kwargs(batch) -> dict:
 def loss_kwargs(batch) -> dict:
     """``model_kwargs`` plus the targets: the model then returns their token CE [B, L]."""
     return {**model_kwargs(batch), "targets_BxL": batch["targets"]}
+
+
+def token_weights(batch) -> jax.Array:
+    """Each target's weight in a pre-training or fine-tuning micro-batch's loss, f32 [B, L]:
+    ``weights`` (the loss is their weighted sum), else ``1 / (B * L)`` (the mean)."""
+    if is_weighted(batch):
+        return batch[WEIGHTS].astype(jnp.float32)
+    targets_BxL = batch["targets"]
+    return jnp.full(targets_BxL.shape, 1.0 / targets_BxL.size, jnp.float32)
 
 
 def weighted_ce(logits_BxLxV, targets_BxL, weights_BxL) -> jax.Array:

@@ -144,11 +144,21 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
     coll = state_collection(model)
 
     def loss_fn(p, s):
+        variables = {"params": p, coll: s}
         with optim.dequantize_carried(masters):
-            losses, mutated = model.apply(  # token CE [B, L], chunked with model.loss_chunk
-                {"params": p, coll: s}, batch["inputs"], **loss_kwargs(batch), mutable=[FP8]
-            )
-        sums = {k: weight * v for k, v in batch_loss(losses, batch).items()}
+            if loss_lib.is_preference(batch):  # DPO reads each row's log-probs: token CE [B, L]
+                losses, mutated = model.apply(
+                    variables, batch["inputs"], **loss_kwargs(batch), mutable=[FP8]
+                )
+                sums = batch_loss(losses, batch)
+            else:  # the weighted sum itself: a chunked head forms its gradient in one pass
+                weights = loss_lib.token_weights(batch)
+                (_, total), mutated = model.apply(
+                    variables, batch["inputs"], **loss_kwargs(batch), loss_weights_BxL=weights,
+                    mutable=[FP8],
+                )  # fmt: skip
+                sums = {"loss": total}
+        sums = {k: weight * v for k, v in sums.items()}
         return sums["loss"], (sums, mutated.get(FP8, {}))
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)

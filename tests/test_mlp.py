@@ -225,6 +225,58 @@ def test_recompute_cast_rebuilds_wo_input_bit_for_bit_and_keeps_it_out_of_the_re
     assert kept_calls[grad_kernel[0]].count(wo_input) == 0
 
 
+def _cuda_kernel_outputs(f, *args) -> list[str]:
+    """The result types of each Triton call in ``f``'s program lowered for CUDA."""
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [line.split("->")[-1] for line in text.splitlines() if TRITON in line]
+
+
+@pytest.mark.parametrize("op", ["dot", "mlp"])
+def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op):
+    """``rebuild``: the same outputs, gradients and FP8 state bits as keeping the FP8 copies;
+    the residuals hold x and the weights as given (no E4M3 byte), and lowered for CUDA each cast
+    writes one layout: x [M, K] and w.T [N, K] forward, x.T and w backward, no amax there."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)  # [M, D]
+    w1 = jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.float32)  # [D, F], f32 masters
+    b1 = jnp.asarray(rng.standard_normal(128) * 0.1, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((128, 64)) * 0.1, jnp.float32)
+    m = fp8jax.init_meta()
+    m = m.replace(x=m.x.replace(scale=jnp.float32(8.0)), w=m.w.replace(scale=jnp.float32(64.0)))
+    ct_y = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)  # the MLP's output
+    ct_h = jnp.asarray(rng.standard_normal((32, 128)), jnp.bfloat16)  # the dot's: x . w1
+
+    def fn(rebuild, kernel):
+        if op == "dot":
+            return lambda x, w1, b1, w2: dot.dot_general(
+                x, w1, mlp.DENSE, m, jnp.bfloat16, kernel, rebuild=rebuild
+            )
+        return lambda x, w1, b1, w2: mlp.gelu_mlp(x, w1, b1, w2, m, m, kernel, rebuild=rebuild)
+
+    def run(rebuild):
+        out, vjp = jax.vjp(fn(rebuild, "interpret"), x, w1, b1, w2)
+        cts = jax.tree.map(jnp.zeros_like, out)
+        cts = (ct_y, *cts[1:]) if op == "mlp" else (ct_h, cts[1])
+        fp8_bytes = sum(v.nbytes for v in jax.tree.leaves(vjp) if v.dtype.itemsize == 1)
+        return (out, vjp(cts)), fp8_bytes
+
+    (kept, kept_fp8), (rebuilt, rebuilt_fp8) = run(False), run(True)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert kept_fp8 > 0 and rebuilt_fp8 == 0
+
+    def grads(x, w1, b1, w2):
+        y = fn(True, "pallas")(x, w1, b1, w2)[0]
+        return jax.grad(lambda *a: jnp.sum(fn(True, "pallas")(*a)[0].astype(jnp.float32)),
+                        argnums=(0, 1, 3))(x, w1, b1, w2), y  # fmt: skip
+
+    calls = _cuda_kernel_outputs(grads, x, w1, b1, w2)
+    e4m3 = [c for c in calls if "f8E4M3FN" in c and "f8E5M2" not in c]
+    assert e4m3 and all(c.count("f8E4M3FN") == 1 for c in e4m3), e4m3
+    assert any("32x64xf8E4M3FN" in c and "xf32" in c for c in e4m3)  # x forward, with amax
+    assert any("64x32xf8E4M3FN" in c and "xf32" not in c for c in e4m3)  # x.T backward
+
+
 def test_fused_mlp_train_step_at_o2_tracks_two_matmuls():
     """The whole train step at O2 (FP16 masters dequantized in the fused layers)."""
 

@@ -40,7 +40,7 @@ REMAT_POLICIES = {
     "fp8_dots_and_inputs_saveable": remat.fp8_dots_and_inputs_saveable,
     # every activation the backward reads (attention's residuals, the MLP's hidden layer, the
     # residual stream; 2 bytes/elt) and no FP8 operand: the backward re-applies the norms and
-    # re-casts x and w to E4M3, no GEMM or attention recomputed
+    # re-casts x and w to E4M3 (one layout each), no GEMM or attention recomputed
     "activations_saveable": remat.activations_saveable,
     # 'full', but the weights a per-layer fsdp gather brought (comm.gather='layer') are kept
     # for the backward instead of gathered again

@@ -53,7 +53,11 @@ def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
     if cfg.fp8_impl == "flax":
         return nn.Fp8DirectDotGeneralOp  # flax's op: the comparison benchmark's
     return fp8_dot_general_cls(
-        cfg.recipe, cast_kernel=cfg.cast_kernel, prologue=prologue, out_dtype=cfg.dtype
+        cfg.recipe,
+        cast_kernel=cfg.cast_kernel,
+        prologue=prologue,
+        out_dtype=cfg.dtype,
+        rebuild=rebuilds_operands(cfg),
     )
 
 
@@ -94,13 +98,19 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 
 
+def rebuilds_operands(cfg: ModelConfig) -> bool:
+    """Whether the FP8 matmuls cast x and w again in the backward pass rather than keep their
+    FP8 copies (``ops.gemm.GemmConfig.rebuild``): under a block remat policy that keeps no FP8
+    operand. The backward would otherwise redo each forward cast (both layouts and the amax)
+    for the one layout it reads; the forward then writes only the layout its GEMM reads."""
+    return cfg.remat_policy not in ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable")
+
+
 def rebuilds_wo_input(cfg: ModelConfig) -> bool:
     """Whether the fused FP8 MLP rebuilds wo's E4M3 input in the backward pass (``ops.mlp``'s
-    ``recompute_cast``) rather than keeping it: with ``recomputes_elementwise``, and under a
-    block remat policy that keeps no FP8 operand, which would otherwise redo wo's forward cast
-    (both layouts) where the backward's GELU' pass can write the one layout it needs."""
-    keeps_fp8_x = ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable")
-    return recomputes_elementwise(cfg) or cfg.remat_policy not in keeps_fp8_x
+    ``recompute_cast``, written by the GELU' pass) rather than keeping it: with
+    ``recomputes_elementwise``, and wherever the matmuls rebuild their operands."""
+    return recomputes_elementwise(cfg) or rebuilds_operands(cfg)
 
 
 def dense(
@@ -299,6 +309,7 @@ class Mlp(nn.Module):
             meta2,
             c.cast_kernel,
             recompute_cast=rebuilds_wo_input(c),
+            rebuild=rebuilds_operands(c),
         )
         wi.Fp8DotGeneral_0.write(meta1)
         wo.Fp8DotGeneral_0.write(meta2)

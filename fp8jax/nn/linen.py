@@ -31,6 +31,9 @@ class _Fp8Op(nn.Module):
     prologue: str | None = (
         None  # an activation applied to lhs in its cast (activations.ACTIVATIONS)
     )
+    # the backward pass casts x and w to FP8 again instead of keeping their FP8 copies: for a
+    # remat policy that keeps no FP8 operand (ops.gemm.GemmConfig.rebuild)
+    rebuild: bool = False
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
@@ -98,6 +101,7 @@ class Fp8DotGeneral(_Fp8Op):
                 preferred_element_type or self.out_dtype,
                 self.cast_kernel,
                 self.prologue,
+                self.rebuild,
             ),
         )
 
@@ -124,7 +128,14 @@ class Fp8Einsum(_Fp8Op):
             lhs,
             rhs,
             lambda meta, rhs: fp8_einsum(
-                eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel, self.prologue
+                eq,
+                lhs,
+                rhs,
+                meta,
+                preferred_element_type,
+                self.cast_kernel,
+                self.prologue,
+                self.rebuild,
             ),
         )
 

@@ -32,6 +32,10 @@ class GemmConfig(NamedTuple):
     batched: bool
     cast: str = "xla"  # kernels.IMPLS: how operands are quantized (fused kernel or XLA ops)
     prologue: str | None = None  # activations.ACTIVATIONS: x is a pre-activation
+    # The fused path's backward casts x and w to E4M3 again (the forward's scales: the same
+    # bits), one layout each, instead of keeping their FP8 copies; the forward writes the one
+    # layout its GEMM reads. For remat policies that keep no FP8 operand (``rebuild_operands``).
+    rebuild: bool = False
 
 
 def mm(a, b, contract_a: int, contract_b: int, batched: bool, out_dtype) -> jax.Array:
@@ -92,7 +96,8 @@ def uses_fused_cast(cfg: GemmConfig, meta: Fp8Meta) -> bool:
 def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
     """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
 
-    Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))``. ``affine`` (``kernels.cast_transpose``'s)
+    Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))`` (``rebuild``: x and w in the places of
+    xq_t and wq). ``affine`` (``kernels.cast_transpose``'s)
     makes x's pass quantize ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still
     scaled by ``sx * sw`` (``inv[0]`` unscales it).
     """
@@ -100,15 +105,21 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     # E4M3 for both forward operands. x [M, K] -> xq [M, K] for this GEMM and xq_t [K, M] for
     # the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here. With a prologue
     # the same pass computes act(x) first: act(x) is never written out. Each pass also records
-    # its amax into its state's pending slot (in place on GPUs).
+    # its amax into its state's pending slot (in place on GPUs). ``rebuild``: only this GEMM's
+    # layouts; the backward casts x and w again (``rebuilt_operands``).
     xq, xq_t, hist_x = kernels.cast_transpose(
-        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine
-    )
+        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine,
+        layouts="row" if cfg.rebuild else kernels.BOTH,
+    )  # fmt: skip
     wq, wq_t, hist_w = kernels.cast_transpose(
-        w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history
-    )
-    # Named for remat policies (ops.remat): the layouts the backward GEMMs read.
-    xq_t, wq = checkpoint_name(xq_t, FP8_X), checkpoint_name(wq, FP8_W)
+        w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history,
+        layouts="col" if cfg.rebuild else kernels.BOTH,
+    )  # fmt: skip
+    if cfg.rebuild:
+        xq_t, wq = x, w  # kept as given: the forward's inputs, which a remat recomputes or holds
+    else:
+        # Named for remat policies (ops.remat): the layouts the backward GEMMs read.
+        xq_t, wq = checkpoint_name(xq_t, FP8_X), checkpoint_name(wq, FP8_W)
     inv = inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = mm(xq, wq_t, 1, 1, False, acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     if not raw:
@@ -119,6 +130,26 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     )
     x_pre = x if cfg.prologue else None  # act' needs the pre-activation (bf16), not act(x)
     return y, new_meta, (xq_t, wq, inv, x_pre)
+
+
+def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta, affine=None) -> jax.Array:
+    """The wgrad's E4M3 x.T [K, M]: ``fwd_fused``'s residual, or with ``rebuild`` cast again
+    from x (the forward's scale, prologue and affine: the same bits, one layout, no amax)."""
+    if not cfg.rebuild:
+        return x_or_xq_t
+    return kernels.cast_transpose(
+        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, affine=affine,
+        layouts="col", record=False,
+    )[1]  # fmt: skip
+
+
+def rebuilt_weight(cfg: GemmConfig, w_or_wq, meta: Fp8Meta) -> jax.Array:
+    """The dgrad's E4M3 w [K, N]: ``fwd_fused``'s residual, or with ``rebuild`` cast again."""
+    if not cfg.rebuild:
+        return w_or_wq
+    return kernels.cast_transpose(
+        w_or_wq, meta.w.scale, formats.E4M3, cfg.cast, layouts="row", record=False
+    )[0]
 
 
 def fused_grads(cfg: GemmConfig, xq_t, wq, inv, gq, gq_t, dw_dtype=None):
@@ -135,6 +166,7 @@ def fused_grads(cfg: GemmConfig, xq_t, wq, inv, gq, gq_t, dw_dtype=None):
 def bwd_fused(cfg: GemmConfig, res, g, meta: Fp8Meta, ct_meta: Fp8Meta):
     """dgrad and wgrad from one pass over dy (E5M2, both layouts), and the state cotangent."""
     xq_t, wq, inv, x_pre = res
+    xq_t, wq = rebuilt_input(cfg, xq_t, meta), rebuilt_weight(cfg, wq, meta)
     sg = meta.dy.scale
     # [M, N], [N, M]; the amax goes straight into the cotangent's pending slot.
     gq, gq_t, hist_g = kernels.cast_transpose(

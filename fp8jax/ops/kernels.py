@@ -36,6 +36,7 @@ _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
 # input, 371 against 580 us for its backward pass (measured: docs/kernels.md).
 _ACT_COL_BLOCKS = (64, 32, 16)
 _WARPS = 4
+BOTH = "both"  # cast_transpose's default layouts: q [M, K] and q.T [K, M]
 
 
 def check_impl(impl: str) -> str:
@@ -140,24 +141,30 @@ def _record_amax(pending_ref, block_max):
     plt.atomic_max(pending_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool):
-    if affine:  # scale_ref: [scale, alpha]; bias_ref: this block's [bk] of the bias
-        scale_ref, x_ref, bias_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
-    else:
-        scale_ref, x_ref, _pending_in, q_ref, qt_ref, pending_ref = refs
+def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool, layouts, record):
+    # scale_ref: [scale(, alpha)]; bias_ref: this block's [bk] of the bias (with affine); the
+    # pending input (aliased to pending_ref) only when recording.
+    scale_ref, x_ref, *rest = refs
+    bias_ref = rest.pop(0) if affine else None
+    rest = rest[1:] if record else rest
+    q_ref = rest.pop(0) if layouts != "col" else None
+    qt_ref = rest.pop(0) if layouts != "row" else None
     x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
     if affine:
         x_bxk = _affine(x_bxk, (scale_ref[1], bias_ref[...]))
     x_bxk = activations.activation(prologue, tanh)(x_bxk)
-    _record_amax(pending_ref, jnp.max(jnp.abs(x_bxk)))
+    if record:
+        _record_amax(rest[0], jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2); Inf and NaN become NaN.
     y_bxk = formats.saturate(x_bxk * scale_ref[0], jnp.isfinite(x_bxk), limit)
     q_bxk = y_bxk.astype(dtype)
-    q_ref[...] = q_bxk
+    if q_ref is not None:
+        q_ref[...] = q_bxk
     # The transpose goes through shared memory: of the FP8 block (cast_first, a quarter of the
     # bytes) or of the f32 one. The same bits either way; which is faster is the GPU's call.
-    qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
+    if qt_ref is not None:
+        qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
 
 
 def pallas_cast_transpose(
@@ -173,11 +180,14 @@ def pallas_cast_transpose(
     prologue=None,
     pending=None,
     affine=None,
+    layouts=BOTH,
+    record=True,
 ):
     """The Pallas kernel on [M, K] with explicit tuning (blocks, warps, stages), for tuning runs.
 
     ``pending``: the f32[n] whose slot 0 takes the amax (updated in place and returned in the
-    amax's place), else a fresh zero and the amax itself."""
+    amax's place), else a fresh zero and the amax itself. ``layouts`` and ``record``: as
+    ``cast_transpose``'s (None in the place of what is not written)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -190,33 +200,35 @@ def pallas_cast_transpose(
         prologue=prologue,
         tanh=kernel_tanh(interpret),
         affine=affine is not None,
+        layouts=_check_layouts(layouts),
+        record=record,
     )
     scalars = [scale, *alpha]
-    q, qt, target = pl.pallas_call(
+    specs = {
+        "row": (pl.BlockSpec((bm, bk), lambda i, j: (i, j)), jax.ShapeDtypeStruct((m, k), dtype)),
+        "col": (pl.BlockSpec((bk, bm), lambda i, j: (j, i)), jax.ShapeDtypeStruct((k, m), dtype)),
+        "amax": (whole, jax.ShapeDtypeStruct(target.shape, jnp.float32)),
+    }
+    names = [n for n in ("row", "col") if layouts in (BOTH, n)] + (["amax"] if record else [])
+    outs = pl.pallas_call(
         kernel,
         grid=(gm, gk),
         in_specs=[
             pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             *bias_spec,
-            whole,
+            *([whole] if record else []),
         ],
-        out_specs=[
-            pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
-            pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
-            whole,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, k), dtype),
-            jax.ShapeDtypeStruct((k, m), dtype),
-            jax.ShapeDtypeStruct(target.shape, jnp.float32),
-        ],
-        input_output_aliases={2 + len(bias): 2},
+        out_specs=[specs[n][0] for n in names],
+        out_shape=[specs[n][1] for n in names],
+        input_output_aliases={2 + len(bias): len(names) - 1} if record else {},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_cast_transpose",
-    )(jnp.stack(scalars).astype(jnp.float32), x, *bias, target)
-    return q, qt, _untarget(target, pending)
+    )(jnp.stack(scalars).astype(jnp.float32), x, *bias, *([target] if record else []))
+    got = dict(zip(names, outs, strict=True))
+    amax = _untarget(got["amax"], pending) if record else None
+    return got.get("row"), got.get("col"), amax
 
 
 def _target(pending):
@@ -250,6 +262,12 @@ def _record_reference(amax, pending):
     return _untarget(scaling.record_history(_target(pending), amax), pending)
 
 
+def _check_layouts(layouts: str) -> str:
+    if layouts not in (BOTH, "row", "col"):
+        raise ValueError(f"layouts must be {BOTH!r}, 'row' or 'col', got {layouts!r}")
+    return layouts
+
+
 def cast_transpose(
     x: jax.Array,
     scale: jax.Array,
@@ -258,6 +276,8 @@ def cast_transpose(
     prologue: str | None = None,
     pending: jax.Array | None = None,
     affine: tuple[jax.Array, jax.Array] | None = None,
+    layouts: str = BOTH,
+    record: bool = True,
 ):
     """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
 
@@ -268,22 +288,39 @@ def cast_transpose(
     amax max-merged into slot 0, as ``scaling.record``; the kernel writes it in place. Inf and NaN
     come out NaN (``formats.saturate``); the amax of a non-finite tensor counts as 0.
     ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha + bias)`` (in f32): a GEMM's raw
-    output is unscaled and biased in the same read.
+    output is unscaled and biased in the same read. ``layouts`` 'row' or 'col' writes only q or
+    q.T, and ``record=False`` no amax (None in their places): a backward pass that casts an
+    operand again, with the forward's scale, for the one layout its GEMM reads.
     """
     dtype = formats.as_dtype(fmt)
     activations.activation(prologue)  # a clear error for an unknown name
     _check_affine(affine, x.shape[-1])
+    _check_layouts(layouts)
 
     def reference(x, s, p, a):
         q, q_t, amax = _reference(x, s, dtype, prologue, a)
-        return q, q_t, _record_reference(amax, p)
+        return (
+            q if layouts != "col" else None,
+            q_t if layouts != "row" else None,
+            _record_reference(amax, p) if record else None,
+        )
 
     return _dispatch(
         impl,
         x.shape,
         reference,
         lambda x, s, p, a, bm, bk, interpret: pallas_cast_transpose(
-            x, s, dtype, bm, bk, interpret=interpret, prologue=prologue, pending=p, affine=a
+            x,
+            s,
+            dtype,
+            bm,
+            bk,
+            interpret,
+            prologue=prologue,
+            pending=p,
+            affine=a,
+            layouts=layouts,
+            record=record,
         ),
         x,
         scale,

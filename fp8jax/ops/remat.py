@@ -88,8 +88,8 @@ fp8_dots_and_inputs_saveable = _cp.save_from_both_policies(
 full_keep_gathered = _cp.save_only_these_names(GATHERED)
 # Every activation the block's backward reads (the MLP's hidden layer, attention's residuals, the
 # residual stream; FP8_OUT: the fused MLP's hidden layer) and no FP8 operand: the backward pass
-# re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits); it
-# runs no GEMM and no attention forward again.
+# re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits; one
+# layout each: the models' matmuls ``rebuild`` under it); no GEMM or attention forward again.
 activations_saveable = _cp.save_only_these_names(FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
 POLICIES = {
     "activations_saveable": activations_saveable,

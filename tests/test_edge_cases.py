@@ -13,7 +13,7 @@ from flax import nnx
 import fp8jax
 from fp8jax import FP8, FP8_STATS
 from fp8jax.nn import nnx as fnnx
-from fp8jax.ops import dot, kernels, mlp
+from fp8jax.ops import act_kernels, dot, kernels, mlp
 
 from fp8_testing import nnx_grads, randn
 
@@ -147,7 +147,7 @@ def test_act_grad_kernel_keeps_non_finite_gradients():
     hist = jnp.zeros((17,), jnp.float32)
     outs = {
         impl: jax.jit(
-            lambda p, d, impl=impl: kernels.act_grad_cast_transpose(
+            lambda p, d, impl=impl: act_kernels.act_grad_cast_transpose(
                 p, d, jnp.float32(0.5), jnp.float32(4.0), "e5m2", impl, pending=hist
             )
         )(pre, da)

@@ -10,7 +10,7 @@ from flax import linen as nn
 
 import fp8jax
 from fp8jax import FP8, models
-from fp8jax.ops import activations, dot, kernels, mlp
+from fp8jax.ops import act_kernels, activations, dot, kernels, mlp
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
@@ -35,7 +35,7 @@ def test_act_grad_kernel_matches_xla_bit_for_bit():
     inv, scale = jnp.float32(0.01), jnp.float32(2.0**12)
 
     def run(impl):
-        f = functools.partial(kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
+        f = functools.partial(act_kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
         return jax.jit(f)(pre, da, inv, scale)
 
     q, q_t, amax, db = run("interpret")
@@ -63,7 +63,7 @@ def test_affine_prologues_match_xla_bit_for_bit(dtype):
         return jax.jit(lambda h, s, a: f(h, s, affine=a))(h_raw, jnp.float32(3.0), affine)
 
     def bwd(impl):
-        f = functools.partial(kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
+        f = functools.partial(act_kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
         return jax.jit(lambda h, d, a: f(h, d, jnp.float32(0.02), scale, affine=a))(
             h_raw, da, affine
         )
@@ -304,5 +304,5 @@ def test_gelu_mlp_checks_its_cast_kernel():
     with pytest.raises(ValueError, match="unknown FP8 cast kernel"):
         mlp.gelu_mlp(x, x, x[0], x, fp8jax.init_meta(), fp8jax.init_meta(), "cuda")
     with pytest.raises(ValueError, match="unknown FP8 cast prologue"):
-        kernels.act_grad_cast_transpose(x, x, 1.0, 1.0, "e5m2", "xla", act="relu")
+        act_kernels.act_grad_cast_transpose(x, x, 1.0, 1.0, "e5m2", "xla", act="relu")
     assert dot.PAD == 16  # gelu_mlp's fused path needs every dim in multiples of this

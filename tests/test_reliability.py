@@ -37,7 +37,6 @@ from fp8jax.ops.scaling import ScaleState
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -235,7 +234,11 @@ class _Faulty:
             params = {**params, "embed": {**params["embed"], "embedding": emb}}
             variables = {**variables, "params": params}
         with nn.intercept_methods(self._intercept):
-            return self.model.apply(variables, *args, **kwargs)
+            out = self.model.apply(variables, *args, **kwargs)
+        if self.hits["loss"]:  # the train step's loss: the weighted sum the model returns
+            (ce_BxL, total), mutated = out
+            out = (ce_BxL, total + _select(self.hits["loss"], 0.0)), mutated
+        return out
 
     def _intercept(self, next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
@@ -255,8 +258,9 @@ def faulty_steps(schedule, corrupt_state_from=None):
 
     ``schedule``: ``(first, stop, kind, value)`` entries; attempts ``first <= a < stop`` (steps
     tried so far, skipped ones included) get ``value`` in ``kind`` (see ``_Faulty``; 'loss'
-    adds it to the cross-entropy, whose gradient stays finite). ``corrupt_state_from``: from
-    that attempt on, write NaN into the state's first FP8 kernel (a persistent corruption).
+    adds it to the loss the model returns, whose gradient stays finite).
+    ``corrupt_state_from``: from that attempt on, write NaN into the state's first FP8 kernel (a
+    persistent corruption).
     """
     make = step_lib.make_train_step
 
@@ -272,27 +276,12 @@ def faulty_steps(schedule, corrupt_state_from=None):
                 params = jax.tree.map(lambda x: x, state.params)  # a copy we may edit
                 params["blocks"]["mlp"]["wi"]["kernel"] = kernel.at[..., 0, 0].set(bad)
                 state = state.replace(params=params)
-            with _poisoned_loss(hits["loss"]):
-                step = make(_Faulty(model, hits), tx, run, *args, **kwargs)
-                return step(state, batch)
+            step = make(_Faulty(model, hits), tx, run, *args, **kwargs)
+            return step(state, batch)
 
         return train_step
 
     return make_faulty
-
-
-@contextlib.contextmanager
-def _poisoned_loss(hits):
-    if not hits:
-        yield
-        return
-    # The train step's loss (loss.batch_loss) reads loss.mean_cross_entropy at trace time.
-    mean_cross_entropy = loss_lib.mean_cross_entropy
-    loss_lib.mean_cross_entropy = lambda *a: mean_cross_entropy(*a) + _select(hits, 0.0)
-    try:
-        yield
-    finally:
-        loss_lib.mean_cross_entropy = mean_cross_entropy
 
 
 def _scale_states(fp8):

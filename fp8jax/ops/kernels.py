@@ -34,8 +34,8 @@ _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
 # Passes that compute an activation (a prologue, or act' and act of the backward's pass) run
 # fastest on 64 x 64 blocks: 320 against 347 us for the forward cast of a [16384, 8192] GELU
 # input, 371 against 580 us for its backward pass (measured: docs/kernels.md).
-_ACT_COL_BLOCKS = (64, 32, 16)
-_WARPS = 4
+ACT_COL_BLOCKS = (64, 32, 16)
+WARPS = 4
 BOTH = "both"  # cast_transpose's default layouts: q [M, K] and q.T [K, M]
 
 
@@ -76,7 +76,7 @@ def kernel_tanh(interpret: bool):
     return plt.approx_tanh
 
 
-def _dispatch(impl: str, shape, reference, pallas, *args, col_blocks=_COL_BLOCKS):
+def dispatch(impl: str, shape, reference, pallas, *args, col_blocks=_COL_BLOCKS):
     """``reference(*args)`` or ``pallas(*args, bm, bk, interpret)`` for an [M, K] pass.
 
     'xla', and sides not in multiples of 16 (or empty), take XLA ops; 'interpret' runs the
@@ -96,7 +96,7 @@ def _dispatch(impl: str, shape, reference, pallas, *args, col_blocks=_COL_BLOCKS
     )
 
 
-def _affine(x, affine):
+def apply_affine(x, affine):
     """``x * alpha + bias`` in f32 (``affine = (alpha, bias [K])``), or ``x`` as it is."""
     if affine is None:
         return x
@@ -104,7 +104,7 @@ def _affine(x, affine):
     return x.astype(jnp.float32) * alpha + bias_K.astype(jnp.float32)[None, :]
 
 
-def _affine_operands(affine, bk: int):
+def affine_operands(affine, bk: int):
     """A kernel's extra inputs for ``affine``: ``(alpha for its scalars, [bias], [bias's
     BlockSpec: the [bk] slice of block column j])``, all empty without one."""
     if affine is None:
@@ -116,7 +116,7 @@ def _affine_operands(affine, bk: int):
 
 def _reference(x, scale, dtype, prologue=None, affine=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
-    x = _affine(x, affine)
+    x = apply_affine(x, affine)
     if prologue is not None:
         x = activations.activation(prologue)(
             x.astype(jnp.float32)
@@ -125,7 +125,7 @@ def _reference(x, scale, dtype, prologue=None, affine=None):
     return q, q.T, formats.amax(x)
 
 
-def _record_amax(pending_ref, block_max):
+def record_amax(pending_ref, block_max):
     """Max this block's amax into ``pending_ref[0]`` (a history's pending slot), atomically.
 
     The kernel then records the whole tensor's amax itself: no per-block partials for XLA to
@@ -151,10 +151,10 @@ def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool
     qt_ref = rest.pop(0) if layouts != "row" else None
     x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
     if affine:
-        x_bxk = _affine(x_bxk, (scale_ref[1], bias_ref[...]))
+        x_bxk = apply_affine(x_bxk, (scale_ref[1], bias_ref[...]))
     x_bxk = activations.activation(prologue, tanh)(x_bxk)
     if record:
-        _record_amax(rest[0], jnp.max(jnp.abs(x_bxk)))
+        record_amax(rest[0], jnp.max(jnp.abs(x_bxk)))
     # f32 multiply and clip before the narrow cast, exactly as formats.quantize: out-of-range
     # values would otherwise become NaN (E4M3) or Inf (E5M2); Inf and NaN become NaN.
     y_bxk = formats.saturate(x_bxk * scale_ref[0], jnp.isfinite(x_bxk), limit)
@@ -174,7 +174,7 @@ def pallas_cast_transpose(
     bm: int,
     bk: int,
     interpret: bool,
-    num_warps=_WARPS,
+    num_warps=WARPS,
     num_stages=1,
     cast_first=False,
     prologue=None,
@@ -191,7 +191,9 @@ def pallas_cast_transpose(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = _layout(x, bm, bk, pending, affine)
+    (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = grid_layout(
+        x, bm, bk, pending, affine
+    )
     kernel = functools.partial(
         _kernel,
         limit=formats.fmax(dtype),
@@ -227,7 +229,7 @@ def pallas_cast_transpose(
         name="fp8_cast_transpose",
     )(jnp.stack(scalars).astype(jnp.float32), x, *bias, *([target] if record else []))
     got = dict(zip(names, outs, strict=True))
-    amax = _untarget(got["amax"], pending) if record else None
+    amax = untarget(got["amax"], pending) if record else None
     return got.get("row"), got.get("col"), amax
 
 
@@ -242,24 +244,25 @@ def _target(pending):
     return pending
 
 
-def _layout(x, bm: int, bk: int, pending, affine):
+def grid_layout(x, bm: int, bk: int, pending, affine):
     """What both kernels' calls share: ``x``'s [M, K], the grid, the amax target, its BlockSpec
-    (every block maxes into slot 0) and ``_affine_operands``."""
+    (every block maxes into slot 0) and ``affine_operands``."""
     from jax.experimental import pallas as pl
 
     target = _target(pending)
     whole = pl.BlockSpec(target.shape, lambda i, j: (0,))
     m, k = x.shape
-    return (m, k), (m // bm, k // bk), target, whole, _affine_operands(affine, bk)
+    return (m, k), (m // bm, k // bk), target, whole, affine_operands(affine, bk)
 
 
-def _untarget(target, pending):
+def untarget(target, pending):
+    """A kernel's amax output as callers get it: the history, or (no ``pending``) the amax."""
     return target[0] if pending is None else target
 
 
-def _record_reference(amax, pending):
+def record_reference(amax, pending):
     """The XLA paths' record (``scaling.record_history``), or the sanitized amax itself."""
-    return _untarget(scaling.record_history(_target(pending), amax), pending)
+    return untarget(scaling.record_history(_target(pending), amax), pending)
 
 
 def _check_layouts(layouts: str) -> str:
@@ -294,7 +297,7 @@ def cast_transpose(
     """
     dtype = formats.as_dtype(fmt)
     activations.activation(prologue)  # a clear error for an unknown name
-    _check_affine(affine, x.shape[-1])
+    check_affine(affine, x.shape[-1])
     _check_layouts(layouts)
 
     def reference(x, s, p, a):
@@ -302,10 +305,10 @@ def cast_transpose(
         return (
             q if layouts != "col" else None,
             q_t if layouts != "row" else None,
-            _record_reference(amax, p) if record else None,
+            record_reference(amax, p) if record else None,
         )
 
-    return _dispatch(
+    return dispatch(
         impl,
         x.shape,
         reference,
@@ -326,11 +329,12 @@ def cast_transpose(
         scale,
         pending,
         affine,
-        col_blocks=_COL_BLOCKS if prologue is None else _ACT_COL_BLOCKS,
+        col_blocks=_COL_BLOCKS if prologue is None else ACT_COL_BLOCKS,
     )
 
 
-def _check_affine(affine, k: int) -> None:
+def check_affine(affine, k: int) -> None:
+    """A clear error unless ``affine`` is None or ``(a scalar, a bias of shape (k,))``."""
     if affine is None:
         return
     alpha, bias = affine
@@ -339,145 +343,3 @@ def _check_affine(affine, k: int) -> None:
             f"affine must be (a scalar, a bias of shape ({k},)), got shapes "
             f"{jnp.shape(alpha)} and {jnp.shape(bias)}"
         )
-
-
-def _grad_reference(pre, da, inv, scale, pending, affine, act_scale, dtype, act):
-    """XLA version of ``act_grad_cast_transpose``."""
-    pre = _affine(pre.astype(jnp.float32), affine)
-    d = activations.ACTIVATION_GRADS[act](pre) * (da.astype(jnp.float32) * inv)
-    q = formats.quantize(d, scale, dtype)  # [M, K]
-    out = (q, q.T, _record_reference(formats.amax(d), pending), jnp.sum(d, axis=0))
-    if act_scale is None:
-        return out
-    # act(pre) in E4M3 as the forward's prologue cast wrote it (same f32 operations, same bits).
-    return (*out, formats.quantize(activations.activation(act)(pre), act_scale, formats.E4M3).T)
-
-
-def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool, act_out: bool, cast_first: bool):
-    # s_ref: [inv, scale, alpha, act_scale]; bias_ref: this block's [bk] of the bias (affine).
-    s_ref, pre_ref, da_ref, *rest = refs
-    bias_ref = rest.pop(0) if affine else None
-    _pending_in, q_ref, qt_ref, pending_ref, sum_ref, *act_ref = rest
-    # d = act'(pre) * da * inv for one [bm, bk] block, in f32, never written in high precision.
-    pre_bxk = pre_ref[...].astype(jnp.float32)
-    if affine:
-        pre_bxk = _affine(pre_bxk, (s_ref[2], bias_ref[...]))
-    d_bxk = activations.ACTIVATION_GRADS[act](pre_bxk, tanh) * (
-        da_ref[...].astype(jnp.float32) * s_ref[0]
-    )
-    _record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
-    sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
-    y_bxk = formats.saturate(d_bxk * s_ref[1], jnp.isfinite(d_bxk), limit)  # as quantize
-    q_bxk = y_bxk.astype(dtype)
-    q_ref[...] = q_bxk
-    qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
-    if act_out:  # act(pre) in E4M3, transposed: the forward cast's bits (``_kernel``)
-        a_bxk = activations.activation(act, tanh)(pre_bxk)
-        e4m3 = formats.as_dtype(formats.E4M3)
-        ya_bxk = formats.saturate(a_bxk * s_ref[3], jnp.isfinite(a_bxk), formats.fmax(e4m3))
-        act_ref[0][...] = ya_bxk.astype(e4m3).T if cast_first else ya_bxk.T.astype(e4m3)
-
-
-def pallas_act_grad_cast_transpose(
-    pre,
-    da,
-    inv,
-    scale,
-    dtype,
-    act,
-    bm: int,
-    bk: int,
-    interpret: bool,
-    pending=None,
-    affine=None,
-    act_scale=None,
-    num_warps=_WARPS,
-    num_stages=1,
-    cast_first=False,
-):
-    """The Pallas kernel of ``act_grad_cast_transpose`` with explicit tuning, for tuning runs."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
-
-    (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = _layout(
-        pre, bm, bk, pending, affine
-    )
-    kernel = functools.partial(
-        _grad_kernel,
-        limit=formats.fmax(dtype),
-        dtype=dtype,
-        act=act,
-        tanh=kernel_tanh(interpret),
-        affine=affine is not None,
-        act_out=act_scale is not None,
-        cast_first=cast_first,
-    )
-    tile = pl.BlockSpec((bm, bk), lambda i, j: (i, j))
-    tile_t = pl.BlockSpec((bk, bm), lambda i, j: (j, i))
-    one = jnp.ones((), jnp.float32)
-    scalars = [inv, scale, *(alpha or [one]), one if act_scale is None else act_scale]
-    out_specs = [tile, tile_t, whole, pl.BlockSpec((1, bk), lambda i, j: (i, j))]
-    out_shape = [
-        jax.ShapeDtypeStruct((m, k), dtype),
-        jax.ShapeDtypeStruct((k, m), dtype),
-        jax.ShapeDtypeStruct(target.shape, jnp.float32),
-        jax.ShapeDtypeStruct((gm, k), jnp.float32),
-    ]
-    if act_scale is not None:
-        out_specs.append(tile_t)
-        out_shape.append(jax.ShapeDtypeStruct((k, m), formats.as_dtype(formats.E4M3)))
-    q, qt, target, sums_GMxK, *act_t = pl.pallas_call(
-        kernel,
-        grid=(gm, gk),
-        in_specs=[pl.BlockSpec((len(scalars),), lambda i, j: (0,)), tile, tile, *bias_spec, whole],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases={3 + len(bias): 2},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="fp8_act_grad_cast_transpose",
-    )(jnp.stack(scalars).astype(jnp.float32), pre, da, *bias, target)
-    return (q, qt, _untarget(target, pending), jnp.sum(sums_GMxK, axis=0), *act_t)
-
-
-def act_grad_cast_transpose(
-    pre,
-    da,
-    inv,
-    scale,
-    fmt,
-    impl: str = "pallas",
-    act="gelu_tanh",
-    pending=None,
-    affine=None,
-    act_scale=None,
-):
-    """``d = act'(pre) * da * inv`` quantized: ``(q [M, K], q.T [K, M], amax(d), sum_M(d))``.
-
-    The backward of ``act(pre) . w`` followed by the E5M2 cast of the layer that made ``pre``,
-    in one pass: ``da`` is the dgrad GEMM's raw output and ``inv`` its inverse scale. The
-    column sums are the gradient of a bias added to ``pre``. ``pending`` and ``affine`` (the
-    pre-activation is ``pre * alpha + bias``): as in ``cast_transpose``. With ``act_scale`` a
-    fifth output, ``act(pre)`` cast to E4M3 with that scale, transposed [K, M]: the weight
-    gradient's operand that ``cast_transpose(pre, act_scale, 'e4m3', prologue=act)`` wrote in
-    the forward pass (the same bits), rebuilt by this pass for one more FP8 write.
-    """
-    dtype = formats.as_dtype(fmt)
-    activations.check_activation(act, activations.ACTIVATION_GRADS)
-    _check_affine(affine, pre.shape[-1])
-    return _dispatch(
-        impl,
-        pre.shape,
-        lambda p, d, i, s, t, a, c: _grad_reference(p, d, i, s, t, a, c, dtype, act),
-        lambda p, d, i, s, t, a, c, bm, bk, interpret: pallas_act_grad_cast_transpose(
-            p, d, i, s, dtype, act, bm, bk, interpret, t, a, c
-        ),
-        pre,
-        da,
-        inv,
-        scale,
-        pending,
-        affine,
-        act_scale,
-        col_blocks=_ACT_COL_BLOCKS,
-    )

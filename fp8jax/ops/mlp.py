@@ -2,7 +2,7 @@
 
 With separate FP8 matmuls the backward pass writes ``dpre = gelu'(pre) * da`` in bf16 (an XLA
 fusion that also sums the bias gradient), and the first layer's E5M2 cast reads it back. As
-one custom VJP, ``kernels.act_grad_cast_transpose`` computes ``dpre`` from the second layer's
+one custom VJP, ``act_kernels.act_grad_cast_transpose`` computes ``dpre`` from the second layer's
 raw dgrad output and writes only its E5M2 layouts, its amax and the bias gradient. The forward
 is the two fused-cast matmuls of ``ops.gemm``; the second one's cast reads the first GEMM's raw
 output and applies its unscale, the bias and the GELU in f32, so no XLA pass writes the
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import dot, fine_mlp, formats, gemm, kernels, scaling
+from fp8jax.ops import act_kernels, dot, fine_mlp, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -88,7 +88,7 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
         # GELU' and layer 1's E5M2 cast in one pass; the same pass sums the bias gradient.
         # The pre-activation is rebuilt from the raw forward output, as wo's cast built it;
         # without a kept wo input, the same pass writes it again (wo's x scale: the same bits).
-        g1q, g1q_t, hist_g1, db1, *rebuilt = kernels.act_grad_cast_transpose(
+        g1q, g1q_t, hist_g1, db1, *rebuilt = act_kernels.act_grad_cast_transpose(
             h_raw,
             da,
             inv2[1],

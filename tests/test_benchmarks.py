@@ -23,6 +23,7 @@ BENCH = ROOT / "benchmarks"
 KEPT = [
     "gemm",
     "cast_transpose",
+    "act_kernels",
     "step",
     "kernel_profile",
     "parity",
@@ -509,6 +510,17 @@ def test_cast_transpose_sweep_checks_each_tuning_against_xla():
     keys = ("bm", "bk", "warps", "stages", "cast_first")
     assert [tuple(r[k] for k in keys) for r in rows] == fits
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
+
+
+def test_act_kernels_checks_each_tuning_and_the_rebuilt_input():
+    """benchmarks.act_kernels on small shapes through the interpreter: every tuning's bits
+    equal the first tuning's, and the GELU' pass's rebuilt wo input equals the forward's."""
+    from benchmarks import act_kernels
+
+    rows = act_kernels.measure((128, 128), 1, True, act_kernels.TUNINGS[:2])
+    assert [r["kernel"] for r in rows] == ["fwd"] * 2 + ["grad"] * 2 + ["grad+act"] * 2
+    assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
+    assert all(r["same_as_fwd"] for r in rows if r["kernel"] == "grad+act")
 
 
 def test_cast_transpose_loop_times_xla_amax_inside_the_loop():

@@ -31,9 +31,8 @@ AUTO = "auto"  # the library ops' default cast: ``resolve_impl`` picks one of IM
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4
 # warps is the fastest tuning over GPT's operand shapes (measured: docs/performance.md).
 _ROW_BLOCKS, _COL_BLOCKS = (64, 32, 16), (128, 64, 32, 16)
-# Passes that compute an activation (a prologue, or act' and act of the backward's pass) run
-# fastest on 64 x 64 blocks: 320 against 347 us for the forward cast of a [16384, 8192] GELU
-# input, 371 against 580 us for its backward pass (measured: docs/kernels.md).
+# Passes that compute an activation (a prologue, or the backward's act' and act) run fastest on
+# 64 x 64 blocks (measured on GPT's MLP tensors: benchmarks.act_kernels, docs/kernels.md).
 ACT_COL_BLOCKS = (64, 32, 16)
 WARPS = 4
 BOTH = "both"  # cast_transpose's default layouts: q [M, K] and q.T [K, M]

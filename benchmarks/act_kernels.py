@@ -1,0 +1,135 @@
+"""GPT's MLP activation passes at each kernel tuning: the GELU prologue cast and the GELU' pass.
+
+    PYTHONUNBUFFERED=1 python -m benchmarks.act_kernels --out "$OUT"
+
+On gpt_1b3's MLP tensors ([16384, 8192] bf16, batch 8 x 2048), times three Pallas kernels at
+each (block rows, block columns, warps) tuning, 10 calls inside one program (no dispatch):
+``fwd`` the forward's cast of wo's input (``kernels.cast_transpose`` with the GELU prologue
+and the affine unscale and bias, both E4M3 layouts and the amax); ``grad`` the backward's
+``act_kernels.act_grad_cast_transpose`` (GELU', wi's E5M2 gradient in both layouts, amax and
+bias gradient); ``grad+act`` the same pass also writing wo's E4M3 input again, transposed
+(``act_scale=``). Checks every tuning's bits against the default tuning's, and ``grad+act``'s
+rebuilt input against ``fwd``'s. ``--quick``: small shapes through Pallas' interpreter (a CPU
+check, not a timing). Writes ``act_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import runner
+from fp8jax.ops import act_kernels, formats, kernels
+
+SHAPE = (16384, 8192)  # gpt_1b3's [tokens, d_ff]
+# (block rows, block columns, warps): the defaults (64 x 64 for these passes, 64 x 128 for the
+# others) first.
+TUNINGS = [(64, 64, 4), (64, 128, 4), (64, 64, 8), (64, 128, 8), (32, 64, 4), (32, 128, 4),
+           (128, 64, 4), (128, 64, 8), (64, 32, 4), (64, 64, 2)]  # fmt: skip
+REPS = 10
+
+
+def _bits(t) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
+
+
+def _per_call_us(fn, args, iters: int) -> float:
+    """Microseconds per call of ``fn`` run ``REPS`` times in one program, each call's scale
+    depending on the last call's amax (so XLA neither hoists nor merges the calls)."""
+
+    def many(*args):
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
+
+        def body(_, carry):
+            s = jnp.where(jnp.ravel(carry[2])[0] >= -1.0, args[-1], -args[-1])
+            return fn(*args[:-1], s)
+
+        return jax.lax.fori_loop(0, REPS, body, zeros)
+
+    run = jax.jit(many)
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) / REPS * 1e6
+
+
+def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
+    """One row per (kernel, tuning): microseconds per call, bits equal to the reference."""
+    rng = np.random.default_rng(0)
+    pre = jnp.asarray(rng.standard_normal(shape) * 2, jnp.bfloat16)  # wi's raw output
+    da = jnp.asarray(rng.standard_normal(shape) * 100, jnp.bfloat16)  # wo's raw dgrad output
+    bias = jnp.asarray(rng.standard_normal(shape[1]) * 0.1, jnp.float32)
+    affine, inv, s_act = (jnp.float32(0.9), bias), jnp.float32(0.01), jnp.float32(64.0)
+    e4m3, e5m2 = formats.as_dtype("e4m3"), formats.as_dtype("e5m2")
+    pending = jnp.zeros((4,), jnp.float32)
+    rows, refs = [], {}
+    for kernel in ("fwd", "grad", "grad+act"):
+        for bm, bk, warps in tunings:
+            if kernel == "fwd":
+
+                def fn(pre, da, s, bm=bm, bk=bk, warps=warps):
+                    return kernels.pallas_cast_transpose(
+                        pre, s, e4m3, bm, bk, interpret, num_warps=warps, prologue="gelu_tanh",
+                        affine=affine,
+                    )  # fmt: skip
+
+                scale = s_act
+            else:
+
+                def fn(pre, da, s, bm=bm, bk=bk, warps=warps, act=kernel == "grad+act"):
+                    return act_kernels.pallas_act_grad_cast_transpose(
+                        pre, da, inv, s, e5m2, "gelu_tanh", bm, bk, interpret, pending, affine,
+                        s_act if act else None, num_warps=warps,
+                    )  # fmt: skip
+
+                scale = jnp.float32(4.0)
+            row = {"kernel": kernel, "tuning": f"{bm}x{bk}, {warps} warps"}
+            try:
+                out = [
+                    _bits(o) if o.dtype.itemsize == 1 else None for o in jax.jit(fn)(pre, da, scale)
+                ]
+                ref = refs.setdefault(kernel, out)
+                row["same_bits"] = all(
+                    a is None or np.array_equal(a, b) for a, b in zip(out, ref, strict=True)
+                )
+                if kernel == "grad+act":  # the rebuilt wo input against the forward's
+                    row["same_as_fwd"] = bool(np.array_equal(out[-1], refs["fwd"][1]))
+                row["us"] = _per_call_us(fn, (pre, da, scale), iters)
+            except Exception as e:  # a tuning that does not compile (registers, shared memory)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+COLUMNS = {
+    "tuning": lambda r: r["tuning"],
+    "us": lambda r: f"{r['us']:.1f}",
+    "same bits": lambda r: r["same_bits"],
+    "= fwd's": lambda r: r.get("same_as_fwd", ""),
+    "error": lambda r: r["error"][:60],
+}
+
+
+def main(argv=None):
+    p = runner.parser(__doc__, child=False)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="small shapes, interpreted (CPU check)")
+    a = runner.parse_args(p, argv)
+    shape, tunings = ((128, 128), TUNINGS[:3]) if a.quick else (SHAPE, TUNINGS)
+    rows = measure(shape, 1 if a.quick else a.iters, a.quick, tunings)
+    info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shape": shape}
+    runner.write_json(a.out, "act_kernels", {**info, "rows": rows})
+    print("\n" + runner.table(rows, COLUMNS, "kernel"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,12 @@ token's log-sum-exp (f32 [N]) and recomputes a chunk's logits in the backward pa
 ``softmax - onehot`` gives the chunk's input gradient and adds its weight gradient into an f32
 accumulator; the unchunked head keeps the f32 [N, V] logits, their compute-dtype copy and
 their gradient alive instead.
+
+``weighted_cross_entropy`` is for a loss that is a weighted sum of the token CE with weights
+known up front (pre-training's mean, SFT's masked sum; the train step's): each chunk's
+gradient is formed in the forward scan beside its loss, so the head's logits GEMM runs once,
+and the backward pass only scales the kept dx [N, D] and dw. DPO's loss, a function of each
+row's log-probs, takes ``chunked_cross_entropy``.
 """
 
 from __future__ import annotations

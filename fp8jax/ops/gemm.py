@@ -34,7 +34,8 @@ class GemmConfig(NamedTuple):
     prologue: str | None = None  # activations.ACTIVATIONS: x is a pre-activation
     # The fused path's backward casts x and w to E4M3 again (the forward's scales: the same
     # bits), one layout each, instead of keeping their FP8 copies; the forward writes the one
-    # layout its GEMM reads. For remat policies that keep no FP8 operand (``rebuild_operands``).
+    # layout its GEMM reads. For remat policies that keep no FP8 operand (models.layers'
+    # ``rebuilds_operands``).
     rebuild: bool = False
 
 
@@ -97,16 +98,16 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
 
     Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))`` (``rebuild``: x and w in the places of
-    xq_t and wq). ``affine`` (``kernels.cast_transpose``'s)
-    makes x's pass quantize ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still
-    scaled by ``sx * sw`` (``inv[0]`` unscales it).
+    xq_t and wq). ``affine`` (``kernels.cast_transpose``'s) makes x's pass quantize
+    ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still scaled by ``sx * sw``
+    (``inv[0]`` unscales it).
     """
     sx, sw = meta.x.scale, meta.w.scale
     # E4M3 for both forward operands. x [M, K] -> xq [M, K] for this GEMM and xq_t [K, M] for
     # the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here. With a prologue
     # the same pass computes act(x) first: act(x) is never written out. Each pass also records
     # its amax into its state's pending slot (in place on GPUs). ``rebuild``: only this GEMM's
-    # layouts; the backward casts x and w again (``rebuilt_operands``).
+    # layouts; the backward casts x and w again (``rebuilt_input``, ``rebuilt_weight``).
     xq, xq_t, hist_x = kernels.cast_transpose(
         x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine,
         layouts="row" if cfg.rebuild else kernels.BOTH,

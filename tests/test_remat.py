@@ -198,7 +198,7 @@ def block_fn(level, policy, style="gpt", cfg=None, scales=False):
     ``scales``: as ``block_setup``'s."""
     setup_cfg, _, fp8, _, pos = block_setup(level, style, scales=scales)
     block = Block if policy == "none" else nn.remat(Block, policy=REMAT_POLICIES[policy])
-    # The config names the policy too, as the model's does: layers read it (rebuilds_wo_input).
+    # The config names the policy too, as the model's does: layers read it (rebuilds_operands).
     module = block(dataclasses.replace(setup_cfg if cfg is None else cfg, remat_policy=policy))
 
     def f(params, x):

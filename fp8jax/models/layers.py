@@ -106,13 +106,6 @@ def rebuilds_operands(cfg: ModelConfig) -> bool:
     return cfg.remat_policy not in ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable")
 
 
-def rebuilds_wo_input(cfg: ModelConfig) -> bool:
-    """Whether the fused FP8 MLP rebuilds wo's E4M3 input in the backward pass (``ops.mlp``'s
-    ``recompute_cast``, written by the GELU' pass) rather than keeping it: with
-    ``recomputes_elementwise``, and wherever the matmuls rebuild their operands."""
-    return recomputes_elementwise(cfg) or rebuilds_operands(cfg)
-
-
 def dense(
     cfg: ModelConfig,
     features,
@@ -308,7 +301,7 @@ class Mlp(nn.Module):
             meta1,
             meta2,
             c.cast_kernel,
-            recompute_cast=rebuilds_wo_input(c),
+            recompute_cast=recomputes_elementwise(c),  # rebuild implies it too (ops.mlp)
             rebuild=rebuilds_operands(c),
         )
         wi.Fp8DotGeneral_0.write(meta1)

@@ -133,15 +133,15 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     return y, new_meta, (xq_t, wq, inv, x_pre)
 
 
-def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta, affine=None) -> jax.Array:
+def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta) -> jax.Array:
     """The wgrad's E4M3 x.T [K, M]: ``fwd_fused``'s residual, or with ``rebuild`` cast again
-    from x (the forward's scale, prologue and affine: the same bits, one layout, no amax)."""
+    from x (the forward's scale and prologue: the same bits, one layout, no amax). An affine
+    input (the fused MLP's wo) is rebuilt by ``act_kernels`` instead."""
     if not cfg.rebuild:
         return x_or_xq_t
     return kernels.cast_transpose(
-        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, affine=affine,
-        layouts="col", record=False,
-    )[1]  # fmt: skip
+        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, layouts="col", record=False
+    )[1]
 
 
 def rebuilt_weight(cfg: GemmConfig, w_or_wq, meta: Fp8Meta) -> jax.Array:

@@ -6,7 +6,7 @@ the random init) kept in ``TrainState.ref`` as ``{'params', 'fp8'}``: checkpoint
 state, so a resume is exact, but not in the optimizer and never differentiated. Each step
 first runs the reference on the batch (its sequence log-probs under ``stop_gradient``), then
 hands them to the ordinary train step (``step.make_train_step``) inside the batch, whose loss
-(``loss.batch_loss``) is then DPO's; micro-batches, data-parallel replicas, FP8 gradient
+(``loss.micro_batch_loss``) is then DPO's; micro-batches, data-parallel replicas, FP8 gradient
 communication, O2's masters and O3's gathers all apply to the policy unchanged.
 
 Reference storage: its weight matrices (kernels, embeddings) in the compute dtype (bf16 on
@@ -91,7 +91,7 @@ def reference_logps(ref_model, ref, batch, update: bool):
 
 
 def preference_batch(batch, ref_logps_B, dpo: DpoSpec) -> dict:
-    """``batch`` with what ``loss.batch_loss`` needs for DPO: reference log-probs, beta and
+    """``batch`` with what ``loss.micro_batch_loss`` needs for DPO: reference log-probs, beta and
     label smoothing (per row, so micro-batches and replicas split them with the rows)."""
     rows = batch["inputs"].shape[0]
     full = lambda v: jnp.full((rows,), v, jnp.float32)

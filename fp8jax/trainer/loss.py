@@ -16,15 +16,19 @@ the global batch, so micro-batches and replicas again add up to the global mean.
 
 Every loss derives from the token cross entropy [B, L]: the steps get it from the model
 itself (``model.apply(..., targets_BxL=...)``, chunked with ``model.loss_chunk`` so that no
-[B, L, V] logits are kept), and ``batch_loss``, ``mean_cross_entropy`` and ``response_logps``
-take it. The train step of a pre-training or fine-tuning batch hands the model the targets'
-weights (``token_weights``) and differentiates the weighted sum it returns, which the chunked
-head computes with its gradient in one pass. The logits-based functions (``cross_entropy``,
+[B, L, V] logits are kept). ``micro_batch_loss`` runs the model on a train micro-batch: for
+pre-training and fine-tuning it hands the model the targets' weights (``token_weights``) and
+takes the weighted sum it returns, which the chunked head computes with its gradient in one
+pass; for DPO it takes the token CE and ``response_logps``. The eval step's
+``mean_cross_entropy`` takes the token CE too. The logits-based functions (``cross_entropy``,
 ``weighted_ce``, ``sequence_logps``) are those applied to ``token_cross_entropy(logits,
 targets)``, for callers holding logits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,19 +146,26 @@ def dpo_sums(policy_B, ref_B, mask_P, beta, label_smoothing=0.0) -> dict:
     return {k: jnp.sum(v * mask_P) for k, v in terms.items()}
 
 
-def batch_loss(losses_BxL, batch) -> dict:
-    """``{'loss': ...}`` of one micro-batch from its token cross entropies ``losses_BxL`` (of
-    ``batch['targets']``), as the train step sums it (times its scale): their mean,
-    ``sum(w * ce)`` if weighted, DPO's pair sums (with ``PAIR_STATS``)."""
+def micro_batch_loss(apply: Callable, batch) -> tuple[dict, Any]:
+    """One micro-batch's loss sums (keys: :func:`loss_keys`), as the train step sums them (times
+    its scale), and what the model returned beside its output.
+
+    ``apply(inputs, **kwargs) -> (output, aux)`` runs the model (e.g. ``model.apply`` with
+    ``mutable=``). Pre-training and fine-tuning batches: the model's weighted sum of the token
+    CEs with :func:`token_weights` (a chunked head forms its gradient in the same pass);
+    preference batches: DPO's pair sums from each row's token CEs.
+    """
     if is_preference(batch):
+        losses_BxL, aux = apply(batch["inputs"], **loss_kwargs(batch))
         logps_B = response_logps(losses_BxL, batch[WEIGHTS])
         beta, smoothing = batch[BETA][0], batch[SMOOTHING][0]
-        return dpo_sums(logps_B, batch[REF_LOGPS], pair_mask(batch[WEIGHTS]), beta, smoothing)
-    if is_weighted(batch):
-        return {"loss": weighted_sum(losses_BxL, batch[WEIGHTS])}
-    return {"loss": mean_cross_entropy(losses_BxL)}
+        mask_P = pair_mask(batch[WEIGHTS])
+        return dpo_sums(logps_B, batch[REF_LOGPS], mask_P, beta, smoothing), aux
+    weights_BxL = token_weights(batch)
+    (_, total), aux = apply(batch["inputs"], **loss_kwargs(batch), loss_weights_BxL=weights_BxL)
+    return {"loss": total}, aux
 
 
 def loss_keys(batch) -> tuple[str, ...]:
-    """The keys of :func:`batch_loss` for ``batch``."""
+    """The keys of :func:`micro_batch_loss` for ``batch``."""
     return ("loss", *PAIR_STATS) if is_preference(batch) else ("loss",)

@@ -7,6 +7,7 @@ moments and FP16 master weights for the matmul kernels; O3 shards those over ``f
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax
@@ -24,7 +25,7 @@ from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import replicas
-from fp8jax.trainer.loss import batch_loss, is_weighted, loss_kwargs, model_kwargs
+from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -136,8 +137,8 @@ def init_state(model, tx, run: RunSpec, rng: jax.Array, params=None) -> TrainSta
 
 
 def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
-    """Loss (``loss.batch_loss``'s dict), FP8 state after the forward, grads of params and FP8
-    state. ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
+    """Loss (``loss.micro_batch_loss``'s dict), FP8 state after the forward, grads of params and
+    FP8 state. ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
     """
     # ``weight`` scales the loss: 1/N for one of N replicas (their gradients sum to the global
     # batch's; dy's FP8 amax equals the unsharded one); weighted: 1/sum(w) of the global batch.
@@ -145,19 +146,9 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
 
     def loss_fn(p, s):
         variables = {"params": p, coll: s}
+        apply = functools.partial(model.apply, variables, mutable=[FP8])
         with optim.dequantize_carried(masters):
-            if loss_lib.is_preference(batch):  # DPO reads each row's log-probs: token CE [B, L]
-                losses, mutated = model.apply(
-                    variables, batch["inputs"], **loss_kwargs(batch), mutable=[FP8]
-                )
-                sums = batch_loss(losses, batch)
-            else:  # the weighted sum itself: a chunked head forms its gradient in one pass
-                weights = loss_lib.token_weights(batch)
-                (_, total), mutated = model.apply(
-                    variables, batch["inputs"], **loss_kwargs(batch), loss_weights_BxL=weights,
-                    mutable=[FP8],
-                )  # fmt: skip
-                sums = {"loss": total}
+            sums, mutated = loss_lib.micro_batch_loss(apply, batch)
         sums = {k: weight * v for k, v in sums.items()}
         return sums["loss"], (sums, mutated.get(FP8, {}))
 

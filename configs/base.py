@@ -38,8 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
     # 'nothing_saveable', 'dots_with_no_batch_dims_saveable'; the FP8 GEMMs' named residuals:
     # 'fp8_dots_saveable' (outputs), 'fp8_inputs_saveable' (E4M3 operands, 1 byte/element),
     # 'fp8_dots_and_inputs_saveable' (both); 'activations_saveable' (every bf16 activation the
-    # backward reads, no E4M3 copy: re-casts x and w); 'full_keep_gathered' ('full' keeping the
-    # weights per-layer fsdp gathers brought: comm.gather).
+    # backward reads, no E4M3 copy: re-casts x and w); 'activations_and_weights_saveable' (the
+    # same plus the weights' E4M3 copies: re-casts x only); 'full_keep_gathered' ('full' keeping
+    # the weights per-layer fsdp gathers brought: comm.gather).
     m.remat_policy = "none"  # 'none': keep every activation; 'full': recompute each block
     # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
     m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients

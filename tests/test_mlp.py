@@ -231,11 +231,13 @@ def _cuda_kernel_outputs(f, *args) -> list[str]:
     return [line.split("->")[-1] for line in text.splitlines() if TRITON in line]
 
 
+@pytest.mark.parametrize("rebuild", [True, "x", "w"])
 @pytest.mark.parametrize("op", ["dot", "mlp"])
-def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op):
+def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op, rebuild):
     """``rebuild``: the same outputs, gradients and FP8 state bits as keeping the FP8 copies;
-    the residuals hold x and the weights as given (no E4M3 byte), and lowered for CUDA each cast
-    writes one layout: x [M, K] and w.T [N, K] forward, x.T and w backward, no amax there."""
+    the residuals hold the rebuilt operands as given (True: no E4M3 byte; 'x': the weights'
+    E4M3 copies only; 'w': x's only), and lowered for CUDA (True) each cast writes one layout:
+    x [M, K] and w.T [N, K] forward, x.T and w backward, no amax there."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)  # [M, D]
     w1 = jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.float32)  # [D, F], f32 masters
@@ -260,10 +262,14 @@ def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op):
         fp8_bytes = sum(v.nbytes for v in jax.tree.leaves(vjp) if v.dtype.itemsize == 1)
         return (out, vjp(cts)), fp8_bytes
 
-    (kept, kept_fp8), (rebuilt, rebuilt_fp8) = run(False), run(True)
+    (kept, kept_fp8), (rebuilt, rebuilt_fp8) = run(False), run(rebuild)
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
-    assert kept_fp8 > 0 and rebuilt_fp8 == 0
+    w_bytes = w1.size + (w2.size if op == "mlp" else 0)  # one E4M3 byte per weight element
+    want = {True: 0, "x": w_bytes, "w": kept_fp8 - w_bytes}[rebuild]
+    assert kept_fp8 > w_bytes > 0 and rebuilt_fp8 == want, (kept_fp8, rebuilt_fp8)
+    if rebuild is not True:
+        return
 
     def grads(x, w1, b1, w2):
         y = fn(True, "pallas")(x, w1, b1, w2)[0]
@@ -306,3 +312,10 @@ def test_gelu_mlp_checks_its_cast_kernel():
     with pytest.raises(ValueError, match="unknown FP8 cast prologue"):
         act_kernels.act_grad_cast_transpose(x, x, 1.0, 1.0, "e5m2", "xla", act="relu")
     assert dot.PAD == 16  # gelu_mlp's fused path needs every dim in multiples of this
+
+
+def test_rebuild_rejects_unknown_operands():
+    """``rebuild`` names operands ('x', 'w', 'xw') or is a bool: anything else is an error."""
+    x = jnp.ones((16, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rebuild must be"):
+        dot.dot_general(x, x, mlp.DENSE, fp8jax.init_meta(), rebuild="wx")

@@ -34,6 +34,7 @@ BF16 = jnp.dtype(jnp.bfloat16)
 DENSE = (((1,), (0,)), ((), ()))
 M, K, N = 32, 64, 48  # one GEMM's sizes, all different: a shape says which operand it is
 NEW = tuple(remat.POLICIES)
+ACTIVATIONS = ("activations_saveable", "activations_and_weights_saveable")
 # (recipe, cast kernel) pairs that take each forward rule: ops.dot's XLA casts, ops.gemm's fused
 # cast (Pallas' interpreter), ops.fine's rowwise and block GEMMs (block: a Pallas kernel).
 PATHS = {
@@ -237,9 +238,9 @@ def test_block_gradients_unchanged_by_policy():
     same bits under every policy as without remat."""
     _, params, _, x, _ = block_setup("O1", "llama")
     r = randn(7, x.shape, jnp.float32)
-    # activations_saveable saves bf16 values (the residual stream, the MLP's hidden layer) that
-    # XLA:CPU otherwise keeps in f32 inside a fusion: test_activations_saveable_gradients.
-    policies = ("none", "full", *(p for p in NEW if p != "activations_saveable"))
+    # The activations_* policies save bf16 values (the residual stream, the MLP's hidden layer)
+    # that XLA:CPU otherwise keeps in f32 inside a fusion: test_activations_saveable_gradients.
+    policies = ("none", "full", *(p for p in NEW if p not in ACTIVATIONS))
 
     def grads(params, x):  # every policy in one program: one compile
         out = []
@@ -290,7 +291,9 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
     """'activations_saveable' keeps no E4M3 copy and no f32 norm intermediate, yet its backward
     pass runs as many GEMMs as without remat: no matmul or attention forward is recomputed
     ('full' runs more, so the count sees a recomputation). Its bf16 [B, L, D] residuals are
-    the block's input and the MLP norm's. ``cast='interpret'``: GPT's fused FP8 MLP."""
+    the block's input and the MLP norm's. 'activations_and_weights_saveable' keeps the same
+    plus, at O1, one E4M3 copy of each weight and nothing else in E4M3. ``cast='interpret'``:
+    the fused casts (``rebuild``) and GPT's fused FP8 MLP."""
     cfg, params, _, x, _ = block_setup(level, style)
     cfg = dataclasses.replace(cfg, cast_kernel=cast)
 
@@ -301,14 +304,23 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
     assert fp8_saved(res) == []
     assert (jnp.dtype(jnp.float32), (B, L, cfg.d_model)) not in res
     assert [r for r in res if r == (BF16, (B, L, cfg.d_model))] == [(BF16, (B, L, cfg.d_model))] * 2
+    with_w = residuals(fn("activations_and_weights_saveable"), params, x)
+    kept = lambda rs: sorted(activations(r for r in rs if r[0] != E4M3))  # noqa: E731
+    assert kept(with_w) == kept(res)  # the same activations
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    kernels = sorted(v.size for p, v in leaves if "kernel" in jax.tree_util.keystr(p))
+    saved = sorted(math.prod(shape) for shape in fp8_saved(with_w))  # as [K, N] GEMM operands
+    assert len(saved) == (len(kernels) if level == "O1" else 0), (saved, kernels)
+    for s, k in zip(saved, kernels if saved else [], strict=True):  # XLA's casts pad K and N
+        assert k <= s <= 1.1 * k, (saved, kernels)  # to multiples of 16
     ref = dot_count(fn("none"), params, x)
-    assert (
-        dot_count(fn("activations_saveable"), params, x) == ref < dot_count(fn("full"), params, x)
-    )
+    for policy in ACTIVATIONS:
+        assert dot_count(fn(policy), params, x) == ref < dot_count(fn("full"), params, x), policy
 
 
+@pytest.mark.parametrize("policy", ACTIVATIONS)
 @pytest.mark.parametrize("style,cast", [("gpt", "xla"), ("gpt", "interpret"), ("llama", "xla")])
-def test_activations_saveable_gradients(style, cast):
+def test_activations_saveable_gradients(style, cast, policy):
     """In f32 (no bf16 value rounded where a fusion ends) 'activations_saveable' gives the same
     parameter and input gradients and FP8 state as no remat: what it saves is what the forward
     computed, and what it recomputes is the forward's arithmetic again. To f32 summation order:
@@ -322,8 +334,8 @@ def test_activations_saveable_gradients(style, cast):
 
     def grads(params, x):
         out = []
-        for policy in ("none", "activations_saveable"):
-            f = block_fn("O1", policy, style, cfg, scales=True)
+        for p in ("none", policy):
+            f = block_fn("O1", p, style, cfg, scales=True)
 
             def loss(p, x, f=f):
                 y, st = f(p, x)

@@ -42,6 +42,9 @@ REMAT_POLICIES = {
     # residual stream; 2 bytes/elt) and no FP8 operand: the backward re-applies the norms and
     # re-casts x and w to E4M3 (one layout each), no GEMM or attention recomputed
     "activations_saveable": remat.activations_saveable,
+    # the same plus the weights' E4M3 copies (1 byte per weight and layer): the backward
+    # re-casts x only, not the weights
+    "activations_and_weights_saveable": remat.activations_and_weights_saveable,
     # 'full', but the weights a per-layer fsdp gather brought (comm.gather='layer') are kept
     # for the backward instead of gathered again
     "full_keep_gathered": remat.full_keep_gathered,

@@ -98,12 +98,15 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 
 
-def rebuilds_operands(cfg: ModelConfig) -> bool:
-    """Whether the FP8 matmuls cast x and w again in the backward pass rather than keep their
-    FP8 copies (``ops.gemm.GemmConfig.rebuild``): under a block remat policy that keeps no FP8
-    operand. The backward would otherwise redo each forward cast (both layouts and the amax)
-    for the one layout it reads; the forward then writes only the layout its GEMM reads."""
-    return cfg.remat_policy not in ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable")
+def rebuilds_operands(cfg: ModelConfig) -> str:
+    """The operands ('x', 'w', 'xw' or '') the FP8 matmuls cast again in the backward pass
+    rather than keep as FP8 copies (``ops.gemm.GemmConfig.rebuild``): those the block remat
+    policy does not keep. The backward would otherwise redo each forward cast (both layouts and
+    the amax) for the one layout it reads; the forward then writes only the layout its GEMM
+    reads."""
+    if cfg.remat_policy in ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable"):
+        return ""
+    return "x" if cfg.remat_policy == "activations_and_weights_saveable" else "xw"
 
 
 def dense(

@@ -31,9 +31,10 @@ class _Fp8Op(nn.Module):
     prologue: str | None = (
         None  # an activation applied to lhs in its cast (activations.ACTIVATIONS)
     )
-    # the backward pass casts x and w to FP8 again instead of keeping their FP8 copies: for a
-    # remat policy that keeps no FP8 operand (ops.gemm.GemmConfig.rebuild)
-    rebuild: bool = False
+    # the operands ('x', 'w', 'xw'; True: both) the backward pass casts to FP8 again instead of
+    # keeping their FP8 copies: for a remat policy that keeps none of them
+    # (ops.gemm.GemmConfig.rebuild)
+    rebuild: bool | str = False
 
     def _with_meta(self, lhs, rhs, matmul):
         """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""

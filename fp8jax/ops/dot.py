@@ -183,7 +183,7 @@ def dot_general(
     preferred_element_type=None,
     cast_kernel: str = kernels.AUTO,
     prologue: str | None = None,
-    rebuild: bool = False,
+    rebuild: bool | str = False,
 ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
 
@@ -194,8 +194,8 @@ def dot_general(
     quantized; 'auto' (``kernels.resolve_impl``) is the fused kernel on GPUs, XLA ops elsewhere.
     ``prologue`` (a name in ``activations.ACTIVATIONS``, e.g. 'gelu_tanh') multiplies ``act(lhs)``
     instead of ``lhs``, with the activation fused into lhs' quantization. ``rebuild``
-    (``gemm.GemmConfig``'s): the backward pass casts x and w again rather than keeping their
-    FP8 copies (the fused-cast path; for remat policies that keep no FP8 operand).
+    (``gemm.GemmConfig``'s; True: 'xw'): the operands the backward pass casts again rather than
+    keep as FP8 copies (the fused-cast path; for remat policies that keep no FP8 copy of them).
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     activations.activation(prologue)  # a clear error for an unknown name
@@ -229,8 +229,9 @@ def dot_general(
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
     cfg = GemmConfig(
-        jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue, rebuild
-    )
+        jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue,
+        gemm.rebuilt_operands(rebuild),
+    )  # fmt: skip
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
     with jax.named_scope(f"fp8_{scaling.recipe_name(meta.x.recipe)}"):
@@ -283,7 +284,7 @@ def fp8_einsum(
     preferred_element_type=None,
     cast_kernel: str = kernels.AUTO,
     prologue: str | None = None,
-    rebuild: bool = False,
+    rebuild: bool | str = False,
 ):
     """Functional FP8 einsum (two operands): returns (result, updated meta)."""
     dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)

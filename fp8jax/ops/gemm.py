@@ -32,11 +32,23 @@ class GemmConfig(NamedTuple):
     batched: bool
     cast: str = "xla"  # kernels.IMPLS: how operands are quantized (fused kernel or XLA ops)
     prologue: str | None = None  # activations.ACTIVATIONS: x is a pre-activation
-    # The fused path's backward casts x and w to E4M3 again (the forward's scales: the same
-    # bits), one layout each, instead of keeping their FP8 copies; the forward writes the one
-    # layout its GEMM reads. For remat policies that keep no FP8 operand (models.layers'
-    # ``rebuilds_operands``).
-    rebuild: bool = False
+    # The operands ('x', 'w', 'xw' or '') the fused path's backward casts to E4M3 again (the
+    # forward's scales: the same bits), one layout each, instead of keeping their FP8 copies;
+    # the forward writes only the layout its GEMM reads of those. For remat policies that keep
+    # no FP8 copy of them (models.layers' ``rebuilds_operands``). ``rebuilt_operands`` reads it.
+    rebuild: str = ""
+
+
+REBUILD = ("", "x", "w", "xw")  # GemmConfig.rebuild's values
+
+
+def rebuilt_operands(rebuild: bool | str) -> str:
+    """``rebuild`` as GemmConfig's string: True means both operands ('xw'), False none ('')."""
+    if isinstance(rebuild, bool):
+        return "xw" if rebuild else ""
+    if rebuild not in REBUILD:
+        raise ValueError(f"rebuild must be a bool or one of {REBUILD}, got {rebuild!r}")
+    return rebuild
 
 
 def mm(a, b, contract_a: int, contract_b: int, batched: bool, out_dtype) -> jax.Array:
@@ -97,30 +109,29 @@ def uses_fused_cast(cfg: GemmConfig, meta: Fp8Meta) -> bool:
 def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
     """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
 
-    Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))`` (``rebuild``: x and w in the places of
-    xq_t and wq). ``affine`` (``kernels.cast_transpose``'s) makes x's pass quantize
-    ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still scaled by ``sx * sw``
-    (``inv[0]`` unscales it).
+    Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))`` (x and w as given in the places of xq_t
+    and wq where ``cfg.rebuild`` names them). ``affine`` (``kernels.cast_transpose``'s) makes
+    x's pass quantize ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still scaled
+    by ``sx * sw`` (``inv[0]`` unscales it).
     """
     sx, sw = meta.x.scale, meta.w.scale
     # E4M3 for both forward operands. x [M, K] -> xq [M, K] for this GEMM and xq_t [K, M] for
     # the weight gradient; w [K, N] -> wq [K, N] for dgrad, wq_t [N, K] here. With a prologue
     # the same pass computes act(x) first: act(x) is never written out. Each pass also records
-    # its amax into its state's pending slot (in place on GPUs). ``rebuild``: only this GEMM's
-    # layouts; the backward casts x and w again (``rebuilt_input``, ``rebuilt_weight``).
+    # its amax into its state's pending slot (in place on GPUs). An operand in ``rebuild``:
+    # only this GEMM's layout; the backward casts it again (``rebuilt_input``, ``rebuilt_weight``).
     xq, xq_t, hist_x = kernels.cast_transpose(
         x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine,
-        layouts="row" if cfg.rebuild else kernels.BOTH,
+        layouts="row" if "x" in cfg.rebuild else kernels.BOTH,
     )  # fmt: skip
     wq, wq_t, hist_w = kernels.cast_transpose(
         w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history,
-        layouts="col" if cfg.rebuild else kernels.BOTH,
+        layouts="col" if "w" in cfg.rebuild else kernels.BOTH,
     )  # fmt: skip
-    if cfg.rebuild:
-        xq_t, wq = x, w  # kept as given: the forward's inputs, which a remat recomputes or holds
-    else:
-        # Named for remat policies (ops.remat): the layouts the backward GEMMs read.
-        xq_t, wq = checkpoint_name(xq_t, FP8_X), checkpoint_name(wq, FP8_W)
+    # A rebuilt operand is kept as given: the forward's input, which a remat recomputes or holds.
+    # A kept one is named for remat policies (ops.remat): the layout the backward GEMM reads.
+    xq_t = x if "x" in cfg.rebuild else checkpoint_name(xq_t, FP8_X)
+    wq = w if "w" in cfg.rebuild else checkpoint_name(wq, FP8_W)
     inv = inverse_scales(sx, sw, meta.dy.scale)  # delayed scaling: dy's scale is known
     y = mm(xq, wq_t, 1, 1, False, acc_dtype(cfg.out_dtype))  # [M, N]: K innermost in both
     if not raw:
@@ -134,10 +145,10 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
 
 
 def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta) -> jax.Array:
-    """The wgrad's E4M3 x.T [K, M]: ``fwd_fused``'s residual, or with ``rebuild`` cast again
-    from x (the forward's scale and prologue: the same bits, one layout, no amax). An affine
-    input (the fused MLP's wo) is rebuilt by ``act_kernels`` instead."""
-    if not cfg.rebuild:
+    """The wgrad's E4M3 x.T [K, M]: ``fwd_fused``'s residual, or with 'x' in ``rebuild`` cast
+    again from x (the forward's scale and prologue: the same bits, one layout, no amax). An
+    affine input (the fused MLP's wo) is rebuilt by ``act_kernels`` instead."""
+    if "x" not in cfg.rebuild:
         return x_or_xq_t
     return kernels.cast_transpose(
         x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, layouts="col", record=False
@@ -145,8 +156,9 @@ def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta) -> jax.Array:
 
 
 def rebuilt_weight(cfg: GemmConfig, w_or_wq, meta: Fp8Meta) -> jax.Array:
-    """The dgrad's E4M3 w [K, N]: ``fwd_fused``'s residual, or with ``rebuild`` cast again."""
-    if not cfg.rebuild:
+    """The dgrad's E4M3 w [K, N]: ``fwd_fused``'s residual, or with 'w' in ``rebuild`` cast
+    again."""
+    if "w" not in cfg.rebuild:
         return w_or_wq
     return kernels.cast_transpose(
         w_or_wq, meta.w.scale, formats.E4M3, cfg.cast, layouts="row", record=False

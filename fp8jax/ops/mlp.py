@@ -75,7 +75,7 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
     (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2), m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
-    # Kept FP8 copies, or (``rebuild``) x and the weights cast again with the forward's scales.
+    # Kept FP8 copies, or (those in ``rebuild``) cast again with the forward's scales.
     xq_t, w1q = gemm.rebuilt_input(c1, xq_t, m1), gemm.rebuilt_weight(c1, w1q, m1)
     w2q = gemm.rebuilt_weight(c2, w2q, m2)
     with jax.named_scope("wo"):
@@ -130,7 +130,7 @@ def gelu_mlp(
     meta2: Fp8Meta,
     cast_kernel: str = kernels.AUTO,
     recompute_cast: bool = False,
-    rebuild: bool = False,
+    rebuild: bool | str = False,
 ):
     """``gelu(x . w1 + b1) . w2`` in FP8 (x [..., D], w1 [D, F], b1 [F], w2 [F, D]).
 
@@ -139,8 +139,9 @@ def gelu_mlp(
     meta2)`` with this call's amaxes recorded, as two ``dot.dot_general`` calls would; the
     output bias is the caller's. ``recompute_cast``: wo's FP8 input for its weight gradient is
     rebuilt in the backward pass rather than kept (module docstring). ``rebuild``
-    (``gemm.GemmConfig``'s, implies ``recompute_cast``): no FP8 copy kept at all; the backward
-    casts x and both weights again, one layout each (delayed scaling's fused path).
+    (``gemm.GemmConfig``'s; True: 'xw'): the operands whose FP8 copies are not kept; the backward
+    casts them again, one layout each (delayed scaling's fused path). 'x' covers both layers'
+    inputs (so implies ``recompute_cast``), 'w' both weights.
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     for name, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
@@ -153,6 +154,7 @@ def gelu_mlp(
         )
         return y.reshape(*lead, w2.shape[1]), meta1, meta2
     dtype = jnp.dtype(x.dtype)
+    rebuild = gemm.rebuilt_operands(rebuild)
     layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, rebuild=rebuild)
     layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT, rebuild)
     dims = (*x_MxD.shape, w1.shape[1], w2.shape[1])  # M, D, F, D
@@ -165,7 +167,7 @@ def gelu_mlp(
         pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
         return y.reshape(*lead, w2.shape[1]), meta1, meta2
-    recompute_cast = bool(recompute_cast or rebuild)
+    recompute_cast = bool(recompute_cast or "x" in rebuild)
     cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)), recompute_cast)
     with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
         y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)

@@ -37,6 +37,7 @@ __all__ = [
     "NAMES",
     "POLICIES",
     "RESIDUAL",
+    "activations_and_weights_saveable",
     "activations_saveable",
     "fp8_dots_and_inputs_saveable",
     "fp8_dots_saveable",
@@ -91,8 +92,14 @@ full_keep_gathered = _cp.save_only_these_names(GATHERED)
 # re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits; one
 # layout each: the models' matmuls ``rebuild`` under it); no GEMM or attention forward again.
 activations_saveable = _cp.save_only_these_names(FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
+# The same plus the weights' E4M3 copies in the layout dgrad reads (1 byte per weight and
+# layer): the backward re-casts x only, not the f32 masters (4 bytes read per weight).
+activations_and_weights_saveable = _cp.save_only_these_names(
+    FP8_OUT, ATTENTION, HIDDEN, RESIDUAL, FP8_W
+)
 POLICIES = {
     "activations_saveable": activations_saveable,
+    "activations_and_weights_saveable": activations_and_weights_saveable,
     "fp8_dots_saveable": fp8_dots_saveable,
     "fp8_inputs_saveable": fp8_inputs_saveable,
     "fp8_dots_and_inputs_saveable": fp8_dots_and_inputs_saveable,

@@ -35,7 +35,8 @@ class GemmConfig(NamedTuple):
     # The operands ('x', 'w', 'xw' or '') the fused path's backward casts to E4M3 again (the
     # forward's scales: the same bits), one layout each, instead of keeping their FP8 copies;
     # the forward writes only the layout its GEMM reads of those. For remat policies that keep
-    # no FP8 copy of them (models.layers' ``rebuilds_operands``). ``rebuilt_operands`` reads it.
+    # no FP8 copy of them (models.layers' ``rebuilds_operands``). The ops take a bool too
+    # (``rebuilt_operands``: True is 'xw').
     rebuild: str = ""
 
 

@@ -101,12 +101,13 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
 def rebuilds_operands(cfg: ModelConfig) -> str:
     """The operands ('x', 'w', 'xw' or '') the FP8 matmuls cast again in the backward pass
     rather than keep as FP8 copies (``ops.gemm.GemmConfig.rebuild``): those the block remat
-    policy does not keep. The backward would otherwise redo each forward cast (both layouts and
-    the amax) for the one layout it reads; the forward then writes only the layout its GEMM
-    reads."""
-    if cfg.remat_policy in ("none", "fp8_inputs_saveable", "fp8_dots_and_inputs_saveable"):
+    policy does not keep (``ops.remat.KEPT_OPERANDS``; without remat, all are kept). The
+    backward would otherwise redo each forward cast (both layouts and the amax) for the one
+    layout it reads; the forward then writes only the layout its GEMM reads."""
+    if cfg.remat_policy == "none":
         return ""
-    return "x" if cfg.remat_policy == "activations_and_weights_saveable" else "xw"
+    kept = fp8_remat.KEPT_OPERANDS.get(cfg.remat_policy, "")
+    return "".join(op for op in "xw" if op not in kept)
 
 
 def dense(

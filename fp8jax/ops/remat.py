@@ -28,10 +28,12 @@ from __future__ import annotations
 import jax
 
 __all__ = [
+    "ACTIVATION_NAMES",
     "ATTENTION",
     "FP8_OUT",
     "GATHERED",
     "HIDDEN",
+    "KEPT_OPERANDS",
     "FP8_W",
     "FP8_X",
     "NAMES",
@@ -91,16 +93,22 @@ full_keep_gathered = _cp.save_only_these_names(GATHERED)
 # residual stream; FP8_OUT: the fused MLP's hidden layer) and no FP8 operand: the backward pass
 # re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits; one
 # layout each: the models' matmuls ``rebuild`` under it); no GEMM or attention forward again.
-activations_saveable = _cp.save_only_these_names(FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
+ACTIVATION_NAMES = (FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
+activations_saveable = _cp.save_only_these_names(*ACTIVATION_NAMES)
 # The same plus the weights' E4M3 copies in the layout dgrad reads (1 byte per weight and
 # layer): the backward re-casts x only, not the f32 masters (4 bytes read per weight).
-activations_and_weights_saveable = _cp.save_only_these_names(
-    FP8_OUT, ATTENTION, HIDDEN, RESIDUAL, FP8_W
-)
+activations_and_weights_saveable = _cp.save_only_these_names(*ACTIVATION_NAMES, FP8_W)
 POLICIES = {
     "activations_saveable": activations_saveable,
     "activations_and_weights_saveable": activations_and_weights_saveable,
     "fp8_dots_saveable": fp8_dots_saveable,
     "fp8_inputs_saveable": fp8_inputs_saveable,
     "fp8_dots_and_inputs_saveable": fp8_dots_and_inputs_saveable,
+}
+# The FP8 operands ('x': FP8_X, 'w': FP8_W) each block policy keeps for the backward; a policy
+# not named here keeps none, and the matmuls cast those again (``gemm.GemmConfig.rebuild``).
+KEPT_OPERANDS = {
+    "fp8_inputs_saveable": "xw",
+    "fp8_dots_and_inputs_saveable": "xw",
+    "activations_and_weights_saveable": "w",
 }

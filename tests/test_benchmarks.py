@@ -368,7 +368,12 @@ def test_memory_peak_reads_xla_report_through_the_runner(program, tmp_path):
     assert any(f"jit({jit_name})" in b["op"] for b in row["breakdown"]), row["breakdown"]
     assert row["peak_bytes"] > 0 and row["breakdown"] and row["peak_buffers"]
     assert sum(b["bytes"] for b in row["breakdown"]) <= row["peak_bytes"]
+    # The compiled allocation holds at least the arguments and temp the report's peak draws on.
+    allocated = row["allocated_gib"] * 2**30
+    assert allocated >= (row["argument_gib"] + row["temp_gib"]) * 2**30 - 1
+    assert row["report_share"] == row["peak_bytes"] / allocated
     assert "temp GiB" in proc.stdout and "tiny:O2" in proc.stdout  # the printed table
+    assert "share" in proc.stdout
 
 
 def test_memory_sim_compiles_sharded_steps_without_allocating(tmp_path):

@@ -14,7 +14,7 @@ per run. Works on CPU too (a proxy: CPU fusion differs).
 
 Beside the report's peak: the program's compiled allocation (``diagnostics.compiled_memory``:
 argument + output - alias + temp) and the share of it the report accounts for. On CPU the
-share was 90% or more in every run measured. On an H200, gpt_1b3's O1 step under
+share was 89-100% in the runs measured. On an H200, gpt_1b3's O1 step under
 ``activations_saveable`` reported a 19.9 GiB peak (state and weight gradients) of a 31.2 GiB
 allocation: the saved activations were missing. A low share means the report's peak is not the
 process peak, and its buffers are a partial list.

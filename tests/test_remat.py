@@ -319,16 +319,23 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
 
 
 @pytest.mark.parametrize("policy", ACTIVATIONS)
-@pytest.mark.parametrize("style,cast", [("gpt", "xla"), ("gpt", "interpret"), ("llama", "xla")])
-def test_activations_saveable_gradients(style, cast, policy):
+@pytest.mark.parametrize(
+    "style,cast,fuse_mlp",
+    [("gpt", "xla", True), ("gpt", "interpret", True), ("gpt", "interpret", False),
+     ("llama", "xla", True)],
+)  # fmt: skip
+def test_activations_saveable_gradients(style, cast, fuse_mlp, policy):
     """In f32 (no bf16 value rounded where a fusion ends) 'activations_saveable' gives the same
     parameter and input gradients and FP8 state as no remat: what it saves is what the forward
     computed, and what it recomputes is the forward's arithmetic again. To f32 summation order:
     XLA:CPU sums GPT's bias gradients over the B * L tokens in another order under remat
-    ('full' too). ``cast='interpret'``: GPT's fused FP8 MLP, whose backward rebuilds wo's E4M3
-    input under this policy."""
+    ('full' too). ``cast='interpret'``: the fused casts, which cast x and w again under this
+    policy; with ``fuse_mlp`` GPT's fused FP8 MLP, whose backward rebuilds wo's E4M3 input,
+    without it wo's own cast, which rebuilds act(h) through its GELU prologue."""
     cfg, params, _, x, _ = block_setup("O1", style, scales=True)  # cached before block_fn
-    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(jnp.float32), cast_kernel=cast)
+    cfg = dataclasses.replace(
+        cfg, dtype=jnp.dtype(jnp.float32), cast_kernel=cast, fuse_mlp=fuse_mlp
+    )
     x = x.astype(jnp.float32)
     r = randn(9, x.shape, jnp.float32)
 

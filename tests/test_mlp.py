@@ -62,19 +62,25 @@ def test_affine_prologues_match_xla_bit_for_bit(dtype):
         f = functools.partial(kernels.cast_transpose, fmt="e4m3", impl=impl, prologue=ACT)
         return jax.jit(lambda h, s, a: f(h, s, affine=a))(h_raw, jnp.float32(3.0), affine)
 
-    def bwd(impl):
+    def bwd(impl):  # with the forward's scale: wo's E4M3 input rebuilt, transposed
         f = functools.partial(act_kernels.act_grad_cast_transpose, fmt="e5m2", impl=impl)
-        return jax.jit(lambda h, d, a: f(h, d, jnp.float32(0.02), scale, affine=a))(
-            h_raw, da, affine
-        )
+        return jax.jit(
+            lambda h, d, a: f(h, d, jnp.float32(0.02), scale, affine=a, act_scale=jnp.float32(3.0))
+        )(h_raw, da, affine)
 
     (q, q_t, amax), (ref_q, _, ref_amax) = fwd("interpret"), fwd("xla")
     np.testing.assert_array_equal(_bits(q), _bits(ref_q))
     np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
     assert float(amax) == float(ref_amax) == float(jnp.max(jnp.abs(activations.gelu_tanh(pre))))
-    (g, g_t, g_amax, db), (ref_g, _, ref_g_amax, ref_db) = bwd("interpret"), bwd("xla")
+    (g, g_t, g_amax, db, a_t), (ref_g, _, ref_g_amax, ref_db, ref_a_t) = (
+        bwd("interpret"),
+        bwd("xla"),
+    )
     np.testing.assert_array_equal(_bits(g), _bits(ref_g))
     np.testing.assert_array_equal(_bits(g_t), _bits(g).T)
+    # The rebuilt wo input is the forward cast's, bit for bit, from either implementation.
+    np.testing.assert_array_equal(_bits(a_t), _bits(q_t))
+    np.testing.assert_array_equal(_bits(ref_a_t), _bits(q_t))
     assert float(g_amax) == float(ref_g_amax) > 0
     d = activations.gelu_tanh_grad(pre) * (da.astype(jnp.float32) * 0.02)
     np.testing.assert_allclose(db, jnp.sum(d, axis=0), rtol=1e-5, atol=1e-4)

@@ -50,7 +50,8 @@ def test_act_grad_kernel_matches_xla_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_affine_prologues_match_xla_bit_for_bit(dtype):
-    """``affine=(alpha, bias)``: the casts rebuild ``pre = h_raw * alpha + bias`` in f32 first."""
+    """``affine=(alpha, bias)``: the casts rebuild ``pre = h_raw * alpha + bias`` in f32 first;
+    the GELU' pass's ``act_scale`` output is the forward cast's E4M3 ``act(pre)``, transposed."""
     rng = np.random.default_rng(2)
     h_raw = jnp.asarray(rng.standard_normal((64, 256)) * 300, dtype)  # [M, F] scaled GEMM output
     da = jnp.asarray(rng.standard_normal((64, 256)) * 50, jnp.bfloat16)

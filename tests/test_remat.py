@@ -360,6 +360,53 @@ def test_activations_saveable_gradients(style, cast, fuse_mlp, policy):
         )
 
 
+def fp8_kernel_outputs(f, *args) -> list[tuple[str, ...]]:
+    """The output dtypes of every Pallas call in the jaxpr of ``grad(sum(f(*args)[0]))``."""
+
+    def loss(*a):
+        return jnp.sum(f(*a)[0].astype(jnp.float32))
+
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append(tuple(str(v.aval.dtype) for v in eqn.outvars))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(args)))))(*args).jaxpr)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "policy,x_rebuilt,w_rebuilt",
+    [("none", 0, 0), ("activations_saveable", 4, 5), ("activations_and_weights_saveable", 4, 0)],
+)
+def test_remat_policies_cast_each_operand_once_per_layout(policy, x_rebuilt, w_rebuilt):
+    """GPT block at O1 with the fused casts: under 'activations_saveable' no E4M3 cast writes
+    both layouts (each forward cast the one its GEMM reads), and the backward casts x for the
+    four GEMMs whose input it rebuilds (q, kv, o, wi: wo's comes out of the GELU' pass) and the
+    five weights again, one layout each and without an amax. Keeping the weights' copies
+    ('activations_and_weights_saveable') leaves only x's; without remat nothing is cast twice."""
+    cfg, params, _, x, _ = block_setup("O1")
+    cfg = dataclasses.replace(cfg, cast_kernel="interpret")
+    calls = fp8_kernel_outputs(block_fn("O1", policy, "gpt", cfg), params, x)
+    e4m3 = [c for c in calls if set(c) <= {"float8_e4m3fn", "float32"} and "float8_e4m3fn" in c]
+    both = [c for c in e4m3 if c.count("float8_e4m3fn") == 2]
+    again = [c for c in e4m3 if c == ("float8_e4m3fn",)]  # one layout, no amax
+    assert len(again) == x_rebuilt + w_rebuilt, calls
+    if policy == "none":
+        assert both and len(both) == len(e4m3), calls
+    elif policy == "activations_saveable":
+        assert both == [], calls
+    else:  # the weights' forward casts keep dgrad's layout too
+        assert both, calls
+
+
 def activations(res) -> list[tuple]:
     """The residuals with a token axis first ([B, L, ...] or [B * L, ...]): not the weights."""
     return [(d, s) for d, s in res if len(s) >= 2 and s[0] in (B, B * L)]

@@ -122,6 +122,24 @@ def test_unaligned_shapes_are_padded_to_16_before_the_fp8_gemm():
     assert MIN_ERR < rel_err(dw, dw_ref) < GRAD_TOL
 
 
+@pytest.mark.parametrize("cast", ["xla", "interpret"])
+def test_gemm_operand_formats(cast):
+    """E4M3 for x and w, E5M2 for dy, whichever path quantizes (XLA's casts or the fused
+    kernel): the forward GEMM is E4M3 x E4M3, dgrad E5M2 x E4M3, wgrad E4M3 x E5M2."""
+    x, w, r = _inputs(5, (32, 64), (64, 48), (32, 48))
+
+    def step(x, w, r, meta):
+        def loss(x, w):
+            return jnp.sum(dot.dot_general(x, w, DENSE, meta, cast_kernel=cast)[0] * r)
+
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    report = coverage_report(jax.jit(step), x, w, r, fp8jax.init_meta(), compile=False)
+    pairs = sorted((e.lhs_dtype, e.rhs_dtype) for e in report.entries)
+    e4, e5 = "f8E4M3FN", "f8E5M2"
+    assert pairs == sorted([(e4, e4), (e5, e4), (e4, e5)]), str(report)
+
+
 def test_state_records_exact_amax_and_chained_uses_take_the_max():
     x1, w, r1 = _inputs(3, (8, 16), (16, 4), (8, 4))
     x2, _, r2 = _inputs(4, (8, 16), (16, 4), (8, 4))

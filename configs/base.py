@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
     # to GPT's GELU MLP with fuse_activation, delayed scaling and the fused casts; ignored
     # elsewhere (LLaMA).
     f.fuse_mlp = True  # False: the MLP as two FP8 matmuls, autodiff between them
+    # The fused Q/K/V projection (model.fused_qkv) as one custom VJP: the backward casts dq, dk
+    # and dv to E5M2 in their places, never writing them side by side in bf16 first
+    # (fp8jax/ops/qkv.py). Applies with delayed scaling and the fused casts; ignored elsewhere.
+    f.fuse_qkv = True  # False: one FP8 matmul, its output sliced, autodiff concatenating back
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)

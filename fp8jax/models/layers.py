@@ -26,6 +26,7 @@ from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import attention as fp8_attention
 from fp8jax.ops import mlp as fp8_mlp
+from fp8jax.ops import qkv as fp8_qkv
 from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
@@ -84,6 +85,13 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     recipe_fuses = scaling.is_delayed(cfg.recipe) or scaling.is_fine(cfg.recipe)
     fusable = cfg.cast_kernel != "xla" and recipe_fuses and cfg.style == "gpt"
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
+
+
+def fuses_qkv(cfg: ModelConfig) -> bool:
+    """Whether the fused Q/K/V projection runs as one FP8 custom VJP (``fp8jax.ops.qkv``,
+    ``fp8.fuse_qkv``): delayed scaling and the fused cast kernels only, as ``fuses_mlp``."""
+    fusable = cfg.cast_kernel != "xla" and scaling.is_delayed(cfg.recipe)
+    return cfg.fused_qkv and cfg.fuse_qkv and cfg.fp8_impl == "fp8jax" and fusable
 
 
 def recomputes_elementwise(cfg: ModelConfig) -> bool:
@@ -249,6 +257,21 @@ class Attention(nn.Module):
         # each shard's queries with their keys (the flattened GEMM axis stays contiguous).
         names = ("embed", "kv_heads", None, "head_dim")
         bias = c.use_bias or c.qkv_bias
+        # The FP8 health step (FP8_STATS) takes the DenseGeneral path: same forward, same paths.
+        if fuses_qkv(c) and not self.is_mutable_collection(FP8_STATS):
+            shape = (c.d_model, k, g + 2, h)
+            qkv = _FusedLinear(c, shape, names, INIT_STD, use_bias=bias, name="qkv")
+            w_DxKxG2xH, meta = qkv.Fp8DotGeneral_0(x_BxLxD, qkv.kernel)
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, meta = fp8_qkv.qkv_projection(
+                x_BxLxD.astype(c.dtype),
+                w_DxKxG2xH,  # as stored: the cast reads f32 masters directly
+                qkv.bias,
+                meta,
+                c.cast_kernel,
+                rebuilds_operands(c),
+            )
+            qkv.Fp8DotGeneral_0.write(meta)
+            return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
         qkv_BxLxKxG2xH = dense(c, (k, g + 2, h), names, name="qkv", use_bias=bias)(x_BxLxD)
         batch, length = x_BxLxD.shape[:2]
         q_BxLxNxH = qkv_BxLxKxG2xH[:, :, :, :g].reshape(batch, length, k * g, h)
@@ -290,8 +313,8 @@ class Mlp(nn.Module):
     def _fused(self, x_BxLxD):
         """``fp8jax.ops.mlp.gelu_mlp`` on wi's and wo's params and FP8 state."""
         c = self.cfg
-        wi = _MlpLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
-        wo = _MlpLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")
+        wi = _FusedLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
+        wo = _FusedLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")
         x_BxLxD = x_BxLxD.astype(c.dtype)
         # Kernels and bias as stored: the casts read f32 masters directly (no bf16 copy).
         w1_DxF, meta1 = wi.Fp8DotGeneral_0(x_BxLxD, wi.kernel)
@@ -313,19 +336,30 @@ class Mlp(nn.Module):
         return y_BxLxD + jnp.asarray(wo.bias, c.dtype)
 
 
-class _MlpLinear(nn.Module):
-    """``nn.DenseGeneral``'s kernel, bias and FP8 state at its paths, for the fused MLP."""
+class _FusedLinear(nn.Module):
+    """``nn.DenseGeneral``'s kernel, bias and FP8 state at its paths, for a fused op (the MLP,
+    the Q/K/V projection) that runs the matmul itself."""
 
     cfg: ModelConfig
-    shape: tuple[int, int]  # [in, out]
-    names: tuple[str, str]  # logical axes of the kernel
+    shape: tuple[int, ...]  # [in, *features]
+    names: tuple[str | None, ...]  # logical axes of the kernel
     std: float
+    use_bias: bool = True
 
     def setup(self):
         c = self.cfg
-        init_k, init_b = normal_init(self.names, self.std), bias_init(self.names[-1:])
-        self.kernel = self.param("kernel", init_k, self.shape, c.param_dtype)
-        self.bias = self.param("bias", init_b, self.shape[-1:], c.param_dtype)
+        # Initialised as nn.DenseGeneral does: [in, prod(features)], then reshaped.
+        flat = (self.shape[0], math.prod(self.shape[1:]))
+
+        def init_kernel(key, shape, dtype):
+            boxed = normal_init(self.names, self.std)(key, flat, dtype)
+            return nn.meta.replace_boxed(boxed, boxed.unbox().reshape(shape))
+
+        self.kernel = self.param("kernel", init_kernel, self.shape, c.param_dtype)
+        self.bias = None
+        if self.use_bias:
+            init_b = bias_init(self.names[1:])
+            self.bias = self.param("bias", init_b, self.shape[1:], c.param_dtype)
         self.Fp8DotGeneral_0 = Fp8Meta(c.recipe, cast_kernel=c.cast_kernel)
 
 

@@ -3,7 +3,8 @@
     PYTHONUNBUFFERED=1 python -m benchmarks.act_kernels --out "$OUT"
 
 On gpt_1b3's MLP tensors ([16384, 8192] bf16, batch 8 x 2048), times three Pallas kernels at
-each (block rows, block columns, warps) tuning, 10 calls inside one program (no dispatch):
+each tuning (block rows and columns, warps, stages, which block is transposed), 10 calls inside
+one program (no dispatch):
 ``fwd`` the forward's cast of wo's input (``kernels.cast_transpose`` with the GELU prologue
 and the affine unscale and bias, both E4M3 layouts and the amax); ``grad`` the backward's
 ``act_kernels.act_grad_cast_transpose`` (GELU', wi's E5M2 gradient in both layouts, amax and
@@ -27,10 +28,14 @@ from benchmarks import runner
 from fp8jax.ops import act_kernels, formats, kernels
 
 SHAPE = (16384, 8192)  # gpt_1b3's [tokens, d_ff]
-# (block rows, block columns, warps): the defaults (64 x 64 for these passes, 64 x 128 for the
-# others) first.
-TUNINGS = [(64, 64, 4), (64, 128, 4), (64, 64, 8), (64, 128, 8), (32, 64, 4), (32, 128, 4),
-           (128, 64, 4), (128, 64, 8), (64, 32, 4), (64, 64, 2)]  # fmt: skip
+# (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one):
+# the defaults (64 x 64 for these passes, 64 x 128 for the others; 1 stage, f32 transposed)
+# first.
+TUNINGS = [(64, 64, 4, 1, False), (64, 128, 4, 1, False), (64, 64, 8, 1, False),
+           (64, 128, 8, 1, False), (32, 64, 4, 1, False), (32, 128, 4, 1, False),
+           (128, 64, 4, 1, False), (128, 64, 8, 1, False), (64, 32, 4, 1, False),
+           (64, 64, 2, 1, False), (64, 64, 4, 1, True), (64, 64, 4, 2, False),
+           (64, 64, 4, 2, True), (128, 64, 8, 1, True)]  # fmt: skip
 REPS = 10
 
 
@@ -72,26 +77,28 @@ def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
     pending = jnp.zeros((4,), jnp.float32)
     rows, refs = [], {}
     for kernel in ("fwd", "grad", "grad+act"):
-        for bm, bk, warps in tunings:
+        for bm, bk, warps, stages, cast_first in tunings:
+            knobs = dict(num_warps=warps, num_stages=stages, cast_first=cast_first)
             if kernel == "fwd":
 
-                def fn(pre, da, s, bm=bm, bk=bk, warps=warps):
+                def fn(pre, da, s, bm=bm, bk=bk, knobs=knobs):
                     return kernels.pallas_cast_transpose(
-                        pre, s, e4m3, bm, bk, interpret, num_warps=warps, prologue="gelu_tanh",
-                        affine=affine,
+                        pre, s, e4m3, bm, bk, interpret, prologue="gelu_tanh", affine=affine,
+                        **knobs,
                     )  # fmt: skip
 
                 scale = s_act
             else:
 
-                def fn(pre, da, s, bm=bm, bk=bk, warps=warps, act=kernel == "grad+act"):
+                def fn(pre, da, s, bm=bm, bk=bk, knobs=knobs, act=kernel == "grad+act"):
                     return act_kernels.pallas_act_grad_cast_transpose(
                         pre, da, inv, s, e5m2, "gelu_tanh", bm, bk, interpret, pending, affine,
-                        s_act if act else None, num_warps=warps,
+                        s_act if act else None, **knobs,
                     )  # fmt: skip
 
                 scale = jnp.float32(4.0)
-            row = {"kernel": kernel, "tuning": f"{bm}x{bk}, {warps} warps"}
+            tuning = f"{bm}x{bk}, {warps} warps, {stages} stage{'s' * (stages > 1)}"
+            row = {"kernel": kernel, "tuning": tuning + (", FP8 transposed" if cast_first else "")}
             try:
                 out = [
                     _bits(o) if o.dtype.itemsize == 1 else None for o in jax.jit(fn)(pre, da, scale)

@@ -24,6 +24,7 @@ KEPT = [
     "gemm",
     "cast_transpose",
     "act_kernels",
+    "qkv_cast",
     "step",
     "kernel_profile",
     "parity",
@@ -526,6 +527,16 @@ def test_act_kernels_checks_each_tuning_and_the_rebuilt_input():
     assert [r["kernel"] for r in rows] == ["fwd"] * 2 + ["grad"] * 2 + ["grad+act"] * 2
     assert all(r["same_bits"] and r["us"] > 0 and "error" not in r for r in rows), rows
     assert all(r["same_as_fwd"] for r in rows if r["kernel"] == "grad+act")
+
+
+def test_qkv_cast_checks_the_parts_against_the_concatenation():
+    """benchmarks.qkv_cast on small shapes through the interpreter: the parts cast in place
+    give the concatenation's cast bit for bit, and its column sums."""
+    from benchmarks import qkv_cast
+
+    rows = qkv_cast.measure(64, (2, 2, 32), 1, True)
+    assert [r["cast"] for r in rows] == ["parts in place", "concatenate + cast"]
+    assert all(r["same_bits"] and r["us"] > 0 and r["sums_rel"] < 1e-6 for r in rows), rows
 
 
 def test_cast_transpose_loop_times_xla_amax_inside_the_loop():

@@ -109,6 +109,31 @@ def set_field(config, field: str, value) -> None:
         target[key] = value
 
 
+def pallas_calls(jaxpr) -> list:
+    """Every ``pallas_call`` equation of a jaxpr, nested ones (jit, scan, custom VJPs)
+    included, in program order."""
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append(eqn)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jaxpr)
+    return calls
+
+
+def pallas_name(eqn) -> str:
+    """A ``pallas_call`` equation's kernel name (``name=`` of the call)."""
+    name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
+    return getattr(name, "name", name)  # a NameAndSrcInfo in some jax versions
+
+
 @pytest.fixture(autouse=True, scope="module")
 def fast_compiles():
     """Most XLA optimisations off in a test module that imports this: compiles dominate there,

@@ -13,6 +13,8 @@ from fp8jax.ops import formats, qkv, scaling
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
+from fp8_testing import pallas_calls, pallas_name
+
 
 def _bits(x) -> np.ndarray:
     return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
@@ -162,25 +164,6 @@ def test_fused_qkv_equals_one_fp8_matmul(style, dtype, policy):
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def _pallas_names(f, *args) -> list[str]:
-    """The names of the Pallas calls in ``f``'s jaxpr, nested ones included."""
-    names = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
-                names.append(getattr(name, "name", name))  # a NameAndSrcInfo in older jax
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return names
-
-
 @pytest.mark.parametrize("fuse_qkv", [True, False])
 def test_fused_qkv_backward_casts_the_three_parts_in_place(fuse_qkv):
     """The backward pass casts dq, dk and dv with one parts kernel each, and the plain path's
@@ -189,7 +172,8 @@ def test_fused_qkv_backward_casts_the_three_parts_in_place(fuse_qkv):
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 128, jnp.int32)
     model = models.build_model(spec.parse(config).model)
     variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), tok))
-    names = _pallas_names(lambda v: _grads(config, v, tok), variables)
+    jaxpr = jax.make_jaxpr(lambda v: _grads(config, v, tok))(variables).jaxpr
+    names = [pallas_name(eqn) for eqn in pallas_calls(jaxpr)]
     assert names.count("fp8_cast_transpose_parts") == (3 if fuse_qkv else 0)
     # Forward: x, w of qkv, o, wi and wo's casts; backward: dy of wo, o and (plain) qkv's.
     assert names.count("fp8_cast_transpose") == 8 + 2 + (0 if fuse_qkv else 1)

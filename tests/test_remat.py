@@ -27,6 +27,7 @@ from fp8jax.trainer import spec
 from fp8_testing import (
     ROOT,
     fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
+    pallas_calls,
 )
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -366,20 +367,8 @@ def fp8_kernel_outputs(f, *args) -> list[tuple[str, ...]]:
     def loss(*a):
         return jnp.sum(f(*a)[0].astype(jnp.float32))
 
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                calls.append(tuple(str(v.aval.dtype) for v in eqn.outvars))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(args)))))(*args).jaxpr)
-    return calls
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(args)))))(*args).jaxpr
+    return [tuple(str(v.aval.dtype) for v in eqn.outvars) for eqn in pallas_calls(jaxpr)]
 
 
 @pytest.mark.parametrize(

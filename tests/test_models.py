@@ -354,7 +354,7 @@ def test_packed_examples_equal_each_alone(style, scan):
 def test_rope_frequencies_follow_llama3_scaling():
     """The scaled inverse frequencies against a direct evaluation of Llama 3's rule."""
     from fp8jax.models.config import RopeScaling
-    from fp8jax.models.layers import rope_frequencies
+    from fp8jax.models.rope import rope_frequencies
 
     s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=64)
     half, theta = 16, 500_000.0

@@ -5,8 +5,10 @@ H head dim, F MLP hidden width, 2 a fused pair (key/value, or SwiGLU gate/up).
 
 FP8: every block linear is an ``nn.DenseGeneral`` whose ``dot_general_cls`` is the FP8 core
 when ``cfg.recipe`` is set (O1-O3): E4M3 x and W forward, E5M2 dy backward, per-tensor scales
-in the ``fp8_state`` collection. Norms, RoPE, softmax and residual adds stay in ``cfg.dtype``
-(reductions in f32), since FP8-LM converts only the matmul weights of linear layers.
+in the ``fp8_state`` collection; GPT's MLP (``ops.mlp``) and the fused Q/K/V projection
+(``ops.qkv``) run as one custom VJP each on the same params and state. Norms, RoPE, softmax and
+residual adds stay in ``cfg.dtype`` (reductions in f32), since FP8-LM converts only the matmul
+weights of linear layers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.models import decode
-from fp8jax.models.config import ModelConfig, RopeScaling
+from fp8jax.models.config import ModelConfig
+from fp8jax.models.rope import rope
 from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import attention as fp8_attention
@@ -160,39 +163,6 @@ def norm(cfg: ModelConfig, name: str) -> nn.Module:
     if cfg.style == "gpt":
         return wrap(nn.LayerNorm)(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
     return wrap(nn.RMSNorm)(scale_init=scale_init, **common)
-
-
-def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """RoPE's ``half`` inverse frequencies ``theta**(-i/half)``, Llama 3-scaled if ``scaling``."""
-    inv_freq_H2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if scaling is None:
-        return inv_freq_H2
-    s = scaling
-    wavelen_H2 = 2 * math.pi / inv_freq_H2
-    # 0 where the wavelength is long (fully slowed), 1 where short (kept), linear in between.
-    smooth_H2 = (s.original_max_len / wavelen_H2 - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smooth_H2 = jnp.clip(smooth_H2, 0.0, 1.0)
-    return (1 - smooth_H2) * inv_freq_H2 / s.factor + smooth_H2 * inv_freq_H2
-
-
-def rope(
-    x_BxLxNxH: jax.Array,
-    positions_BxL: jax.Array,
-    theta: float,
-    scaling: RopeScaling | None = None,
-) -> jax.Array:
-    """Rotary position embedding, rotate-half layout (pairs dimension i with i + H/2)."""
-    half = x_BxLxNxH.shape[-1] // 2
-    inv_freq_H2 = rope_frequencies(half, theta, scaling)
-    angle_BxLxH2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_H2
-    sin = jnp.sin(angle_BxLxH2)[:, :, None, :]  # [B, L, 1, H/2]
-    cos = jnp.cos(angle_BxLxH2)[:, :, None, :]
-    # Rotate in f32: bf16 angles lose the position for long sequences.
-    x1, x2 = jnp.split(x_BxLxNxH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxNxH.dtype)
 
 
 def segment_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:

@@ -109,6 +109,44 @@ def set_field(config, field: str, value) -> None:
         target[key] = value
 
 
+def lm_grads(config, variables, tok):
+    """``((loss, new fp8_state), (param grads, fp8_state cotangents))`` of ``config``'s model:
+    next-token cross entropy on ``tok`` [B, L], jitted."""
+    from fp8jax import FP8, models
+    from fp8jax.trainer import spec
+
+    model = models.build_model(spec.parse(config).model)
+
+    def loss(params, fp8):
+        logits, mutated = model.apply({"params": params, FP8: fp8}, tok, mutable=[FP8])
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)), mutated[FP8]
+
+    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    return jax.jit(grad_fn)(variables["params"], variables[FP8])
+
+
+def same_step_grads(fused, plain, tok):
+    """Two configs of one model (a fused op on and off): asserts the same params (paths and
+    initial values), loss, new FP8 state and FP8 cotangents; returns both param grads."""
+    from flax import linen as nn
+
+    from fp8jax import models
+    from fp8jax.trainer import spec
+
+    fused_model, plain_model = (models.build_model(spec.parse(c).model) for c in (fused, plain))
+    variables = nn.unbox(jax.jit(fused_model.init)(jax.random.key(0), tok))
+    plain_vars = nn.unbox(jax.jit(plain_model.init)(jax.random.key(0), tok))
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain_vars), strict=True):
+        np.testing.assert_array_equal(a, b)
+    (loss_f, fp8_f), (g_f, gm_f) = lm_grads(fused, variables, tok)
+    (loss_p, fp8_p), (g_p, gm_p) = lm_grads(plain, variables, tok)
+    assert float(loss_f) == float(loss_p)
+    for a, b in zip(jax.tree.leaves((fp8_f, gm_f)), jax.tree.leaves((fp8_p, gm_p)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    return g_f, g_p
+
+
 def pallas_calls(jaxpr) -> list:
     """Every ``pallas_call`` equation of a jaxpr, nested ones (jit, scan, custom VJPs)
     included, in program order."""

@@ -14,6 +14,8 @@ from fp8jax.ops import block_cast, cast_source, mlp, scaling
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
+from fp8_testing import lm_grads
+
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
 M, F = 64, 256
@@ -93,20 +95,6 @@ def _tiny(fuse_mlp: bool, recipe: str, kernel="interpret"):
     return c
 
 
-def _grads(config, variables, tok):
-    model = models.build_model(spec.parse(config).model)
-
-    def loss(params, fp8):
-        variables = {"params": params, "fp8_state": fp8}
-        logits, mutated = model.apply(variables, tok, mutable=["fp8_state"])
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        nll = -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1))
-        return nll, mutated["fp8_state"]
-
-    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    return jax.jit(grad_fn)(variables["params"], variables["fp8_state"])
-
-
 @pytest.mark.parametrize("recipe", ["rowwise", "block"])
 def test_fused_fine_mlp_equals_two_fine_matmuls_in_f32(recipe):
     """Same loss and FP8 state as wi and wo as two ``fine_matmul`` calls (the GELU as wo's
@@ -119,8 +107,8 @@ def test_fused_fine_mlp_equals_two_fine_matmuls_in_f32(recipe):
     variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), tok))
     wi = variables["params"]["blocks"]["mlp"]["wi"]  # a bias that matters (it starts at zero)
     wi["bias"] = jax.random.normal(jax.random.key(1), wi["bias"].shape, wi["bias"].dtype)
-    (loss_f, fp8_f), (g_f, gm_f) = _grads(fused, variables, tok)
-    (loss_p, fp8_p), (g_p, gm_p) = _grads(plain, variables, tok)
+    (loss_f, fp8_f), (g_f, gm_f) = lm_grads(fused, variables, tok)
+    (loss_p, fp8_p), (g_p, gm_p) = lm_grads(plain, variables, tok)
     assert float(loss_f) == float(loss_p)
     for a, b in zip(jax.tree.leaves(fp8_f), jax.tree.leaves(fp8_p), strict=True):
         np.testing.assert_array_equal(a, b)

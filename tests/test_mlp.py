@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 
 import fp8jax
-from fp8jax import FP8, models
 from fp8jax.ops import act_kernels, activations, dot, kernels, mlp
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
+
+from fp8_testing import same_step_grads
 
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
@@ -99,32 +99,11 @@ def _tiny(fuse_mlp, dtype, kernel="interpret", level="O1"):
     return c
 
 
-def _grads(config, variables, tok):
-    model = models.build_model(spec.parse(config).model)
-
-    def loss(params, fp8):
-        logits, mutated = model.apply({"params": params, FP8: fp8}, tok, mutable=[FP8])
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)), mutated[FP8]
-
-    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    return jax.jit(grad_fn)(variables["params"], variables[FP8])
-
-
 def test_fused_mlp_equals_two_fp8_matmuls_in_f32(kernel="interpret"):
     """Same params, loss, new scale state and FP8 cotangents; grads to f32 rounding."""
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 128, jnp.int32)
     fused, plain = _tiny(True, "float32", kernel), _tiny(False, "float32", kernel)
-    fused_model, plain_model = (models.build_model(spec.parse(c).model) for c in (fused, plain))
-    variables = nn.unbox(jax.jit(fused_model.init)(jax.random.key(0), tok))
-    plain_vars = nn.unbox(jax.jit(plain_model.init)(jax.random.key(0), tok))
-    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain_vars), strict=True):
-        np.testing.assert_array_equal(a, b)  # the same paths and initial values
-    (loss_f, fp8_f), (g_f, gm_f) = _grads(fused, variables, tok)
-    (loss_p, fp8_p), (g_p, gm_p) = _grads(plain, variables, tok)
-    assert float(loss_f) == float(loss_p)
-    for a, b in zip(jax.tree.leaves((fp8_f, gm_f)), jax.tree.leaves((fp8_p, gm_p)), strict=True):
-        np.testing.assert_array_equal(a, b)
+    g_f, g_p = same_step_grads(fused, plain, tok)
     pairs = zip(jax.tree_util.tree_leaves_with_path(g_f), jax.tree.leaves(g_p), strict=True)
     for (path, a), b in pairs:
         rel = np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import FP8, models
+from fp8jax import models
 from fp8jax.ops import formats, qkv, scaling
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
-from fp8_testing import pallas_calls, pallas_name
+from fp8_testing import lm_grads, pallas_calls, pallas_name, same_step_grads
 
 
 def _bits(x) -> np.ndarray:
@@ -110,18 +110,6 @@ def _tiny(style, fuse_qkv, dtype, kernel="interpret", policy="none"):
     return c
 
 
-def _grads(config, variables, tok):
-    model = models.build_model(spec.parse(config).model)
-
-    def loss(params, fp8):
-        logits, mutated = model.apply({"params": params, FP8: fp8}, tok, mutable=[FP8])
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)), mutated[FP8]
-
-    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    return jax.jit(grad_fn)(variables["params"], variables[FP8])
-
-
 @pytest.mark.parametrize(
     "style,dtype,policy",
     [
@@ -140,16 +128,7 @@ def test_fused_qkv_equals_one_fp8_matmul(style, dtype, policy):
         _tiny(style, True, dtype, policy=policy),
         _tiny(style, False, dtype, policy=policy),
     )
-    fused_model, plain_model = (models.build_model(spec.parse(c).model) for c in (fused, plain))
-    variables = nn.unbox(jax.jit(fused_model.init)(jax.random.key(0), tok))
-    plain_vars = nn.unbox(jax.jit(plain_model.init)(jax.random.key(0), tok))
-    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain_vars), strict=True):
-        np.testing.assert_array_equal(a, b)  # the same paths and initial values
-    (loss_f, fp8_f), (g_f, gm_f) = _grads(fused, variables, tok)
-    (loss_p, fp8_p), (g_p, gm_p) = _grads(plain, variables, tok)
-    assert float(loss_f) == float(loss_p)
-    for a, b in zip(jax.tree.leaves((fp8_f, gm_f)), jax.tree.leaves((fp8_p, gm_p)), strict=True):
-        np.testing.assert_array_equal(a, b)
+    g_f, g_p = same_step_grads(fused, plain, tok)
     # The sliced path sums the bias gradient in the compute dtype: in bf16, 2**-5 of its norm
     # bounds that sum's rounding over these 32 tokens (measured: 0.006); f32 sums agree to 1e-6.
     bias_rtol = 1e-6 if dtype == "float32" else 2.0**-5
@@ -172,7 +151,7 @@ def test_fused_qkv_backward_casts_the_three_parts_in_place(fuse_qkv):
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 128, jnp.int32)
     model = models.build_model(spec.parse(config).model)
     variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), tok))
-    jaxpr = jax.make_jaxpr(lambda v: _grads(config, v, tok))(variables).jaxpr
+    jaxpr = jax.make_jaxpr(lambda v: lm_grads(config, v, tok))(variables).jaxpr
     names = [pallas_name(eqn) for eqn in pallas_calls(jaxpr)]
     assert names.count("fp8_cast_transpose_parts") == (3 if fuse_qkv else 0)
     # Forward: x, w of qkv, o, wi and wo's casts; backward: dy of wo, o and (plain) qkv's.

@@ -16,15 +16,13 @@ check, not a timing). Writes ``act_kernels.json``.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import runner
+from benchmarks import common, runner
 from fp8jax.ops import act_kernels, formats, kernels
 
 SHAPE = (16384, 8192)  # gpt_1b3's [tokens, d_ff]
@@ -41,29 +39,6 @@ REPS = 10
 
 def _bits(t) -> np.ndarray:
     return np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
-
-
-def _per_call_us(fn, args, iters: int) -> float:
-    """Microseconds per call of ``fn`` run ``REPS`` times in one program, each call's scale
-    depending on the last call's amax (so XLA neither hoists nor merges the calls)."""
-
-    def many(*args):
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
-
-        def body(_, carry):
-            s = jnp.where(jnp.ravel(carry[2])[0] >= -1.0, args[-1], -args[-1])
-            return fn(*args[:-1], s)
-
-        return jax.lax.fori_loop(0, REPS, body, zeros)
-
-    run = jax.jit(many)
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / REPS * 1e6
 
 
 def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
@@ -109,7 +84,7 @@ def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
                 )
                 if kernel == "grad+act":  # the rebuilt wo input against the forward's
                     row["same_as_fwd"] = bool(np.array_equal(out[-1], refs["fwd"][1]))
-                row["us"] = _per_call_us(fn, (pre, da, scale), iters)
+                row["us"] = common.per_call_us(fn, (pre, da, scale), iters, REPS)
             except Exception as e:  # a tuning that does not compile (registers, shared memory)
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(row, flush=True)

@@ -142,6 +142,32 @@ def time_calls(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[f
     return statistics.median(times), times
 
 
+def per_call_us(fn, args, iters: int, reps: int = 10) -> float:
+    """Microseconds per call of ``fn(*args)`` run ``reps`` times in one program (no host
+    dispatch), median of ``iters`` runs. Each call's last argument (a scale) depends on the
+    previous call's third output (an amax or history), so XLA neither hoists nor merges them."""
+    import jax
+    import jax.numpy as jnp
+
+    def many(*args):
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
+
+        def body(_, carry):
+            s = jnp.where(jnp.ravel(carry[2])[0] >= -1.0, args[-1], -args[-1])  # always args[-1]
+            return fn(*args[:-1], s)
+
+        return jax.lax.fori_loop(0, reps, body, zeros)
+
+    run = jax.jit(many)
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) / reps * 1e6
+
+
 def save_hlo(out: str, run: str, text: str) -> str:
     """Write a compiled step's HLO, gzipped, as ``<out>/hlo_<run>.txt.gz``; return the path."""
     path = os.path.join(out, f"hlo_{runner.safe_name(run)}.txt.gz")

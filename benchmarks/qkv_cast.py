@@ -14,15 +14,13 @@ small shapes through Pallas' interpreter (a CPU check, not a timing). Writes ``q
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import runner
+from benchmarks import common, runner
 from fp8jax.ops import kernels, qkv
 
 TOKENS, HEADS = 16384, (16, 1, 128)  # gpt_1b3: batch 8 x 2048; 16 heads of 128 (MHA)
@@ -30,42 +28,19 @@ REPS = 10
 
 
 def _casts(heads, impl: str):
-    """``{name: fn(parts, scale, pending) -> (q, q.T, history, column sums)}``."""
+    """``{name: fn(parts, pending, scale) -> (q, q.T, history, column sums)}``."""
     kv, g, h = heads
 
-    def parts(p, s, pending):
+    def parts(p, pending, s):
         return qkv.cast_transpose_parts(p, heads, s, "e5m2", impl, pending, sums=True)
 
-    def concatenated(p, s, pending):
+    def concatenated(p, pending, s):
         m = p[0].shape[0]
         g_MxC = jnp.concatenate([x.reshape(m, kv, -1, h) for x in p], axis=2).reshape(m, -1)
         q, q_t, hist = kernels.cast_transpose(g_MxC, s, "e5m2", impl, pending=pending)
         return q, q_t, hist, jnp.sum(g_MxC.astype(jnp.float32), axis=0)
 
     return {"parts in place": parts, "concatenate + cast": concatenated}
-
-
-def _per_call_us(fn, args, iters: int) -> float:
-    parts, scale, pending = args
-
-    def many(parts, scale):
-        def body(_, carry):
-            s = jnp.where(carry[2][0] >= -1.0, scale, -scale)  # always scale, not provably
-            return fn(parts, s, pending)
-
-        zeros = jax.tree.map(
-            lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, parts, scale, pending)
-        )
-        return jax.lax.fori_loop(0, REPS, body, zeros)
-
-    run = jax.jit(many)
-    jax.block_until_ready(run(parts, scale))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(run(parts, scale))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / REPS * 1e6
 
 
 def measure(tokens: int, heads, iters: int, interpret: bool) -> list[dict]:
@@ -76,7 +51,7 @@ def measure(tokens: int, heads, iters: int, interpret: bool) -> list[dict]:
         jnp.asarray(rng.standard_normal((tokens, kv * n * h)) * (i + 1), jnp.bfloat16)
         for i, n in enumerate((g, 1, 1))
     ]
-    args = (parts, jnp.float32(2.0**10), jnp.zeros((16,), jnp.float32))
+    args = (parts, jnp.zeros((16,), jnp.float32), jnp.float32(2.0**10))
     bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
     rows, ref = [], None
     for name, fn in _casts(heads, "interpret" if interpret else "pallas").items():
@@ -88,7 +63,7 @@ def measure(tokens: int, heads, iters: int, interpret: bool) -> list[dict]:
                 "cast": name,
                 "same_bits": bool(same and float(out[2][0]) == float(ref[2][0])),
                 "sums_rel": float(jnp.max(jnp.abs(out[3] - ref[3])) / jnp.max(jnp.abs(ref[3]))),
-                "us": _per_call_us(fn, args, iters),
+                "us": common.per_call_us(fn, args, iters, REPS),
             }
         )
         print(rows[-1], flush=True)

@@ -109,6 +109,12 @@ def set_field(config, field: str, value) -> None:
         target[key] = value
 
 
+def bits(x) -> np.ndarray:
+    """The bit patterns of ``x`` as unsigned integers of its width (FP8: uint8)."""
+    x = np.asarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
 def lm_grads(config, variables, tok):
     """``((loss, new fp8_state), (param grads, fp8_state cotangents))`` of ``config``'s model:
     next-token cross entropy on ``tok`` [B, L], jitted."""

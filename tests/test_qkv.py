@@ -13,11 +13,7 @@ from fp8jax.ops import formats, qkv, scaling
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
-from fp8_testing import lm_grads, pallas_calls, pallas_name, same_step_grads
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
+from fp8_testing import bits, lm_grads, pallas_calls, pallas_name, same_step_grads
 
 
 @pytest.mark.parametrize("heads", [(2, 3, 32), (4, 1, 16)])  # (kv heads, group, head dim)
@@ -51,8 +47,8 @@ def test_parts_kernel_writes_the_assembled_cast(heads, sums):
 
     for impl in ("interpret", "xla"):
         q, q_t, hist, col_sums = run(impl)
-        np.testing.assert_array_equal(_bits(q), _bits(ref_q), err_msg=impl)
-        np.testing.assert_array_equal(_bits(q_t), _bits(ref_q).T, err_msg=impl)
+        np.testing.assert_array_equal(bits(q), bits(ref_q), err_msg=impl)
+        np.testing.assert_array_equal(bits(q_t), bits(ref_q).T, err_msg=impl)
         assert float(hist[0]) == float(np.max(np.abs(want))), impl  # recorded into slot 0
         np.testing.assert_array_equal(hist[1:], 0.0)
         if sums:

@@ -366,8 +366,10 @@ def test_loop_skips_transient_nan_then_stops_after_k_bad_steps(corpus, tmp_path,
     """Injects NaN into the activations of steps 4-5, then of every step from 9 on (K=3).
 
     The loop logs the skipped steps and goes on after 4-5 (metrics.jsonl: NaN loss, bad_steps,
-    skipped_steps), then stops at step 11 with a one-line NonFiniteLossError naming the steps,
-    the checkpoint and the fix; that checkpoint holds the last good state (6 updates).
+    skipped_steps), then stops on reading step 11's metrics with a one-line NonFiniteLossError
+    naming the steps, the checkpoint and the fix. The loop reads a step's metrics once the next
+    is dispatched, so step 12 (also skipped) has run: the checkpoint is step 12's, the last good
+    state (6 updates, 6 skipped).
     """
     schedule = [(3, 5, "activation", NAN), (8, 99, "activation", NAN)]
     monkeypatch.setattr(step_lib, "make_train_step", faulty_steps(schedule))
@@ -376,13 +378,13 @@ def test_loop_skips_transient_nan_then_stops_after_k_bad_steps(corpus, tmp_path,
         train_lib.train_and_evaluate(c, str(tmp_path))
     msg = str(info.value)
     assert "\n" not in msg and "3 consecutive non-finite steps (9..11" in msg
-    assert "the last good state is checkpointed at step 11 in" in msg and "max_bad_steps" in msg
+    assert "the last good state is checkpointed at step 12 in" in msg and "max_bad_steps" in msg
     records = train_records(tmp_path)
     assert [r["bad_steps"] for r in records] == [0, 0, 0, 1, 2, 0, 0, 0, 1, 2, 3]
     assert [r["skipped_steps"] for r in records] == [0, 0, 0, 1, 2, 2, 2, 2, 3, 4, 5]
     assert [bool(np.isfinite(r["loss"])) for r in records] == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0]
     step, state, data = restore_latest(tmp_path, corpus)
-    assert step == data["step"] == 11 and (int(state.step), int(state.skipped)) == (6, 5)
+    assert step == data["step"] == 12 and (int(state.step), int(state.skipped)) == (6, 6)
     assert_scales_good(state.fp8)
 
 

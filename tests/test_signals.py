@@ -143,3 +143,37 @@ def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, t
     assert summary["step"] == 5
     assert "changed learning-rate schedule (num_train_steps 3 -> 5)" in caplog.text
     assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_loop_reads_a_step_after_dispatching_the_next(corpus, tmp_path, monkeypatch):
+    """With metrics logged every step, step N's are read (logged, checked for non-finite
+    values) only after step N + 1 is dispatched, so the device never idles on the host; a step
+    that waits for the device anyway (here the checkpoint at step 3) reports before the next."""
+    events = []
+    put = train_lib.sharding_lib.put_batch
+    train, check = metrics_lib.RunLog.train, metrics_lib.NonFiniteGuard.check
+
+    def logged(self, step, metrics):
+        events.append(("read", step))
+        return train(self, step, metrics)
+
+    def checked(self, step, metrics):
+        events.append(("read", step))
+        return check(self, step, metrics)
+
+    monkeypatch.setattr(
+        train_lib.sharding_lib, "put_batch", lambda *a: events.append(("put",)) or put(*a)
+    )
+    monkeypatch.setattr(metrics_lib.RunLog, "train", logged)
+    monkeypatch.setattr(metrics_lib.NonFiniteGuard, "check", checked)
+    steps = 6
+    config = small_config(
+        corpus, num_train_steps=steps, checkpoint_every_steps=3, fp8_stats_every_steps=1000,
+        sample_tokens=0,
+    )  # fmt: skip
+    train_lib.train_and_evaluate(config, str(tmp_path))
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, steps + 1))
+    for n in range(1, steps):
+        first_read = events.index(("read", n))
+        dispatched = events[:first_read].count(("put",))
+        assert dispatched == (n if n == 3 else n + 1), (n, events)

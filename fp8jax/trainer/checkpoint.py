@@ -57,6 +57,10 @@ class Checkpointer:
             steps = [s for s in steps if s != self._writing]
         return max(steps, default=None)
 
+    def due(self, step: int) -> bool:
+        """Whether a periodic save falls on ``step`` (``checkpoint_every_steps``)."""
+        return self.every > 0 and step % self.every == 0
+
     def save(
         self, step: int, state, data_state: dict, force: bool = False, wait: bool = False
     ) -> bool:
@@ -71,7 +75,7 @@ class Checkpointer:
         return saved
 
     def _start_save(self, step: int, state, data_state: dict, force: bool) -> bool:
-        if not force and (self.every <= 0 or step % self.every != 0):
+        if not force and not self.due(step):
             return False
         if step in self.manager.all_steps():
             return False

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from fp8jax import errors, models
 from fp8jax.models import decode
@@ -210,3 +212,13 @@ def generate(
     ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
     out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids)
     return [tokenizer.decode(o) for o in out]
+
+
+def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The ") -> str:
+    """``prompt`` and up to ``max_new_tokens`` sampled after it (temperature 0.8), logged with
+    its time: the text a training run ends with."""
+    n = min(max_new_tokens, model.cfg.max_len - len(tokenizer.encode(prompt)))
+    t0 = time.perf_counter()
+    (text,) = generate(model, state.params, state.fp8, tokenizer, [prompt], n, temperature=0.8)
+    logging.info("sample (%.1f s): %s", time.perf_counter() - t0, prompt + text)
+    return prompt + text

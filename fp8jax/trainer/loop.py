@@ -255,22 +255,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
             provenance.record_model(workdir, env.run.model)
             _record_schedule(workdir, run, step)
             state, summary = _train(env, ckpt, state, step, train_iter, eval_batches, preempt)
+            if step >= run.optim.num_train_steps:
+                logging.info("the run in %s already reached step %d", workdir, step)
+            elif run.loop.sample_tokens > 0 and "preempted_at" not in summary:
+                # While the last checkpoint is still being written in the background.
+                summary["sample"] = generate.end_sample(
+                    env.model, state, dataset.tokenizer, run.loop.sample_tokens
+                )
         finally:
             ckpt.close()
     summary_path = os.path.join(workdir, "summary.json")
     before = provenance.read_json(pathlib.Path(summary_path)) or {}
     before.pop("preempted_at", None)
-    if step >= run.optim.num_train_steps:  # restored a finished run: nothing trained
-        logging.info("the run in %s already reached step %d: nothing to train", workdir, step)
-    elif run.loop.sample_tokens > 0 and "preempted_at" not in summary:
-        prompt, tok = "The ", dataset.tokenizer
-        n = min(run.loop.sample_tokens, run.model.max_len - len(tok.encode(prompt)))
-        t0 = time.perf_counter()
-        (text,) = generate.generate(
-            env.model, state.params, state.fp8, tok, [prompt], n, temperature=0.8
-        )
-        summary["sample"] = prompt + text
-        logging.info("sample (%.1f s): %s", time.perf_counter() - t0, summary["sample"])
     summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
     provenance.write_json(pathlib.Path(summary_path), summary)
     return summary
@@ -353,32 +349,43 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
     tokens_per_step = run.optim.batch_size * run.optim.seq_len
     log = metrics_lib.RunLog(os.path.dirname(ckpt.directory), num_steps, tokens_per_step, step)
     guard = metrics_lib.NonFiniteGuard(loop.max_bad_steps)
-    pending = None  # (step, metrics) whose non-finite count is read one step late
+    fp8_stats = run.fp8.level.fp8_gemms
+
+    def report(done: int, metrics) -> None:
+        """Log step ``done``'s metrics if due and check its non-finite count (reads them)."""
+        if done % loop.log_every_steps == 0 or done == num_steps:
+            log.train(done, metrics)
+        guard.check(done, metrics)
+
+    # A step's metrics are read once the next step is dispatched, so the device never waits
+    # for the host's logging, data loading or progress bar; steps that wait for the device
+    # anyway (evaluation, FP8 health, checkpoint, the last) report theirs before that work.
+    pending = None
     try:
         while step < num_steps and not preempt.flag:
             batch = sharding_lib.put_batch(next(train_iter), env.batch_sharding)
             state, metrics = compiled(state, batch)
             step += 1
             log.bar.update()
-            # Read the previous step's count only now, so this step is already dispatched.
             if pending is not None:
-                guard.check(*pending)
+                report(*pending)
             pending = (step, metrics)
-            last = step == num_steps
-            if step % loop.log_every_steps == 0 or last:
-                log.train(step, metrics)
-                guard.check(step, metrics)
-            if step % loop.eval_every_steps == 0 or last:
+            evaluates = step % loop.eval_every_steps == 0 or step == num_steps
+            checks_fp8 = fp8_stats and step % loop.fp8_stats_every_steps == 0
+            if evaluates or checks_fp8 or ckpt.due(step):
+                report(*pending)
+                pending = None
+            if evaluates:
                 log.first("evaluation: compiling the eval step")
                 evaluate = dpo.evaluate if run.data.format == "dpo" else generate.evaluate
                 log.eval(step, evaluate(env.eval_step, state, eval_batches, env.batch_sharding))
-            if run.fp8.level.fp8_gemms and step % loop.fp8_stats_every_steps == 0:
+            if checks_fp8:
                 log.first("FP8 health pass: compiling the stats step")
                 stats = env.stats_step(state, batch)
                 log.fp8(step, metrics_lib.fp8_health(state, stats), metrics_lib.fp8_worst(stats))
             ckpt.save(step, state, train_iter.get_state())
         if pending is not None:
-            guard.check(*pending)
+            report(*pending)
     except errors.NonFiniteLossError as e:
         # Skipped steps leave the state as it was, so unless the state itself went bad (then
         # the save is refused) this checkpoints the last good state.

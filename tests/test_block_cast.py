@@ -8,12 +8,9 @@ import pytest
 
 from fp8jax.ops import block_cast, block_cast_kernels, dot, formats, scaling
 
+from fp8_testing import bits
+
 TRITON = "__gpu$xla.gpu.triton"
-
-
-def _bits(x) -> np.ndarray:
-    x = jnp.asarray(x)
-    return np.asarray(jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 4: jnp.uint32}[x.itemsize]))
 
 
 def _assert_same(a, b):
@@ -22,7 +19,7 @@ def _assert_same(a, b):
     assert a.shape == b.shape and a.dtype == b.dtype
     nan = np.isnan(np.asarray(b, np.float32))
     np.testing.assert_array_equal(np.isnan(np.asarray(a, np.float32)), nan)
-    np.testing.assert_array_equal(_bits(a)[~nan], _bits(b)[~nan])
+    np.testing.assert_array_equal(bits(a)[~nan], bits(b)[~nan])
 
 
 def _tiles(impl, fmt, tile, recipe):
@@ -69,7 +66,7 @@ def test_kernel_equals_the_references_bit_for_bit(shape, dtype, fmt, tile, pow2,
     ref_qt, ref_inv_t, _ = block_cast.quantize_tiles(x.T, fmt, tile, recipe)
     _assert_same(qt, ref_qt)
     _assert_same(inv_t, ref_inv_t)
-    assert not np.array_equal(_bits(qt), _bits(q).T)
+    assert not np.array_equal(bits(qt), bits(q).T)
     assert float(amax) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
     if margin < 0:  # the tile maxima scale past the format's max and clip there
         assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == formats.fmax(fmt)
@@ -79,7 +76,7 @@ def test_kernel_equals_the_references_bit_for_bit(shape, dtype, fmt, tile, pow2,
     for a, b in zip(got, want, strict=True):
         _assert_same(a, b)
     q, qt, inv, _ = got
-    np.testing.assert_array_equal(_bits(qt), _bits(q).T)
+    np.testing.assert_array_equal(bits(qt), bits(q).T)
     assert inv.shape == (m // tile, k // tile)
     if k >= 256:  # _hard's zero block is not the whole tensor
         assert float(inv[0, -1]) == 1.0  # the all-zero block keeps scale 1
@@ -106,14 +103,14 @@ def test_a_non_finite_element_touches_its_own_tiles_only(bad):
     # The bad tile's finite values are x * 1, saturated.
     finite = np.isfinite(x_bad[row_tile])
     want = formats.quantize(jnp.asarray(x_bad[row_tile]), jnp.float32(1.0), "e4m3")
-    np.testing.assert_array_equal(_bits(q2[row_tile])[finite], _bits(want)[finite])
+    np.testing.assert_array_equal(bits(q2[row_tile])[finite], bits(want)[finite])
     same_q = np.ones(q.shape, bool)
     same_q[row_tile] = False
     same_qt = np.ones(qt.shape, bool)
     same_qt[col_tile[1], col_tile[0]] = False
-    np.testing.assert_array_equal(_bits(q2)[same_q], _bits(q)[same_q])
-    np.testing.assert_array_equal(_bits(qt2)[same_qt], _bits(qt)[same_qt])
-    changed = (_bits(inv2) != _bits(inv), _bits(inv_t2) != _bits(inv_t))
+    np.testing.assert_array_equal(bits(q2)[same_q], bits(q)[same_q])
+    np.testing.assert_array_equal(bits(qt2)[same_qt], bits(qt)[same_qt])
+    changed = (bits(inv2) != bits(inv), bits(inv_t2) != bits(inv_t))
     assert changed[0].sum() == 1 and changed[1].sum() == 1
     assert float(amax) == 60.0 and float(amax2) == 50.0  # the 1 x T tiles' finite maximum
 
@@ -122,7 +119,7 @@ def test_a_non_finite_element_touches_its_own_tiles_only(bad):
     assert float(inv2[0, 1]) == 1.0 and np.isnan(float(qt2[c, r]))
     others = ([0, 1, 1], [0, 0, 1])  # the blocks other than (0, 1)
     np.testing.assert_array_equal(np.asarray(inv2)[others], np.asarray(inv)[others])
-    np.testing.assert_array_equal(_bits(q2[t:]), _bits(q[t:]))
+    np.testing.assert_array_equal(bits(q2[t:]), bits(q[t:]))
     assert float(amax) == 60.0 and float(amax2) == 50.0  # 60 is in the bad block
 
 
@@ -172,7 +169,7 @@ def test_references_against_numpy_in_f64(shape, tile, fmt):
     inv_e = inv_e[: w.shape[0], : w.shape[1]]
     err = np.abs(np.asarray(q, np.float64) * inv_e - w)
     assert np.all(err <= _fp8_bound(w, inv_e, fmt))
-    np.testing.assert_array_equal(_bits(qt), _bits(q).T)
+    np.testing.assert_array_equal(bits(qt), bits(q).T)
 
 
 def test_tiles_keep_the_small_values_that_one_scale_for_outlier_channels_flushes():
@@ -275,7 +272,7 @@ def test_tiles_prologue_casts_the_activation(dtype):
         inv_full = np.repeat(np.asarray(inv_), 128, axis=1)
         err = np.abs(np.asarray(q_, np.float32) * inv_full - want)
         assert (err <= 2**-4 * np.abs(want) + 2**-10 * inv_full * (1 + 1e-6)).all(), err.max()
-    assert not np.array_equal(_bits(q), _bits(_tiles("interpret", "e4m3", 128, recipe)(x)[0]))
+    assert not np.array_equal(bits(q), bits(_tiles("interpret", "e4m3", 128, recipe)(x)[0]))
 
 
 @pytest.mark.parametrize(
@@ -304,7 +301,7 @@ def test_requantizable_blocks_give_back_the_same_bits(dtype, block, pow2, margin
         parts = [quant(p) for p in jnp.split(w, 2, axis=axis)]
         for i, whole in ((0, q), (1, inv)):
             joined = jnp.concatenate([p[i] for p in parts], axis)
-            np.testing.assert_array_equal(_bits(joined), _bits(whole))
+            np.testing.assert_array_equal(bits(joined), bits(whole))
     amax_b = block_cast.block_amaxes(w, block)
     assert float(jnp.max(amax_b)) == float(amax)
     handed = jax.jit(block_cast.requantizable_blocks, static_argnums=3)(q, inv, amax_b, block)
@@ -319,7 +316,7 @@ def test_requantizable_blocks_give_back_the_same_bits(dtype, block, pow2, margin
     np.testing.assert_array_equal(np.asarray(handed)[~top], plain[~top])
     np.testing.assert_array_equal(np.abs(np.asarray(handed))[top], full(amax_b)[top])
     if not pow2:  # with powers of two most tiles' scales survive plain dequantization too
-        assert not np.array_equal(_bits(quant(plain)[1]), _bits(inv))
+        assert not np.array_equal(bits(quant(plain)[1]), bits(inv))
 
 
 def test_float16_operands_take_the_kernels():

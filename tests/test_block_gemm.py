@@ -10,15 +10,13 @@ import pytest
 
 from fp8jax.ops import block_gemm, block_gemm_mgpu
 
+from fp8_testing import bits
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TRITON = "__gpu$xla.gpu.triton"
 U32 = 2.0**-24  # f32's unit roundoff
 BLOCK = block_gemm.BLOCK
 NT = (((1,), (1,)), ((), ()))  # y = a . b^T
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
 
 
 def _inv(rng, shape, decades: float) -> jax.Array:
@@ -82,10 +80,10 @@ def test_kernel_equals_reference_bit_for_bit(shape, cases):
         y = block_gemm.pallas_block_scaled_dot(*args, out_dtype=out, interpret=True, **tuning)
         ref = block_gemm.block_scaled_dot_reference(*args, out_dtype=out)
         assert y.shape == (m, n) and y.dtype == out and ref.dtype == out
-        np.testing.assert_array_equal(_bits(y), _bits(ref), err_msg=str((fa, fb, blocks)))
+        np.testing.assert_array_equal(bits(y), bits(ref), err_msg=str((fa, fb, blocks)))
     public = block_gemm.block_scaled_dot(*args, out_dtype=out, impl="interpret")
     if not tuning:  # the entry point's 'interpret' is the same kernel
-        np.testing.assert_array_equal(_bits(public), _bits(y))
+        np.testing.assert_array_equal(bits(public), bits(y))
 
 
 def test_reference_follows_the_contract_not_a_reordering():
@@ -215,9 +213,9 @@ def test_b_blocks_reads_the_shape_unless_told():
     )
     same_rows = jnp.broadcast_to(blocks, rows.shape)  # row 0's multipliers for every row
     as_rows = block_gemm.block_scaled_dot(a, a_inv, b, same_rows, impl="xla", out_dtype=jnp.float32)
-    np.testing.assert_array_equal(_bits(by_block), _bits(as_rows))
-    np.testing.assert_array_equal(_bits(told), _bits(by_block))
-    assert not np.array_equal(_bits(by_rows), _bits(by_block))
+    np.testing.assert_array_equal(bits(by_block), bits(as_rows))
+    np.testing.assert_array_equal(bits(told), bits(by_block))
+    assert not np.array_equal(bits(by_rows), bits(by_block))
     with pytest.raises(ValueError, match=r"b_inv \(100, 2\), got \(32, 2\) and \(1, 2\)"):
         block_gemm.block_scaled_dot(a, a_inv, b, blocks, impl="xla", b_blocks=False)
 

@@ -14,16 +14,11 @@ from fp8jax.ops import block_cast, cast_source, mlp, scaling
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
-from fp8_testing import lm_grads
+from fp8_testing import bits, lm_grads
 
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
 M, F = 64, 256
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(np.uint32)
 
 
 def _operands():
@@ -80,7 +75,7 @@ def test_cast_sources_give_the_references_bits_and_the_right_values(kind, scaled
         )(src)
         got, ref = run("interpret"), run("xla")
         for a, e in zip(got[:-1], ref[:-1], strict=True):
-            np.testing.assert_array_equal(_bits(a), _bits(e))
+            np.testing.assert_array_equal(bits(a), bits(e))
         for sums in (got[-1], ref[-1]):  # f32 sums of M terms, in two orders
             np.testing.assert_allclose(sums, want.sum(axis=0), rtol=1e-5, atol=M * atol)
 
@@ -174,7 +169,7 @@ def test_recompute_cast_rebuilds_wo_input_bit_for_bit(recipe):
 
     (kept, kept_bytes), (rebuilt, rebuilt_bytes) = run(False), run(True)
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
     inv_t = 128 * 4 if recipe == "rowwise" else 128 * (32 // 16) * 4  # [F, 1] or [F, M / T]
     assert kept_bytes - rebuilt_bytes == 128 * 32 + inv_t
     if recipe == "rowwise":

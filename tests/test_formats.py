@@ -6,6 +6,8 @@ import pytest
 
 from fp8jax.ops import formats
 
+from fp8_testing import bits
+
 # Round to nearest with m mantissa bits: |q - v| <= 2^-(m+1) * |v| for normal values.
 GRID = {
     "e4m3": dict(max=448.0, min_normal=2.0**-6, rel=2.0**-4),
@@ -100,3 +102,18 @@ def test_unknown_format_is_a_clear_value_error():
     with pytest.raises(ValueError, match="unsupported FP8 dtype"):
         formats.quantize(jnp.ones(3), jnp.float32(1.0), jnp.bfloat16)
     assert formats.as_dtype("E5M2") == jnp.dtype(jnp.float8_e5m2)
+
+
+def test_bits_helper_reads_the_encodings():
+    """``fp8_testing.bits``, which the bit-for-bit tests compare, gives each format's encoding:
+    1.0 and -2.0 by the OCP FP8 and IEEE layouts (sign, exponent bias, mantissa)."""
+    want = {
+        jnp.float8_e4m3fn: (0x38, 0xC0),  # bias 7: 1.0 = 0 0111 000; -2.0 = 1 1000 000
+        jnp.float8_e5m2: (0x3C, 0xC0),  # bias 15: 1.0 = 0 01111 00; -2.0 = 1 10000 00
+        jnp.bfloat16: (0x3F80, 0xC000),
+        jnp.float32: (0x3F800000, 0xC0000000),
+    }
+    for dtype, (one, minus_two) in want.items():
+        got = bits(jnp.asarray([1.0, -2.0], dtype))
+        assert got.dtype.itemsize == jnp.dtype(dtype).itemsize
+        assert got.tolist() == [one, minus_two], (dtype, got)

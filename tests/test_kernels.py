@@ -10,12 +10,10 @@ from fp8jax.ops import dot, kernels
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
+from fp8_testing import bits
+
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -32,9 +30,9 @@ def test_kernel_matches_xla_quantize_bit_for_bit(fmt, dtype):
     ref_q, ref_t, ref_amax = kernels.cast_transpose(x, scale, fmt, "xla")
     assert q.dtype == fp8jax.ops.formats.as_dtype(fmt) and q.shape == (48, 272)
     assert q_t.shape == (272, 48)
-    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
-    np.testing.assert_array_equal(_bits(q_t), _bits(ref_t))
-    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    np.testing.assert_array_equal(bits(q), bits(ref_q))
+    np.testing.assert_array_equal(bits(q_t), bits(ref_t))
+    np.testing.assert_array_equal(bits(q_t), bits(q).T)
     assert float(amax) == float(ref_amax) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
     assert np.all(np.isfinite(np.asarray(q, np.float32)))  # saturated, never Inf/NaN
 
@@ -52,7 +50,7 @@ def test_kernel_records_the_amax_into_a_history_in_place(pending):
     ref_q, _, ref = cast("xla")(x, hist)
     amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
     np.testing.assert_array_equal(np.asarray(new), np.asarray(ref))
-    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
+    np.testing.assert_array_equal(bits(q), bits(ref_q))
     assert float(new[0]) == max(pending, amax)
     np.testing.assert_array_equal(np.asarray(new[1:]), np.arange(1, 17, dtype=np.float32))
     cuda = cast("pallas").trace(x, hist).lower(lowering_platforms=("cuda",)).as_text()

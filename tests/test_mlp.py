@@ -12,14 +12,10 @@ from fp8jax.ops import act_kernels, activations, dot, kernels, mlp
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
-from fp8_testing import same_step_grads
+from fp8_testing import bits, same_step_grads
 
 ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
 
 
 def test_gelu_derivative_formula_matches_autodiff():
@@ -40,8 +36,8 @@ def test_act_grad_kernel_matches_xla_bit_for_bit():
 
     q, q_t, amax, db = run("interpret")
     ref_q, _, ref_amax, ref_db = run("xla")
-    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
-    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    np.testing.assert_array_equal(bits(q), bits(ref_q))
+    np.testing.assert_array_equal(bits(q_t), bits(q).T)
     assert float(amax) == float(ref_amax) > 0
     d = activations.gelu_tanh_grad(pre.astype(jnp.float32)) * (da.astype(jnp.float32) * inv)
     np.testing.assert_allclose(db, jnp.sum(d, axis=0), rtol=1e-5, atol=1e-5)
@@ -70,18 +66,18 @@ def test_affine_prologues_match_xla_bit_for_bit(dtype):
         )(h_raw, da, affine)
 
     (q, q_t, amax), (ref_q, _, ref_amax) = fwd("interpret"), fwd("xla")
-    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
-    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    np.testing.assert_array_equal(bits(q), bits(ref_q))
+    np.testing.assert_array_equal(bits(q_t), bits(q).T)
     assert float(amax) == float(ref_amax) == float(jnp.max(jnp.abs(activations.gelu_tanh(pre))))
     (g, g_t, g_amax, db, a_t), (ref_g, _, ref_g_amax, ref_db, ref_a_t) = (
         bwd("interpret"),
         bwd("xla"),
     )
-    np.testing.assert_array_equal(_bits(g), _bits(ref_g))
-    np.testing.assert_array_equal(_bits(g_t), _bits(g).T)
+    np.testing.assert_array_equal(bits(g), bits(ref_g))
+    np.testing.assert_array_equal(bits(g_t), bits(g).T)
     # The rebuilt wo input is the forward cast's, bit for bit, from either implementation.
-    np.testing.assert_array_equal(_bits(a_t), _bits(q_t))
-    np.testing.assert_array_equal(_bits(ref_a_t), _bits(q_t))
+    np.testing.assert_array_equal(bits(a_t), bits(q_t))
+    np.testing.assert_array_equal(bits(ref_a_t), bits(q_t))
     assert float(g_amax) == float(ref_g_amax) > 0
     d = activations.gelu_tanh_grad(pre) * (da.astype(jnp.float32) * 0.02)
     np.testing.assert_allclose(db, jnp.sum(d, axis=0), rtol=1e-5, atol=1e-4)
@@ -188,7 +184,7 @@ def test_recompute_cast_rebuilds_wo_input_bit_for_bit_and_keeps_it_out_of_the_re
     rng.bit_generator.state = rng_state
     rebuilt, rebuilt_bytes = run(True)
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
     assert kept_bytes - rebuilt_bytes == 128 * 32  # wo's E4M3 x.T: F x M bytes
 
     def lowered(recompute):
@@ -250,7 +246,7 @@ def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op, rebuild):
 
     (kept, kept_fp8), (rebuilt, rebuilt_fp8) = run(False), run(rebuild)
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(rebuilt), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
     w_bytes = w1.size + (w2.size if op == "mlp" else 0)  # one E4M3 byte per weight element
     want = {True: 0, "x": w_bytes, "w": kept_fp8 - w_bytes}[rebuild]
     assert kept_fp8 > w_bytes > 0 and rebuilt_fp8 == want, (kept_fp8, rebuilt_fp8)

@@ -10,6 +10,8 @@ import pytest
 from fp8jax.optim import adam as optim
 from fp8jax.optim.master import ScaledTensor, encode, hash_bits, quantize_scaled
 
+from fp8_testing import bits
+
 FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
 DTYPES = {
     "e4m3": jnp.float8_e4m3fn,
@@ -289,7 +291,7 @@ def test_nonfinite_gradients_skip_the_step():
         updates, new_state = update(poisoned, state, params)
         assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates)), value
         for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
-            np.testing.assert_array_equal(_bits(a), _bits(b))
+            np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_nonfinite_moments_never_produce_nan():
@@ -400,11 +402,6 @@ def test_abstract_init():
     assert abstract[0]["Dense_0"]["kernel"].data.dtype == jnp.float16
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
-
-
 def test_orbax_roundtrip_is_bit_exact(tmp_path):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optim.fp8_adamw(LR, weight_decay=WD))
     _, master, opt_state = train(tx, "float16", steps=5)
@@ -421,7 +418,7 @@ def test_orbax_roundtrip_is_bit_exact(tmp_path):
     assert isinstance(restored["params"]["Dense_0"]["kernel"], ScaledTensor)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_master_updates_below_half_a_step_survive_stochastic_rounding():
@@ -549,7 +546,7 @@ def _assert_same_bits(a, b, msg):
     leaves = jax.tree_util.tree_leaves_with_path(a)
     for (path, x), y in zip(leaves, jax.tree.leaves(b), strict=True):
         assert x.dtype == y.dtype, (msg, path)
-        np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=f"{msg} {path}")
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{msg} {path}")
 
 
 # f32 bytes of one layer slice of the stacked kernel: slabs of 1 and 2 of its 4 slices, or whole.

@@ -18,12 +18,10 @@ from fp8jax.ops import dot, kernels
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import spec
 
+from fp8_testing import bits
+
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 TRITON = "__gpu$xla.gpu.triton"
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
 
 
 def _gelu(x):
@@ -63,11 +61,11 @@ def test_kernel_prologue_is_gelu_then_quantize_bit_for_bit(dtype):
     q, q_t, amax = cast(h, scale)
     # The activation in f32, unrounded, then the ordinary saturating quantize.
     a = _gelu(h)
-    np.testing.assert_array_equal(_bits(q), _bits(fp8jax.quantize(a, scale, fp8jax.E4M3)))
-    np.testing.assert_array_equal(_bits(q_t), _bits(q).T)
+    np.testing.assert_array_equal(bits(q), bits(fp8jax.quantize(a, scale, fp8jax.E4M3)))
+    np.testing.assert_array_equal(bits(q_t), bits(q).T)
     assert float(amax) == float(jnp.max(jnp.abs(a)))
     ref_q, _, ref_amax = kernels.cast_transpose(h, scale, "e4m3", "xla", "gelu_tanh")
-    np.testing.assert_array_equal(_bits(q), _bits(ref_q))
+    np.testing.assert_array_equal(bits(q), bits(ref_q))
     assert float(amax) == float(ref_amax)
 
 

@@ -9,17 +9,10 @@ import pytest
 
 from fp8jax.ops import block_cast, dot, formats, row_cast_kernels, scaling
 
-from fp8_testing import fast_compiles, randn  # noqa: F401 (fast_compiles: autouse)
+from fp8_testing import bits, fast_compiles, randn  # noqa: F401 (fast_compiles: autouse)
 
 TRITON = "__gpu$xla.gpu.triton"
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
-
-
-def _bits(x) -> np.ndarray:
-    x = jnp.asarray(x)
-    return np.asarray(
-        jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.itemsize])
-    )
 
 
 def _assert_same(a, b):
@@ -28,7 +21,7 @@ def _assert_same(a, b):
     assert a.shape == b.shape and a.dtype == b.dtype
     nan = np.isnan(np.asarray(b, np.float32))
     np.testing.assert_array_equal(np.isnan(np.asarray(a, np.float32)), nan)
-    np.testing.assert_array_equal(_bits(a)[~nan], _bits(b)[~nan])
+    np.testing.assert_array_equal(bits(a)[~nan], bits(b)[~nan])
 
 
 def _rows(impl, fmt, recipe):
@@ -81,7 +74,7 @@ def test_kernels_equal_the_references_bit_for_bit(shape, dtype, fmt, pow2, margi
     q, inv, qt, inv_t, amax, amax_t = got
     assert q.shape == (m, k) and qt.shape == (k, m) and q.dtype == formats.as_dtype(fmt)
     assert inv.shape == (m, 1) and inv_t.shape == (k, 1)
-    assert not np.array_equal(_bits(qt), _bits(q).T)  # x.T's own rows, not q transposed
+    assert not np.array_equal(bits(qt), bits(q).T)  # x.T's own rows, not q transposed
     assert float(inv[1, 0]) == float(inv_t[2, 0]) == 1.0  # the all-zero row and column
     assert float(amax) == float(amax_t) == float(x[3, 5])
     if margin < 0:  # the row maxima scale past the format's max and clip there
@@ -111,14 +104,14 @@ def test_non_finite_elements_touch_their_own_rows_and_columns_only(fmt):
     np.testing.assert_array_equal(np.asarray(inv)[bad_rows, 0], 1.0)
     np.testing.assert_array_equal(np.asarray(inv_t)[bad_cols, 0], 1.0)
     ok_rows, ok_cols = np.setdiff1d(np.arange(64), bad_rows), np.setdiff1d(np.arange(128), bad_cols)
-    np.testing.assert_array_equal(_bits(q)[ok_rows], _bits(clean[0])[ok_rows])
-    np.testing.assert_array_equal(_bits(inv)[ok_rows], _bits(clean[1])[ok_rows])
-    np.testing.assert_array_equal(_bits(qt)[ok_cols], _bits(clean[2])[ok_cols])
-    np.testing.assert_array_equal(_bits(inv_t)[ok_cols], _bits(clean[3])[ok_cols])
+    np.testing.assert_array_equal(bits(q)[ok_rows], bits(clean[0])[ok_rows])
+    np.testing.assert_array_equal(bits(inv)[ok_rows], bits(clean[1])[ok_rows])
+    np.testing.assert_array_equal(bits(qt)[ok_cols], bits(clean[2])[ok_cols])
+    np.testing.assert_array_equal(bits(inv_t)[ok_cols], bits(clean[3])[ok_cols])
     # The bad rows' finite values are x * 1, saturated.
     finite = np.isfinite(bad[7])
     want = formats.quantize(jnp.asarray(bad[7]), jnp.float32(1.0), fmt)
-    np.testing.assert_array_equal(_bits(q[7])[finite], _bits(want)[finite])
+    np.testing.assert_array_equal(bits(q[7])[finite], bits(want)[finite])
     assert float(clean[4]) == float(clean[5]) == 60.0
     assert float(amax) == 50.0  # row 7 (60) has the Inf
     assert float(amax_t) == float(np.abs(np.delete(x, bad_cols, axis=1)).max())
@@ -222,7 +215,7 @@ def test_prologue_casts_the_activation(dtype):
     err = np.abs(q * inv - gelu)
     assert (err <= 2**-4 * np.abs(gelu) + 2**-10 * inv * (1 + 1e-6)).all(), err.max()
     plain = _rows("interpret", "e4m3", recipe)(x)
-    assert not np.array_equal(_bits(got[0]), _bits(plain[0]))
+    assert not np.array_equal(bits(got[0]), bits(plain[0]))
 
 
 def test_fine_prologue_runs_inside_the_cast_kernels_on_cuda():

@@ -8,9 +8,9 @@ bytes communicated per step:
 
 Checks: two train steps of a shrunk configs/tiny.py under DP, FSDP, TP, DP x TP, O2 DP and O3
 against the single-device steps (and the Pallas cast kernel inside the replicas against XLA's
-casts); FP8 element types in the collectives; bytes per step from the compiled HLO; the
-activation constraints in the lowered step; an FP8 gradient sum that would overflow naively;
-the mu auto-scaling rule.
+casts, with GPT's fused MLP and, with one Q/K/V GEMM, the fused Q/K/V backward); FP8 element
+types in the collectives; bytes per step from the compiled HLO; the activation constraints in
+the lowered step; an FP8 gradient sum that would overflow naively; the mu auto-scaling rule.
 """
 
 from __future__ import annotations
@@ -366,6 +366,11 @@ def _unrolled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def _fused_qkv(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    c.model.fused_qkv = True
+    return c
+
+
 def _remat(c: ml_collections.ConfigDict, policy: str = "full") -> ml_collections.ConfigDict:
     c.model.remat_policy = policy
     return c
@@ -435,15 +440,22 @@ def main() -> dict:
         # against XLA's casts on the same mesh: the same arithmetic, so the same numbers (but
         # for the fused MLP's bias-gradient sum order; test_sharding says how much).
         "O1 DP Pallas": (_with(o1(data=8), cast_kernel="interpret"), devs, "O1 DP"),
+        # One Q/K/V GEMM (model.fused_qkv): with the Pallas casts its backward writes dq, dk and
+        # dv into the E5M2 operands in place (fp8.fuse_qkv, ops.qkv), inside each replica;
+        # with XLA's casts the same model slices one dot_general's output.
+        "O1 DP qkv": (_fused_qkv(o1(data=8)), devs, None),
+        "O1 DP Pallas qkv": (
+            _with(_fused_qkv(o1(data=8)), cast_kernel="interpret"), devs, "O1 DP qkv"
+        ),  # fmt: skip
         # Unrolled layers: one FP8 gradient bucket per layer (the default) against one bucket
         # for all; per-tensor scales either way, so the same bits, in 3 all-to-alls against 1.
         "O1 DP one bucket": (_unrolled(o1(data=8, bucket_by_layer=False)), devs, None),
         "O1 DP by layer": (_unrolled(o1(data=8)), devs, "O1 DP one bucket"),
     }
     # Other programs, same math (or, for the block recipe, the same layout as O3 FSDP's).
-    variants = {"O1 DP Pallas", "O1 DP one bucket", "O1 DP by layer", "O3 FSDP block",
-                "O3 FSDP upfront", "O3 FSDP unrolled upfront", "O3 FSDP unrolled layer",
-                "O1 FSDP layer"}  # fmt: skip
+    variants = {"O1 DP Pallas", "O1 DP qkv", "O1 DP Pallas qkv", "O1 DP one bucket",
+                "O1 DP by layer", "O3 FSDP block", "O3 FSDP upfront", "O3 FSDP unrolled upfront",
+                "O3 FSDP unrolled layer", "O1 FSDP layer"}  # fmt: skip
     # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
     # one program at a time, so no two programs' collectives interleave on the devices.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

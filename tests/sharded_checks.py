@@ -445,7 +445,9 @@ def main() -> dict:
         # with XLA's casts the same model slices one dot_general's output.
         "O1 DP qkv": (_fused_qkv(o1(data=8)), devs, None),
         "O1 DP Pallas qkv": (
-            _with(_fused_qkv(o1(data=8)), cast_kernel="interpret"), devs, "O1 DP qkv"
+            _with(_fused_qkv(o1(data=8)), cast_kernel="interpret"),
+            devs,
+            "O1 DP qkv",
         ),  # fmt: skip
         # Unrolled layers: one FP8 gradient bucket per layer (the default) against one bucket
         # for all; per-tensor scales either way, so the same bits, in 3 all-to-alls against 1.

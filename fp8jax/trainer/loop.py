@@ -253,7 +253,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
             state, step = _restore_or_init(env, ckpt, train_iter, init_params)
             # Only now: a checkpoint of another model must leave the work dir as it was.
             provenance.record_model(workdir, env.run.model)
-            _record_schedule(workdir, run, step)
+            step_lib.record_schedule(workdir, run.optim, step)
             state, summary = _train(env, ckpt, state, step, train_iter, eval_batches, preempt)
             if step >= run.optim.num_train_steps:
                 logging.info("the run in %s already reached step %d", workdir, step)
@@ -278,35 +278,6 @@ def use_compilation_cache(directory: str) -> None:
     if not directory or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-
-
-# Fields that define the learning-rate schedule (fp8jax.trainer.step.learning_rate_schedule).
-_SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
-
-
-def _record_schedule(workdir: str, run: RunSpec, step: int) -> None:
-    """Keep the schedule's fields in ``<workdir>/schedule.json``; warn when a resume changes them.
-
-    The schedule is a function of the step and these fields, so a resumed run with another
-    ``num_train_steps`` follows another curve from the restored step on (cosine re-stretched).
-    """
-    path = os.path.join(workdir, "schedule.json")
-    now = {k: getattr(run.optim, k) for k in _SCHEDULE_FIELDS}
-    before = provenance.read_json(pathlib.Path(path)) or {}
-    changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v}
-    if step > 0 and changed:
-        old = dataclasses.replace(run.optim, **{k: v for k, (v, _) in changed.items()})
-        lr_old = float(step_lib.learning_rate_schedule(old)(step))
-        lr_new = float(step_lib.learning_rate_schedule(run.optim)(step))
-        logging.warning(
-            "resuming at step %d with a changed learning-rate schedule (%s): from here the "
-            "rate follows the new one (%.4g at this step, %.4g under the old), its cosine "
-            "decaying until step %d",
-            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_new, lr_old,
-            run.optim.num_train_steps,
-        )  # fmt: skip
-    if now != before:
-        provenance.write_json(pathlib.Path(path), now)
 
 
 def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None):

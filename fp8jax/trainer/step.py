@@ -7,13 +7,17 @@ moments and FP16 master weights for the matmul kernels; O3 shards those over ``f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+import pathlib
 from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 from flax import struct
 
 from fp8jax.models.layers import FLAX_FP8
@@ -24,7 +28,7 @@ from fp8jax.optim.fused import FusedAdamW
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer import replicas
+from fp8jax.trainer import provenance, replicas
 from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
@@ -65,6 +69,35 @@ def learning_rate_schedule(o: OptimSpec) -> optax.Schedule:
     # optax counts from 0 and its warm-up starts at init_value: evaluated at count + 1, update
     # k (1-based) gets k / warmup of the peak, so no step is spent at a zero rate.
     return lambda count: base(count + 1)
+
+
+# Fields that define the learning-rate schedule (learning_rate_schedule).
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
+
+
+def record_schedule(workdir: str, o: OptimSpec, step: int) -> None:
+    """Keep the schedule's fields in ``<workdir>/schedule.json``; warn when a resume changes them.
+
+    The schedule is a function of the step and these fields, so a resumed run with another
+    ``num_train_steps`` follows another curve from the restored step on (cosine re-stretched).
+    """
+    path = os.path.join(workdir, "schedule.json")
+    now = {k: getattr(o, k) for k in SCHEDULE_FIELDS}
+    before = provenance.read_json(pathlib.Path(path)) or {}
+    changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v}
+    if step > 0 and changed:
+        old = dataclasses.replace(o, **{k: v for k, (v, _) in changed.items()})
+        lr_old = float(learning_rate_schedule(old)(step))
+        lr_new = float(learning_rate_schedule(o)(step))
+        logging.warning(
+            "resuming at step %d with a changed learning-rate schedule (%s): from here the "
+            "rate follows the new one (%.4g at this step, %.4g under the old), its cosine "
+            "decaying until step %d",
+            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_new, lr_old,
+            o.num_train_steps,
+        )  # fmt: skip
+    if now != before:
+        provenance.write_json(pathlib.Path(path), now)
 
 
 def fused_adamw(run: RunSpec) -> FusedAdamW | None:

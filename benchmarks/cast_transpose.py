@@ -24,7 +24,6 @@ the kernels' tunings, each pass timed alone too. Writes ``cast_transpose_rows.js
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import runner
+from benchmarks import common, runner
 from fp8jax.ops import block_cast, cast_source, formats, kernels, row_cast_kernels, scaling
 
 # (name, [M, K], input dtype, format): gpt_1b3 at batch 8 x 2048 (M = 16384 tokens).
@@ -43,41 +42,6 @@ SHAPES = [
     ("dy of kv (bf16)", (16384, 4096), jnp.bfloat16, "e5m2"),
     ("w of mlp wi (f32, O1)", (2048, 8192), jnp.float32, "e4m3"),
 ]
-
-
-def _time(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _in_loop(cast, reps: int, vary_input: bool = False):
-    """``cast`` called ``reps`` times inside one program, each call depending on the last (a
-    per-call timing from it has no host dispatch in it, unlike ``_time`` of one call).
-
-    ``vary_input`` multiplies x by a sign that is always +1 but not provably so. XLA's cast
-    needs it: its amax depends on x alone, so XLA hoists that reduction out of the loop
-    (seen in the CPU's HLO) and the loop would time the cast without it. The multiply fuses
-    into XLA's cast and amax; the Pallas kernel's amax depends on the scale and is not
-    hoisted, and an extra op before it would be an extra pass, so it runs without.
-    """
-
-    def many(x, s):
-        def body(_, carry):
-            ok = carry[2] >= 0
-            s_i = jnp.where(ok, s, -s)  # always s, but not provably: no hoisting
-            x_i = x * jnp.where(ok, 1, -1).astype(x.dtype) if vary_input else x
-            return cast(x_i, s_i)
-
-        q, qt, amax = jax.eval_shape(cast, x, s)
-        zeros = tuple(jnp.zeros(a.shape, a.dtype) for a in (q, qt, amax))
-        return jax.lax.fori_loop(0, reps, body, zeros)
-
-    return jax.jit(many)
 
 
 # (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one);
@@ -113,9 +77,9 @@ def sweep(x, scale, fmt, ref, moved: int, iters: int, interpret: bool, reps=20) 
             )
 
         try:
-            loop = _in_loop(cast, reps)  # its result is the last call's: one compile for both
+            loop = common.in_loop(cast, reps)  # its result is the last call's: one compile for both
             row["same_bits"] = _same(jax.device_get(loop(x, scale)), ref)
-            sec = _time(loop, (x, scale), iters) / reps
+            sec = common.median_s(loop, (x, scale), iters) / reps
             row.update(us=sec * 1e6, gb_s=moved / sec / 1e9)
         except Exception as e:  # a tuning that does not compile (registers, shared memory)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -136,12 +100,12 @@ def measure(name, shape, dtype, fmt, iters: int, sweep_too: bool, on_gpu: bool) 
         fn = jax.jit(cast)
         try:
             outs[impl] = jax.device_get(fn(x, scale))
-            sec = _time(fn, (x, scale), iters)
+            sec = common.median_s(fn, (x, scale), iters)
             row[f"{impl}_us"] = sec * 1e6
             row[f"{impl}_gb_s"] = moved / sec / 1e9
             if sweep_too:  # the same without host dispatch, as the sweep times its tunings
-                loop = _in_loop(cast, reps, vary_input=impl == "xla")
-                sec = _time(loop, (x, scale), iters) / reps
+                loop = common.in_loop(cast, reps, vary_input=impl == "xla")
+                sec = common.median_s(loop, (x, scale), iters) / reps
                 row[f"{impl}_loop_us"] = sec * 1e6
                 row[f"{impl}_loop_gb_s"] = moved / sec / 1e9
         except Exception as e:  # a kernel that does not compile here is a result too

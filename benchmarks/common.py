@@ -142,10 +142,32 @@ def time_calls(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[f
     return statistics.median(times), times
 
 
-def per_call_us(fn, args, iters: int, reps: int = 10) -> float:
-    """Microseconds per call of ``fn(*args)`` run ``reps`` times in one program (no host
-    dispatch), median of ``iters`` runs. Each call's last argument (a scale) depends on the
-    previous call's third output (an amax or history), so XLA neither hoists nor merges them."""
+def median_s(fn, args, iters: int) -> float:
+    """Median seconds of one blocked call of ``fn(*args)`` over ``iters`` calls, after a
+    warm-up call (the compile)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def in_loop(fn, reps: int, vary_input: bool = False):
+    """``fn`` called ``reps`` times inside one jitted program, each call depending on the last;
+    its result is the last call's. A per-call time from it has no host dispatch in it.
+
+    Each call's last argument (a scale) is the given one, selected by a test on the previous
+    call's third output (an amax or amax history, never negative) that XLA cannot prove, so XLA
+    neither hoists nor merges the calls. ``vary_input`` also multiplies the first argument by a
+    sign that is always +1 but not provably so: XLA's own cast needs it, since its amax depends
+    on x alone and XLA would hoist that reduction out of the loop (seen in the CPU's HLO). The
+    multiply fuses into XLA's cast and amax; the Pallas kernels' amax depends on the scale and
+    is not hoisted, and an extra op before them would be an extra pass, so they run without.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -153,19 +175,20 @@ def per_call_us(fn, args, iters: int, reps: int = 10) -> float:
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
 
         def body(_, carry):
-            s = jnp.where(jnp.ravel(carry[2])[0] >= -1.0, args[-1], -args[-1])  # always args[-1]
-            return fn(*args[:-1], s)
+            ok = jnp.ravel(carry[2])[0] >= 0
+            s = jnp.where(ok, args[-1], -args[-1])  # always args[-1], but not provably
+            first = args[0] * jnp.where(ok, 1, -1).astype(args[0].dtype) if vary_input else args[0]
+            return fn(first, *args[1:-1], s)
 
         return jax.lax.fori_loop(0, reps, body, zeros)
 
-    run = jax.jit(many)
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / reps * 1e6
+    return jax.jit(many)
+
+
+def per_call_us(fn, args, iters: int, reps: int = 10) -> float:
+    """Microseconds per call of ``fn(*args)`` run ``reps`` times in one program (``in_loop``),
+    median of ``iters`` runs."""
+    return median_s(in_loop(fn, reps), args, iters) / reps * 1e6
 
 
 def save_hlo(out: str, run: str, text: str) -> str:

@@ -553,7 +553,7 @@ def test_cast_transpose_loop_times_xla_amax_inside_the_loop():
     cast = lambda x, s: kernels.cast_transpose(x, s, "e4m3", "xla")  # noqa: E731
 
     def reduces_in_body(vary):
-        loop = cast_transpose._in_loop(cast, 3, vary_input=vary)
+        loop = common.in_loop(cast, 3, vary_input=vary)
         hlo = loop.lower(x, scale).compile().as_text()
         body = re.search(r"while\(.*?body=%([\w.]+)", hlo).group(1)
         text = "\n".join(hlo_lib.computations(hlo)[0][body])

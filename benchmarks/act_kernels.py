@@ -37,10 +37,6 @@ TUNINGS = [(64, 64, 4, 1, False), (64, 128, 4, 1, False), (64, 64, 8, 1, False),
 REPS = 10
 
 
-def _bits(t) -> np.ndarray:
-    return np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
-
-
 def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
     """One row per (kernel, tuning): microseconds per call, bits equal to the reference."""
     rng = np.random.default_rng(0)
@@ -76,7 +72,8 @@ def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
             row = {"kernel": kernel, "tuning": tuning + (", FP8 transposed" if cast_first else "")}
             try:
                 out = [
-                    _bits(o) if o.dtype.itemsize == 1 else None for o in jax.jit(fn)(pre, da, scale)
+                    common.bits(o) if o.dtype.itemsize == 1 else None
+                    for o in jax.jit(fn)(pre, da, scale)
                 ]
                 ref = refs.setdefault(kernel, out)
                 row["same_bits"] = all(

@@ -56,8 +56,9 @@ TUNINGS = [
 
 def _same(a, b) -> bool:
     """Both FP8 layouts bit-identical and the same amax."""
-    bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
-    layouts = all(np.array_equal(bits(u), bits(v)) for u, v in zip(a[:2], b[:2], strict=True))
+    layouts = all(
+        np.array_equal(common.bits(u), common.bits(v)) for u, v in zip(a[:2], b[:2], strict=True)
+    )
     return bool(layouts and float(a[2]) == float(b[2]))
 
 
@@ -181,8 +182,7 @@ def _time_queued(fn, args, iters: int) -> float:
 
 def _same_rows(a, b) -> bool:
     """All of ``cast_transpose_rows``' outputs bit-identical (no NaN in the benchmark's data)."""
-    bits = lambda t: np.atleast_1d(np.asarray(t)).view(np.uint8)  # noqa: E731
-    return all(np.array_equal(bits(u), bits(v)) for u, v in zip(a, b, strict=True))
+    return all(np.array_equal(common.bits(u), common.bits(v)) for u, v in zip(a, b, strict=True))
 
 
 def sweep_rows(x, fmt, recipe, ref, moved: int, iters: int, interpret: bool) -> list[dict]:

@@ -142,6 +142,15 @@ def time_calls(fn, args, reps: int, min_rep_s: float, max_iters: int) -> tuple[f
     return statistics.median(times), times
 
 
+def bits(x):
+    """The bit patterns of ``x`` (at least 1-d) as unsigned integers of its width (FP8: uint8),
+    for bit-for-bit comparisons of kernel outputs."""
+    import numpy as np
+
+    x = np.atleast_1d(np.asarray(x))
+    return x.view(f"u{x.dtype.itemsize}")
+
+
 def median_s(fn, args, iters: int) -> float:
     """Median seconds of one blocked call of ``fn(*args)`` over ``iters`` calls, after a
     warm-up call (the compile)."""

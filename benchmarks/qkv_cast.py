@@ -52,12 +52,14 @@ def measure(tokens: int, heads, iters: int, interpret: bool) -> list[dict]:
         for i, n in enumerate((g, 1, 1))
     ]
     args = (parts, jnp.zeros((16,), jnp.float32), jnp.float32(2.0**10))
-    bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))  # noqa: E731
     rows, ref = [], None
     for name, fn in _casts(heads, "interpret" if interpret else "pallas").items():
         out = jax.jit(fn)(*args)
         ref = out if ref is None else ref
-        same = all(np.array_equal(bits(a), bits(b)) for a, b in zip(out[:2], ref[:2], strict=True))
+        same = all(
+            np.array_equal(common.bits(a), common.bits(b))
+            for a, b in zip(out[:2], ref[:2], strict=True)
+        )
         rows.append(
             {
                 "cast": name,

@@ -88,6 +88,22 @@ def _x(pid, name, ts, dur, tid=1):
 GPU, HOST = 7, 3
 
 
+def test_bits_reads_each_encoding():
+    """``common.bits``, which the kernel benchmarks' "same bits" columns compare, gives each
+    format's encoding of 1.0 and -2.0 (OCP FP8, bf16, f32), scalars included."""
+    import jax.numpy as jnp
+
+    want = {
+        jnp.float8_e4m3fn: [0x38, 0xC0],
+        jnp.float8_e5m2: [0x3C, 0xC0],
+        jnp.bfloat16: [0x3F80, 0xC000],
+        jnp.float32: [0x3F800000, 0xC0000000],
+    }
+    for dtype, codes in want.items():
+        assert common.bits(jnp.asarray([1.0, -2.0], dtype)).tolist() == codes, dtype
+        assert common.bits(jnp.asarray(1.0, dtype)).tolist() == codes[:1], dtype
+
+
 def test_summarize_trace_per_step_numbers(tmp_path):
     events = [
         # Two steps' worth of device kernels, microseconds.

@@ -448,7 +448,7 @@ def main() -> dict:
             _with(_fused_qkv(o1(data=8)), cast_kernel="interpret"),
             devs,
             "O1 DP qkv",
-        ),  # fmt: skip
+        ),
         # Unrolled layers: one FP8 gradient bucket per layer (the default) against one bucket
         # for all; per-tensor scales either way, so the same bits, in 3 all-to-alls against 1.
         "O1 DP one bucket": (_unrolled(o1(data=8, bucket_by_layer=False)), devs, None),

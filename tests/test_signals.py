@@ -151,21 +151,21 @@ def test_loop_reads_a_step_after_dispatching_the_next(corpus, tmp_path, monkeypa
     that waits for the device anyway (here the checkpoint at step 3) reports before the next."""
     events = []
     put = train_lib.sharding_lib.put_batch
-    train, check = metrics_lib.RunLog.train, metrics_lib.NonFiniteGuard.check
 
-    def logged(self, step, metrics):
-        events.append(("read", step))
-        return train(self, step, metrics)
+    def recorded(read):  # a method that reads a step's metrics, noting the read first
+        def wrapped(self, step, metrics):
+            events.append(("read", step))
+            return read(self, step, metrics)
 
-    def checked(self, step, metrics):
-        events.append(("read", step))
-        return check(self, step, metrics)
+        return wrapped
 
     monkeypatch.setattr(
         train_lib.sharding_lib, "put_batch", lambda *a: events.append(("put",)) or put(*a)
     )
-    monkeypatch.setattr(metrics_lib.RunLog, "train", logged)
-    monkeypatch.setattr(metrics_lib.NonFiniteGuard, "check", checked)
+    monkeypatch.setattr(metrics_lib.RunLog, "train", recorded(metrics_lib.RunLog.train))
+    monkeypatch.setattr(
+        metrics_lib.NonFiniteGuard, "check", recorded(metrics_lib.NonFiniteGuard.check)
+    )
     steps = 6
     config = small_config(
         corpus, num_train_steps=steps, checkpoint_every_steps=3, fp8_stats_every_steps=1000,

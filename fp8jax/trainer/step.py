@@ -72,7 +72,7 @@ def learning_rate_schedule(o: OptimSpec) -> optax.Schedule:
 
 
 # Fields that define the learning-rate schedule (learning_rate_schedule).
-SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
+_SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "num_train_steps", "min_lr_ratio")
 
 
 def record_schedule(workdir: str, o: OptimSpec, step: int) -> None:
@@ -82,7 +82,7 @@ def record_schedule(workdir: str, o: OptimSpec, step: int) -> None:
     ``num_train_steps`` follows another curve from the restored step on (cosine re-stretched).
     """
     path = os.path.join(workdir, "schedule.json")
-    now = {k: getattr(o, k) for k in SCHEDULE_FIELDS}
+    now = {k: getattr(o, k) for k in _SCHEDULE_FIELDS}
     before = provenance.read_json(pathlib.Path(path)) or {}
     changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v}
     if step > 0 and changed:

@@ -417,3 +417,12 @@ def parse_live_range(text: str, top: int) -> dict:
     out["peak_buffers"] = sorted(out["peak_buffers"], key=lambda r: -r["bytes"])[:top]
     out["breakdown"] = sorted(out["breakdown"], key=lambda r: -r["bytes"])[:top]
     return out
+
+
+def finite_loss(run: str, loss) -> float:
+    """``loss`` as a float; an error naming ``run`` if it is NaN or infinite (its step times
+    would time non-finite arithmetic, not training)."""
+    value = float(loss)
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{run}: the loss is {value} after the timed steps; no timing")
+    return value

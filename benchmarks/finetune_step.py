@@ -188,7 +188,7 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
         "init_peak_gib": init_peak / 2**30,
         "compiled_gib": {k: v / 2**30 for k, v in mem.items()},
         "temp_gib": mem.get("temp", 0) / 2**30,
-        "loss": float(metrics["loss"]),
+        "loss": common.finite_loss(run, metrics["loss"]),
         **(
             {k: float(metrics[k]) for k in ("reward_accuracy", "reward_margin")}
             if is_dpo(run)

@@ -117,6 +117,8 @@ def child(
         two = [batch, batch2]
         state, ms_two, dispatch_two = common.pipelined(compiled, state, two, steps, keep=False)
         kernels = common.trace_steps(compiled, state, batch, profile, 10) if profile else None
+    # A GPU at its power cap runs NaN and Inf faster than numbers: no timing of such a step.
+    loss = common.finite_loss(run, metrics["loss"])
     ms = statistics.median(times) * 1e3
     tokens = c.batch_size * c.seq_len
     return {
@@ -159,7 +161,7 @@ def child(
         "compile_s": compile_s,
         "build_s": build_s,
         **p.times,
-        "loss": float(metrics["loss"]),
+        "loss": loss,
         "jax": jax.__version__,
         "device": str(dev.device_kind),
         "profile": kernels,

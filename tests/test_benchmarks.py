@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from benchmarks import block_gemm, cast_transpose, common, parity, runner, step
@@ -260,6 +261,22 @@ def test_bad_override_stops_before_any_child(tmp_path):
         "error: unknown config field 'model.foo' in override 'model.foo=1'"
     ), proc.stderr[-800:]
     assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_step_refuses_to_time_a_non_finite_loss(tmp_path):
+    """A learning rate of 1e38 overflows the params after the first update: the run is an
+    error row naming the loss, with no step time (NaN arithmetic runs faster at a power cap)."""
+    runs = "tiny:O1"
+    proc = _module(
+        "step", "--quick", "--runs", runs, "--set", "learning_rate=1e38", "--out", str(tmp_path)
+    )
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert "step_ms" not in record, record
+    assert "the loss is nan after the timed steps" in record["error"], record["error"]
+    assert "ERROR" in proc.stdout
+    assert common.finite_loss(runs, np.float32(2.5)) == 2.5
+    with pytest.raises(FloatingPointError, match="the loss is inf"):
+        common.finite_loss(runs, np.float32("inf"))
 
 
 def test_every_benchmark_has_a_module_cli():

@@ -91,6 +91,12 @@ def get_config() -> ml_collections.ConfigDict:
     # and dv to E5M2 in their places, never writing them side by side in bf16 first
     # (fp8jax/ops/qkv.py). Applies with delayed scaling and the fused casts; ignored elsewhere.
     f.fuse_qkv = True  # False: one FP8 matmul, its output sliced, autodiff concatenating back
+    # GPT's LayerNorms folded into the E4M3 cast of the fused Q/K/V projection and the fused
+    # MLP (fuse_qkv, fuse_mlp) under a remat policy that casts their input again in the
+    # backward (activations_saveable, activations_and_weights_saveable): the casts read the
+    # norm's input and row statistics, so the normalized tensor is never written in bf16 and
+    # the backward runs no norm pass for it (fp8jax/ops/norm.py). Ignored elsewhere.
+    f.fuse_norm = True  # False: nn.LayerNorm's bf16 output, then the cast
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
     f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
     f.v_format = "float16"  # Adam second moment (with a per-tensor scale)

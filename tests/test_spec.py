@@ -65,6 +65,7 @@ CHANGES = {
     "fp8.fuse_activation": (False, {"model"}),
     "fp8.fuse_mlp": (False, {"model"}),
     "fp8.fuse_qkv": (False, {"model"}),
+    "fp8.fuse_norm": (False, {"model"}),
     "fp8.m_format": ("e5m2", {"fp8"}),
     "fp8.v_format": ("bfloat16", {"fp8"}),
     "fp8.master_format": ("bfloat16", {"fp8"}),

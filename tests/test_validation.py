@@ -68,6 +68,7 @@ BAD = {
     "fp8.fuse_activation": [0],
     "fp8.fuse_mlp": ["yes"],
     "fp8.fuse_qkv": ["yes"],
+    "fp8.fuse_norm": ["yes"],
     "fp8.m_format": ["int8"],
     "fp8.v_format": ["e3m4"],
     "fp8.master_format": ["fp16"],

@@ -102,6 +102,7 @@ class ModelConfig:
     fuse_activation: bool  # GPT's GELU inside the E4M3 cast of the MLP's second matmul
     fuse_mlp: bool  # GPT's whole MLP as one custom VJP
     fuse_qkv: bool  # the fused Q/K/V projection as one custom VJP (with fused_qkv)
+    fuse_norm: bool  # GPT's LayerNorms in the fused Q/K/V's and MLP's E4M3 casts (under rebuild)
     norm_eps: float  # epsilon of LayerNorm / RMSNorm
     rope_theta: float  # RoPE base (LLaMA style)
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None

@@ -24,8 +24,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.models import decode
 from fp8jax.models.config import ModelConfig
+from fp8jax.models.params import (
+    INIT_STD,
+    FusedLinear,
+    NormParams,
+    bias_init,
+    norm_scale_init,
+    normal_init,
+)
 from fp8jax.models.rope import rope
-from fp8jax.nn.linen import Fp8Meta, fp8_dot_general_cls, keep_kernel_dtype
+from fp8jax.nn.linen import fp8_dot_general_cls, keep_kernel_dtype
 from fp8jax.nn.state import FP8_STATS
 from fp8jax.ops import attention as fp8_attention
 from fp8jax.ops import mlp as fp8_mlp
@@ -34,20 +42,9 @@ from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
-INIT_STD = 0.02  # GPT-2 / LLaMA initialiser scale for embeddings and linears
 # The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
 # new value.
 FLAX_FP8 = OVERWRITE_WITH_GRADIENT
-
-
-def normal_init(names, std: float = INIT_STD):
-    """Normal(std) initialiser carrying logical axis names for sharding."""
-    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
-
-
-def bias_init(names):
-    """Zeros initialiser of a linear layer's bias, carrying its logical axis names."""
-    return nn.with_logical_partitioning(nn.initializers.zeros, names)
 
 
 def fp8_cls(cfg: ModelConfig, prologue: str | None = None):
@@ -95,6 +92,17 @@ def fuses_qkv(cfg: ModelConfig) -> bool:
     ``fp8.fuse_qkv``): delayed scaling and the fused cast kernels only, as ``fuses_mlp``."""
     fusable = cfg.cast_kernel != "xla" and scaling.is_delayed(cfg.recipe)
     return cfg.fused_qkv and cfg.fuse_qkv and cfg.fp8_impl == "fp8jax" and fusable
+
+
+def folds_norm(cfg: ModelConfig, fused: Callable[[ModelConfig], bool]) -> bool:
+    """Whether GPT's LayerNorm before the op that ``fused`` (``fuses_qkv``, ``fuses_mlp``)
+    tells about is folded into that op's E4M3 cast (``fp8.fuse_norm``, ``ops.norm``).
+
+    Only where the backward casts x again (``rebuilds_operands``: a remat policy that keeps
+    no E4M3 copy of it), where the fold spares a norm pass per rebuild. Without remat the
+    step measured the same speed folded and 0.69 GiB more peak (gpt_1b3 O1, docs/kernels.md).
+    """
+    return cfg.fuse_norm and cfg.style == "gpt" and fused(cfg) and "x" in rebuilds_operands(cfg)
 
 
 def recomputes_elementwise(cfg: ModelConfig) -> bool:
@@ -157,7 +165,7 @@ def dense(
 def norm(cfg: ModelConfig, name: str) -> nn.Module:
     """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
     common = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
-    scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    scale_init = norm_scale_init()
     # Recomputed: only the input is saved (the same params: nn.remat lifts the module).
     wrap = nn.remat if recomputes_elementwise(cfg) else (lambda cls: cls)
     if cfg.style == "gpt":
@@ -179,14 +187,19 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BxLxD: jax.Array, positions_BxL: jax.Array, mask_Bx1xLxL: jax.Array | None = None
+        self,
+        x_BxLxD: jax.Array,
+        positions_BxL: jax.Array,
+        mask_Bx1xLxL: jax.Array | None = None,
+        ln=None,
     ) -> jax.Array:
-        """Attention over ``x``; ``mask`` (True = may attend) narrows the causal mask."""
+        """Attention over ``x``; ``mask`` (True = may attend) narrows the causal mask. ``ln``
+        (``NormParams``' output): x is the LayerNorm's input, folded into the fused Q/K/V."""
         c = self.cfg
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
         bias = c.use_bias or c.qkv_bias
         if c.fused_qkv:
-            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD)
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, ln)
         else:
             q_names = ("embed", "heads", "head_dim")
             q_BxLxNxH = dense(c, (n, h), q_names, name="q", use_bias=bias)(x_BxLxD)
@@ -218,7 +231,7 @@ class Attention(nn.Module):
         )
         return out(o_BxLxNxH)
 
-    def _qkv(self, x_BxLxD):
+    def _qkv(self, x_BxLxD, ln=None):
         """Q, K and V from one GEMM: one quantization of x, one dgrad, no dx sum."""
         c = self.cfg
         k, g, h = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
@@ -230,7 +243,7 @@ class Attention(nn.Module):
         # The FP8 health step (FP8_STATS) takes the DenseGeneral path: same forward, same paths.
         if fuses_qkv(c) and not self.is_mutable_collection(FP8_STATS):
             shape = (c.d_model, k, g + 2, h)
-            qkv = _FusedLinear(c, shape, names, INIT_STD, use_bias=bias, name="qkv")
+            qkv = FusedLinear(c, shape, names, INIT_STD, use_bias=bias, name="qkv")
             w_DxKxG2xH, meta = qkv.Fp8DotGeneral_0(x_BxLxD, qkv.kernel)
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, meta = fp8_qkv.qkv_projection(
                 x_BxLxD.astype(c.dtype),
@@ -239,6 +252,7 @@ class Attention(nn.Module):
                 meta,
                 c.cast_kernel,
                 rebuilds_operands(c),
+                ln,
             )
             qkv.Fp8DotGeneral_0.write(meta)
             return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
@@ -254,11 +268,13 @@ class Mlp(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, ln=None) -> jax.Array:
+        """The MLP of ``x``; ``ln`` (``NormParams``' output): x is the LayerNorm's input, folded
+        into the fused MLP."""
         c = self.cfg
         # The FP8 health step (FP8_STATS) takes the two-matmul path: same forward, same paths.
         if fuses_mlp(c) and not self.is_mutable_collection(FP8_STATS):
-            return self._fused(x_BxLxD)
+            return self._fused(x_BxLxD, ln)
         prologue = None
         if c.style == "gpt":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
@@ -280,11 +296,11 @@ class Mlp(nn.Module):
         )
         return out(h_BxLxF)
 
-    def _fused(self, x_BxLxD):
+    def _fused(self, x_BxLxD, ln=None):
         """``fp8jax.ops.mlp.gelu_mlp`` on wi's and wo's params and FP8 state."""
         c = self.cfg
-        wi = _FusedLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
-        wo = _FusedLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")
+        wi = FusedLinear(c, (c.d_model, c.d_ff), ("embed", "mlp"), INIT_STD, name="wi")
+        wo = FusedLinear(c, (c.d_ff, c.d_model), ("mlp", "embed"), _residual_std(c), name="wo")
         x_BxLxD = x_BxLxD.astype(c.dtype)
         # Kernels and bias as stored: the casts read f32 masters directly (no bf16 copy).
         w1_DxF, meta1 = wi.Fp8DotGeneral_0(x_BxLxD, wi.kernel)
@@ -300,37 +316,11 @@ class Mlp(nn.Module):
             c.cast_kernel,
             recompute_cast=recomputes_elementwise(c),  # rebuild implies it too (ops.mlp)
             rebuild=rebuilds_operands(c),
+            ln=ln,
         )
         wi.Fp8DotGeneral_0.write(meta1)
         wo.Fp8DotGeneral_0.write(meta2)
         return y_BxLxD + jnp.asarray(wo.bias, c.dtype)
-
-
-class _FusedLinear(nn.Module):
-    """``nn.DenseGeneral``'s kernel, bias and FP8 state at its paths, for a fused op (the MLP,
-    the Q/K/V projection) that runs the matmul itself."""
-
-    cfg: ModelConfig
-    shape: tuple[int, ...]  # [in, *features]
-    names: tuple[str | None, ...]  # logical axes of the kernel
-    std: float
-    use_bias: bool = True
-
-    def setup(self):
-        c = self.cfg
-        # Initialised as nn.DenseGeneral does: [in, prod(features)], then reshaped.
-        flat = (self.shape[0], math.prod(self.shape[1:]))
-
-        def init_kernel(key, shape, dtype):
-            boxed = normal_init(self.names, self.std)(key, flat, dtype)
-            return nn.meta.replace_boxed(boxed, boxed.unbox().reshape(shape))
-
-        self.kernel = self.param("kernel", init_kernel, self.shape, c.param_dtype)
-        self.bias = None
-        if self.use_bias:
-            init_b = bias_init(self.names[1:])
-            self.bias = self.param("bias", init_b, self.shape[1:], c.param_dtype)
-        self.Fp8DotGeneral_0 = Fp8Meta(c.recipe, cast_kernel=c.cast_kernel)
 
 
 class Block(nn.Module):
@@ -345,12 +335,22 @@ class Block(nn.Module):
         c = self.cfg
         if isinstance(x_BxLxD, list):  # Transformer._blocks' tied input
             (x_BxLxD,) = x_BxLxD
+        # The FP8 health step (FP8_STATS) runs the unfused ops: the norms as modules.
+        health = self.is_mutable_collection(FP8_STATS)
         attn = Attention(c, name="attn")
-        x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
+        if folds_norm(c, fuses_qkv) and not health:  # the norm inside the Q/K/V's E4M3 cast
+            ln = NormParams(c, name="attn_norm")()
+            x_BxLxD = x_BxLxD + attn(x_BxLxD, positions_BxL, mask_Bx1xLxL, ln=ln)
+        else:
+            x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         # Named for remat policies (ops.remat): the MLP norm's input, which its backward reads.
         x_BxLxD = checkpoint_name(x_BxLxD, fp8_remat.RESIDUAL)
-        x_BxLxD = x_BxLxD + _mlp_cls(c)(c, name="mlp")(norm(c, "mlp_norm")(x_BxLxD))
+        mlp = _mlp_cls(c)(c, name="mlp")
+        if folds_norm(c, fuses_mlp) and not health:
+            x_BxLxD = x_BxLxD + mlp(x_BxLxD, ln=NormParams(c, name="mlp_norm")())
+        else:
+            x_BxLxD = x_BxLxD + mlp(norm(c, "mlp_norm")(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         return x_BxLxD, None
 

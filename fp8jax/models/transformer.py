@@ -22,10 +22,10 @@ from fp8jax.models.layers import (
     constrain,
     fp8_cls,
     norm,
-    normal_init,
     promote_for,
     segment_mask,
 )
+from fp8jax.models.params import normal_init
 from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.parallel import layerwise
 

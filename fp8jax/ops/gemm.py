@@ -107,13 +107,13 @@ def uses_fused_cast(cfg: GemmConfig, meta: Fp8Meta) -> bool:
     return cfg.cast != "xla" and not cfg.batched and delayed
 
 
-def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = False):
+def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = False, norm=None):
     """Forward with both layouts from one pass per operand; keeps x.T and w as residuals.
 
     Returns ``(y, new_meta, (xq_t, wq, inv, x_pre))`` (x and w as given in the places of xq_t
     and wq where ``cfg.rebuild`` names them). ``affine`` (``kernels.cast_transpose``'s) makes
-    x's pass quantize ``act(x * alpha + bias)``; ``raw`` returns the GEMM's output still scaled
-    by ``sx * sw`` (``inv[0]`` unscales it).
+    x's pass quantize ``act(x * alpha + bias)``, ``norm`` (its too) the LayerNorm of x; ``raw``
+    returns the GEMM's output still scaled by ``sx * sw`` (``inv[0]`` unscales it).
     """
     sx, sw = meta.x.scale, meta.w.scale
     # E4M3 for both forward operands. x [M, K] -> xq [M, K] for this GEMM and xq_t [K, M] for
@@ -123,7 +123,7 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     # only this GEMM's layout; the backward casts it again (``rebuilt_input``, ``rebuilt_weight``).
     xq, xq_t, hist_x = kernels.cast_transpose(
         x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine,
-        layouts="row" if "x" in cfg.rebuild else kernels.BOTH,
+        layouts="row" if "x" in cfg.rebuild else kernels.BOTH, norm=norm,
     )  # fmt: skip
     wq, wq_t, hist_w = kernels.cast_transpose(
         w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history,
@@ -145,15 +145,16 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     return y, new_meta, (xq_t, wq, inv, x_pre)
 
 
-def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta) -> jax.Array:
+def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta, norm=None) -> jax.Array:
     """The wgrad's E4M3 x.T [K, M]: ``fwd_fused``'s residual, or with 'x' in ``rebuild`` cast
-    again from x (the forward's scale and prologue: the same bits, one layout, no amax). An
-    affine input (the fused MLP's wo) is rebuilt by ``act_kernels`` instead."""
+    again from x (the forward's scale, prologue and ``norm``: the same bits, one layout, no
+    amax). An affine input (the fused MLP's wo) is rebuilt by ``act_kernels`` instead."""
     if "x" not in cfg.rebuild:
         return x_or_xq_t
     return kernels.cast_transpose(
-        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, layouts="col", record=False
-    )[1]
+        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, layouts="col",
+        record=False, norm=norm,
+    )[1]  # fmt: skip
 
 
 def rebuilt_weight(cfg: GemmConfig, w_or_wq, meta: Fp8Meta) -> jax.Array:

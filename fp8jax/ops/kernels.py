@@ -15,6 +15,8 @@ any backend (tests).
 An optional elementwise ``prologue`` (``activations.ACTIVATIONS``) is applied in f32 to each
 block before the amax and the cast, so an MLP's activation needs no pass of its own: the pass
 that quantizes the second matmul's input reads the pre-activation instead of the activation.
+``norm`` does the same for a LayerNorm in front of the matmul: the pass reads the norm's input
+and its row statistics, and the normalized tensor is never written in high precision.
 """
 
 from __future__ import annotations
@@ -113,9 +115,43 @@ def affine_operands(affine, bk: int):
     return [affine[0]], [affine[1]], [pl.BlockSpec((bk,), lambda i, j: (j,))]
 
 
-def _reference(x, scale, dtype, prologue=None, affine=None):
+def apply_norm(x, norm):
+    """LayerNorm from given statistics, in f32: ``(x - mean) * (rstd * gamma) + beta`` (``norm
+    = (mean [M], rstd [M], gamma [K], beta [K])``, flax's ``LayerNorm`` order), or ``x``."""
+    if norm is None:
+        return x
+    mean_M, rstd_M, gamma_K, beta_K = (a.astype(jnp.float32) for a in norm)
+    mul_MxK = rstd_M[:, None] * gamma_K[None, :]
+    return (x.astype(jnp.float32) - mean_M[:, None]) * mul_MxK + beta_K[None, :]
+
+
+def norm_operands(norm, bm: int, bk: int):
+    """A kernel's extra inputs for ``norm`` and their BlockSpecs (this block's rows of the
+    statistics, its columns of gamma and beta); both empty without one."""
+    if norm is None:
+        return [], []
+    from jax.experimental import pallas as pl
+
+    rows, cols = pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bk,), lambda i, j: (j,))
+    return list(norm), [rows, rows, cols, cols]
+
+
+def check_norm(norm, shape) -> None:
+    """A clear error unless ``norm`` is None or ``(mean [M], rstd [M], gamma [K], beta [K])``."""
+    if norm is None:
+        return
+    m, k = shape
+    want = [(m,), (m,), (k,), (k,)]
+    if len(norm) != 4 or [jnp.shape(a) for a in norm] != want:
+        raise ValueError(
+            f"norm must be (mean, rstd, gamma, beta) of shapes {want}, got "
+            f"{[jnp.shape(a) for a in norm]}"
+        )
+
+
+def _reference(x, scale, dtype, prologue=None, affine=None, norm=None):
     """The XLA version: the same saturating quantize as ``formats.quantize``, plus the amax."""
-    x = apply_affine(x, affine)
+    x = apply_norm(apply_affine(x, affine), norm)
     if prologue is not None:
         x = activations.activation(prologue)(
             x.astype(jnp.float32)
@@ -140,17 +176,24 @@ def record_amax(pending_ref, block_max):
     plt.atomic_max(pending_ref, (pl.ds(0, 1),), jnp.full((1,), block_max, jnp.float32))
 
 
-def _kernel(*refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool, layouts, record):
+def _kernel(
+    *refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool, norm: bool, layouts,
+    record,
+):  # fmt: skip
     # scale_ref: [scale(, alpha)]; bias_ref: this block's [bk] of the bias (with affine); the
-    # pending input (aliased to pending_ref) only when recording.
+    # norm's mean and rstd [bm], gamma and beta [bk] (with norm); the pending input (aliased
+    # to pending_ref) only when recording.
     scale_ref, x_ref, *rest = refs
     bias_ref = rest.pop(0) if affine else None
+    norm_refs = [rest.pop(0) for _ in range(4)] if norm else None
     rest = rest[1:] if record else rest
     q_ref = rest.pop(0) if layouts != "col" else None
     qt_ref = rest.pop(0) if layouts != "row" else None
     x_bxk = x_ref[...].astype(jnp.float32)  # [bm, bk], read once
     if affine:
         x_bxk = apply_affine(x_bxk, (scale_ref[1], bias_ref[...]))
+    if norm:
+        x_bxk = apply_norm(x_bxk, [r[...] for r in norm_refs])
     x_bxk = activations.activation(prologue, tanh)(x_bxk)
     if record:
         record_amax(rest[0], jnp.max(jnp.abs(x_bxk)))
@@ -181,6 +224,7 @@ def pallas_cast_transpose(
     affine=None,
     layouts=BOTH,
     record=True,
+    norm=None,
 ):
     """The Pallas kernel on [M, K] with explicit tuning (blocks, warps, stages), for tuning runs.
 
@@ -193,6 +237,7 @@ def pallas_cast_transpose(
     (m, k), (gm, gk), target, whole, (alpha, bias, bias_spec) = grid_layout(
         x, bm, bk, pending, affine
     )
+    stats, stats_specs = norm_operands(norm, bm, bk)
     kernel = functools.partial(
         _kernel,
         limit=formats.fmax(dtype),
@@ -201,6 +246,7 @@ def pallas_cast_transpose(
         prologue=prologue,
         tanh=kernel_tanh(interpret),
         affine=affine is not None,
+        norm=norm is not None,
         layouts=_check_layouts(layouts),
         record=record,
     )
@@ -218,15 +264,16 @@ def pallas_cast_transpose(
             pl.BlockSpec((len(scalars),), lambda i, j: (0,)),
             pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
             *bias_spec,
+            *stats_specs,
             *([whole] if record else []),
         ],
         out_specs=[specs[n][0] for n in names],
         out_shape=[specs[n][1] for n in names],
-        input_output_aliases={2 + len(bias): len(names) - 1} if record else {},
+        input_output_aliases={2 + len(bias) + len(stats): len(names) - 1} if record else {},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_cast_transpose",
-    )(jnp.stack(scalars).astype(jnp.float32), x, *bias, *([target] if record else []))
+    )(jnp.stack(scalars).astype(jnp.float32), x, *bias, *stats, *([target] if record else []))
     got = dict(zip(names, outs, strict=True))
     amax = untarget(got["amax"], pending) if record else None
     return got.get("row"), got.get("col"), amax
@@ -280,6 +327,7 @@ def cast_transpose(
     affine: tuple[jax.Array, jax.Array] | None = None,
     layouts: str = BOTH,
     record: bool = True,
+    norm: tuple[jax.Array, ...] | None = None,
 ):
     """``(q [M, K], q.T [K, M], amax)``: ``x`` [M, K] scaled, saturated and cast to ``fmt``.
 
@@ -292,15 +340,18 @@ def cast_transpose(
     ``affine = (alpha, bias [K])`` quantizes ``act(x * alpha + bias)`` (in f32): a GEMM's raw
     output is unscaled and biased in the same read. ``layouts`` 'row' or 'col' writes only q or
     q.T, and ``record=False`` no amax (None in their places): a backward pass that casts an
-    operand again, with the forward's scale, for the one layout its GEMM reads.
+    operand again, with the forward's scale, for the one layout its GEMM reads. ``norm = (mean
+    [M], rstd [M], gamma [K], beta [K])`` quantizes the LayerNorm of ``x`` from those row
+    statistics (``apply_norm``, in f32, after any affine and before any prologue).
     """
     dtype = formats.as_dtype(fmt)
     activations.activation(prologue)  # a clear error for an unknown name
     check_affine(affine, x.shape[-1])
+    check_norm(norm, x.shape)
     _check_layouts(layouts)
 
-    def reference(x, s, p, a):
-        q, q_t, amax = _reference(x, s, dtype, prologue, a)
+    def reference(x, s, p, a, n):
+        q, q_t, amax = _reference(x, s, dtype, prologue, a, n)
         return (
             q if layouts != "col" else None,
             q_t if layouts != "row" else None,
@@ -311,7 +362,7 @@ def cast_transpose(
         impl,
         x.shape,
         reference,
-        lambda x, s, p, a, bm, bk, interpret: pallas_cast_transpose(
+        lambda x, s, p, a, n, bm, bk, interpret: pallas_cast_transpose(
             x,
             s,
             dtype,
@@ -323,11 +374,13 @@ def cast_transpose(
             affine=a,
             layouts=layouts,
             record=record,
+            norm=n,
         ),
         x,
         scale,
         pending,
         affine,
+        norm,
         col_blocks=_COL_BLOCKS if prologue is None else ACT_COL_BLOCKS,
     )
 

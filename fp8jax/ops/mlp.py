@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import act_kernels, dot, fine_mlp, formats, gemm, kernels, scaling
+from fp8jax.ops import act_kernels, dot, fine_mlp, formats, gemm, kernels, norm, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -43,40 +43,48 @@ class _Cfg(NamedTuple):
     w1_dtype: jnp.dtype  # the weights as given (f32 masters are quantized straight from f32)
     w2_dtype: jnp.dtype
     recompute_cast: bool  # rebuild wo's E4M3 transposed input in the backward (module doc)
+    norm_eps: float | None = None  # x is a LayerNorm's input, folded into its cast (ops.norm)
 
 
-def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, m1: Fp8Meta, m2: Fp8Meta):
+def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, ln, m1: Fp8Meta, m2: Fp8Meta):
+    # ln: the folded LayerNorm's (gamma, beta), or None; its statistics join the residuals.
+    stats = None if ln is None else norm.layer_norm_stats(x, cfg.norm_eps)
+    folded = None if ln is None else (*stats, *ln)
     # Scopes named as the layers: coverage reports and profiles tell wi's GEMMs from wo's.
     with jax.named_scope("wi"):
         # h_raw = x . w1 still scaled by sx * sw (inv1[0] unscales it): the unscale and the
         # bias are left to wo's cast, so pre = h_raw * inv1[0] + b1 is never written out.
-        h_raw, m1_new, (xq_t, w1q, inv1, _) = gemm.fwd_fused(cfg.layer1, x, w1, m1, raw=True)
+        h_raw, m1_new, (xq_t, w1q, inv1, _) = gemm.fwd_fused(
+            cfg.layer1, x, w1, m1, raw=True, norm=folded
+        )
     # E4M3 of gelu(h_raw * inv1[0] + b1), computed in f32 inside the cast from the raw output.
     affine = (inv1[0], b1)
     with jax.named_scope("wo"):
         y, m2_new, (aq_t, w2q, inv2, _) = gemm.fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
     if cfg.recompute_cast:  # rebuilt in the backward from h_raw, which it keeps anyway
         aq_t = None
-    return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2)
+    normed = None if ln is None else (x, stats)
+    return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2, normed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp(cfg: _Cfg, x, w1, b1, w2, m1, m2):
-    y, m1_new, m2_new, _ = _fwd_impl(cfg, x, w1, b1, w2, m1, m2)
+def _mlp(cfg: _Cfg, x, w1, b1, w2, ln, m1, m2):
+    y, m1_new, m2_new, _ = _fwd_impl(cfg, x, w1, b1, w2, ln, m1, m2)
     return y, m1_new, m2_new
 
 
-def _mlp_fwd(cfg: _Cfg, x, w1, b1, w2, m1, m2):
-    y, m1_new, m2_new, res = _fwd_impl(cfg, x, w1, b1, w2, m1, m2)
-    return (y, m1_new, m2_new), (res, m1, m2)
+def _mlp_fwd(cfg: _Cfg, x, w1, b1, w2, ln, m1, m2):
+    y, m1_new, m2_new, res = _fwd_impl(cfg, x, w1, b1, w2, ln, m1, m2)
+    return (y, m1_new, m2_new), (res, ln, m1, m2)
 
 
 def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
-    (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2), m1, m2 = saved
+    (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2, normed), ln, m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
+    folded = None if ln is None else (*normed[1], *ln)
     # Kept FP8 copies, or (those in ``rebuild``) cast again with the forward's scales.
-    xq_t, w1q = gemm.rebuilt_input(c1, xq_t, m1), gemm.rebuilt_weight(c1, w1q, m1)
+    xq_t, w1q = gemm.rebuilt_input(c1, xq_t, m1, folded), gemm.rebuilt_weight(c1, w1q, m1)
     w2q = gemm.rebuilt_weight(c2, w2q, m2)
     with jax.named_scope("wo"):
         # Layer 2: E5M2 for its output gradient, both layouts; dgrad's output stays scaled.
@@ -106,13 +114,15 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
         dw2 = gemm.unscale(dw2, inv2[2], cfg.w2_dtype)
     with jax.named_scope("wi"):
         dx, dw1 = gemm.fused_grads(c1, xq_t, w1q, inv1, g1q, g1q_t, cfg.w1_dtype)
+        dx, d_ln = norm.folded_dgrad(c1, dx, inv1[1], normed, ln)
     # Weight gradients leave the GEMMs in the compute dtype (as nn.Dense's do) and are unscaled
     # into the weights' own dtype, a widening XLA fuses into the optimizer's update.
     return (
-        gemm.dgrad_out(c1, dx, inv1[1], None),
+        dx,
         dw1,
         db1.astype(cfg.b_dtype),
         dw2,
+        d_ln,
         gemm.dy_cotangent(m1, ct_m1, hist_g1),
         gemm.dy_cotangent(m2, ct_m2, hist_g2),
     )
@@ -131,6 +141,7 @@ def gelu_mlp(
     cast_kernel: str = kernels.AUTO,
     recompute_cast: bool = False,
     rebuild: bool | str = False,
+    ln: tuple[jax.Array, jax.Array, float] | None = None,
 ):
     """``gelu(x . w1 + b1) . w2`` in FP8 (x [..., D], w1 [D, F], b1 [F], w2 [F, D]).
 
@@ -141,14 +152,17 @@ def gelu_mlp(
     rebuilt in the backward pass rather than kept (module docstring). ``rebuild``
     (``gemm.GemmConfig``'s; True: 'xw'): the operands whose FP8 copies are not kept; the backward
     casts them again, one layout each (delayed scaling's fused path). 'x' covers both layers'
-    inputs (so implies ``recompute_cast``), 'w' both weights.
+    inputs (so implies ``recompute_cast``), 'w' both weights. ``ln = (gamma [D], beta [D],
+    eps)``: x is a LayerNorm's input and the MLP reads its output, folded into x's cast
+    (``ops.norm``); elsewhere the norm is applied first, in x's dtype.
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     for name, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
         dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
-    if scaling.is_fine(meta1.x.recipe):  # tiles of any shape, the references off the GPU
+    if scaling.is_fine(meta1.x.recipe):
+        x_MxD = norm.layer_norm(x_MxD, ln)  # tiles of any shape, the references off the GPU
         y, meta1, meta2 = fine_mlp.gelu_mlp(
             x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast
         )
@@ -163,12 +177,15 @@ def gelu_mlp(
         aligned and gemm.uses_fused_cast(layer1, meta1) and gemm.uses_fused_cast(layer2, meta2)
     ):
         w1, b1, w2 = w1.astype(dtype), b1.astype(dtype), w2.astype(dtype)
+        x_MxD = norm.layer_norm(x_MxD, ln)
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
         pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
         return y.reshape(*lead, w2.shape[1]), meta1, meta2
     recompute_cast = bool(recompute_cast or "x" in rebuild)
-    cfg = _Cfg(layer1, layer2, *(jnp.dtype(v.dtype) for v in (b1, w1, w2)), recompute_cast)
+    eps = None if ln is None else float(ln[2])
+    dtypes = (jnp.dtype(v.dtype) for v in (b1, w1, w2))
+    cfg = _Cfg(layer1, layer2, *dtypes, recompute_cast, eps)
     with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
-        y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, meta1, meta2)
+        y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, None if ln is None else ln[:2], meta1, meta2)
     return y.reshape(*lead, w2.shape[1]), meta1, meta2

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import dot, formats, gemm, kernels
+from fp8jax.ops import dot, formats, gemm, kernels, norm
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -141,6 +141,7 @@ class _Cfg(NamedTuple):
     gemm: GemmConfig
     heads: tuple[int, int, int]  # K (key/value heads), G (query heads per K), H (head dim)
     b_dtype: jnp.dtype | None  # the bias' dtype; None without one
+    norm_eps: float | None = None  # x is a LayerNorm's input, folded into its cast (ops.norm)
 
 
 def _split(cfg: _Cfg, y_MxC):
@@ -149,28 +150,32 @@ def _split(cfg: _Cfg, y_MxC):
     return y_MxKxG2xH[:, :, :g], y_MxKxG2xH[:, :, g], y_MxKxG2xH[:, :, g + 1]
 
 
-def _fwd_impl(cfg: _Cfg, x, w, b, meta: Fp8Meta):
-    y_MxC, new_meta, res = gemm.fwd_fused(cfg.gemm, x, w, meta)
+def _fwd_impl(cfg: _Cfg, x, w, b, ln, meta: Fp8Meta):
+    # ln: the folded LayerNorm's (gamma, beta), or None; its statistics join the residuals.
+    stats = None if ln is None else norm.layer_norm_stats(x, cfg.norm_eps)
+    folded = None if ln is None else (*stats, *ln)
+    y_MxC, new_meta, res = gemm.fwd_fused(cfg.gemm, x, w, meta, norm=folded)
     if b is not None:  # b [C], in the output dtype, as nn.DenseGeneral adds it
         y_MxC = y_MxC + b.astype(y_MxC.dtype)
-    return (*_split(cfg, y_MxC), new_meta), res
+    return (*_split(cfg, y_MxC), new_meta), (res, None if ln is None else (x, stats))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qkv(cfg: _Cfg, x, w, b, meta: Fp8Meta):
-    return _fwd_impl(cfg, x, w, b, meta)[0]
+def _qkv(cfg: _Cfg, x, w, b, ln, meta: Fp8Meta):
+    return _fwd_impl(cfg, x, w, b, ln, meta)[0]
 
 
-def _qkv_fwd(cfg: _Cfg, x, w, b, meta: Fp8Meta):
-    out, res = _fwd_impl(cfg, x, w, b, meta)
-    return out, (res, meta)
+def _qkv_fwd(cfg: _Cfg, x, w, b, ln, meta: Fp8Meta):
+    out, res = _fwd_impl(cfg, x, w, b, ln, meta)
+    return out, (res, ln, meta)
 
 
 def _qkv_bwd(cfg: _Cfg, saved, cts):
-    (xq_t, wq, inv, _), meta = saved
+    ((xq_t, wq, inv, _), normed), ln, meta = saved
     dq, dk, dv, ct_meta = cts
     c = cfg.gemm
-    xq_t, wq = gemm.rebuilt_input(c, xq_t, meta), gemm.rebuilt_weight(c, wq, meta)
+    folded = None if ln is None else (*normed[1], *ln)
+    xq_t, wq = gemm.rebuilt_input(c, xq_t, meta, folded), gemm.rebuilt_weight(c, wq, meta)
     m = dq.shape[0]
     # E5M2 for the gradient, both layouts, from the three parts where autodiff left them.
     gq, gq_t, hist_g, db = cast_transpose_parts(
@@ -184,7 +189,8 @@ def _qkv_bwd(cfg: _Cfg, saved, cts):
     )
     dx, dw = gemm.fused_grads(c, xq_t, wq, inv, gq, gq_t)
     db = None if db is None else db.astype(cfg.b_dtype)
-    return gemm.dgrad_out(c, dx, inv[1], None), dw, db, gemm.dy_cotangent(meta, ct_meta, hist_g)
+    dx, d_ln = norm.folded_dgrad(c, dx, inv[1], normed, ln)
+    return dx, dw, db, d_ln, gemm.dy_cotangent(meta, ct_meta, hist_g)
 
 
 _qkv.defvjp(_qkv_fwd, _qkv_bwd)
@@ -197,6 +203,7 @@ def qkv_projection(
     meta: Fp8Meta,
     cast_kernel: str = kernels.AUTO,
     rebuild: bool | str = False,
+    ln: tuple[jax.Array, jax.Array, float] | None = None,
 ):
     """q, k and v from one FP8 GEMM: ``x . w + b`` split per key/value head.
 
@@ -205,7 +212,9 @@ def qkv_projection(
     ``dot.dot_general`` and the slices give. Wider weights (f32 masters) are quantized as
     given and get their gradients in their own dtype; ``rebuild``: as ``gemm.GemmConfig``'s.
     Off the fused path (current scaling, fine recipes, ``cast_kernel='xla'``, sides not in
-    multiples of 16) it is that ``dot_general`` and the slices.
+    multiples of 16) it is that ``dot_general`` and the slices. ``ln = (gamma [D], beta [D],
+    eps)``: x is a LayerNorm's input and the GEMM reads its output, folded into x's cast
+    (``ops.norm``); elsewhere the norm is applied first, in x's dtype.
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     dot.check_operand("x", x)
@@ -220,12 +229,15 @@ def qkv_projection(
                    gemm.rebuilt_operands(rebuild)),
         heads,
         None if b is None else jnp.dtype(b.dtype),
+        None if ln is None else float(ln[2]),
     )  # fmt: skip
     aligned = all(n % dot.PAD == 0 and n > 0 for n in (*x_MxD.shape, h))
     if aligned and gemm.uses_fused_cast(cfg.gemm, meta):
+        b_C = None if b is None else b.reshape(-1)
         with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
-            q, k, v, meta = _qkv(cfg, x_MxD, w_DxC, None if b is None else b.reshape(-1), meta)
+            q, k, v, meta = _qkv(cfg, x_MxD, w_DxC, b_C, None if ln is None else ln[:2], meta)
     else:
+        x_MxD = norm.layer_norm(x_MxD, ln)
         y_MxC, meta = dot.dot_general(
             x_MxD, w_DxC, DENSE, meta, dtype, cast_kernel, rebuild=rebuild
         )

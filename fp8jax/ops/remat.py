@@ -37,6 +37,7 @@ __all__ = [
     "FP8_W",
     "FP8_X",
     "NAMES",
+    "NORM_STATS",
     "POLICIES",
     "RESIDUAL",
     "activations_and_weights_saveable",
@@ -69,6 +70,9 @@ ATTENTION = "fp8jax_attention"
 HIDDEN = "fp8jax_hidden"
 # The residual stream after a block's attention, the input of its MLP's norm.
 RESIDUAL = "fp8jax_residual"
+# A LayerNorm's f32 row statistics (mean, 1/std) where the norm is folded into the next FP8
+# matmul's cast (``ops.norm``): 8 bytes per token and norm.
+NORM_STATS = "fp8jax_norm_stats"
 
 _cp = jax.checkpoint_policies
 
@@ -90,10 +94,11 @@ fp8_dots_and_inputs_saveable = _cp.save_from_both_policies(
 # per layer and step instead of two, for a layer's weights held from its forward to its backward.
 full_keep_gathered = _cp.save_only_these_names(GATHERED)
 # Every activation the block's backward reads (the MLP's hidden layer, attention's residuals, the
-# residual stream; FP8_OUT: the fused MLP's hidden layer) and no FP8 operand: the backward pass
-# re-applies the norms and casts x and w to E4M3 again (the same scales, so the same bits; one
+# residual stream and folded norms' statistics; FP8_OUT: the fused MLP's hidden layer) and no
+# FP8 operand: the backward pass re-applies the norms (a folded norm inside the cast that
+# rebuilds its output) and casts x and w to E4M3 again (the same scales, so the same bits; one
 # layout each: the models' matmuls ``rebuild`` under it); no GEMM or attention forward again.
-ACTIVATION_NAMES = (FP8_OUT, ATTENTION, HIDDEN, RESIDUAL)
+ACTIVATION_NAMES = (FP8_OUT, ATTENTION, HIDDEN, RESIDUAL, NORM_STATS)
 activations_saveable = _cp.save_only_these_names(*ACTIVATION_NAMES)
 # The same plus the weights' E4M3 copies in the layout dgrad reads (1 byte per weight and
 # layer): the backward re-casts x only, not the f32 masters (4 bytes read per weight).

@@ -204,7 +204,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     # scale = fmax / (amax * 2**margin): negative margins clip on purpose, positive ones leave
     # headroom; past 16 binades either way an E4M3 operand would clip or flush almost entirely.
     check_int(f.margin, "fp8.margin", -16, 16)
-    for name in ("power_of_two", "fuse_activation", "fuse_mlp", "fuse_qkv"):
+    for name in ("power_of_two", "fuse_activation", "fuse_mlp", "fuse_qkv", "fuse_norm"):
         check_bool(f[name], f"fp8.{name}")
     check_choice(f.impl, model_lib.FP8_IMPLS, "fp8.impl")
     check_choice(f.cast_kernel, kernels.IMPLS, "fp8.cast_kernel")
@@ -255,6 +255,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         fuse_activation=f.fuse_activation,
         fuse_mlp=f.fuse_mlp,
         fuse_qkv=f.fuse_qkv,
+        fuse_norm=f.fuse_norm,
         norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,
         rope_scaling=None,  # only an imported checkpoint brings Llama 3's scaling

@@ -161,8 +161,8 @@ def gelu_mlp(
         dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
-    if scaling.is_fine(meta1.x.recipe):
-        x_MxD = norm.layer_norm(x_MxD, ln)  # tiles of any shape, the references off the GPU
+    if scaling.is_fine(meta1.x.recipe):  # tiles of any shape, the references off the GPU
+        x_MxD = norm.layer_norm(x_MxD, ln)
         y, meta1, meta2 = fine_mlp.gelu_mlp(
             x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast
         )

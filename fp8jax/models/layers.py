@@ -335,24 +335,26 @@ class Block(nn.Module):
         c = self.cfg
         if isinstance(x_BxLxD, list):  # Transformer._blocks' tied input
             (x_BxLxD,) = x_BxLxD
-        # The FP8 health step (FP8_STATS) runs the unfused ops: the norms as modules.
-        health = self.is_mutable_collection(FP8_STATS)
         attn = Attention(c, name="attn")
-        if folds_norm(c, fuses_qkv) and not health:  # the norm inside the Q/K/V's E4M3 cast
-            ln = NormParams(c, name="attn_norm")()
-            x_BxLxD = x_BxLxD + attn(x_BxLxD, positions_BxL, mask_Bx1xLxL, ln=ln)
-        else:
-            x_BxLxD = x_BxLxD + attn(norm(c, "attn_norm")(x_BxLxD), positions_BxL, mask_Bx1xLxL)
+        h_BxLxD, ln = self._norm(x_BxLxD, "attn_norm", fuses_qkv)
+        x_BxLxD = x_BxLxD + attn(h_BxLxD, positions_BxL, mask_Bx1xLxL, ln=ln)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         # Named for remat policies (ops.remat): the MLP norm's input, which its backward reads.
         x_BxLxD = checkpoint_name(x_BxLxD, fp8_remat.RESIDUAL)
         mlp = _mlp_cls(c)(c, name="mlp")
-        if folds_norm(c, fuses_mlp) and not health:
-            x_BxLxD = x_BxLxD + mlp(x_BxLxD, ln=NormParams(c, name="mlp_norm")())
-        else:
-            x_BxLxD = x_BxLxD + mlp(norm(c, "mlp_norm")(x_BxLxD))
+        h_BxLxD, ln = self._norm(x_BxLxD, "mlp_norm", fuses_mlp)
+        x_BxLxD = x_BxLxD + mlp(h_BxLxD, ln=ln)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         return x_BxLxD, None
+
+    def _norm(self, x_BxLxD, name: str, fused: Callable[[ModelConfig], bool]):
+        """``(the norm's output, None)``, or ``(x, NormParams' output)`` where the op that
+        ``fused`` tells about folds the norm into its E4M3 cast (``folds_norm``). The FP8
+        health step (FP8_STATS) runs the unfused ops: the norms as modules."""
+        c = self.cfg
+        if folds_norm(c, fused) and not self.is_mutable_collection(FP8_STATS):
+            return x_BxLxD, NormParams(c, name=name)()
+        return norm(c, name)(x_BxLxD), None
 
 
 def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:

@@ -48,8 +48,7 @@ class _Cfg(NamedTuple):
 
 def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, ln, m1: Fp8Meta, m2: Fp8Meta):
     # ln: the folded LayerNorm's (gamma, beta), or None; its statistics join the residuals.
-    stats = None if ln is None else norm.layer_norm_stats(x, cfg.norm_eps)
-    folded = None if ln is None else (*stats, *ln)
+    folded, normed = norm.fold(x, ln, cfg.norm_eps)
     # Scopes named as the layers: coverage reports and profiles tell wi's GEMMs from wo's.
     with jax.named_scope("wi"):
         # h_raw = x . w1 still scaled by sx * sw (inv1[0] unscales it): the unscale and the
@@ -63,7 +62,6 @@ def _fwd_impl(cfg: _Cfg, x, w1, b1, w2, ln, m1: Fp8Meta, m2: Fp8Meta):
         y, m2_new, (aq_t, w2q, inv2, _) = gemm.fwd_fused(cfg.layer2, h_raw, w2, m2, affine)
     if cfg.recompute_cast:  # rebuilt in the backward from h_raw, which it keeps anyway
         aq_t = None
-    normed = None if ln is None else (x, stats)
     return y, m1_new, m2_new, (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2, normed)
 
 
@@ -82,7 +80,7 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
     g, ct_m1, ct_m2 = cts  # g: [M, D]
     (xq_t, w1q, inv1, h_raw, b1, aq_t, w2q, inv2, normed), ln, m1, m2 = saved
     c1, c2 = cfg.layer1, cfg.layer2
-    folded = None if ln is None else (*normed[1], *ln)
+    folded = norm.refold(normed, ln)
     # Kept FP8 copies, or (those in ``rebuild``) cast again with the forward's scales.
     xq_t, w1q = gemm.rebuilt_input(c1, xq_t, m1, folded), gemm.rebuilt_weight(c1, w1q, m1)
     w2q = gemm.rebuilt_weight(c2, w2q, m2)

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import gemm, kernels, remat
 
-__all__ = ["folded_dgrad", "layer_norm", "layer_norm_bwd", "layer_norm_stats"]
+__all__ = ["fold", "folded_dgrad", "layer_norm", "layer_norm_bwd", "layer_norm_stats", "refold"]
 
 
 def layer_norm_stats(x_MxK: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -27,6 +27,21 @@ def layer_norm_stats(x_MxK: jax.Array, eps: float) -> tuple[jax.Array, jax.Array
     var_M = jnp.maximum(jnp.mean(x * x, axis=1) - mean_M * mean_M, 0.0)
     stats = (mean_M, jax.lax.rsqrt(var_M + eps))
     return tuple(checkpoint_name(s, remat.NORM_STATS) for s in stats)
+
+
+def fold(x_MxK: jax.Array, ln, eps: float | None):
+    """``(norm, normed)`` for an op whose x is the input of the LayerNorm ``ln = (gamma,
+    beta)``: the cast's ``norm = (mean, rstd, gamma, beta)`` and the residuals its backward
+    reads, ``normed = (x, (mean, rstd))``; ``(None, None)`` for ``ln=None``."""
+    if ln is None:
+        return None, None
+    stats = layer_norm_stats(x_MxK, eps)
+    return (*stats, *ln), (x_MxK, stats)
+
+
+def refold(normed, ln):
+    """The backward's cast ``norm`` from ``fold``'s residuals and ``ln``, or None."""
+    return None if ln is None else (*normed[1], *ln)
 
 
 def layer_norm_bwd(x_MxK, mean_M, rstd_M, gamma_K, dy_MxK):

@@ -152,12 +152,11 @@ def _split(cfg: _Cfg, y_MxC):
 
 def _fwd_impl(cfg: _Cfg, x, w, b, ln, meta: Fp8Meta):
     # ln: the folded LayerNorm's (gamma, beta), or None; its statistics join the residuals.
-    stats = None if ln is None else norm.layer_norm_stats(x, cfg.norm_eps)
-    folded = None if ln is None else (*stats, *ln)
+    folded, normed = norm.fold(x, ln, cfg.norm_eps)
     y_MxC, new_meta, res = gemm.fwd_fused(cfg.gemm, x, w, meta, norm=folded)
     if b is not None:  # b [C], in the output dtype, as nn.DenseGeneral adds it
         y_MxC = y_MxC + b.astype(y_MxC.dtype)
-    return (*_split(cfg, y_MxC), new_meta), (res, None if ln is None else (x, stats))
+    return (*_split(cfg, y_MxC), new_meta), (res, normed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -174,7 +173,7 @@ def _qkv_bwd(cfg: _Cfg, saved, cts):
     ((xq_t, wq, inv, _), normed), ln, meta = saved
     dq, dk, dv, ct_meta = cts
     c = cfg.gemm
-    folded = None if ln is None else (*normed[1], *ln)
+    folded = norm.refold(normed, ln)
     xq_t, wq = gemm.rebuilt_input(c, xq_t, meta, folded), gemm.rebuilt_weight(c, wq, meta)
     m = dq.shape[0]
     # E5M2 for the gradient, both layouts, from the three parts where autodiff left them.

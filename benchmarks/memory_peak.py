@@ -95,7 +95,9 @@ def main(argv=None):
             dump = os.path.join(dumps, runner.safe_name(run))
             flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{MODULES[a.program]}.*"
             xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-            return dict(os.environ, **{DUMP: dump, "XLA_FLAGS": xla_flags})
+            # No compilation cache: a cached executable skips XLA's compile, and its dump.
+            no_cache = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+            return dict(os.environ, **{DUMP: dump, "XLA_FLAGS": xla_flags}, **no_cache)
 
         check = lambda run: config_for(run, a.quick, a.set)  # noqa: E731
         stem = f"memory_peak_{a.program}"

@@ -54,12 +54,12 @@ def get_config() -> ml_collections.ConfigDict:
     # custom VJP that recomputes each chunk's logits in the backward: no [batch, seq, vocab] f32
     # logits, their copy or their gradient alive. Needs fp8_lm_head=False. 0 = the full logits.
     m.loss_chunk = 0  # tokens per chunk of the LM head's loss (0 = off)
-    # With remat_policy='none': each norm keeps only its input for the backward pass and the
-    # MLP only its first matmul's output (the activation and the norms are recomputed, a few
-    # elementwise passes), instead of their f32 and bf16 intermediates. Saves most at O0
-    # (benchmarks/RESULTS.md, "gpt_1b3 memory against PyTorch"), for ~2% of the step's speed.
-    # GPT's fused FP8 MLP also rebuilds wo's E4M3 input (the wgrad operand) in the backward.
-    m.recompute_elementwise = False  # recompute norms and the MLP activation in the backward
+    # With remat_policy='none': the MLP keeps only its first matmul's output for the backward
+    # pass (the activation is recomputed, a few elementwise passes) instead of the activation's
+    # intermediates. Saves most at O0 (benchmarks/RESULTS.md, "gpt_1b3 memory against
+    # PyTorch"), for ~2% of the step's speed. GPT's fused FP8 MLP also rebuilds wo's E4M3 input
+    # (the wgrad operand) in the backward.
+    m.recompute_elementwise = False  # recompute the MLP activation in the backward
 
     # --- FP8 (FP8-LM levels) ---
     c.fp8 = f = ml_collections.ConfigDict()

@@ -401,26 +401,23 @@ def activations(res) -> list[tuple]:
     return [(d, s) for d, s in res if len(s) >= 2 and s[0] in (B, B * L)]
 
 
-@pytest.mark.parametrize("style", ["gpt", "llama"])
-@pytest.mark.parametrize("level", ["O0", "O1"])
-def test_recompute_elementwise_keeps_no_norm_or_activation_intermediates(level, style):
-    """With model.recompute_elementwise, no f32 [B, L, D] norm intermediate stays for the
-    backward pass, the MLP keeps one wide (>= d_ff per token) tensor besides its E4M3 operands
-    (its first matmul's output), and the activation residuals shrink."""
+# Not GPT at O1: its unfused MLP's GELU output feeds only wo's E4M3 cast, so autodiff keeps
+# nothing more than the recompute would; the fused FP8 MLP's saving is the next test's.
+@pytest.mark.parametrize(("level", "style"), [("O0", "gpt"), ("O0", "llama"), ("O1", "llama")])
+def test_recompute_elementwise_keeps_no_activation_intermediates(level, style):
+    """With model.recompute_elementwise, the MLP keeps one wide (>= d_ff per token) tensor
+    besides its E4M3 operands (its first matmul's output), and the activation residuals
+    shrink."""
     cfg, params, _, x, _ = block_setup(level, style)
 
     def wide(res):
         return [(d, s) for d, s in res if d != E4M3 and math.prod(s) >= B * L * cfg.d_ff]
-
-    def norm_f32(res):
-        return [e for e in res if e == (jnp.dtype(jnp.float32), (B, L, cfg.d_model))]
 
     def nbytes(res):
         return sum(d.itemsize * math.prod(s) for d, s in res)
 
     off = activations(residuals(elementwise_fn(level, style, False), params, x))
     on = activations(residuals(elementwise_fn(level, style, True), params, x))
-    assert norm_f32(off) and not norm_f32(on), (off, on)
     assert len(wide(on)) == 1 <= len(wide(off)), (wide(off), wide(on))
     assert nbytes(on) < nbytes(off)
 
@@ -469,8 +466,9 @@ def test_recompute_elementwise_gradients_unchanged(level):
         return out
 
     ref, got = jax.jit(grads)(params, x)
-    # The recomputed norms sum d_model f32 terms in another order: relative error up to
-    # d_model ulps, plus one ulp of the largest gradient where an entry cancels to near zero.
+    # XLA:CPU may fuse the recomputed activation with other terms and sum in another order:
+    # relative error up to d_model ulps, plus one ulp of the largest gradient where an entry
+    # cancels to near zero.
     eps = float(np.finfo(np.float32).eps)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         b = np.asarray(b)

@@ -108,8 +108,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
     loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
-    # remat_policy 'none': norms and the MLP's activation recomputed in the backward pass from
-    # their inputs rather than keeping their intermediates (see layers.recomputes_elementwise)
+    # remat_policy 'none': the MLP's activation recomputed in the backward pass from its input
+    # rather than keeping its intermediates (see layers.recomputes_elementwise)
     recompute_elementwise: bool
 
     @property

@@ -106,13 +106,15 @@ def folds_norm(cfg: ModelConfig, fused: Callable[[ModelConfig], bool]) -> bool:
 
 
 def recomputes_elementwise(cfg: ModelConfig) -> bool:
-    """Whether the norms and the MLP's activation are recomputed in the backward pass.
+    """Whether the MLP's activation is recomputed in the backward pass.
 
-    Only without block remat (``remat_policy='none'``), where autodiff would keep each norm's
-    f32 intermediates and the activation's (GELU's tanh terms, SwiGLU's product) for every
-    layer. Each norm then keeps only its input and the MLP what its matmuls need (the fused FP8
-    MLP not even wo's FP8 input, rebuilt by its cast: ``ops.mlp``); the backward pass redoes a
-    few elementwise passes per layer.
+    Only without block remat (``remat_policy='none'``), where autodiff would keep the
+    activation's intermediates (GELU's tanh terms, SwiGLU's product) for every layer. The MLP
+    then keeps what its matmuls need (the fused FP8 MLP not even wo's FP8 input, rebuilt by its
+    cast: ``ops.mlp``); the backward pass redoes a few elementwise passes per layer. The norms
+    are not recomputed: XLA:GPU fuses their f32 intermediates into their backward, and under
+    ``nn.remat`` they saved under 0.03 GiB of gpt_1b3's and llama_1b's peak on an H200 for
+    0.6-2% of the step (docs/performance.md).
     """
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 
@@ -166,11 +168,9 @@ def norm(cfg: ModelConfig, name: str) -> nn.Module:
     """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
     common = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     scale_init = norm_scale_init()
-    # Recomputed: only the input is saved (the same params: nn.remat lifts the module).
-    wrap = nn.remat if recomputes_elementwise(cfg) else (lambda cls: cls)
     if cfg.style == "gpt":
-        return wrap(nn.LayerNorm)(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
-    return wrap(nn.RMSNorm)(scale_init=scale_init, **common)
+        return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
+    return nn.RMSNorm(scale_init=scale_init, **common)
 
 
 def segment_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:

@@ -466,9 +466,10 @@ def test_recompute_elementwise_gradients_unchanged(level):
         return out
 
     ref, got = jax.jit(grads)(params, x)
-    # XLA:CPU may fuse the recomputed activation with other terms and sum in another order:
-    # relative error up to d_model ulps, plus one ulp of the largest gradient where an entry
-    # cancels to near zero.
+    # The recomputation is elementwise and gives the same bits on the CPUs measured; XLA:CPU
+    # may still fuse (and contract into FMAs) the recomputed terms apart from the forward's,
+    # and the backward sums them over d_model: relative error up to d_model ulps, plus one ulp
+    # of the largest gradient where an entry cancels to near zero.
     eps = float(np.finfo(np.float32).eps)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         b = np.asarray(b)

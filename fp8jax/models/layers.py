@@ -114,7 +114,7 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
     cast: ``ops.mlp``); the backward pass redoes a few elementwise passes per layer. The norms
     are not recomputed: XLA:GPU fuses their f32 intermediates into their backward, and under
     ``nn.remat`` they saved under 0.03 GiB of gpt_1b3's and llama_1b's peak on an H200 for
-    0.6-2% of the step (docs/performance.md).
+    0.6-1.7% of the step (docs/performance.md).
     """
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 

@@ -384,6 +384,12 @@ def trace_steps(compiled, state, batch, steps: int, top: int) -> dict:
 XLA_DUMP = "FP8JAX_DUMP"  # env var: the XLA dump folder a memory report parses
 
 
+def dump_env(dump: str) -> dict:
+    """The env vars of a child whose XLA dump in ``dump`` a memory report parses. No JAX
+    compilation cache: a cached executable skips XLA's compile, and its dump."""
+    return {XLA_DUMP: dump, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
 def parse_live_range(text: str, top: int) -> dict:
     """Peak buffers and the per-operation breakdown from XLA's live-range dump."""
     out = {"peak_buffers": [], "breakdown": []}

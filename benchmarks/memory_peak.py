@@ -95,9 +95,7 @@ def main(argv=None):
             dump = os.path.join(dumps, runner.safe_name(run))
             flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{MODULES[a.program]}.*"
             xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-            # No compilation cache: a cached executable skips XLA's compile, and its dump.
-            no_cache = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
-            return dict(os.environ, **{DUMP: dump, "XLA_FLAGS": xla_flags}, **no_cache)
+            return dict(os.environ, XLA_FLAGS=xla_flags, **common.dump_env(dump))
 
         check = lambda run: config_for(run, a.quick, a.set)  # noqa: E731
         stem = f"memory_peak_{a.program}"

@@ -138,8 +138,7 @@ def main(argv=None):
         if dumps:  # XLA's buffer assignment, parsed as benchmarks.memory_peak does
             dump = os.path.join(dumps, runner.safe_name(run))
             flags += f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
-            # No compilation cache: a cached executable skips XLA's compile, and its dump.
-            extra = {common.XLA_DUMP: dump, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+            extra = common.dump_env(dump)
         return {**os.environ, **extra, "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"{flags} {flag}".strip()}  # fmt: skip
 

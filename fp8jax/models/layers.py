@@ -40,6 +40,7 @@ from fp8jax.ops import mlp as fp8_mlp
 from fp8jax.ops import qkv as fp8_qkv
 from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
+from fp8jax.ops.act_dot import act_dot_general, gelu_tanh
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
 # The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
@@ -141,12 +142,14 @@ def dense(
     name=None,
     prologue=None,
     use_bias: bool | None = None,
+    dot_general: Callable | None = None,
 ):
     """A linear layer; FP8 when ``cfg.recipe`` is set, else a plain matmul in ``cfg.dtype``.
 
     ``names`` label the kernel's axes (input axes then ``features``); the bias takes the
     trailing ``len(features)`` names. ``prologue`` (FP8 only) is an activation the layer applies
     to its input inside the FP8 cast. ``use_bias`` defaults to the style's (``cfg.use_bias``).
+    ``dot_general`` (O0 only) replaces ``lax.dot_general``.
     """
     features = tuple(features)
     fp8 = fp8_cls(cfg, prologue)
@@ -160,6 +163,7 @@ def dense(
         bias_init=bias_init(names[-len(features) :]),
         promote_dtype=promote_for(cfg, fp8),
         dot_general_cls=fp8,
+        dot_general=dot_general,
         name=name,
     )
 
@@ -275,7 +279,7 @@ class Mlp(nn.Module):
         # The FP8 health step (FP8_STATS) takes the two-matmul path: same forward, same paths.
         if fuses_mlp(c) and not self.is_mutable_collection(FP8_STATS):
             return self._fused(x_BxLxD, ln)
-        prologue = None
+        prologue = act = None
         if c.style == "gpt":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
             h_BxLxF = checkpoint_name(h_BxLxF, fp8_remat.HIDDEN)
@@ -283,16 +287,25 @@ class Mlp(nn.Module):
                 # wo's E4M3 cast applies the GELU itself: act(h) is never written to memory,
                 # and the backward pass keeps only h (the pre-activation) for GELU's derivative.
                 prologue = "gelu_tanh"
+            elif _act_dot_mlp(c):
+                act = "gelu_tanh"  # wo applies GELU itself and keeps only h (ops.act_dot)
             else:
-                h_BxLxF = nn.gelu(h_BxLxF, approximate=True)  # GPT-2's tanh approximation
+                h_BxLxF = gelu_tanh(h_BxLxF)
+            h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
         else:
             # Gate and up projections fused: one FP8 quantization of x, one GEMM.
             gu_BxLx2xF = dense(c, (2, c.d_ff), ("embed", None, "mlp"), name="wi")(x_BxLxD)
             gu_BxLx2xF = checkpoint_name(gu_BxLx2xF, fp8_remat.HIDDEN)
             h_BxLxF = nn.silu(gu_BxLx2xF[:, :, 0]) * gu_BxLx2xF[:, :, 1]
-        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
+            h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
         out = dense(
-            c, (c.d_model,), ("mlp", "embed"), std=_residual_std(c), name="wo", prologue=prologue
+            c,
+            (c.d_model,),
+            ("mlp", "embed"),
+            std=_residual_std(c),
+            name="wo",
+            prologue=prologue,
+            dot_general=None if act is None else act_dot_general(act),
         )
         return out(h_BxLxF)
 
@@ -357,14 +370,24 @@ class Block(nn.Module):
         return norm(c, name)(x_BxLxD), None
 
 
-def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
-    """``Mlp``, or ``Mlp`` recomputing its activation in the backward pass.
+def _act_dot_mlp(cfg: ModelConfig) -> bool:
+    """Whether GPT's O0 MLP recomputes GELU through ``ops.act_dot`` (wo keeps h, not GELU(h)).
 
-    The fused FP8 MLP's custom VJP already keeps only the pre-activation. Otherwise the policy
-    keeps the matmuls' outputs (and, at O1+, their E4M3 operands: ``ops.remat``) and drops the
-    activation's intermediates, which the backward pass recomputes from the first output.
+    LLaMA's SwiGLU takes ``_mlp_cls``' remat instead: through the same op it measured more
+    peak memory at no more speed (docs/performance.md).
     """
-    if not recomputes_elementwise(cfg) or fuses_mlp(cfg):
+    return recomputes_elementwise(cfg) and cfg.recipe is None and cfg.style == "gpt"
+
+
+def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
+    """``Mlp``, or ``Mlp`` recomputing its activation in the backward pass under ``nn.remat``.
+
+    GPT's fused FP8 MLP and GPT's O0 MLP (``ops.act_dot``) keep only the pre-activation
+    themselves. Otherwise the policy keeps the matmuls' outputs (and, at O1+, their E4M3
+    operands: ``ops.remat``) and drops the activation's intermediates, which the backward
+    pass recomputes from the first output.
+    """
+    if not recomputes_elementwise(cfg) or fuses_mlp(cfg) or _act_dot_mlp(cfg):
         return Mlp
     if cfg.recipe is None:
         return nn.remat(Mlp, policy=jax.checkpoint_policies.dots_saveable)

@@ -57,8 +57,8 @@ def get_config() -> ml_collections.ConfigDict:
     # With remat_policy='none': the MLP keeps only its first matmul's output for the backward
     # pass (the activation is recomputed, a few elementwise passes) instead of the activation's
     # intermediates. Saves most at O0 (benchmarks/RESULTS.md, "gpt_1b3 memory against
-    # PyTorch"), for ~2% of the step's speed. GPT's fused FP8 MLP also rebuilds wo's E4M3 input
-    # (the wgrad operand) in the backward.
+    # PyTorch"): GPT's at no measured cost, LLaMA's for ~2% of the step's speed. GPT's fused FP8
+    # MLP also rebuilds wo's E4M3 input (the wgrad operand) in the backward.
     m.recompute_elementwise = False  # recompute the MLP activation in the backward
 
     # --- FP8 (FP8-LM levels) ---

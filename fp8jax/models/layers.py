@@ -40,7 +40,7 @@ from fp8jax.ops import mlp as fp8_mlp
 from fp8jax.ops import qkv as fp8_qkv
 from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops import scaling
-from fp8jax.ops.act_dot import act_dot_general, gelu_tanh
+from fp8jax.ops.act_dot import act_dot_general
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
 # The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
@@ -291,7 +291,7 @@ class Mlp(nn.Module):
             elif _act_dot_mlp(c):
                 act = "gelu_tanh"  # wo applies GELU itself and keeps only h (ops.act_dot)
             else:
-                h_BxLxF = gelu_tanh(h_BxLxF)
+                h_BxLxF = nn.gelu(h_BxLxF, approximate=True)  # GPT-2's tanh approximation
             h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
         else:
             # Gate and up projections fused: one FP8 quantization of x, one GEMM.

@@ -113,10 +113,10 @@ def recomputes_elementwise(cfg: ModelConfig) -> bool:
     activation's intermediates (GELU's tanh terms, SwiGLU's product) for every layer. The MLP
     then keeps what its matmuls need (the fused FP8 MLP not even wo's FP8 input, rebuilt by its
     cast: ``ops.mlp``; GPT's O0 MLP not GELU's output: ``ops.act_dot``); the backward pass
-    redoes a few elementwise passes per layer. The norms
-    are not recomputed: XLA:GPU fuses their f32 intermediates into their backward, and under
-    ``nn.remat`` they saved under 0.03 GiB of gpt_1b3's and llama_1b's peak on an H200 for
-    0.6-1.7% of the step (docs/performance.md).
+    redoes a few elementwise passes per layer. The norms are not recomputed: XLA:GPU fuses
+    their f32 intermediates into their backward, and under ``nn.remat`` they saved under 0.03
+    GiB of gpt_1b3's and llama_1b's peak on an H200 for 0.6-1.7% of the step
+    (docs/performance.md).
     """
     return cfg.recompute_elementwise and cfg.remat_policy == "none"
 

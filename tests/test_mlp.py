@@ -24,6 +24,16 @@ def test_gelu_derivative_formula_matches_autodiff():
     np.testing.assert_allclose(activations.gelu_tanh_grad(x), auto, rtol=1e-5, atol=1e-6)
 
 
+def test_gelu_and_grad_from_one_tanh_keep_each_functions_bits():
+    """The GELU' pass that also rebuilds GELU shares one tanh: both halves bit-equal the
+    functions alone, jitted (XLA fuses them) and not."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 4, jnp.float32)
+    for f in (lambda v: v, jax.jit):
+        a, g = f(activations.gelu_tanh_and_grad)(x)
+        np.testing.assert_array_equal(bits(a), bits(f(activations.gelu_tanh)(x)))
+        np.testing.assert_array_equal(bits(g), bits(f(activations.gelu_tanh_grad)(x)))
+
+
 def test_act_grad_kernel_matches_xla_bit_for_bit():
     rng = np.random.default_rng(0)
     pre = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.bfloat16)  # [M, F]

@@ -51,9 +51,11 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool, act_out: bool, ca
     pre_bxk = pre_ref[...].astype(jnp.float32)
     if affine:
         pre_bxk = apply_affine(pre_bxk, (s_ref[2], bias_ref[...]))
-    d_bxk = activations.ACTIVATION_GRADS[act](pre_bxk, tanh) * (
-        da_ref[...].astype(jnp.float32) * s_ref[0]
-    )
+    if act_out:  # GELU and GELU' share their tanh (the pass is compute-bound)
+        a_bxk, g_bxk = activations.ACTIVATION_AND_GRADS[act](pre_bxk, tanh)
+    else:
+        g_bxk = activations.ACTIVATION_GRADS[act](pre_bxk, tanh)
+    d_bxk = g_bxk * (da_ref[...].astype(jnp.float32) * s_ref[0])
     record_amax(pending_ref, jnp.max(jnp.abs(d_bxk)))
     sum_ref[...] = jnp.sum(d_bxk, axis=0, keepdims=True)  # this block's rows of the bias grad
     y_bxk = formats.saturate(d_bxk * s_ref[1], jnp.isfinite(d_bxk), limit)  # as quantize
@@ -61,7 +63,6 @@ def _grad_kernel(*refs, limit, dtype, act, tanh, affine: bool, act_out: bool, ca
     q_ref[...] = q_bxk
     qt_ref[...] = q_bxk.T if cast_first else y_bxk.T.astype(dtype)
     if act_out:  # act(pre) in E4M3, transposed: the forward cast's bits (``_kernel``)
-        a_bxk = activations.activation(act, tanh)(pre_bxk)
         e4m3 = formats.as_dtype(formats.E4M3)
         ya_bxk = formats.saturate(a_bxk * s_ref[3], jnp.isfinite(a_bxk), formats.fmax(e4m3))
         act_ref[0][...] = ya_bxk.astype(e4m3).T if cast_first else ya_bxk.T.astype(e4m3)

@@ -14,6 +14,8 @@ import re
 
 from absl import flags
 
+from fp8jax import configs
+
 
 class UserError(Exception):
     """A problem with the run's inputs or its numerics, fixable by the user; one line."""
@@ -102,7 +104,7 @@ def check_bool(value, field: str) -> None:
         raise ConfigError(f"config.{field}={value!r}: use True or False")
 
 
-_FIELDS = "configs/base.py lists every field with its type"
+_FIELDS = "fp8jax/configs/base.py lists every field with its type"
 
 
 def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
@@ -116,7 +118,10 @@ def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
         return f"unknown config key {key!r} in {flag}{hint}; {_FIELDS}"
     if isinstance(error, OSError) and "config file" in text:  # ml_collections: --config failed
         reason = str(error).strip().splitlines()[-1].strip()
-        return f"cannot load the --config file: {reason}; pass --config=<file.py> (configs/*.py)"
+        return (
+            f"cannot load the --config file: {reason}; pass --config=<file.py> or the name of "
+            f"a shipped config ({', '.join(configs.names())})"
+        )
     match = re.match(r"flag (--config\.([\w.]+))=", text)
     if match:  # a value that does not parse as the field's type
         try:

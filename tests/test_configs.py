@@ -1,4 +1,5 @@
-"""Every file in configs/ loads as train.py loads it, validates, and builds its model."""
+"""Every shipped config (fp8jax/configs/, a checkout's configs/) loads as train.py loads it,
+validates, and builds its model."""
 
 import pathlib
 import re
@@ -7,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8jax import models
+from fp8jax import configs, models
 from fp8jax.trainer import environment, spec
 from fp8jax.trainer import loop as train_lib
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
-CONFIG_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.py"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"  # the path README's commands use
+CONFIG_FILES = sorted(f"{name}.py" for name in configs.names())
 # Named size of each config, for a +-10% check of the parameter count.
 NAMED_SIZES = {
     "gpt2_125m.py": 125e6,
@@ -37,6 +39,15 @@ def flat_keys(config, prefix=""):
 
 def test_named_configs_exist():
     assert set(NAMED_SIZES) <= set(CONFIG_FILES)
+
+
+def test_checkout_configs_are_the_shipped_ones():
+    """configs/ is the package's folder (one copy of each file), and a name loads its file."""
+    assert CONFIG_DIR.resolve() == configs.CONFIG_DIR
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__") == CONFIG_FILES
+    assert configs.load("tiny", "llama").to_dict() == load("tiny.py", "llama").to_dict()
+    with pytest.raises(FileNotFoundError, match="tiny"):
+        configs.load("tinyy")
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES)

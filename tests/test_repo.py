@@ -34,10 +34,11 @@ def test_public_api_reexported():
 
 
 def test_train_py_turns_triton_gemms_off_unless_set():
-    """train.py adds --xla_gpu_enable_triton_gemm=false, keeping the user's flags and choice."""
-    # A fresh process: train.py defines absl flags that other modules define too.
+    """The trainer (train.py, fp8jax-train) adds --xla_gpu_enable_triton_gemm=false, keeping
+    the user's flags and choice."""
+    # A fresh process: fp8jax.train defines absl flags that other modules define too.
     code = (
-        "import os, sys; sys.path.insert(0, sys.argv[1]); import train\n"
+        "import os, sys; sys.path.insert(0, sys.argv[1]); from fp8jax import train\n"
         "for before in sys.argv[2:]:\n"
         "    os.environ['XLA_FLAGS'] = before\n"
         "    train._default_xla_flags()\n"

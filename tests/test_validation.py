@@ -245,16 +245,19 @@ def test_o3_with_fsdp_validates():
 
 
 @pytest.mark.parametrize(
-    "flag, fragments",
+    "config, flag, fragments",
     [
-        ("--config.learning_rate=nan", ["learning_rate=nan", "> 0"]),
-        ("--config.model.num_layers=0", ["model.num_layers=0", ">= 1"]),
-        ("--config.fp8.history_len=0", ["fp8.history_len=0", ">= 1"]),
+        ("configs/tiny.py", "--config.learning_rate=nan", ["learning_rate=nan", "> 0"]),
+        ("configs/tiny.py", "--config.model.num_layers=0", ["model.num_layers=0", ">= 1"]),
+        ("configs/tiny.py", "--config.fp8.history_len=0", ["fp8.history_len=0", ">= 1"]),
+        # A shipped config by name, with its argument: the LLaMA variant's own check.
+        ("tiny:llama", "--config.model.d_model=132", ["RoPE needs an even head dim"]),
+        ("no_such_config", "--config.seed=1", ["cannot load the --config file", "tiny"]),
     ],
 )
-def test_train_py_exits_2_with_one_line(flag, fragments, tmp_path):
+def test_train_py_exits_2_with_one_line(config, flag, fragments, tmp_path):
     workdir = tmp_path / "work"
-    proc = _cli("--config", "configs/tiny.py", f"--workdir={workdir}", flag)
+    proc = _cli("--config", config, f"--workdir={workdir}", flag)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines[-5:]

@@ -48,10 +48,11 @@ class Loaded:
 
 
 def default_model_cfg() -> ModelConfig:
-    """configs/base.py's model at level O0 (f32, no FP8): the training fields of an import."""
-    from fp8jax.trainer import loop, spec  # the config files' loader
+    """The base config's model at level O0 (f32, no FP8): the training fields of an import."""
+    from fp8jax.configs import base
+    from fp8jax.trainer import spec
 
-    config = loop.load_config("base")
+    config = base.get_config()
     config.fp8.level = "O0"
     return spec.parse(config).model
 

@@ -90,7 +90,7 @@ class Level(enum.IntEnum):
         self, m_format: str = "e4m3", v_format: str = "float16", master_format: str = "float16"
     ) -> Storage:
         """The state's formats at this level: the given ones where it stores narrow (O2+),
-        f32 otherwise. The defaults are configs/base.py's (a test keeps them equal)."""
+        f32 otherwise. The defaults are fp8jax/configs/base.py's (a test keeps them equal)."""
         if not self.fp8_adam:
             return Storage(False, "float32", "float32", "float32")
         return Storage(True, master_format, m_format, v_format)

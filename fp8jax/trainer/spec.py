@@ -154,8 +154,8 @@ def parse(config) -> RunSpec:
             )
     except (KeyError, AttributeError) as e:  # ml_collections: a field the config file lacks
         raise ConfigError(
-            f"the config has no field {errors.field_name(e)!r}: add it (configs/base.py lists "
-            f"every field with its default)"
+            f"the config has no field {errors.field_name(e)!r}: add it (fp8jax/configs/base.py "
+            f"lists every field with its default)"
         ) from e
 
 

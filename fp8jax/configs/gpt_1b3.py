@@ -7,18 +7,16 @@ docs/performance.md). ``--config.model.fp8_lm_head=True`` runs the LM head in FP
 faster for a little more loss. Set ``--config.data.path`` to a large corpus.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config() -> ml_collections.ConfigDict:
     """GPT 1.3B on one GPU, the shape of the performance reference."""
-    c = load_config(BASE)  # every field; the lines below override the tiny defaults
+    c = base.get_config()  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "gpt"  # learned positions, LayerNorm, GELU, biases
     m.vocab_size = 32768  # BPE vocabulary

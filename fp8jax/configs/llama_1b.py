@@ -6,18 +6,16 @@ heads, SwiGLU d_ff 5632, RoPE, RMSNorm, no biases, seq 2048, vocabulary 32768, u
 faster than O0's (measured: docs/performance.md). Set ``--config.data.path`` to a large corpus.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config() -> ml_collections.ConfigDict:
     """LLaMA-style 1.1B on one GPU."""
-    c = load_config(BASE)  # every field; the lines below override the tiny defaults
+    c = base.get_config()  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "llama"  # RoPE, RMSNorm, SwiGLU, no biases
     m.vocab_size = 32768  # BPE vocabulary

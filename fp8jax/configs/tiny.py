@@ -6,18 +6,16 @@ minute on 2 CPU cores. The validation loss falls from ~6.2 (ln of the vocab) to 
 Variants: ``--config configs/tiny.py:llama`` switches to the LLaMA-style block.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config(variant: str = "gpt") -> ml_collections.ConfigDict:
     """Tiny CPU config; ``variant`` is 'gpt' or 'llama'."""
-    c = load_config(BASE)  # every field, with this run's CPU-sized defaults
+    c = base.get_config()  # every field, with this run's CPU-sized defaults
     c.model.style = variant  # which block: see base.py
     if variant == "llama":
         c.model.num_kv_heads = 2  # grouped-query: 2 query heads per key/value head

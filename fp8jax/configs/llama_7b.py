@@ -7,18 +7,16 @@ in FP8), full block remat, 64k tokens per step (one-GPU figures at this batch: m
 docs/performance.md). Set ``--config.data.path`` to a large corpus.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config() -> ml_collections.ConfigDict:
     """LLaMA-2-7B shapes on 8 GPUs, FP8-LM level O3."""
-    c = load_config(BASE)  # every field; the lines below override the tiny defaults
+    c = base.get_config()  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "llama"  # RoPE, RMSNorm, SwiGLU, no biases
     m.vocab_size = 32000  # LLaMA-2's SentencePiece vocabulary size

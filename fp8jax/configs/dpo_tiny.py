@@ -9,18 +9,16 @@ reward accuracy climbs from 0 (policy == reference) towards 1 and the reward mar
 within a hundred steps, a minute or so on 2 CPU cores.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Tiny DPO config; ``init_from``: a work dir fine-tuned by configs/sft_tiny.py, or ''."""
-    c = load_config(BASE)  # every field, with the tiny CPU model of configs/tiny.py
+    c = base.get_config()  # every field, with the tiny CPU model of configs/tiny.py
     c.init_from = init_from  # '' = random init; else the checkpoint policy and reference start from
     c.data.format = "dpo"  # {"prompt", "chosen", "rejected"} pairs, DPO loss
     c.data.path = ""  # '' = the novel preference pairs of the shipped corpus (dpo_data.novel_pairs)

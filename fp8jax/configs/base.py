@@ -2,12 +2,15 @@
 
 This file is the one place that decides each field's default (fp8jax.trainer.spec.parse reads
 every field and supplies none). The defaults are the tiny CPU run (configs/tiny.py); named
-configs override what differs.
-Config files are loaded by path (``--config configs/x.py``), not as a package, so each one
-loads this file by its path next to ``__file__`` (``fp8jax.trainer.loop.load_config``).
+configs override what differs, each starting from ``fp8jax.configs.base.get_config()``, so a
+config file outside the package can do the same.
 """
 
 import ml_collections
+
+__all__ = ["get_config"]
+
+__all__ = ["get_config"]
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -8,18 +8,16 @@ this width FP8's quantize passes cost about what its GEMMs save, and O1's loss t
 corpus is far too small for this model and vocabulary.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config() -> ml_collections.ConfigDict:
     """GPT-2 small (125M class) on one GPU."""
-    c = load_config(BASE)  # every field; the lines below override the tiny defaults
+    c = base.get_config()  # every field; the lines below override the tiny defaults
     m = c.model
     m.style = "gpt"  # learned positions, LayerNorm, GELU, biases
     m.vocab_size = 32768  # BPE vocabulary (multiple of 128 keeps the LM head GEMM aligned)

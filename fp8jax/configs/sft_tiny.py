@@ -9,18 +9,16 @@ The validation loss (per completion token) falls from ~6 to below ln(6) ~ 1.8 wi
 hundred steps, a minute or two on 2 CPU cores.
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Tiny SFT config; ``init_from``: a work dir pre-trained by configs/tiny.py, or ''."""
-    c = load_config(BASE)  # every field, with the tiny CPU model of configs/tiny.py
+    c = base.get_config()  # every field, with the tiny CPU model of configs/tiny.py
     c.init_from = init_from  # '' = random init; else the checkpoint to fine-tune
     c.data.format = "sft"  # prompt/completion examples, loss on completions
     c.data.path = ""  # '' = the novel task of the shipped corpus (sft_data.novel_task)

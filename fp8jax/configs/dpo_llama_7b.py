@@ -13,18 +13,16 @@ of 2048 tokens, on every visible GPU (data-parallel; O3 with mesh.fsdp > 1 shard
 the reference's weights with it).
 """
 
-import pathlib
-
 import ml_collections
 
-from fp8jax.trainer.loop import load_config
+from fp8jax.configs import base  # every config starts from its fields
 
-BASE = pathlib.Path(__file__).with_name("base.py")  # every config starts from its fields
+__all__ = ["get_config"]
 
 
 def get_config(init_from: str = "") -> ml_collections.ConfigDict:
     """Preference-tune the checkpoint in ``init_from`` (a directory; required)."""
-    c = load_config(BASE)  # every field; the model's sizes are replaced by the checkpoint's
+    c = base.get_config()  # every field; the model's sizes are replaced by the checkpoint's
     c.init_from = init_from  # HF model dir or fp8jax (SFT) work dir
     m = c.model
     m.style = "llama"  # the checkpoint's architecture replaces this and the sizes

@@ -1,0 +1,110 @@
+"""Train a decoder-only LM with FP8 mixed precision: the ``fp8jax-train`` command.
+
+    fp8jax-train --config tiny --workdir /tmp/fp8jax_tiny
+    python -m fp8jax.train --config tiny --config.fp8.level=O0 --config.num_train_steps=50
+    python train.py --config configs/tiny.py --workdir /tmp/fp8jax_tiny   # from a checkout
+
+``--config`` takes a config file's path or a shipped config's name (``tiny``, ``gpt_1b3``, ...:
+fp8jax/configs/), each with an optional ``:argument`` for its ``get_config``. The logic lives in
+``fp8jax.trainer.loop`` so notebooks and tests call the same ``train_and_evaluate``. Rerunning
+with the same ``--workdir`` resumes; SIGTERM checkpoints and exits 0. Bad flags, config, data or
+checkpoints exit 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback instead), as does
+a run stopped by repeated NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from fp8jax import configs
+
+__all__ = ["main", "run"]
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (get_config()) or a shipped config's name: tiny, gpt_1b3, ..."
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and caches.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _fail(message) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _shipped_config_paths(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config NAME[:arg]`` of a shipped config replaced by its file's path."""
+
+    def resolve(value: str) -> str:
+        name, sep, arg = value.partition(":")
+        return f"{configs.CONFIG_DIR / name}.py{sep}{arg}" if name in configs.names() else value
+
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a in ("--config", "-config") and i + 1 < len(out):
+            out[i + 1] = resolve(out[i + 1])
+        elif a.startswith(("--config=", "-config=")):
+            flag, _, value = a.partition("=")
+            out[i] = f"{flag}={resolve(value)}"
+    return out
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, but a bad flag, config file or config key is one line, not a traceback."""
+    argv = _shipped_config_paths(argv)
+    try:
+        args = flags.FLAGS(argv)
+        _CONFIG.value.keys()  # ml_collections defers config-file errors to the first field read
+        return args
+    except Exception as e:  # absl, ml_collections and the config file itself raise many kinds
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        from fp8jax.errors import describe_flag_error
+
+        _fail(describe_flag_error(e, argv, flags.FLAGS["config"].value))
+
+
+def _default_xla_flags() -> None:
+    """Turn XLA:GPU's Triton GEMMs off unless the user chose: FP8 layers compile far faster.
+
+    With Triton GEMM autotuning FP8 linear layers still ran cuBLASLt FP8 GEMMs but compiled
+    much longer (measured: docs/performance.md). Set before jax starts a backend; harmless on
+    CPU.
+    """
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_triton_gemm" not in flags_now:
+        os.environ["XLA_FLAGS"] = f"{flags_now} --xla_gpu_enable_triton_gemm=false".strip()
+
+
+def main(argv: list[str]) -> None:
+    """Train the ``--config`` run in ``--workdir`` (absl's main, after flag parsing)."""
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; set fields as --config.<field>=<value>")
+    _default_xla_flags()
+    # Imported after flag parsing so `--help` and config errors are fast.
+    from fp8jax import cli, errors
+    from fp8jax.trainer.loop import train_and_evaluate
+
+    logging.set_verbosity(logging.INFO)
+    cli.quiet_jax_backend_probe()
+    cli.drop_closed_event_loop_errors()
+    try:
+        summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except errors.USER_ERRORS as e:
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        _fail(e)
+    logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
+
+
+def run() -> None:
+    """The console entry point: parse the command line and train."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

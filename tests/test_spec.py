@@ -13,6 +13,7 @@ import re
 import pytest
 
 from fp8jax import errors, models
+from fp8jax.configs import fields
 from fp8jax.ops import scaling
 from fp8jax.optim.levels import LEVELS, Level
 from fp8jax.parallel import comm
@@ -237,7 +238,7 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    checks = ("parse", "_fp8_and_model", "_optim", "_loop", "parse_data", "parse_dpo", "_mesh",
+    checks = ("parse", "_fp8_and_model", "_recipe_fields", "_optim", "parse_data", "parse_dpo",
               "_comm")  # fmt: skip
     env_checks = ("check_corpus", "check_environment")
     for name in checks:
@@ -245,6 +246,7 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
     for name in env_checks:
         counted(environment, name)
     counted(spec.Level, "parse")
+    counted(fields, "validate")  # each declared field against configs/base.py, once
     real_post_init = comm.CommConfig.__post_init__
 
     def post_init(self):
@@ -263,5 +265,48 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
     summary = loop.train_and_evaluate(c, str(tmp_path / "work"))
     assert summary["step"] == 1
     expected = {f"{spec.__name__}.{name}" for name in checks} | {"Level.parse", "CommConfig"}
+    expected.add(f"{fields.__name__}.validate")
     expected |= {f"{environment.__name__}.{name}" for name in env_checks}
     assert counts == dict.fromkeys(expected, 1), dict(counts)
+
+
+def test_each_field_is_declared_once_with_a_valid_default():
+    """configs/base.py declares every field with a kind; its default passes its own check, and
+    the ConfigDict that config files override is exactly those defaults."""
+    from fp8jax.configs import base
+
+    declared = fields.declared(base.declarations())
+    assert set(declared) == flat_fields(base_config())
+    for name, decl in declared.items():
+        decl.check(decl.default, name)
+    assert base.get_config().to_dict() == base_config().to_dict()
+    assert fields.defaults(base.declarations()).seed == declared["seed"].default
+
+
+def test_a_field_kind_refuses_by_name():
+    """Each kind's refusal names the field and value (what spec.parse surfaces as one line)."""
+    cases = [
+        (fields.Int(1, 1), 0, "config.x=0: use an integer >= 1"),
+        (fields.Int(1, 1, also=(-1,)), -2, "(or -1)"),
+        (fields.Real(0.5, "[0, 1)"), 1.0, "config.x=1.0: use a finite number in [0, 1)"),
+        (fields.Bool(True), 1, "config.x=1: use True or False"),
+        (fields.Choice("a", ("a", "b")), "c", "unknown x 'c': use one of ['a', 'b']"),
+        (fields.Choice("a", ("a",), fix="use 'a'"), "c", "config.x='c': use 'a'"),
+        (fields.Text("", "use a path"), 3, "config.x=3: use a path"),
+    ]
+    for decl, bad, message in cases:
+        with pytest.raises(errors.ConfigError, match=re.escape(message)):
+            decl.check(bad, "x")
+    fields.Choice("a", ("a",), also=(None,)).check(None, "x")
+    fields.Field(0).check(object(), "x")  # checked by its section's own type
+
+
+def test_recipe_fields_are_checked_by_the_recipes():
+    """A recipe field's value is refused by the recipe's own validation, under any recipe."""
+    c = base_config()
+    assert c.fp8.recipe == "delayed"
+    c.fp8.block_size = 96  # the block recipe's: not a power of two
+    with pytest.raises(errors.ConfigError, match=r"config.fp8.block_size=96: .*power of two"):
+        spec.parse(c)
+    with pytest.raises(ValueError, match="power of two"):
+        scaling.BlockScaling(block_size=96)

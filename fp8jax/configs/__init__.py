@@ -1,7 +1,8 @@
 """The run configs that ship with fp8jax: ``base`` (every field and its default) and presets.
 
-Each preset is an ml_collections config file whose ``get_config()`` starts from
-``base.get_config()`` and overrides what differs; its docstring's first line is its command.
+``base`` declares each field once with the kinds of ``fields``. Each preset is an
+ml_collections config file whose ``get_config()`` starts from ``base.get_config()`` and
+overrides what differs; its docstring's first line is its command.
 A checkout's ``configs/`` is this folder, so ``--config configs/tiny.py`` and ``--config tiny``
 name the same file; ``load`` takes either a name or a path.
 """
@@ -14,14 +15,15 @@ import pathlib
 
 import ml_collections
 
-__all__ = ["CONFIG_DIR", "load", "names", "path"]
+__all__ = ["CONFIG_DIR", "NOT_CONFIGS", "load", "names", "path"]
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent  # the shipped config files
+NOT_CONFIGS = ("__init__", "fields")  # the modules here that are not config files
 
 
 def names() -> list[str]:
     """The shipped configs' names ('base' and the presets), sorted."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem not in NOT_CONFIGS)
 
 
 def path(name: str | os.PathLike) -> pathlib.Path:

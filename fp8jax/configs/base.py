@@ -1,42 +1,62 @@
-"""Shared structure of every config: each field, its meaning and unit (not a run config itself).
+"""Every config field, declared once: its default, valid values, meaning and unit.
 
-This file is the one place that decides each field's default (fp8jax.trainer.spec.parse reads
-every field and supplies none). The defaults are the tiny CPU run (configs/tiny.py); named
-configs override what differs, each starting from ``fp8jax.configs.base.get_config()``, so a
-config file outside the package can do the same.
+Each line reads ``section.field = Kind(default, valid values)  # meaning, unit`` (the kinds:
+``fp8jax.configs.fields``). ``get_config()`` is the config of every field at its default, the
+tiny CPU run (configs/tiny.py); named configs start from it and override what differs, so a
+config file outside the package can do the same. ``fp8jax.trainer.spec.parse`` checks each
+field against its declaration here and supplies no default of its own. Fields declared as a
+plain ``Field`` are checked by their section's own type (``config.data``, ``config.dpo``:
+``fp8jax.trainer.data_spec``; ``config.comm``: ``fp8jax.parallel.comm.CommConfig``) or, for
+the scaling recipes' fields, by the recipes themselves (``fp8jax.ops.scaling``).
 """
 
 import ml_collections
 
-__all__ = ["get_config"]
+from fp8jax.configs.fields import Bool, Choice, Field, Int, Real, Text, defaults
+from fp8jax.models import config as model_lib
+from fp8jax.ops import kernels, scaling
+from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level
 
-__all__ = ["get_config"]
+__all__ = ["declarations", "get_config"]
+
+INIT_FROM_FIX = (
+    "use a checkpoint directory (Hugging Face model or fp8jax work dir) or '' for a random init"
+)
+GRAD_ACCUM_DTYPE_FIX = "use 'float32' or '' (the gradients' own dtype)"
+CACHE_DIR_FIX = "use a directory path, or '' to compile without JAX's persistent cache"
 
 
 def get_config() -> ml_collections.ConfigDict:
     """All config fields with CPU-sized defaults."""
+    return defaults(declarations())
+
+
+def declarations() -> ml_collections.ConfigDict:
+    """Every config field's declaration (``fp8jax.configs.fields``), sections as in a config."""
     c = ml_collections.ConfigDict()
-    c.seed = 0  # PRNG seed for parameters and data order
+    c.seed = Int(0, 0, 2**32 - 1)  # PRNG seed for parameters and data order
     # Start from a checkpoint: a Hugging Face model dir or an fp8jax work dir ('' = random init).
     # Its architecture replaces the model's sizes below and its tokenizer the learned BPE; the
     # training fields (dtype, remat, scan, FP8 level and recipe) stay this config's. A resumed
     # run continues from its own checkpoint in the work dir, not from this one.
-    c.init_from = ""  # checkpoint directory to fine-tune, or '' (random init)
+    c.init_from = Text("", INIT_FROM_FIX)  # checkpoint directory to fine-tune, or '' (random init)
 
     # --- model ---
     c.model = m = ml_collections.ConfigDict()
-    m.style = "gpt"  # 'gpt': learned positions, LayerNorm, GELU; 'llama': RoPE, RMSNorm, SwiGLU
-    m.vocab_size = 512  # tokenizer vocabulary (BPE trained locally to this size)
-    m.d_model = 128  # residual width
-    m.num_layers = 2  # transformer blocks
-    m.num_heads = 4  # attention heads (must divide d_model)
-    m.num_kv_heads = 4  # key/value heads (grouped-query if < num_heads)
-    m.d_ff = 512  # MLP hidden width
-    m.max_len = 64  # longest sequence (learned position table size), tokens
-    m.dtype = "float32"  # activation/compute dtype ('bfloat16' on GPU)
-    m.param_dtype = "float32"  # parameter storage dtype
-    m.scan_layers = True  # stack blocks with nn.scan (one compiled block)
-    m.fused_qkv = False  # one GEMM for Q, K and V (kernel [embed, kv_heads, group + 2, head_dim])
+    # 'gpt': learned positions, LayerNorm, GELU; 'llama': RoPE, RMSNorm, SwiGLU
+    m.style = Choice("gpt", model_lib.STYLES)
+    m.vocab_size = Int(512, 1)  # tokenizer vocabulary (BPE trained locally to this size)
+    m.d_model = Int(128, 1)  # residual width
+    m.num_layers = Int(2, 1)  # transformer blocks
+    m.num_heads = Int(4, 1)  # attention heads (must divide d_model)
+    m.num_kv_heads = Int(4, 1)  # key/value heads (grouped-query if < num_heads)
+    m.d_ff = Int(512, 1)  # MLP hidden width
+    m.max_len = Int(64, 1)  # longest sequence (learned position table size), tokens
+    m.dtype = Choice("float32", model_lib.DTYPES)  # activation/compute dtype ('bfloat16' on GPU)
+    m.param_dtype = Choice("float32", model_lib.DTYPES)  # parameter storage dtype
+    m.scan_layers = Bool(True)  # stack blocks with nn.scan (one compiled block)
+    # one GEMM for Q, K and V (kernel [embed, kv_heads, group + 2, head_dim])
+    m.fused_qkv = Bool(False)
     # Block recompute, what each policy keeps: docs/performance.md. jax's 'dots_saveable',
     # 'nothing_saveable', 'dots_with_no_batch_dims_saveable'; the FP8 GEMMs' named residuals:
     # 'fp8_dots_saveable' (outputs), 'fp8_inputs_saveable' (E4M3 operands, 1 byte/element),
@@ -44,69 +64,79 @@ def get_config() -> ml_collections.ConfigDict:
     # backward reads, no E4M3 copy: re-casts x and w); 'activations_and_weights_saveable' (the
     # same plus the weights' E4M3 copies: re-casts x only); 'full_keep_gathered' ('full' keeping
     # the weights per-layer fsdp gathers brought: comm.gather).
-    m.remat_policy = "none"  # 'none': keep every activation; 'full': recompute each block
+    # 'none': keep every activation; 'full': recompute each block
+    m.remat_policy = Choice("none", tuple(model_lib.REMAT_POLICIES))
     # With remat, unrolled: XLA:GPU may not defer a block's weight-gradient GEMMs (memory).
-    m.tie_block_grads = True  # a block's input gradient leaves with its weight gradients
-    m.fp8_lm_head = False  # also run the LM head in FP8 (a little faster, a little more loss)
-    m.tie_embeddings = False  # share the token embedding with the LM head
-    m.qkv_bias = False  # biases on the q/k/v projections also in 'llama' style (Qwen2)
-    m.norm_eps = 1e-5  # LayerNorm / RMSNorm epsilon
-    m.rope_theta = 10_000.0  # RoPE base ('llama' style; Llama 3 uses 500000)
-    m.attention_impl = "xla"  # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
+    m.tie_block_grads = Bool(True)  # a block's input gradient leaves with its weight gradients
+    m.fp8_lm_head = Bool(False)  # also run the LM head in FP8 (a little faster, a little more loss)
+    m.tie_embeddings = Bool(False)  # share the token embedding with the LM head
+    m.qkv_bias = Bool(False)  # biases on the q/k/v projections also in 'llama' style (Qwen2)
+    m.norm_eps = Real(1e-5, "(0, 1)")  # LayerNorm / RMSNorm epsilon
+    m.rope_theta = Real(10_000.0, "(1, inf)")  # RoPE base ('llama' style; Llama 3 uses 500000)
+    # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
+    m.attention_impl = Choice("xla", model_lib.ATTENTION_IMPLS, also=(None,))
     # The loss runs the LM head over this many tokens (of batch x seq_len) at a time, under a
     # custom VJP that recomputes each chunk's logits in the backward: no [batch, seq, vocab] f32
     # logits, their copy or their gradient alive. Needs fp8_lm_head=False. 0 = the full logits.
-    m.loss_chunk = 0  # tokens per chunk of the LM head's loss (0 = off)
+    m.loss_chunk = Int(0, 0)  # tokens per chunk of the LM head's loss (0 = off)
     # With remat_policy='none': the MLP keeps only its first matmul's output for the backward
     # pass (the activation is recomputed, a few elementwise passes) instead of the activation's
     # intermediates. Saves most at O0 (benchmarks/RESULTS.md, "gpt_1b3 memory against
     # PyTorch"): GPT's at no measured cost, LLaMA's for ~2% of the step's speed. GPT's fused FP8
     # MLP also rebuilds wo's E4M3 input (the wgrad operand) in the backward.
-    m.recompute_elementwise = False  # recompute the MLP activation in the backward
+    m.recompute_elementwise = Bool(False)  # recompute the MLP activation in the backward
 
     # --- FP8 (FP8-LM levels) ---
     c.fp8 = f = ml_collections.ConfigDict()
-    f.level = "O1"  # 'O0' bf16/f32, 'O1' FP8 GEMMs + FP8 grad comms, 'O2' + FP8 Adam, 'O3' + FSDP
+    # 'O0' bf16/f32, 'O1' FP8 GEMMs + FP8 grad comms, 'O2' + FP8 Adam, 'O3' + FSDP
+    f.level = Choice("O1", tuple(Level.__members__))
     # 'delayed' (per-tensor, amax history), 'current' (per-tensor, this step's amax), 'rowwise'
     # (one scale per row along each GEMM's contraction) or 'block' (DeepSeek-V3: 1 x block_size
     # tiles for activations and gradients, block_size^2 for weights, fp8jax's block-scaled GEMM).
-    f.recipe = "delayed"  # scaling recipe: 'delayed', 'current', 'rowwise' or 'block'
-    f.block_size = 128  # 'block' recipe: elements per scale along K (a power of two, >= 16)
-    f.grad_format = "e4m3"  # 'rowwise'/'block': dy's FP8 format ('e4m3' or 'e5m2')
-    f.history_len = 16  # delayed scaling: steps of amax history
-    f.amax_compute_algo = "max"  # delayed scaling: 'max' over the window or 'most_recent'
-    f.margin = 0  # scale = fmax / (amax * 2**margin)
-    f.power_of_two = False  # round scales down to powers of two
-    f.impl = "fp8jax"  # FP8 matmul: 'fp8jax'; 'flax' = flax's Fp8DirectDotGeneralOp (benchmarks)
+    # scaling recipe: 'delayed', 'current', 'rowwise' or 'block'
+    f.recipe = Choice("delayed", tuple(sorted(scaling.RECIPES)))
+    f.block_size = Int(128, 1)  # 'block' recipe: elements per scale along K (a power of two, >= 16)
+    f.grad_format = Field("e4m3")  # 'rowwise'/'block': dy's FP8 format ('e4m3' or 'e5m2')
+    f.history_len = Int(16, 1)  # delayed scaling: steps of amax history
+    f.amax_compute_algo = Field("max")  # delayed scaling: 'max' over the window or 'most_recent'
+    # Negative margins clip on purpose, positive ones leave headroom; past 16 binades either
+    # way an E4M3 operand would clip or flush almost entirely.
+    f.margin = Int(0, -16, 16)  # scale = fmax / (amax * 2**margin)
+    f.power_of_two = Bool(False)  # round scales down to powers of two
+    # FP8 matmul: 'fp8jax'; 'flax' = flax's Fp8DirectDotGeneralOp (benchmarks)
+    f.impl = Choice("fp8jax", model_lib.FP8_IMPLS)
     # 'pallas': one fused cast+transpose+amax kernel per operand on GPUs, XLA ops elsewhere
     # (faster than XLA's casts; measured: docs/performance.md); 'xla': XLA fusions only;
     # 'interpret': the kernel through Pallas' interpreter (tests).
-    f.cast_kernel = "pallas"  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
+    # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
+    f.cast_kernel = Choice("pallas", kernels.IMPLS)
     # GPT's GELU runs inside the E4M3 cast of the MLP's second matmul, and the backward keeps
     # only the pre-activation (recomputing tanh): a lower peak at the same step time.
-    f.fuse_activation = True  # False: a separate GELU, autodiff keeping its intermediates
+    f.fuse_activation = Bool(True)  # False: a separate GELU, autodiff keeping its intermediates
     # GPT's whole MLP as one custom VJP: the backward folds GELU's derivative and the bias
     # gradient into wi's E5M2 cast (fp8jax/ops/mlp.py): a faster step at the same peak. Applies
     # to GPT's GELU MLP with fuse_activation, delayed scaling and the fused casts; ignored
     # elsewhere (LLaMA).
-    f.fuse_mlp = True  # False: the MLP as two FP8 matmuls, autodiff between them
+    f.fuse_mlp = Bool(True)  # False: the MLP as two FP8 matmuls, autodiff between them
     # The fused Q/K/V projection (model.fused_qkv) as one custom VJP: the backward casts dq, dk
     # and dv to E5M2 in their places, never writing them side by side in bf16 first
     # (fp8jax/ops/qkv.py). Applies with delayed scaling and the fused casts; ignored elsewhere.
-    f.fuse_qkv = True  # False: one FP8 matmul, its output sliced, autodiff concatenating back
+    f.fuse_qkv = Bool(True)  # False: one FP8 matmul, its output sliced, autodiff concatenating back
     # GPT's LayerNorms folded into the E4M3 cast of the fused Q/K/V projection and the fused
     # MLP (fuse_qkv, fuse_mlp) under a remat policy that casts their input again in the
     # backward (activations_saveable, activations_and_weights_saveable): the casts read the
     # norm's input and row statistics, so the normalized tensor is never written in bf16 and
     # the backward runs no norm pass for it (fp8jax/ops/norm.py). Ignored elsewhere.
-    f.fuse_norm = True  # False: nn.LayerNorm's bf16 output, then the cast
+    f.fuse_norm = Bool(True)  # False: nn.LayerNorm's bf16 output, then the cast
     # O2+ storage formats, each one of 'e4m3', 'e5m2', 'float16', 'bfloat16', 'float32':
-    f.m_format = "e4m3"  # Adam first moment (with a per-tensor scale)
-    f.v_format = "float16"  # Adam second moment (with a per-tensor scale)
-    f.master_format = "float16"  # master copy of the matmul weights (with a per-tensor scale)
+    f.m_format = Choice("e4m3", STATE_FORMATS)  # Adam first moment (with a per-tensor scale)
+    f.v_format = Choice("float16", STATE_FORMATS)  # Adam second moment (with a per-tensor scale)
+    # master copy of the matmul weights (with a per-tensor scale)
+    f.master_format = Choice("float16", STATE_FORMATS)
     # 'stochastic': narrow masters round up with probability equal to the remainder, so updates
     # below half an FP16 step (warm-up at 7B) still move the weights; 'nearest': FP8-LM's rule.
-    f.master_rounding = "stochastic"  # how O2+ masters are re-quantized after each update
+    # how O2+ masters are re-quantized after each update
+    f.master_rounding = Choice("stochastic", MASTER_ROUNDING)
 
     # --- data ---
     c.data = d = ml_collections.ConfigDict()
@@ -115,84 +145,92 @@ def get_config() -> ml_collections.ConfigDict:
     # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
     # 'dpo': preference tuning on .jsonl pairs {"prompt", "chosen", "rejected"} (strings, or
     # lists of messages under the chat template), the DPO loss of section dpo below.
-    d.format = "text"  # what data.path holds: 'text', 'sft' or 'dpo'
+    d.format = Field("text")  # what data.path holds: 'text', 'sft' or 'dpo'
     # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
     # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
-    d.path = ""  # the data file or folder (see above)
-    d.val_fraction = 0.05  # share held out for validation: of tokens, examples (sft) or pairs
+    d.path = Field("")  # the data file or folder (see above)
+    # share held out for validation: of tokens, examples (sft) or pairs
+    d.val_fraction = Field(0.05)
     # sft: True concatenates examples into rows of seq_len tokens (positions restart and
     # attention stays within each example); False puts one example per row, padded (dpo: False
     # is required, each pair a (chosen, rejected) row pair).
-    d.packing = True  # sft: pack several examples per row
+    d.packing = Field(True)  # sft: pack several examples per row
     # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
-    d.overlong = "drop"  # sft: what happens to an example longer than a row
-    d.tokenizer_min_frequency = 2  # BPE merges need at least this many occurrences
+    d.overlong = Field("drop")  # sft: what happens to an example longer than a row
+    d.tokenizer_min_frequency = Field(2)  # BPE merges need at least this many occurrences
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).
-    d.allow_corpus_change = False  # continue a checkpointed run on changed data (see above)
+    d.allow_corpus_change = Field(False)  # continue a checkpointed run on changed data (see above)
 
     # --- preference tuning (data.format='dpo') ---
     # The policy starts from init_from (or a random init) and a frozen copy of it, the
     # reference, stays in the train state. Implicit reward r = beta * (log pi - log pi_ref) of a
     # response (summed over its tokens); loss -log sigmoid(r_chosen - r_rejected) per pair.
     c.dpo = dpo = ml_collections.ConfigDict()
-    dpo.beta = 0.1  # reward scale: larger keeps the policy closer to the reference
-    dpo.label_smoothing = 0.0  # assumed share of flipped preference labels (0 = standard DPO)
+    dpo.beta = Field(0.1)  # reward scale: larger keeps the policy closer to the reference
+    # assumed share of flipped preference labels (0 = standard DPO)
+    dpo.label_smoothing = Field(0.0)
 
     # --- optimisation ---
-    c.batch_size = 16  # sequences per optimizer step (global)
-    c.seq_len = 64  # tokens per sequence
-    c.grad_accum_steps = 1  # micro-batches per step (batch_size must divide evenly)
+    c.batch_size = Int(16, 1)  # sequences per optimizer step (global)
+    c.seq_len = Int(64, 1)  # tokens per sequence
+    c.grad_accum_steps = Int(1, 1)  # micro-batches per step (batch_size must divide evenly)
     # '' sums in the gradients' own dtype: bf16 at O2+, 2 bytes/param less while accumulating.
-    c.grad_accum_dtype = "float32"  # dtype of the micro-batch gradients' running sum, or ''
-    c.num_train_steps = 300  # optimizer steps
-    c.learning_rate = 3e-3  # peak learning rate
-    c.warmup_steps = 30  # linear warm-up steps
-    c.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
-    c.weight_decay = 0.1  # decoupled (AdamW) weight decay on matmul weights
-    c.b1 = 0.9  # Adam beta1
-    c.b2 = 0.95  # Adam beta2
-    c.eps = 1e-8  # Adam epsilon
-    c.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
+    # dtype of the micro-batch gradients' running sum, or ''
+    c.grad_accum_dtype = Choice("float32", ("float32", ""), fix=GRAD_ACCUM_DTYPE_FIX)
+    c.num_train_steps = Int(300, 0)  # optimizer steps
+    c.learning_rate = Real(3e-3, "(0, inf)")  # peak learning rate
+    c.warmup_steps = Int(30, 0)  # linear warm-up steps
+    c.min_lr_ratio = Real(0.1, "[0, 1]")  # cosine decays to this fraction of the peak
+    c.weight_decay = Real(0.1, "[0, inf)")  # decoupled (AdamW) weight decay on matmul weights
+    c.b1 = Real(0.9, "[0, 1)")  # Adam beta1
+    c.b2 = Real(0.95, "[0, 1)")  # Adam beta2
+    c.eps = Real(1e-8, "(0, inf)")  # Adam epsilon
+    c.grad_clip = Real(1.0, "[0, inf)")  # global-norm gradient clipping (0 = off)
     # O2+: a leaf stacked over the layers (scan_layers) has its optimizer update done in groups
     # of layers whose f32 values (m, v, update, master) take at most this many MiB each, so the
     # update holds no f32 copy of the whole leaf; the loops cost step time on small models.
-    c.update_slice_mib = 0.0  # MiB of f32 per value updated at a time; 0 = each leaf whole
+    # MiB of f32 per value updated at a time; 0 = each leaf whole
+    c.update_slice_mib = Real(0.0, "[0, inf)")
 
     # --- loop ---
-    c.eval_every_steps = 100  # validate every N steps
-    c.eval_batches = 8  # validation batches per evaluation
-    c.log_every_steps = 20  # console/TensorBoard scalars every N steps
-    c.fp8_stats_every_steps = 100  # per-layer FP8 health (amax, scale, saturation) every N steps
-    c.checkpoint_every_steps = 100  # save every N steps (and at the end)
-    c.keep_checkpoints = 2  # checkpoints kept in the work dir
-    c.max_bad_steps = 5  # stop after this many consecutive non-finite steps
-    c.sample_tokens = 48  # tokens of text sampled at the end (0 = off)
+    c.eval_every_steps = Int(100, 1)  # validate every N steps
+    c.eval_batches = Int(8, 1)  # validation batches per evaluation
+    c.log_every_steps = Int(20, 1)  # console/TensorBoard scalars every N steps
+    # per-layer FP8 health (amax, scale, saturation) every N steps
+    c.fp8_stats_every_steps = Int(100, 1)
+    c.checkpoint_every_steps = Int(100, 0)  # save every N steps (and at the end)
+    c.keep_checkpoints = Int(2, 1)  # checkpoints kept in the work dir
+    c.max_bad_steps = Int(5, 1)  # stop after this many consecutive non-finite steps
+    c.sample_tokens = Int(48, 0)  # tokens of text sampled at the end (0 = off)
     # JAX's persistent compilation cache: a rerun or resume loads the compiled steps from here
     # instead of compiling them again ('' = off; JAX_COMPILATION_CACHE_DIR, if set, wins).
-    c.compilation_cache_dir = "~/.cache/fp8jax/jax"  # directory of compiled XLA programs
+    # directory of compiled XLA programs
+    c.compilation_cache_dir = Text("~/.cache/fp8jax/jax", CACHE_DIR_FIX)
 
     # --- parallelism (see README: sharded training) ---
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
-    c.mesh.fsdp = 1  # fully-sharded axis size
-    c.mesh.tensor = 1  # tensor-parallel axis size
-    c.distributed = False  # call jax.distributed.initialize() (multi-host)
+    c.mesh.data = Int(-1, 1, also=(-1,))  # data-parallel axis size (-1 = all remaining devices)
+    c.mesh.fsdp = Int(1, 1, also=(-1,))  # fully-sharded axis size
+    c.mesh.tensor = Int(1, 1, also=(-1,))  # tensor-parallel axis size
+    c.distributed = Bool(False)  # call jax.distributed.initialize() (multi-host)
 
     # --- FP8 gradient communication (O1+, more than one data-parallel replica) ---
     c.comm = cm = ml_collections.ConfigDict()
-    cm.enabled = True  # reduce gradients in FP8 with a shared scale (False: XLA's f32 all-reduce)
-    cm.grad_format = "e5m2"  # FP8 format of gradients on the wire: 'e5m2' (range) or 'e4m3'
-    cm.wire = "auto"  # 'auto', 'fp8' (FP8-typed collectives) or 'uint8' (FP8 bit patterns)
-    cm.min_fp8_size = 4096  # gradients with fewer elements are reduced in f32, elements
-    cm.mu_init = 1.0  # FP8-LM auto-scaling factor mu at step 0
-    cm.mu_growth = 2.0 ** (1.0 / 1000)  # mu's growth per step without saturation
-    cm.saturation_limit = 1e-5  # halve mu when more than this share (0.001%) of values clips
-    cm.bucket_by_layer = True  # one FP8 collective per layer (overlaps the backward) or one for all
+    # reduce gradients in FP8 with a shared scale (False: XLA's f32 all-reduce)
+    cm.enabled = Field(True)
+    cm.grad_format = Field("e5m2")  # FP8 format of gradients on the wire: 'e5m2' (range) or 'e4m3'
+    cm.wire = Field("auto")  # 'auto', 'fp8' (FP8-typed collectives) or 'uint8' (FP8 bit patterns)
+    cm.min_fp8_size = Field(4096)  # gradients with fewer elements are reduced in f32, elements
+    cm.mu_init = Field(1.0)  # FP8-LM auto-scaling factor mu at step 0
+    cm.mu_growth = Field(2.0 ** (1.0 / 1000))  # mu's growth per step without saturation
+    cm.saturation_limit = Field(1e-5)  # halve mu when more than this share (0.001%) of values clips
+    # one FP8 collective per layer (overlaps the backward) or one for all
+    cm.bucket_by_layer = Field(True)
     # Where fsdp-sharded weights are gathered: 'layer' (just before each layer runs, again for
     # its backward; each layer's gradients reduce-scattered as soon as they exist: ZeRO-3),
     # 'upfront' (all before the forward pass, gradients reduced after the backward), 'auto'
     # ('layer' at O3, 'upfront' below).
-    cm.gather = "auto"
+    cm.gather = Field("auto")
     return c

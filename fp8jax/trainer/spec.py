@@ -1,8 +1,9 @@
 """The run spec: a config file's fields as frozen, typed, validated dataclasses.
 
-Config files stay ml_collections files (configs/*.py, every field in configs/base.py, which
-alone decides the defaults). ``parse(config)`` reads each field once, checks its type and
-range and the fields against each other, and returns a ``RunSpec``; the library below takes
+Config files stay ml_collections files (configs/*.py); configs/base.py declares every field
+once, with its default and valid values (``fp8jax.configs.fields``). ``parse(config)`` checks
+each field against that declaration, the recipes' fields with the recipes' own validation and
+the fields against each other, and returns a ``RunSpec``; the library below takes
 the spec and never a ConfigDict. ``check_environment(run, devices)`` adds what depends on the
 machine (the mesh against the devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
 Every problem is a one-line ``fp8jax.errors.ConfigError`` naming the field and the fix.
@@ -15,15 +16,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from fp8jax import errors
-from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
+from fp8jax.configs import base, fields
+from fp8jax.errors import ConfigError
 from fp8jax.models import config as model_lib
 from fp8jax.models.config import ModelConfig
-from fp8jax.ops import formats, kernels, scaling
-from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
+from fp8jax.ops import scaling
+from fp8jax.optim.levels import Level, Storage
 from fp8jax.parallel import comm as comm_lib
 from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
-
-GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
 
 CommSpec = comm_lib.CommConfig  # FP8 gradient communication (``config.comm``)
 
@@ -131,23 +131,21 @@ def parse(config) -> RunSpec:
     """
     try:
         with errors.reraise_as(ConfigError, ValueError, TypeError):
+            fields.validate(config, base.declarations())  # each field's type and range
             fp8, model = _fp8_and_model(config.model, config.fp8)
             optim = _optim(config)
-            loop = _loop(config)
-            init_from = _init_from(config.init_from)
-            if not init_from:  # else the checkpoint's max_len, checked on import
+            if not config.init_from:  # else the checkpoint's max_len, checked on import
                 _check_shapes(model, optim)
-            mesh = _mesh(config.mesh)
-            check_bool(config.distributed, "distributed")
+            mesh = MeshSpec(**{f.name: config.mesh[f.name] for f in dataclasses.fields(MeshSpec)})
             return RunSpec(
-                seed=_seed(config.seed),
-                init_from=init_from,
+                seed=config.seed,
+                init_from=config.init_from,
                 model=model,
                 fp8=fp8,
                 data=(data := parse_data(config.data)),
                 dpo=parse_dpo(config.dpo, data, optim.batch_size, optim.grad_accum_steps),
                 optim=optim,
-                loop=loop,
+                loop=LoopSpec(**{f.name: config[f.name] for f in dataclasses.fields(LoopSpec)}),
                 mesh=mesh,
                 comm=_comm(config.comm, mesh),
                 distributed=config.distributed,
@@ -159,58 +157,12 @@ def parse(config) -> RunSpec:
         ) from e
 
 
-def _seed(seed) -> int:
-    check_int(seed, "seed", 0, 2**32 - 1)
-    return seed
-
-
-def _init_from(path) -> str:
-    if not isinstance(path, str):
-        raise ConfigError(f"config.init_from={path!r}: use a checkpoint directory (Hugging Face "
-                          f"model or fp8jax work dir) or '' for a random init")  # fmt: skip
-    return path
-
-
 def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
-    check_choice(m.style, model_lib.STYLES, "model.style")
-    check_int(m.vocab_size, "model.vocab_size", 1)
-    for name in model_lib.MODEL_SIZES:
-        check_int(m[name], f"model.{name}", 1)
-    check_choice(m.dtype, model_lib.DTYPES, "model.dtype")
-    check_choice(m.param_dtype, model_lib.DTYPES, "model.param_dtype")
-    for name in model_lib.MODEL_FLAGS:
-        check_bool(m[name], f"model.{name}")
-    check_choice(m.remat_policy, tuple(model_lib.REMAT_POLICIES), "model.remat_policy")
-    check_number(m.norm_eps, "model.norm_eps", "(0, 1)")
-    check_number(m.rope_theta, "model.rope_theta", "(1, inf)")
-    check_choice(m.attention_impl or "", model_lib.ATTENTION_IMPLS, "model.attention_impl")
-    check_int(m.loss_chunk, "model.loss_chunk", 0)
     if m.loss_chunk and m.fp8_lm_head:
         raise ConfigError(
             f"model.loss_chunk={m.loss_chunk} needs model.fp8_lm_head=False (the chunked loss "
             f"runs the LM head in model.dtype): set one of them off"
         )
-    check_choice(f.level, tuple(Level.__members__), "fp8.level")
-    check_choice(f.recipe, tuple(sorted(scaling.RECIPES)), "fp8.recipe")
-    check_int(f.history_len, "fp8.history_len", 1)
-    check_int(f.block_size, "fp8.block_size", 16)
-    if f.block_size & (f.block_size - 1):
-        raise ConfigError(
-            f"fp8.block_size={f.block_size} is not a power of two: the block-scaled GEMM tiles "
-            f"K by it; use 128 (DeepSeek-V3's) or another power of two >= 16"
-        )
-    check_choice(f.grad_format, tuple(sorted(formats.FORMATS)), "fp8.grad_format")
-    check_choice(f.amax_compute_algo, scaling.AMAX_ALGOS, "fp8.amax_compute_algo")
-    # scale = fmax / (amax * 2**margin): negative margins clip on purpose, positive ones leave
-    # headroom; past 16 binades either way an E4M3 operand would clip or flush almost entirely.
-    check_int(f.margin, "fp8.margin", -16, 16)
-    for name in ("power_of_two", "fuse_activation", "fuse_mlp", "fuse_qkv", "fuse_norm"):
-        check_bool(f[name], f"fp8.{name}")
-    check_choice(f.impl, model_lib.FP8_IMPLS, "fp8.impl")
-    check_choice(f.cast_kernel, kernels.IMPLS, "fp8.cast_kernel")
-    check_choice(f.master_rounding, MASTER_ROUNDING, "fp8.master_rounding")
-    for name in ("m_format", "v_format", "master_format"):
-        check_choice(f[name], STATE_FORMATS, f"fp8.{name}")
     if m.d_model % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}: "
@@ -228,15 +180,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         )
     fp8 = Fp8Spec(
         level=Level.parse(f.level),
-        recipe=scaling.make_recipe(
-            f.recipe,
-            history_len=f.history_len,
-            amax_compute_algo=f.amax_compute_algo,
-            margin=f.margin,
-            power_of_two=f.power_of_two,
-            block_size=f.block_size,
-            grad_format=f.grad_format,
-        ),
+        recipe=scaling.make_recipe(f.recipe, **_recipe_fields(f)),
         m_format=f.m_format,
         v_format=f.v_format,
         master_format=f.master_format,
@@ -264,35 +208,24 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     return fp8, model
 
 
-# Integer fields and their least value.
-OPTIM_INT_MINIMA = dict(num_train_steps=0, warmup_steps=0, batch_size=1, grad_accum_steps=1)
-LOOP_INT_MINIMA = dict(checkpoint_every_steps=0, log_every_steps=1, eval_every_steps=1,
-                       eval_batches=1, fp8_stats_every_steps=1, keep_checkpoints=1,
-                       max_bad_steps=1, sample_tokens=0)  # fmt: skip
-# Real-valued fields and the interval each must lie in (all finite).
-OPTIM_RANGES = {
-    "learning_rate": "(0, inf)",  # peak; <= 0 would stand still or train uphill
-    "min_lr_ratio": "[0, 1]",
-    "weight_decay": "[0, inf)",
-    "b1": "[0, 1)",
-    "b2": "[0, 1)",
-    "eps": "(0, inf)",  # 0 turns a zero gradient's update into 0/0
-    "grad_clip": "[0, inf)",  # 0 = off
-    "update_slice_mib": "[0, inf)",  # 0 = whole leaves
-}
+def _recipe_fields(f) -> dict:
+    """The recipes' fields of ``config.fp8``, each checked by every recipe that has it.
+
+    A value is valid if each recipe taking that field accepts it (its own validation), so a
+    config refuses, say, a block size the block recipe would refuse under any recipe.
+    """
+    values = {}
+    for cls in scaling.RECIPES.values():
+        for field in dataclasses.fields(cls):
+            value = values[field.name] = f[field.name]
+            try:
+                cls(**{field.name: value})
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"config.fp8.{field.name}={value!r}: {e}") from e
+    return values
 
 
 def _optim(c) -> OptimSpec:
-    for name, low in OPTIM_INT_MINIMA.items():
-        check_int(c[name], name, low)
-    check_int(c.seq_len, "seq_len", 1)
-    for name, interval in OPTIM_RANGES.items():
-        check_number(c[name], name, interval)
-    if c.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
-        raise ConfigError(
-            f"config.grad_accum_dtype={c.grad_accum_dtype!r}: use 'float32' or '' (the "
-            f"gradients' own dtype)"
-        )
     if c.batch_size % c.grad_accum_steps:
         raise ConfigError(
             f"batch_size={c.batch_size} is not divisible by grad_accum_steps="
@@ -301,29 +234,12 @@ def _optim(c) -> OptimSpec:
     return OptimSpec(**{f.name: c[f.name] for f in dataclasses.fields(OptimSpec)})
 
 
-def _loop(c) -> LoopSpec:
-    for name, low in LOOP_INT_MINIMA.items():
-        check_int(c[name], name, low)
-    if not isinstance(c.compilation_cache_dir, str):
-        raise ConfigError(
-            f"config.compilation_cache_dir={c.compilation_cache_dir!r}: use a directory "
-            f"path, or '' to compile without JAX's persistent cache"
-        )
-    return LoopSpec(**{f.name: c[f.name] for f in dataclasses.fields(LoopSpec)})
-
-
 def _check_shapes(model: ModelConfig, optim: OptimSpec) -> None:
     if optim.seq_len > model.max_len:
         raise ConfigError(
             f"seq_len={optim.seq_len} exceeds model.max_len={model.max_len}: "
             f"raise model.max_len or lower seq_len"
         )
-
-
-def _mesh(mesh) -> MeshSpec:
-    for axis in ("data", "fsdp", "tensor"):
-        check_int(mesh[axis], f"mesh.{axis}", 1, also=(-1,))
-    return MeshSpec(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor)
 
 
 def _comm(raw, mesh: MeshSpec) -> CommSpec:

@@ -14,8 +14,6 @@ import re
 
 from absl import flags
 
-from fp8jax import configs
-
 
 class UserError(Exception):
     """A problem with the run's inputs or its numerics, fixable by the user; one line."""
@@ -107,8 +105,13 @@ def check_bool(value, field: str) -> None:
 _FIELDS = "fp8jax/configs/base.py lists every field with its type"
 
 
-def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
-    """One line for a bad command line: the flag, what is wrong and how to fix it."""
+def describe_flag_error(
+    error: Exception, argv: list[str], config=None, shipped: tuple[str, ...] = ()
+) -> str:
+    """One line for a bad command line: the flag, what is wrong and how to fix it.
+
+    ``shipped``: the names ``--config`` also takes (the configs that ship with fp8jax).
+    """
     text = one_line(error)
     if isinstance(error, (KeyError, AttributeError)):  # ml_collections: no such config field
         key = field_name(error)
@@ -118,10 +121,8 @@ def describe_flag_error(error: Exception, argv: list[str], config=None) -> str:
         return f"unknown config key {key!r} in {flag}{hint}; {_FIELDS}"
     if isinstance(error, OSError) and "config file" in text:  # ml_collections: --config failed
         reason = str(error).strip().splitlines()[-1].strip()
-        return (
-            f"cannot load the --config file: {reason}; pass --config=<file.py> or the name of "
-            f"a shipped config ({', '.join(configs.names())})"
-        )
+        names = f" or the name of a shipped config ({', '.join(shipped)})" if shipped else ""
+        return f"cannot load the --config file: {reason}; pass --config=<file.py>{names}"
     match = re.match(r"flag (--config\.([\w.]+))=", text)
     if match:  # a value that does not parse as the field's type
         try:

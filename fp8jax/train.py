@@ -65,7 +65,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
             raise
         from fp8jax.errors import describe_flag_error
 
-        _fail(describe_flag_error(e, argv, flags.FLAGS["config"].value))
+        _fail(describe_flag_error(e, argv, flags.FLAGS["config"].value, tuple(configs.names())))
 
 
 def _default_xla_flags() -> None:

@@ -1,0 +1,234 @@
+"""Every registered FP8 recipe, by the same properties: built by name, its fresh state, its matmul
+and gradients against f32 within the bound its formats allow, its state update; and no code
+outside ``fp8jax/recipes`` asks which recipe it holds.
+
+The properties run over ``scaling.RECIPES``, so a newly registered recipe is tested here without
+a line of its own. Each recipe's matmul compiles once and serves every property.
+"""
+
+import ast
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.ops import dot, formats, scaling
+
+from fp8_testing import amax, f32_div
+
+NAMES = sorted(scaling.RECIPES)
+DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
+M, K, N = 16, 32, 16
+EPS32 = float(jnp.finfo(jnp.float32).eps)
+PACKAGE = pathlib.Path(fp8jax.__file__).resolve().parent
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((M, K), np.float32)
+    w = rng.standard_normal((K, N), np.float32) * np.float32(0.1)
+    g = rng.standard_normal((M, N), np.float32)  # the output gradient dy
+    return x, w, g
+
+
+@jax.jit
+def _step(x, w, g, meta):
+    """y, the meta after the forward, dx, dw and the meta's cotangent (dy's amax) in one program."""
+    (y, new_meta), vjp = jax.vjp(lambda x, w, m: dot.dot_general(x, w, DENSE, m), x, w, meta)
+    dx, dw, dmeta = vjp((g, jax.tree.map(jnp.zeros_like, new_meta)))
+    return y, new_meta, dx, dw, dmeta
+
+
+@functools.cache
+def _run(name: str):
+    """The recipe's fresh meta and ``_step``'s results on ``_inputs`` (one compile per recipe)."""
+    meta = fp8jax.init_meta(fp8jax.make_recipe(name))
+    x, w, g = _inputs()
+    return meta, jax.device_get(_step(x, w, g, meta))
+
+
+def _error(a: np.ndarray, fmt: str, stored_scale) -> np.ndarray:
+    """Per element, the most quantizing ``a`` to ``fmt`` can move it: half a unit in the last
+    place (``eps / 2`` relative) in the normal range, half the smallest subnormal over the scale
+    below it. The scale is at least the stored one (what a recipe that keeps scales uses) or
+    ``fmax / amax(a)`` (a scale from the call's own amax, per tensor, row or tile: a row's or a
+    tile's amax is at most the tensor's), whichever is smaller; no recipe's default has a margin
+    or rounds to a power of two."""
+    info = jnp.finfo(formats.as_dtype(fmt))
+    scale = min(float(stored_scale), formats.fmax(fmt) / amax(a))
+    return float(info.eps) / 2 * np.abs(a) + float(info.smallest_subnormal) / 2 / scale
+
+
+def _bound(a, ea, b, eb) -> tuple[np.ndarray, np.ndarray]:
+    """(bound on |fl(a) . fl(b) - a . b| per element, the part of it that f32 accumulation and
+    unscaling alone cause): each product's error from its operands' errors ``ea``, ``eb``."""
+    abs_ab = np.abs(a) @ np.abs(b)
+    f32 = (a.shape[1] + 4) * EPS32 * abs_ab  # the sum's roundings, the unscale multiplications
+    return ea @ np.abs(b) + np.abs(a) @ eb + ea @ eb + f32, f32
+
+
+def _check_close(got, want, bound, f32):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= bound), f"largest excess {np.max(err - bound)}"
+    assert np.max(err) > np.max(f32), "no FP8 rounding seen: the matmul ran in high precision"
+
+
+def _check_default_scaling(recipe) -> None:
+    """The bounds and exact scales below take the recipe's defaults: no margin, no rounding."""
+    assert recipe.margin == 0 and not recipe.power_of_two
+
+
+def test_registry_holds_the_four_recipes():
+    assert set(NAMES) >= {"delayed", "current", "rowwise", "block"}
+    assert scaling.DEFAULT in NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_make_recipe_round_trips_by_name_and_record(name):
+    recipe = fp8jax.make_recipe(name)
+    assert type(recipe) is scaling.RECIPES[name] and recipe.name == name
+    assert scaling.recipe_name(recipe) == name
+    # model.json's record (provenance.record_model) builds the same recipe back, equal and
+    # with the same hash: compiled programs key on it.
+    record = json.loads(json.dumps({"name": recipe.name, **dataclasses.asdict(recipe)}))
+    again = fp8jax.make_recipe(record.pop("name"), **record)
+    assert again == recipe and hash(again) == hash(recipe)
+    # Fields another recipe has (fp8.block_size, fp8.grad_format) are ignored, not errors.
+    assert fp8jax.make_recipe(name, block_size=64, grad_format="e5m2", other=1).name == name
+    # The class is reachable by its name from fp8jax.scaling and ops.scaling, as before.
+    assert getattr(fp8jax.scaling, type(recipe).__name__) is type(recipe)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.margin = 1
+
+
+def test_unknown_and_duplicate_names_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown FP8 scaling recipe 'nope'"):
+        fp8jax.make_recipe("nope")
+
+    @dataclasses.dataclass(frozen=True)
+    class Impostor(scaling.RECIPES["delayed"]):
+        pass
+
+    with pytest.raises(ValueError, match="'delayed' is taken"):
+        scaling.register(Impostor)
+    assert scaling.RECIPES["delayed"] is not Impostor
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_init_meta_shapes_and_formats(name):
+    recipe = fp8jax.make_recipe(name)
+    meta = fp8jax.init_meta(recipe)
+    assert recipe.dy_format in formats.FORMATS
+    for state, fmt in ((meta.x, "e4m3"), (meta.w, "e4m3"), (meta.dy, recipe.dy_format)):
+        assert state.fmt == fmt and state.recipe == recipe
+        assert state.scale.shape == () and float(state.scale) == 1.0
+        assert state.amax_history.shape == (recipe.history_len + 1,)
+        assert not np.any(np.asarray(state.amax_history))
+    # The pytree: three scales and three histories; the recipe rides in the treedef.
+    assert len(jax.tree.leaves(meta)) == 6
+    assert jax.tree.structure(meta) == jax.tree.structure(fp8jax.init_meta(recipe))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_within_the_fp8_bound_of_f32(name):
+    meta, (y, *_) = _run(name)
+    _check_default_scaling(meta.x.recipe)
+    x, w, _ = (a.astype(np.float64) for a in _inputs())
+    bound, f32 = _bound(x, _error(x, "e4m3", meta.x.scale), w, _error(w, "e4m3", meta.w.scale))
+    _check_close(y, x @ w, bound, f32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_within_the_fp8_bound_of_f32(name):
+    meta, (_, _, dx, dw, _) = _run(name)
+    _check_default_scaling(meta.x.recipe)
+    x, w, g = (a.astype(np.float64) for a in _inputs())
+    ex, ew = _error(x, "e4m3", meta.x.scale), _error(w, "e4m3", meta.w.scale)
+    eg = _error(g, meta.dy.fmt, meta.dy.scale)
+    _check_close(dx, g @ w.T, *_bound(g, eg, w.T, ew.T))  # dgrad: N contracted
+    _check_close(dw, x.T @ g, *_bound(x.T, ex.T, g, eg))  # wgrad: M contracted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_records_the_amaxes_and_commit_sets_the_scales(name):
+    _, (_, new_meta, _, _, dmeta) = _run(name)
+    x, w, g = _inputs()
+    # The forward records x's and w's amax in the pending slot; the backward sends dy's back as
+    # the meta's cotangent, and nothing else (x's and w's cotangents are zero).
+    assert float(new_meta.x.amax_history[0]) == amax(x)
+    assert float(new_meta.w.amax_history[0]) == amax(w)
+    assert float(dmeta.dy.amax_history[0]) == amax(g)
+    for s in (dmeta.x, dmeta.w):
+        assert not np.any(np.asarray(s.amax_history)) and float(s.scale) == 0.0
+    # The step's end: each pending amax moves into the history and sets the next scale.
+    done = fp8jax.update_state(*jax.tree.map(jnp.asarray, (new_meta, dmeta)))
+    for s, a in ((done.x, amax(x)), (done.w, amax(w)), (done.dy, amax(g))):
+        assert float(s.amax_history[0]) == 0.0 and float(s.amax_history[1]) == a
+        assert float(s.scale) == f32_div(formats.fmax(s.fmt), a)
+
+
+# -- no recipe-type tests outside the recipe modules -------------------------------------------
+
+RECIPE_DIR = PACKAGE / "recipes"
+TYPE_TESTS = ("is_fine", "is_delayed")
+
+
+def _mentions_recipe_type(node: ast.AST) -> bool:
+    names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    names += [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+    return any(n.endswith("Scaling") or "Recipe" in n for n in names)
+
+
+def _mentions_recipe(node: ast.AST) -> bool:
+    return "recipe" in ast.unparse(node).lower()
+
+
+def recipe_type_tests(tree: ast.AST) -> list[str]:
+    """Lines of ``tree`` that ask which recipe they hold: ``isinstance``/``issubclass`` against a
+    recipe class, ``type(<recipe>)``, ``is_fine``/``is_delayed``, or a recipe's name compared
+    with a registered name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            fn, args = node.func.id, node.args
+            if fn in ("isinstance", "issubclass") and len(args) == 2:
+                if _mentions_recipe_type(args[1]):
+                    found.append(f"line {node.lineno}: {ast.unparse(node)}")
+            elif fn == "type" and args and _mentions_recipe(args[0]):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Name | ast.Attribute):
+            if (node.id if isinstance(node, ast.Name) else node.attr) in TYPE_TESTS:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Constant) and s.value in scaling.RECIPES for s in sides)
+            if named and any(_mentions_recipe(s) for s in sides):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[0].removeprefix("line ")))
+
+
+def test_the_detector_sees_each_kind_of_recipe_type_test():
+    src = (
+        "isinstance(r, BlockScaling)\nisinstance(r, scaling.RowwiseScaling | Foo)\n"
+        "scaling.is_fine(r)\nis_delayed(r)\ntype(meta.x.recipe) is A\ncfg.recipe.name == 'block'\n"
+        "isinstance(x, int)\ntype(x)\nscheme == 'block'\nrecipe.name == other.name\n"
+    )
+    assert [f.split(":")[0] for f in recipe_type_tests(ast.parse(src))] == [
+        f"line {i}" for i in range(1, 7)
+    ]
+
+
+def test_no_recipe_type_tests_outside_the_recipe_modules():
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if RECIPE_DIR not in path.parents
+        and (hits := recipe_type_tests(ast.parse(path.read_text(), str(path))))
+    }
+    assert not found, f"modules that ask which recipe they hold: {found}; ask the recipe instead"

@@ -24,16 +24,8 @@ from fp8jax.ops import formats, kernels, remat, scaling
 from fp8jax.ops.dot import dot_general
 from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
 from fp8jax.ops.kernels import cast_transpose
-from fp8jax.ops.scaling import (
-    BlockScaling,
-    CurrentScaling,
-    DelayedScaling,
-    Fp8Meta,
-    RowwiseScaling,
-    ScaleState,
-    init_meta,
-    make_recipe,
-)
+from fp8jax.ops.scaling import Fp8Meta, ScaleState, init_meta, make_recipe
+from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 
 __version__ = "0.1.0"
 

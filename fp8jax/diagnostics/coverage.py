@@ -17,7 +17,7 @@ from collections import Counter
 
 import jax
 
-from fp8jax.ops import cublaslt
+from fp8jax.ops import cublaslt, scaling
 
 # Element types XLA treats as FP8 (the first two are the ones fp8jax emits).
 FP8_TYPES = (
@@ -35,9 +35,9 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu"  # Pallas' Mosaic GPU kernels' custom calls (mosaic_gpu, mosaic_gpu_v2)
 SCALED_GEMM = cublaslt.TARGET  # cuBLASLt's rowwise- and block-scaled FP8 GEMMs (ops.cublaslt)
 FP8_KERNELS = (CUBLAS_FP8, BLOCK_GEMM, SCALED_GEMM)  # compiled GEMM kernels that run in FP8
-# The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>'.
-# (in the backward pass inside transpose(jvp(...))).
-_RECIPE = re.compile(r"(?:^|[/(])fp8_(delayed|current|rowwise|block)(?:[/)]|$)")
+# The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>', a name in
+# scaling.RECIPES (in the backward pass inside transpose(jvp(...))).
+_RECIPE = re.compile(r"(?:^|[/(])fp8_(\w+?)(?=[/)]|$)")
 _OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*\(?(tensor<[^>]*>)")
 
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
@@ -84,8 +84,8 @@ class DotEntry:
     @property
     def recipe(self) -> str:
         """The FP8 recipe of the matmul this dot belongs to ('' outside fp8jax's FP8 matmuls)."""
-        m = _RECIPE.search(self.name)
-        return m.group(1) if m else ""
+        names = (m.group(1) for m in _RECIPE.finditer(self.name))
+        return next((n for n in names if n in scaling.RECIPES), "")
 
     @property
     def is_fp8(self) -> bool:

@@ -39,7 +39,6 @@ from fp8jax.ops import attention as fp8_attention
 from fp8jax.ops import mlp as fp8_mlp
 from fp8jax.ops import qkv as fp8_qkv
 from fp8jax.ops import remat as fp8_remat
-from fp8jax.ops import scaling
 from fp8jax.ops.act_dot import act_dot_general
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
@@ -83,7 +82,7 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     elsewhere, as where ``train.partitionable`` picks XLA's casts for SPMD, the two-matmul path
     keeps its activation sharding constraint.
     """
-    recipe_fuses = scaling.is_delayed(cfg.recipe) or scaling.is_fine(cfg.recipe)
+    recipe_fuses = bool(cfg.recipe) and cfg.recipe.fuses_mlp
     fusable = cfg.cast_kernel != "xla" and recipe_fuses and cfg.style == "gpt"
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
@@ -91,7 +90,7 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
 def fuses_qkv(cfg: ModelConfig) -> bool:
     """Whether the fused Q/K/V projection runs as one FP8 custom VJP (``fp8jax.ops.qkv``,
     ``fp8.fuse_qkv``): delayed scaling and the fused cast kernels only, as ``fuses_mlp``."""
-    fusable = cfg.cast_kernel != "xla" and scaling.is_delayed(cfg.recipe)
+    fusable = cfg.cast_kernel != "xla" and bool(cfg.recipe) and cfg.recipe.scales_known_ahead
     return cfg.fused_qkv and cfg.fuse_qkv and cfg.fp8_impl == "fp8jax" and fusable
 
 

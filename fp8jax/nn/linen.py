@@ -16,14 +16,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.nn.state import FP8, FP8_STATS
-from fp8jax.ops import activations, dot, fine, formats, kernels, scaling
+from fp8jax.ops import activations, dot, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
+from fp8jax.recipes import DelayedScaling
 
 
 class _Fp8Op(nn.Module):
     """An FP8 matmul's ``meta`` variable: read it, record health stats, write the new amax."""
 
-    recipe: scaling.Recipe = scaling.DelayedScaling()
+    recipe: scaling.Recipe = DelayedScaling()
     w_recipe: scaling.Recipe | None = None  # weights' recipe if different (MS-AMP: history 1)
     # 'auto' (the fused cast+transpose kernel on GPUs, XLA ops elsewhere), 'xla', 'pallas' or
     # 'interpret': how operands are quantized (fp8jax.ops.kernels)
@@ -63,11 +64,7 @@ class _Fp8Op(nn.Module):
         )
         for name, x, s in (("x", act_lhs, meta.x), ("w", rhs, meta.w)):
             x = jax.lax.stop_gradient(x)
-            if scaling.is_fine(s.recipe):
-                sat, flush = fine.saturation_stats(x, s)
-            else:
-                scale = scaling.use_scale(s, formats.amax(x))
-                sat, flush = formats.saturation_stats(x, scale, s.fmt)
+            sat, flush = s.recipe.saturation_stats(x, s)
             self.sow(FP8_STATS, f"{name}_saturated", sat)
             self.sow(FP8_STATS, f"{name}_flushed", flush)
 
@@ -151,7 +148,7 @@ class Einsum(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.lecun_normal()
     bias_init: Callable = nn.initializers.zeros_init()
-    recipe: scaling.Recipe | None = scaling.DelayedScaling()  # None: plain einsum (FP8 off)
+    recipe: scaling.Recipe | None = DelayedScaling()  # None: plain einsum (FP8 off)
 
     @nn.compact
     def __call__(self, x):
@@ -226,7 +223,7 @@ def keep_kernel_dtype(inputs, kernel, bias, *, dtype=None, **kwargs):
 
 def fp8_dot_general_cls(recipe: scaling.Recipe | None = None, **kwargs):
     """``dot_general_cls`` for ``nn.Dense`` with a given recipe (a partial of Fp8DotGeneral)."""
-    fields = {"recipe": recipe or scaling.DelayedScaling(), **kwargs}
+    fields = {"recipe": recipe or DelayedScaling(), **kwargs}
     return _Partial(Fp8DotGeneral, fields)
 
 

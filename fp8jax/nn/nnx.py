@@ -21,6 +21,9 @@ from flax import nnx
 
 from fp8jax.nn import state
 from fp8jax.ops import activations, dot, kernels, scaling
+from fp8jax.recipes import DelayedScaling
+
+_DEFAULT_RECIPE = DelayedScaling()
 
 
 class Fp8State(nnx.Variable):
@@ -32,7 +35,7 @@ class _Fp8Op(nnx.Module):
 
     def __init__(
         self,
-        recipe: scaling.Recipe = scaling.DEFAULT_RECIPE,
+        recipe: scaling.Recipe = _DEFAULT_RECIPE,
         w_recipe: scaling.Recipe | None = None,
         *,
         use_running_average: bool = False,

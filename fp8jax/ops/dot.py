@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import activations, fine, formats, gemm, kernels, scaling
+from fp8jax.ops import activations, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
@@ -49,6 +49,7 @@ __all__ = [
     "dot_general",
     "einsum_dimension_numbers",
     "fp8_einsum",
+    "tensor_matmul",
 ]
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
@@ -88,7 +89,7 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
     wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
     m_axis = 1 if cfg.batched else 0
     # Current scaling of dy: its scale comes from the backward's own amax, so no f32[3] here.
-    current_dy = not scaling.is_delayed(meta.dy.recipe)
+    current_dy = not meta.dy.recipe.scales_known_ahead
     inv = None if current_dy else gemm.inverse_scales(sx, sw, meta.dy.scale)
     y = gemm.mm(xq, wq, m_axis + 1, m_axis, cfg.batched, gemm.acc_dtype(cfg.out_dtype))
     y = gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
@@ -98,7 +99,8 @@ def _fwd_impl(cfg: GemmConfig, x, w, meta: Fp8Meta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(cfg: GemmConfig, x, w, meta: Fp8Meta):
+def tensor_matmul(cfg: GemmConfig, x, w, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
+    """``(x . w [(B,) M, N], meta with x's and w's amax recorded)`` under per-tensor scales."""
     y, new_meta, _ = _fwd_impl(cfg, x, w, meta)
     return y, new_meta
 
@@ -130,7 +132,7 @@ def _fp8_matmul_bwd(cfg: GemmConfig, res, cts):
     return dx, dw, _meta_cotangent(meta, ct_meta, amax_g)
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+tensor_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 def _remaining(ndim: int, *used) -> list[int]:
@@ -234,12 +236,8 @@ def dot_general(
     )  # fmt: skip
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
-    with jax.named_scope(f"fp8_{scaling.recipe_name(meta.x.recipe)}"):
-        if scaling.is_fine(meta.x.recipe):
-            fine.check_unbatched(meta.x.recipe, batched)
-            y, new_meta = fine.fine_matmul(cfg, x, w, meta)  # [M', N']
-        else:
-            y, new_meta = _fp8_matmul(cfg, x, w, meta)  # [(B,) M', N']
+    with jax.named_scope(f"fp8_{meta.x.recipe.name}"):
+        y, new_meta = meta.x.recipe.matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
 

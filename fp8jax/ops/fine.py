@@ -37,7 +37,6 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8jax.ops import (
     block_cast,
     block_cast_kernels,
-    block_gemm,
     cublaslt,
     formats,
     gemm,
@@ -45,14 +44,13 @@ from fp8jax.ops import (
 )
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
-from fp8jax.ops.scaling import BlockScaling, Fp8Meta
+from fp8jax.ops.scaling import Fp8Meta
 
 
-def check_recipes(meta: Fp8Meta) -> scaling.FineRecipe:
+def check_recipes(meta: Fp8Meta) -> scaling.Recipe:
     """The fine recipe of ``meta``; one clear error if x, w and dy do not share it."""
-    recipes = {type(s.recipe) for s in (meta.x, meta.w, meta.dy)}
-    if len(recipes) != 1:
-        names = sorted(scaling.recipe_name(s.recipe) for s in (meta.x, meta.w, meta.dy))
+    names = sorted(s.recipe.name for s in (meta.x, meta.w, meta.dy))
+    if len(set(names)) != 1:
         raise ValueError(
             f"fp8jax: a rowwise or block recipe scales x, w and dy alike, got recipes {names}: "
             f"leave w_recipe unset with fine-grained scaling"
@@ -60,11 +58,11 @@ def check_recipes(meta: Fp8Meta) -> scaling.FineRecipe:
     return meta.x.recipe
 
 
-def check_unbatched(recipe, batched: bool) -> None:
+def check_unbatched(recipe: scaling.Recipe, batched: bool) -> None:
     """Fine recipes tile one GEMM per call: a batched dot_general is one clear error."""
     if batched:
         raise ValueError(
-            f"fp8jax.dot_general: the {scaling.recipe_name(recipe)!r} recipe tiles plain GEMMs "
+            f"fp8jax.dot_general: the {recipe.name!r} recipe tiles plain GEMMs "
             f"and cannot tile batch dimensions: use recipe 'delayed' or 'current' for batched "
             f"einsums"
         )
@@ -103,7 +101,7 @@ def rowwise_gemm(impl: str, a, a_inv_M1, b, b_inv_N1, dtype, acc_dtype) -> jax.A
     return jax.lax.platform_dependent(a, a_inv_M1, b, b_inv_N1, cuda=lt, default=xla)
 
 
-def _out_rowwise(impl, a, a_inv_M1, b, b_inv_N1, dtype, raw: bool) -> Out:
+def out_rowwise(impl, a, a_inv_M1, b, b_inv_N1, dtype, raw: bool) -> Out:
     """A rowwise GEMM's Out: unscaled (``rowwise_gemm``), or with ``raw`` its raw output in
     ``dtype`` and the multipliers that unscale it."""
     acc = gemm.acc_dtype(dtype)
@@ -112,107 +110,12 @@ def _out_rowwise(impl, a, a_inv_M1, b, b_inv_N1, dtype, raw: bool) -> Out:
     return Out(rowwise_gemm(impl, a, a_inv_M1, b, b_inv_N1, dtype, acc))
 
 
-def cast_x(cfg: GemmConfig, recipe: scaling.FineRecipe, x) -> tuple[jax.Array, ...]:
-    """``(xq, x_inv, xq_t, xt_inv, amax_x)``: a forward GEMM's x in E4M3 in both layouts with
-    their scales (per row, or 1 x T tiles along K and M), ``x`` an array or a cast source."""
-    if isinstance(recipe, BlockScaling):
-        t = recipe.block_size
-        return block_cast.cast_transpose_tiles(
-            x, formats.E4M3, t, recipe, cfg.cast, prologue=cfg.prologue
-        )
-    out = block_cast.cast_transpose_rows(x, formats.E4M3, recipe, cfg.cast, prologue=cfg.prologue)
-    return out[:5]
-
-
-def _fwd_rowwise(cfg: GemmConfig, recipe, x, w, raw):
-    impl = cfg.cast
-    # E4M3 for x and w, each in both layouts in one call. x per row (along K) for this GEMM and
-    # x.T per row (along M) for wgrad; w.T per row (w per column, along K) for this GEMM and w
-    # per row (along N) for dgrad. w's recorded amax is w.T's rows', as its forward operand's.
-    xq, x_inv, xq_t, xt_inv, amax_x = cast_x(cfg, recipe, x)
-    wq, w_inv, wq_t, wt_inv, _, amax_w = block_cast.cast_transpose_rows(
-        w, formats.E4M3, recipe, impl
-    )
-    out = _out_rowwise(impl, xq, x_inv, wq_t, wt_inv, cfg.out_dtype, raw)  # [M, N]
-    return out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
-
-
-def _bwd_rowwise(cfg: GemmConfig, recipe, res, g, fmt, dx_dtype, raw, col_sums):
-    xq_t, xt_inv, wq, w_inv = res
-    # dy in the recipe's grad format: per row (along N) for dgrad, dy.T per row (along M) for
-    # wgrad, both in one call.
-    gq, g_inv, gq_t, gt_inv, amax_g, _, *sums = block_cast.cast_transpose_rows(
-        g, fmt, recipe, cfg.cast, col_sums=col_sums
-    )
-    dx = _out_rowwise(cfg.cast, gq, g_inv, wq, w_inv, dx_dtype, raw)  # [M, K], N contracted
-    acc = gemm.acc_dtype(gemm.wgrad_dtype(cfg))
-    dw = rowwise_gemm(cfg.cast, xq_t, xt_inv, gq_t, gt_inv, cfg.w_dtype, acc)  # [K, N]
-    return dx, dw, amax_g, sums
-
-
-def _fwd_block(cfg: GemmConfig, recipe: BlockScaling, x, w, raw):
-    t, impl = recipe.block_size, cfg.cast
-    # E4M3 for x and w. x: 1 x T tiles along K for this GEMM and T x 1 (x.T's 1 x T along M)
-    # for wgrad; w: T x T blocks, which serve the forward ([N, K]) and dgrad ([K, N]) alike.
-    xq, x_inv, xq_t, xt_inv, amax_x = cast_x(cfg, recipe, x)
-    wq, wq_t, w_inv, amax_w = block_cast.cast_transpose_blocks(w, formats.E4M3, t, recipe, impl)
-    y = block_gemm.block_scaled_dot(
-        xq, x_inv, wq_t, w_inv.T, block=t, out_dtype=cfg.out_dtype, impl=impl, b_blocks=True
-    )
-    return Out(y), (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv)
-
-
-def _bwd_block(cfg: GemmConfig, recipe: BlockScaling, res, g, fmt, dx_dtype, raw, col_sums):
-    t, impl = recipe.block_size, cfg.cast
-    xq_t, xt_inv, wq, w_inv = res
-    # dy: 1 x T tiles along N for dgrad, T x 1 (dy.T's 1 x T along M) for wgrad.
-    gq, g_inv, gq_t, gt_inv, amax_g, *sums = block_cast.cast_transpose_tiles(
-        g, fmt, t, recipe, impl, col_sums=col_sums
-    )
-    dx = block_gemm.block_scaled_dot(
-        gq, g_inv, wq, w_inv, block=t, out_dtype=dx_dtype, impl=impl, b_blocks=True
-    )  # [M, K]: w [K, N] with its T x T blocks, N contracted
-    dw = block_gemm.block_scaled_dot(
-        xq_t, xt_inv, gq_t, gt_inv, block=t, out_dtype=cfg.w_dtype, impl=impl, b_blocks=False
-    )  # [K, N]: M contracted, both operands tiled along M
-    return Out(dx), dw, amax_g, sums
-
-
-def forward(cfg: GemmConfig, recipe: scaling.FineRecipe, x, w_KxN, raw: bool = False):
-    """``(Out of x . w [M, N], (amax_x, amax_w), residuals for backward)`` under ``recipe``.
-
-    ``x`` is an [M, K] array or a ``cast_source.Source``; ``raw`` leaves a rowwise output
-    scaled (its ``Out`` carries the inverse scales), in ``acc_dtype(cfg.out_dtype)``.
-    """
-    fwd = _fwd_block if isinstance(recipe, BlockScaling) else _fwd_rowwise
-    return fwd(cfg, recipe, x, w_KxN, raw)
-
-
-def backward(
-    cfg: GemmConfig,
-    recipe: scaling.FineRecipe,
-    res,
-    g,
-    fmt,
-    dx_dtype,
-    raw: bool = False,
-    col_sums: bool = False,
-):
-    """``(Out of dx [M, K], dw [K, N], amax_g, [column sums of g])`` from ``forward``'s
-    residuals and ``g`` ([M, N] array or ``cast_source.Source``) quantized to ``fmt``.
-
-    ``raw`` as in ``forward``; ``col_sums`` returns g's f32 column sums from its cast.
-    """
-    bwd = _bwd_block if isinstance(recipe, BlockScaling) else _bwd_rowwise
-    return bwd(cfg, recipe, res, g, fmt, dx_dtype, raw, col_sums)
-
-
 def _forward(cfg: GemmConfig, x, w, meta: Fp8Meta):
     recipe = check_recipes(meta)
     # With a prologue x is the pre-activation: the cast applies act in f32 to what it reads
     # (act(x) is quantized unrounded and never written out) and the backward keeps x for act'.
     x_pre = x if cfg.prologue else None
-    out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = forward(cfg, recipe, x, w)
+    out, (amax_x, amax_w), (xq_t, xt_inv, wq, w_inv) = recipe.forward(cfg, x, w)
     # Named for remat policies (ops.remat): the backward GEMMs' operands with their tile scales.
     res = (*checkpoint_name((xq_t, xt_inv), FP8_X), *checkpoint_name((wq, w_inv), FP8_W))
     y = checkpoint_name(out.y, FP8_OUT)
@@ -237,7 +140,7 @@ def _fine_bwd(cfg: GemmConfig, saved, cts):
     g, ct_meta = cts  # g [M, N] in the output dtype
     recipe = check_recipes(meta)
     dx_dtype = jnp.float32 if cfg.prologue else cfg.x_dtype  # act' in f32, as the tensorwise path
-    dx, dw, amax_g, _ = backward(cfg, recipe, tuple(res), g, meta.dy.fmt, dx_dtype)
+    dx, dw, amax_g, _ = recipe.backward(cfg, tuple(res), g, meta.dy.fmt, dx_dtype)
     dx = dx.y
     if cfg.prologue:
         dx = gemm.dgrad_out(cfg, dx, 1.0, x_pre)
@@ -253,7 +156,7 @@ def saturation_stats(x: jax.Array, state: scaling.ScaleState) -> tuple[jax.Array
     last axis (the contraction of a Dense layer's input)."""
     x_2d = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     recipe = state.recipe
-    tile = recipe.block_size if isinstance(recipe, BlockScaling) else x_2d.shape[1]
+    tile = recipe.tile_width(x_2d.shape[1])
     x_3d = block_cast.split_tiles(x_2d, tile)
     # Each tile's scale as the quantizer computes it (block_cast.quantize_tiles).
     amax = jnp.max(block_cast_kernels.tile_abs(x_3d), axis=-1)

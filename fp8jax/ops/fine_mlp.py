@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8jax.ops import cast_source, fine, gemm, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
-from fp8jax.ops.scaling import BlockScaling, Fp8Meta
+from fp8jax.ops.scaling import Fp8Meta
 
 ACT = "gelu_tanh"
 
@@ -51,13 +51,13 @@ def _activation(out1: fine.Out, b1) -> cast_source.Source:
 def _fwd_impl(cfg: _Cfg, recipe, x, w1, b1, w2):
     # Scopes named as the layers: coverage reports and profiles tell wi's GEMMs from wo's.
     with jax.named_scope("wi"):
-        out1, amax1, res1 = fine.forward(cfg.layer1, recipe, x, w1, raw=True)  # h [M, F]
-        if isinstance(recipe, BlockScaling):
-            # The block GEMM unscales h itself, and an XLA bias add before the tiles cast is
+        out1, amax1, res1 = recipe.forward(cfg.layer1, x, w1, raw=True)  # h [M, F]
+        if out1.inv_M is None:
+            # The GEMM unscaled h itself (block), and an XLA bias add before the tiles cast is
             # faster than the tiles kernel reading the bias (H200): h keeps it from here on.
             out1, b1 = fine.Out(out1.y + b1.astype(out1.y.dtype)), None
     with jax.named_scope("wo"):
-        out2, amax2, res2 = fine.forward(cfg.layer2, recipe, _activation(out1, b1), w2)
+        out2, amax2, res2 = recipe.forward(cfg.layer2, _activation(out1, b1), w2)
     # Named for remat policies (ops.remat), as fine_matmul names its residuals.
     res1 = (*checkpoint_name(res1[:2], FP8_X), *checkpoint_name(res1[2:], FP8_W))
     res2 = (*checkpoint_name(res2[:2], FP8_X), *checkpoint_name(res2[2:], FP8_W))
@@ -95,17 +95,17 @@ def _mlp_bwd(cfg: _Cfg, saved, cts):
             # Tied to the cotangent so that neither JAX nor XLA merges it with the forward's
             # cast (which would keep that cast's output alive until here after all).
             out_again, b_again, _ = jax.lax.optimization_barrier((out1, b1, g))
-            xq_t, xt_inv = fine.cast_x(c2, recipe, _activation(out_again, b_again))[2:4]
+            xq_t, xt_inv = recipe.cast_x(c2, _activation(out_again, b_again))[2:4]
             res2 = (xq_t, xt_inv, *res2[2:])
         # da [M, F]: d loss / d gelu(pre), left as its GEMM wrote it (raw under rowwise).
-        da, dw2, amax_g2, _ = fine.backward(c2, recipe, res2, g, m2.dy.fmt, c2.x_dtype, raw=True)
+        da, dw2, amax_g2, _ = recipe.backward(c2, res2, g, m2.dy.fmt, c2.x_dtype, raw=True)
     with jax.named_scope("wi"):
         # gelu'(pre) * da in f32 inside wi's output-gradient cast, which also sums db1.
         src = cast_source.activation_grad(
             out1.y, out1.inv_M, out1.inv_N, b1, da.y, da.inv_M, da.inv_N, ACT
         )
-        dx, dw1, amax_g1, (db1,) = fine.backward(
-            c1, recipe, res1, src, m1.dy.fmt, c1.x_dtype, col_sums=True
+        dx, dw1, amax_g1, (db1,) = recipe.backward(
+            c1, res1, src, m1.dy.fmt, c1.x_dtype, col_sums=True
         )
     return (
         dx.y,
@@ -132,10 +132,10 @@ def gelu_mlp(
 ) -> tuple[jax.Array, Fp8Meta, Fp8Meta]:
     """``(gelu(x . w1 + b1) . w2 [M, D], meta1, meta2)`` under the fine recipe the metas share.
 
-    As ``ops.mlp.gelu_mlp`` (which routes fine recipes here): x [M, D] in the compute dtype,
+    As ``ops.mlp.gelu_mlp`` (the fine recipes' ``gelu_mlp``): x [M, D] in the compute dtype,
     weights as given (f32 masters are quantized from f32 and get f32 gradients).
     """
-    recipes = {type(fine.check_recipes(m)) for m in (meta1, meta2)}
+    recipes = {fine.check_recipes(m).name for m in (meta1, meta2)}
     if len(recipes) != 1:
         raise ValueError("fp8jax: an MLP's two layers must share one fine recipe")
     dtype = jnp.dtype(x_MxD.dtype)
@@ -143,5 +143,5 @@ def gelu_mlp(
     layer2 = GemmConfig(dtype, jnp.dtype(w2_FxD.dtype), dtype, False, cast_kernel)
     cfg = _Cfg(layer1, layer2, jnp.dtype(b1_F.dtype), bool(recompute_cast))
     recipe = meta1.x.recipe
-    with jax.named_scope(f"fp8_{scaling.recipe_name(recipe)}"):  # the recipe, as ops.dot names it
+    with jax.named_scope(f"fp8_{recipe.name}"):  # the recipe, as ops.dot names it
         return _mlp(cfg, x_MxD, w1_DxF, b1_F, w2_FxD, meta1, meta2)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import activations, formats, kernels, scaling
+from fp8jax.ops import activations, formats, kernels
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -103,8 +103,8 @@ def wgrad_dtype(cfg: GemmConfig):
 
 def uses_fused_cast(cfg: GemmConfig, meta: Fp8Meta) -> bool:
     """Quantize with kernels.cast_transpose: 2-D GEMMs whose scales are known beforehand."""
-    delayed = all(scaling.is_delayed(s.recipe) for s in (meta.x, meta.w, meta.dy))
-    return cfg.cast != "xla" and not cfg.batched and delayed
+    known = all(s.recipe.scales_known_ahead for s in (meta.x, meta.w, meta.dy))
+    return cfg.cast != "xla" and not cfg.batched and known
 
 
 def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = False, norm=None):

@@ -13,10 +13,11 @@ transposed input (gelu(pre) in FP8, [d_ff, tokens], the wgrad operand) is rebuil
 backward from the raw GEMM output it keeps anyway, with the same scale and f32 operations, so
 the same bits, by the pass that already reads that output for GELU' (one more FP8 write).
 
-Only the delayed-scaling, fused-kernel path is one VJP here; the fine recipes (rowwise, block)
-have theirs in ``ops.fine_mlp``; anything else (current scaling, ``cast_kernel='xla'``, shapes
-not in multiples of 16) runs the same math as two ``dot_general`` calls with the GELU as the
-second one's prologue.
+The recipe picks the MLP (``Recipe.gelu_mlp``): per-tensor recipes run ``tensor_gelu_mlp``,
+one VJP here where every scale is known ahead (delayed scaling) on the fused kernels; the fine
+recipes (rowwise, block) have theirs in ``ops.fine_mlp``; anything else (current scaling,
+``cast_kernel='xla'``, shapes not in multiples of 16) runs the same math as two ``dot_general``
+calls with the GELU as the second one's prologue.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import act_kernels, dot, fine_mlp, formats, gemm, kernels, norm, scaling
+from fp8jax.ops import act_kernels, dot, formats, gemm, kernels, norm
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -159,13 +160,28 @@ def gelu_mlp(
         dot.check_operand(name, v)
     lead = x.shape[:-1]
     x_MxD = x.reshape(math.prod(lead), x.shape[-1])
-    if scaling.is_fine(meta1.x.recipe):  # tiles of any shape, the references off the GPU
-        x_MxD = norm.layer_norm(x_MxD, ln)
-        y, meta1, meta2 = fine_mlp.gelu_mlp(
-            x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast
-        )
-        return y.reshape(*lead, w2.shape[1]), meta1, meta2
-    dtype = jnp.dtype(x.dtype)
+    # The recipe runs the MLP: ``tensor_gelu_mlp`` below, or its own (ops.fine_mlp).
+    y, meta1, meta2 = meta1.x.recipe.gelu_mlp(
+        x_MxD, w1, b1, w2, meta1, meta2, cast_kernel, recompute_cast, rebuild, ln
+    )
+    return y.reshape(*lead, w2.shape[1]), meta1, meta2
+
+
+def tensor_gelu_mlp(
+    x_MxD: jax.Array,
+    w1: jax.Array,
+    b1: jax.Array,
+    w2: jax.Array,
+    meta1: Fp8Meta,
+    meta2: Fp8Meta,
+    cast_kernel: str,
+    recompute_cast: bool,
+    rebuild: bool | str,
+    ln: tuple[jax.Array, jax.Array, float] | None,
+) -> tuple[jax.Array, Fp8Meta, Fp8Meta]:
+    """``gelu_mlp`` on x [M, D] under per-tensor scales: one custom VJP where every scale is
+    known ahead and the fused cast kernels run, else two ``dot.dot_general`` calls."""
+    dtype = jnp.dtype(x_MxD.dtype)
     rebuild = gemm.rebuilt_operands(rebuild)
     layer1 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, rebuild=rebuild)
     layer2 = GemmConfig(dtype, dtype, dtype, False, cast_kernel, ACT, rebuild)
@@ -179,11 +195,10 @@ def gelu_mlp(
         h, meta1 = dot.dot_general(x_MxD, w1, DENSE, meta1, cast_kernel=cast_kernel)
         pre = h + b1
         y, meta2 = dot.dot_general(pre, w2, DENSE, meta2, cast_kernel=cast_kernel, prologue=ACT)
-        return y.reshape(*lead, w2.shape[1]), meta1, meta2
+        return y, meta1, meta2
     recompute_cast = bool(recompute_cast or "x" in rebuild)
     eps = None if ln is None else float(ln[2])
     dtypes = (jnp.dtype(v.dtype) for v in (b1, w1, w2))
     cfg = _Cfg(layer1, layer2, *dtypes, recompute_cast, eps)
-    with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
-        y, meta1, meta2 = _mlp(cfg, x_MxD, w1, b1, w2, None if ln is None else ln[:2], meta1, meta2)
-    return y.reshape(*lead, w2.shape[1]), meta1, meta2
+    with jax.named_scope(f"fp8_{meta1.x.recipe.name}"):  # the recipe, as ops.dot names it
+        return _mlp(cfg, x_MxD, w1, b1, w2, None if ln is None else ln[:2], meta1, meta2)

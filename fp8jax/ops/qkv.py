@@ -233,7 +233,7 @@ def qkv_projection(
     aligned = all(n % dot.PAD == 0 and n > 0 for n in (*x_MxD.shape, h))
     if aligned and gemm.uses_fused_cast(cfg.gemm, meta):
         b_C = None if b is None else b.reshape(-1)
-        with jax.named_scope("fp8_delayed"):  # the recipe, as ops.dot names it
+        with jax.named_scope(f"fp8_{meta.x.recipe.name}"):  # the recipe, as ops.dot names it
             q, k, v, meta = _qkv(cfg, x_MxD, w_DxC, b_C, None if ln is None else ln[:2], meta)
     else:
         x_MxD = norm.layer_norm(x_MxD, ln)

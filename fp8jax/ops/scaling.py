@@ -1,5 +1,8 @@
-"""Scaling recipes and the per-tensor scale state they update.
+"""The FP8 scaling recipe protocol and registry, and the per-tensor scale state recipes update.
 
+``Recipe`` is what the matmuls, the Flax modules, the FSDP gathers and the checkpoint code ask
+of a recipe; each recipe is one module of ``fp8jax.recipes`` that registers itself in
+``RECIPES`` (``make_recipe(name, **fields)`` builds one by name).
 A ``ScaleState`` holds one tensor's scale and amax history; an ``Fp8Meta`` the three of one
 FP8 matmul (inputs x, weights w, output gradients dy). Slot 0 of the history is the
 *pending* amax of the current step: every use of the tensor in a step (shared weights,
@@ -9,8 +12,10 @@ moves the pending amax into the history, recomputes the scale and clears slot 0.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,98 +23,108 @@ from flax import struct
 
 from fp8jax.ops import formats
 
-AMAX_ALGOS = ("max", "most_recent")  # DelayedScaling.amax_compute_algo's choices
+__all__ = [
+    "AMAX_ALGOS",
+    "DEFAULT",
+    "RECIPES",
+    "Fp8Meta",
+    "Recipe",
+    "ScaleState",
+    "commit",
+    "init_meta",
+    "init_scale_state",
+    "make_recipe",
+    "recipe_name",
+    "record",
+    "record_history",
+    "register",
+    "sanitize_amax",
+    "scale_from_amax",
+    "use_scale",
+]
+AMAX_ALGOS = ("max", "most_recent")  # a recipe's amax_compute_algo choices (``commit``)
+DEFAULT = "delayed"  # the recipe ``init_meta`` and the Flax modules use when none is given
 
 
-@dataclasses.dataclass(frozen=True)
-class DelayedScaling:
-    """Scale at step t from the amax of steps < t (a window of ``history_len`` steps)."""
+class Recipe(abc.ABC):
+    """An FP8 scaling recipe: how the scales of one matmul's operands are found and used.
 
-    history_len: int = 16  # steps of amax kept; MS-AMP uses 16, Transformer Engine 1024
-    amax_compute_algo: str = "max"  # 'max' over the window or 'most_recent' step
-    margin: int = 0  # scale = fmax / (amax * 2**margin): headroom in powers of two
-    power_of_two: bool = False  # round the scale down to a power of two (exact rescaling)
-
-    def __post_init__(self):
-        if self.amax_compute_algo not in AMAX_ALGOS:
-            raise ValueError(
-                f"unknown amax_compute_algo {self.amax_compute_algo!r}: use one of {AMAX_ALGOS}"
-            )
-        if int(self.history_len) < 1:
-            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
-
-
-@dataclasses.dataclass(frozen=True)
-class CurrentScaling:
-    """Scale from this call's own amax (one extra reduction per tensor, no lag)."""
-
-    margin: int = 0  # scale = fmax / (amax * 2**margin)
-    power_of_two: bool = False  # round the scale down to a power of two
-    history_len: int = 1  # kept for health reporting only
-    amax_compute_algo: str = "most_recent"
-
-
-def _check_grad_format(fmt: str) -> None:
-    if fmt not in formats.FORMATS:
-        raise ValueError(
-            f"unknown FP8 gradient format {fmt!r}: use one of {sorted(formats.FORMATS)}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class RowwiseScaling:
-    """One scale per row of each GEMM operand along its contraction axis, from this call's values.
-
-    The forward scales x per row and w per column (the scales factor out of the contraction and
-    unscale the output); dgrad and wgrad re-quantize their operands along their own contraction
-    axes. Runs on the per-tensor FP8 GEMM (cuBLASLt on Hopper).
+    Each recipe is a frozen dataclass in its own module of ``fp8jax.recipes``, registered by
+    name in ``RECIPES`` (``register``). Its fields include ``history_len``,
+    ``amax_compute_algo``, ``margin`` and ``power_of_two`` (read by ``commit`` and
+    ``scale_from_amax``). Code elsewhere asks the recipe what to do and never which one it is.
     """
 
-    margin: int = 0  # scale = fmax / (amax * 2**margin)
-    power_of_two: bool = False  # round each scale down to a power of two
-    grad_format: str = "e4m3"  # dy's format: E4M3 (its scales follow each row) or 'e5m2'
-    history_len: int = 1  # per-tensor amax kept for health reporting only
-    amax_compute_algo: str = "most_recent"
+    name: ClassVar[str]  # registry key; the 'fp8_<name>' scope of its matmuls; model.json's name
 
-    def __post_init__(self):
-        _check_grad_format(self.grad_format)
+    @property
+    @abc.abstractmethod
+    def dy_format(self) -> str:
+        """The FP8 format output gradients are quantized to ('e5m2' or 'e4m3')."""
+
+    @property
+    @abc.abstractmethod
+    def scales_known_ahead(self) -> bool:
+        """Whether every scale is stored before the GEMM runs (the fused cast paths need it)."""
+
+    @property
+    @abc.abstractmethod
+    def per_tensor(self) -> bool:
+        """Whether one scale, kept in the ``ScaleState``, covers a whole tensor: checkpoints
+        serve with it and O3 gathers a kernel as E4M3 under it (else the scales come from each
+        call's values and the state keeps amaxes for health reporting only)."""
+
+    @property
+    @abc.abstractmethod
+    def fuses_mlp(self) -> bool:
+        """Whether ``gelu_mlp`` can run GPT's MLP as one custom VJP (``fp8.fuse_mlp``)."""
+
+    @property
+    def weight_tile(self) -> int | None:
+        """The side of the square tiles a weight is scaled in (one scale each), or None."""
+        return None
+
+    def use_scale(self, state: ScaleState, amax: jax.Array) -> jax.Array:
+        """The scale one use of the tensor quantizes with, ``amax`` being this use's."""
+        return state.scale
+
+    @abc.abstractmethod
+    def saturation_stats(self, x: jax.Array, state: ScaleState) -> tuple[jax.Array, jax.Array]:
+        """(saturated share, flushed share) of ``x`` under this recipe's scales for ``state``."""
+
+    @abc.abstractmethod
+    def matmul(self, cfg, x: jax.Array, w: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
+        """``(x . w, meta with this call's amaxes)``: the FP8 GEMM with its custom VJP.
+
+        ``cfg`` is the call's ``gemm.GemmConfig``; x [(B,) M, K], w [(B,) K, N] padded to tiles.
+        """
+
+    @abc.abstractmethod
+    def gelu_mlp(
+        self,
+        x_MxD: jax.Array,
+        w1_DxF: jax.Array,
+        b1_F: jax.Array,
+        w2_FxD: jax.Array,
+        meta1: Fp8Meta,
+        meta2: Fp8Meta,
+        cast_kernel: str,
+        recompute_cast: bool,
+        rebuild: str,
+        ln: tuple[jax.Array, jax.Array, float] | None,
+    ) -> tuple[jax.Array, Fp8Meta, Fp8Meta]:
+        """``(gelu(x . w1 + b1) . w2 [M, D], meta1, meta2)``: ``ops.mlp.gelu_mlp`` on 2-D x."""
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockScaling:
-    """DeepSeek-V3's recipe: 1 x ``block_size`` tiles for x and dy, ``block_size``^2 for w.
-
-    Scales come from each tile's own amax. Block scales along the contraction do not factor out
-    of a GEMM, so it runs on fp8jax's block-scaled GEMM (``ops.block_gemm``), which rescales
-    each ``block_size``-wide slice of K into an f32 accumulator.
-    """
-
-    block_size: int = 128  # tile width (a power of two, >= 16): elements per scale along K
-    margin: int = 0  # scale = fmax / (amax * 2**margin)
-    power_of_two: bool = False  # round each scale down to a power of two
-    grad_format: str = "e4m3"  # dy's format: E4M3 as DeepSeek-V3 (per-tile scales) or 'e5m2'
-    history_len: int = 1  # per-tensor amax kept for health reporting only
-    amax_compute_algo: str = "most_recent"
-
-    def __post_init__(self):
-        b = self.block_size
-        if not isinstance(b, int) or b < 16 or b & (b - 1):
-            raise ValueError(
-                f"FP8 block_size must be a power of two >= 16 (the GEMM's tile), got {b!r}: "
-                f"use 128 (DeepSeek-V3's)"
-            )
-        _check_grad_format(self.grad_format)
+RECIPES: dict[str, type[Recipe]] = {}  # name -> recipe class, filled by ``register``
 
 
-Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling
-FineRecipe = RowwiseScaling | BlockScaling
-DEFAULT_RECIPE = DelayedScaling()
-RECIPES = {
-    "delayed": DelayedScaling,
-    "current": CurrentScaling,
-    "rowwise": RowwiseScaling,
-    "block": BlockScaling,
-}
+def register(cls: type[Recipe]) -> type[Recipe]:
+    """Class decorator: enter a recipe class in ``RECIPES`` under its ``name``."""
+    if cls.name in RECIPES and RECIPES[cls.name] is not cls:
+        raise ValueError(f"FP8 recipe name {cls.name!r} is taken by {RECIPES[cls.name]}")
+    RECIPES[cls.name] = cls
+    return cls
 
 
 def make_recipe(name: str, **kwargs) -> Recipe:
@@ -120,19 +135,20 @@ def make_recipe(name: str, **kwargs) -> Recipe:
     return RECIPES[name](**{k: v for k, v in kwargs.items() if k in fields})
 
 
-def is_delayed(recipe) -> bool:
-    """Whether every scale is known before the GEMM (delayed scaling: the fused paths' case)."""
-    return isinstance(recipe, DelayedScaling)
-
-
-def is_fine(recipe) -> bool:
-    """Whether ``recipe`` scales per row or per tile (``RowwiseScaling``, ``BlockScaling``)."""
-    return isinstance(recipe, RowwiseScaling | BlockScaling)
-
-
-def recipe_name(recipe) -> str:
+def recipe_name(recipe: Recipe) -> str:
     """The recipe's name in ``RECIPES`` ('delayed', 'current', 'rowwise', 'block')."""
-    return next(k for k, v in RECIPES.items() if isinstance(recipe, v))
+    return recipe.name
+
+
+def __getattr__(name: str):
+    """The registered recipe classes by class name (``scaling.BlockScaling``) and
+    ``DEFAULT_RECIPE``, from ``RECIPES`` (the recipe modules import this one)."""
+    if name == "DEFAULT_RECIPE":
+        return make_recipe(DEFAULT)
+    for cls in RECIPES.values():
+        if cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @struct.dataclass
@@ -142,7 +158,7 @@ class ScaleState:
     scale: jax.Array  # [...] f32
     amax_history: jax.Array  # [..., history_len + 1] f32; slot 0 is this step's pending amax
     fmt: str = struct.field(pytree_node=False, default="e4m3")
-    recipe: Recipe = struct.field(pytree_node=False, default=DEFAULT_RECIPE)
+    recipe: Recipe | None = struct.field(pytree_node=False, default=None)
 
     @property
     def last_amax(self) -> jax.Array:
@@ -183,11 +199,9 @@ def scale_from_amax(amax, prev_scale, fmt: str, recipe: Recipe) -> jax.Array:
 
 
 def use_scale(state: ScaleState, amax: jax.Array) -> jax.Array:
-    """The scale a use of the tensor quantizes with: delayed scaling's stored one, or current
-    scaling's from this use's ``amax``."""
-    if isinstance(state.recipe, CurrentScaling):
-        return scale_from_amax(amax, state.scale, state.fmt, state.recipe)
-    return state.scale
+    """The scale a use of the tensor quantizes with (``Recipe.use_scale``): the stored one, or
+    one from this use's ``amax``."""
+    return state.recipe.use_scale(state, amax)
 
 
 def record_history(hist: jax.Array, amax: jax.Array) -> jax.Array:
@@ -235,11 +249,12 @@ class Fp8Meta:
     dy: ScaleState
 
 
-def init_meta(recipe: Recipe = DEFAULT_RECIPE, w_recipe: Recipe | None = None) -> Fp8Meta:
-    """Fresh state for one FP8 matmul: E4M3 for x and w; E5M2 for dy under per-tensor scales
-    (range for one scale over many decades), the recipe's ``grad_format`` under fine ones."""
+def init_meta(recipe: Recipe | None = None, w_recipe: Recipe | None = None) -> Fp8Meta:
+    """Fresh state for one FP8 matmul under ``recipe`` (None: ``DEFAULT``'s): E4M3 for x and w;
+    the recipe's ``dy_format`` for dy."""
+    recipe = make_recipe(DEFAULT) if recipe is None else recipe
     return Fp8Meta(
         x=init_scale_state("e4m3", recipe),
         w=init_scale_state("e4m3", w_recipe or recipe),
-        dy=init_scale_state(recipe.grad_format if is_fine(recipe) else "e5m2", recipe),
+        dy=init_scale_state(recipe.dy_format, recipe),
     )

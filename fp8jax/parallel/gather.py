@@ -67,7 +67,7 @@ def gather_params(params, fp8_state, plan: Plan):
                 meta = find_meta(fp8_state, paths[i])
                 # Fine-grained recipes scale each tile from the gathered weight itself: their
                 # kernels travel in the compute dtype, exactly what the matmul then quantizes.
-                if meta is not None and not scaling.is_fine(meta.w.recipe):
+                if meta is not None and meta.w.recipe.per_tensor:
                     metas[i] = meta.w  # the weight's ScaleState
 
     def body(*args):

@@ -60,7 +60,7 @@ class LeafInfo:
     fp8_grad: bool  # its gradient is reduced in FP8 (comm.min_fp8_size elements or more)
     # O3 block-recipe kernel sharded on its first or last axis at tile boundaries: moves as E4M3
     # tiles with their inverse scales and amaxes (``block_gather``); None otherwise.
-    blocks: scaling.BlockScaling | None = None
+    blocks: scaling.Recipe | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +151,12 @@ def block_gather(layer_shape: tuple[int, ...], fsdp_dim: int, fsdp: int, recipe)
     axis alone free (a projection into it: o, MLP-out), so a shard is whole rows or columns of
     that matrix; with a shard a whole number of tiles wide, the shard's tiles are the weight's.
     """
-    if not isinstance(recipe, scaling.BlockScaling) or len(layer_shape) < 2:
+    tile = recipe.weight_tile
+    if tile is None or len(layer_shape) < 2:
         return False
     if fsdp_dim not in (0, len(layer_shape) - 1):
         return False
-    return (layer_shape[fsdp_dim] // fsdp) % recipe.block_size == 0
+    return (layer_shape[fsdp_dim] // fsdp) % tile == 0
 
 
 def kernel_matrix(w: jax.Array, fsdp_dim: int) -> jax.Array:
@@ -168,7 +169,7 @@ def _gathered_blocks(group: Group, li: LeafInfo, w):
     """A block-recipe kernel gathered as E4M3 tiles; handed over in f32 so that the matmul's
     quantization gives back the gathered tiles and their scales bit for bit."""
     recipe, axis = li.blocks, 0 if li.fsdp_dim == 0 else 1
-    b = recipe.block_size
+    b = recipe.weight_tile
     w_KxN = kernel_matrix(w.astype(jnp.dtype(group.compute_dtype)), li.fsdp_dim)
     # E4M3 (the block recipe's weight format) per T x T tile, as the matmul quantizes it: the
     # shard's tiles are whole tiles of the weight, so these are the weight's own.
@@ -296,7 +297,7 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
                 blocks = meta.w.recipe
             # Rowwise scales, and tiles a shard would cut, come from the gathered weight itself:
             # those kernels move in the compute dtype.
-            elif meta is not None and not scaling.is_fine(meta.w.recipe):
+            elif meta is not None and meta.w.recipe.per_tensor:
                 fp8 = True
                 w_c = w.astype(plan.compute_dtype)
                 amax = comm.amax_stacked(w_c, stack)  # global: over every shard

@@ -84,7 +84,7 @@ def fine_recipe(record: dict) -> scaling.Recipe | None:
     """The rowwise or block recipe a work dir's ``model.json`` says it trained with, else None."""
     recipe = record.get("recipe") or {}
     name = recipe.get("name")
-    if name not in scaling.RECIPES or not scaling.is_fine(scaling.RECIPES[name]()):
+    if name not in scaling.RECIPES or scaling.RECIPES[name]().per_tensor:
         return None
     return scaling.make_recipe(name, **{k: v for k, v in recipe.items() if k != "name"})
 

@@ -1,0 +1,56 @@
+"""What the per-tensor recipes (delayed, current) share: one scale per tensor.
+
+Their matmul is ``ops.dot.tensor_matmul`` (E4M3 x and w, E5M2 dy, one scale each) and their MLP
+``ops.mlp.tensor_gelu_mlp``; the scale is kept in the ``ScaleState``, so checkpoints serve with it
+and O3 gathers kernels as E4M3 under it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from fp8jax.ops import dot, formats, mlp, scaling
+from fp8jax.ops.scaling import Fp8Meta, ScaleState
+
+__all__ = ["TensorRecipe"]
+
+
+class TensorRecipe(scaling.Recipe):
+    """A recipe with one scale per tensor, on the per-tensor FP8 GEMM."""
+
+    @property
+    def dy_format(self) -> str:
+        """E5M2: one scale covers a gradient's many decades, so range before mantissa."""
+        return "e5m2"
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor, kept in its ``ScaleState``."""
+        return True
+
+    def saturation_stats(self, x: jax.Array, state: ScaleState) -> tuple[jax.Array, jax.Array]:
+        """(saturated share, flushed share) of ``x`` under the one scale a use of it takes."""
+        scale = self.use_scale(state, formats.amax(x))
+        return formats.saturation_stats(x, scale, state.fmt)
+
+    def matmul(self, cfg, x: jax.Array, w: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
+        """``ops.dot.tensor_matmul``: batched or not, one scale per operand."""
+        return dot.tensor_matmul(cfg, x, w, meta)
+
+    def gelu_mlp(
+        self,
+        x_MxD: jax.Array,
+        w1_DxF: jax.Array,
+        b1_F: jax.Array,
+        w2_FxD: jax.Array,
+        meta1: Fp8Meta,
+        meta2: Fp8Meta,
+        cast_kernel: str,
+        recompute_cast: bool,
+        rebuild: str,
+        ln: tuple[jax.Array, jax.Array, float] | None,
+    ) -> tuple[jax.Array, Fp8Meta, Fp8Meta]:
+        """``ops.mlp.tensor_gelu_mlp``: one VJP where the scales are known ahead."""
+        return mlp.tensor_gelu_mlp(
+            x_MxD, w1_DxF, b1_F, w2_FxD, meta1, meta2, cast_kernel, recompute_cast, rebuild, ln
+        )

@@ -143,7 +143,9 @@ class Checkpointer:
             raise error
         state = restored["state"]
         if renamed:
-            state = abstract_state.replace(**{k: state[renamed.get(k, k)] for k in _fields(state)})
+            state = abstract_state.replace(
+                **{k: state[renamed.get(k, k)] for k in _fields(abstract_state)}
+            )
         bad = non_finite_leaves(state)
         if bad:
             raise CheckpointMismatchError(

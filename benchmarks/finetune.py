@@ -183,8 +183,9 @@ def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
 
     from fp8jax.optim import adam
     from fp8jax.parallel import sharding
-    from fp8jax.trainer import checkpoint, dpo, dpo_data, loop, loss, spec
+    from fp8jax.trainer import checkpoint, dpo_data, loop, loss, spec
     from fp8jax.trainer import step as step_lib
+    from fp8jax.trainer.objectives import dpo
 
     run = spec.parse(config)
     with tempfile.TemporaryDirectory() as empty:  # not a resume: the init_from weights
@@ -204,12 +205,12 @@ def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
             variables = {"params": adam.materialize(state.params), coll: state.fp8}
             logits = env.model.apply(variables, batch["inputs"], **loss.model_kwargs(batch))
         logps_Px2 = loss.sequence_logps(logits, batch["targets"], batch[loss.WEIGHTS])
-        mask_P = loss.pair_mask(batch[loss.WEIGHTS])
+        mask_P = dpo.pair_mask(batch[loss.WEIGHTS])
         wins_P = (logps_Px2.reshape(-1, 2)[:, 0] > logps_Px2.reshape(-1, 2)[:, 1]) * mask_P
         return jnp.sum(wins_P), jnp.sum(mask_P)
 
     def stats(state) -> dict:
-        out = dpo.evaluate(env.eval_step, state, batches, env.batch_sharding)
+        out = env.objective.evaluate(env.eval_step, state, batches, env.batch_sharding)
         out = {k.removeprefix("val_"): v for k, v in out.items()}
         counts = [policy_wins(state, sharding.put_batch(b, env.batch_sharding)) for b in batches]
         wins, real = np.sum(jax.device_get(counts), axis=0)

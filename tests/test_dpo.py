@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from fp8jax import errors, models
-from fp8jax.trainer import dpo, dpo_data, loop, spec, stream
+from fp8jax.trainer import dpo_data, loop, spec, stream
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
+from fp8jax.trainer.objectives import dpo
 
 from fp8_testing import with_overrides
 
@@ -50,7 +51,7 @@ def test_dpo_loss_equals_numpy():
     policy, ref = rng.normal(-20, 5, 16), rng.normal(-20, 5, 16)  # rows: c0, r0, c1, r1 ...
     mask = np.array([1, 1, 1, 1, 1, 1, 0, 1], np.float32)  # pair 6 is padding
     for beta, smoothing in ((0.1, 0.0), (0.5, 0.2)):
-        got = loss_lib.dpo_sums(policy.astype(np.float32), ref.astype(np.float32), mask, beta,
+        got = dpo.dpo_sums(policy.astype(np.float32), ref.astype(np.float32), mask, beta,
                                 smoothing)  # fmt: skip
         loss_P, d_P = numpy_dpo(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta, smoothing)
         m = mask.astype(bool)
@@ -143,7 +144,7 @@ def test_step_zero_is_log_2_and_only_the_policy_trains(tmp_path):
     initial = jax.device_get(state.params)
     it = ds.train_iter()
     batch = next(it)
-    at_zero = dpo.evaluate(env.eval_step, state, [batch], env.batch_sharding)
+    at_zero = env.objective.evaluate(env.eval_step, state, [batch], env.batch_sharding)
     assert at_zero["val_loss"] == pytest.approx(math.log(2), rel=1e-7)
     assert at_zero["val_reward_accuracy"] == 0.0 and at_zero["val_reward_margin"] == 0.0
     assert at_zero["val_chosen_logp"] < 0 and at_zero["val_rejected_logp"] < 0
@@ -158,10 +159,10 @@ def test_step_zero_is_log_2_and_only_the_policy_trains(tmp_path):
     pairs = zip(leaves(state.params), leaves(initial), strict=True)
     moved = [np.abs(a - b).max() for a, b in pairs]
     assert max(moved) > 0  # the policy trained
-    for a, b in zip(leaves(state.ref["params"]), leaves(initial), strict=True):
+    for a, b in zip(leaves(state.objective["params"]), leaves(initial), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(metrics["reward_margin"]) != 0.0
-    assert jax.tree.structure(env.state_shardings.ref["params"]) == jax.tree.structure(
+    assert jax.tree.structure(env.state_shardings.objective["params"]) == jax.tree.structure(
         env.state_shardings.params
     )  # sharded like the policy
 
@@ -247,5 +248,5 @@ def test_resume_is_exact(learned_o0, pairs_file, tmp_path, monkeypatch):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert got.ref and jax.tree.leaves(got.ref["params"])
+    assert got.objective and jax.tree.leaves(got.objective["params"])
     assert evals(tmp_path)[-1] == evals(learned_o0)[-1]

@@ -15,9 +15,9 @@ from flax import linen as nn
 
 from fp8jax import errors, models
 from fp8jax.models import head_loss
-from fp8jax.trainer import dpo, loop, spec
-from fp8jax.trainer import loss as loss_lib
+from fp8jax.trainer import loop, spec
 from fp8jax.trainer import step as step_lib
+from fp8jax.trainer.objectives import dpo
 
 from fp8_testing import fast_compiles, with_overrides  # noqa: F401 (fast_compiles: autouse)
 
@@ -188,7 +188,9 @@ def test_fp8_lm_head_with_loss_chunk_is_refused():
 
 
 # The one-device step's mean loss, FP8 state and mean gradients, compiled (model static).
-batch_gradients = jax.jit(step_lib.batch_gradients, static_argnums=(0,))
+batch_gradients = jax.jit(
+    step_lib.batch_gradients, static_argnums=(0,), static_argnames=("objective",)
+)
 
 
 def train_setup(run, batch_size=4, abstract=False):
@@ -251,15 +253,18 @@ def test_dpo_logps_and_loss_through_the_chunked_head():
     for m in (model, chunked(model)):
         ref_B, _ = jax.jit(dpo.reference_logps, static_argnums=(0, 3))(m, ref, batch, False)
         assert rel_err(ref_B, want_B) < RTOL
-    pref = dpo.preference_batch(batch, jnp.asarray(want_B, jnp.float32), run.dpo)
-    loss_f, _, grads_f = batch_gradients(model, params, {}, pref)
-    loss_c, _, grads_c = batch_gradients(chunked(model), params, {}, pref)
+    objective = dpo.Dpo.from_run(run)
+    rows = {dpo.REF_LOGPS: jnp.asarray(want_B, jnp.float32)}
+    loss_f, _, grads_f = batch_gradients(model, params, {}, batch, objective=objective, rows=rows)
+    loss_c, _, grads_c = batch_gradients(
+        chunked(model), params, {}, batch, objective=objective, rows=rows
+    )
     assert float(loss_f) > 0 and rel_err(loss_c, loss_f) < RTOL
     assert_trees_close(grads_c, grads_f)
-    state = step_lib.TrainState(0, params, None, {}, 0, 0, ref=ref)
-    want = jax.jit(dpo.make_eval_step(model, None, run.dpo))(state, batch)
-    got = jax.jit(dpo.make_eval_step(chunked(model), None, run.dpo))(state, batch)
-    for key in ("loss", *loss_lib.PAIR_STATS):
+    state = step_lib.TrainState(0, params, None, {}, 0, 0, objective=ref)
+    want = jax.jit(step_lib.make_eval_step(model, None, objective))(state, batch)
+    got = jax.jit(step_lib.make_eval_step(chunked(model), None, objective))(state, batch)
+    for key in ("loss", *dpo.PAIR_STATS):
         assert rel_err(got[key], want[key]) < RTOL, key
 
 

@@ -268,6 +268,7 @@ def state_shardings(model, abstract_state, mesh: Mesh):
         bad_steps=rep,
         skipped=rep,
         comm=jax.tree.map(lambda _: rep, getattr(abstract_state, "comm", {})),
-        # DPO's frozen reference: its params sharded like the policy's, its FP8 state replicated.
-        ref=_shard_like_params(getattr(abstract_state, "ref", {}), spec_by_path, mesh),
+        # The objective's state (DPO's frozen reference): leaves at a param's path sharded like
+        # it, the others (the reference's FP8 state) replicated.
+        objective=_shard_like_params(getattr(abstract_state, "objective", {}), spec_by_path, mesh),
     )

@@ -14,6 +14,7 @@ directory's step, the train state's step count and the data position must agree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging as pylogging
 import os
@@ -111,7 +112,8 @@ class Checkpointer:
         """Restore ``(state, data_state)`` of ``step`` (default latest) into the abstract target."""
         step = self.latest_step() if step is None else step
         path = os.path.join(self.directory, str(step))
-        mismatch = _mismatch(path, abstract_state)
+        target, renamed = _as_saved(path, abstract_state)
+        mismatch = _mismatch(path, target)
         if mismatch:
             raise CheckpointMismatchError(
                 f"checkpoint {path} was written by another model or config: {mismatch}; resume "
@@ -123,7 +125,7 @@ class Checkpointer:
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
+                        state=ocp.args.StandardRestore(target),
                         data=ocp.args.JsonRestore(),
                     ),
                 )
@@ -139,13 +141,18 @@ class Checkpointer:
             )
             error.add_note(f"orbax's error (FP8JAX_DEBUG=1 prints this):\n{cause}")
             raise error
-        bad = non_finite_leaves(restored["state"])
+        state = restored["state"]
+        if renamed:
+            state = abstract_state.replace(
+                **{k: state[renamed.get(k, k)] for k in _fields(abstract_state)}
+            )
+        bad = non_finite_leaves(state)
         if bad:
             raise CheckpointMismatchError(
                 f"checkpoint {path} holds NaN/Inf in {bad[0]}; {self._fallback(step)}"
             )
-        data_state = self._check_positions(step, restored["state"], restored["data"])
-        return restored["state"], data_state
+        data_state = self._check_positions(step, state, restored["data"])
+        return state, data_state
 
     def _check_positions(self, step: int, state, data_state) -> dict:
         """``data_state`` without the offset, if directory, state and data agree on ``step``."""
@@ -202,6 +209,39 @@ def _remove_unfinished_writes(directory: str) -> None:
             (epath.Path(directory) / name).rmtree()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("fp8jax: checkpoint directory settled")
+
+
+# Train-state fields a checkpoint may hold under another name: the objective's state was 'ref'
+# (DPO's frozen reference; {} in every other run), so those checkpoints restore unchanged.
+SAVED_AS = {"objective": "ref"}
+
+
+def _fields(state) -> list[str]:
+    """The field names of a train state (a dataclass), or a dict's keys."""
+    if isinstance(state, dict):
+        return list(state)
+    return [f.name for f in dataclasses.fields(state)]
+
+
+def _as_saved(path: str, abstract_state):
+    """``(target, renamed)``: the restore target named as the checkpoint in ``path`` names the
+    fields (a dict of the fields, ``renamed``: field -> saved name), or ``abstract_state`` and
+    {} when the names agree."""
+    try:
+        saved = set(ocp.StandardCheckpointHandler().metadata(epath.Path(path) / "state").tree)
+    except Exception:  # unreadable metadata: restore reports the checkpoint as corrupt
+        return abstract_state, {}
+    if not dataclasses.is_dataclass(abstract_state):
+        return abstract_state, {}
+    names = _fields(abstract_state)
+    renamed = {
+        new: old
+        for new, old in SAVED_AS.items()
+        if new in names and new not in saved and old in saved
+    }
+    if not renamed:
+        return abstract_state, {}
+    return {renamed.get(k, k): getattr(abstract_state, k) for k in names}, renamed
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

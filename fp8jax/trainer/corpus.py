@@ -8,32 +8,39 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from fp8jax.errors import DataError
+
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # a text corpus folder's files
 FIX = (
     "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
     "'text' field per line ('' = the shipped corpus)"
 )
 
 
-def source_files(path: str) -> tuple[list[Path], str]:
-    """Files of the source named by ``config.data.path`` and a description for logs."""
+def source_files(
+    path: str, suffixes: tuple[str, ...] = TEXT_SUFFIXES, fix: str = FIX
+) -> tuple[list[Path], str]:
+    """Files of the source named by ``config.data.path`` (a file, or a folder's files ending in
+    one of ``suffixes``; '' = the shipped corpus) and a description for logs. DataError, whose
+    message ends in ``fix``, when there are none."""
     if not path:
         files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
         if not files:
-            raise ValueError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {FIX}")
+            raise DataError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {fix}")
         return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"data path {str(p)!r} does not exist; {FIX}")
+        raise DataError(f"data path {str(p)!r} does not exist; {fix}")
     p = p.resolve()  # messages and the data record name the file, whatever the cwd was
     if p.is_file():
         return [p], f"file {p}"
-    suffixes = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
     if not files:
-        raise ValueError(f"data folder {str(p)!r} has no .txt or .jsonl files; {FIX}")
+        kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
+        raise DataError(f"data folder {str(p)!r} has no {kinds} files; {fix}")
     return files, f"folder {p} ({len(files)} files)"
 
 
@@ -88,7 +95,7 @@ def pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
 
 
 def check_not_empty(files: list[Path], desc: str) -> None:
-    """Raise ValueError if no file holds any non-blank text."""
+    """Raise DataError if no file holds any non-blank text."""
     # Before any tokenizer is trained: one trained on nothing would be cached and reused.
     if not any(text.strip() for text, _ in pieces(files)):
-        raise ValueError(f"no text found in {desc}; {FIX}")
+        raise DataError(f"no text found in {desc}; {FIX}")

@@ -1,17 +1,16 @@
-"""Data pipeline: local BPE, memory-mapped token cache, grain batch streams (files: corpus.py).
+"""The text format: local BPE, memory-mapped token cache, grain batch streams (files: corpus.py).
 
-``build(run, workdir)`` trains (or reuses) ``<workdir>/tokenizer.json``, encodes the corpus
-once into ``<workdir>/tokens/{train,val}.bin`` and returns a :class:`Dataset` whose training
-iterator is infinite, seed-deterministic, sharded by process and resumable from a JSON state.
-Both caches are keyed on the corpus bytes and every setting that shapes them, and are written
-only once the build has succeeded (fp8jax.trainer.provenance has the rules for reuse on resume).
+``build(run, workdir)`` (the ``text`` format over ``data_format.build``) trains (or reuses)
+``<workdir>/tokenizer.json``, encodes the corpus once into ``<workdir>/tokens/{train,val}.bin``
+and returns a :class:`Dataset` whose training iterator is infinite, seed-deterministic, sharded
+by process and resumable from a JSON state. Both caches are keyed on the corpus bytes and every
+setting that shapes them, and are written only once the build has succeeded
+(fp8jax.trainer.provenance has the rules for reuse on resume).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import shutil
 import time
@@ -19,13 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import provenance
+from fp8jax.trainer import data_format, provenance
 from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.stream import TrainIterator, process_rows, seed32
 from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterator's JSON
@@ -129,7 +127,7 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
     matches and its files have the recorded sizes.
     """
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    key_src = dict(
+    key = data_format.cache_key(
         version=_CACHE_VERSION,
         corpus=identity["corpus"],
         tokenizer=tokenizer_lib.sha256(tok.to_str()),
@@ -137,7 +135,6 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
         block=_SPLIT_BLOCK,
         dtype=dtype,
     )
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
     meta = provenance.read_json(out_dir / "meta.json") or {}
     itemsize = np.dtype(dtype).itemsize
     sizes_ok = all(
@@ -250,6 +247,8 @@ class Dataset:
             start = epoch_offset(k // num_windows) + j * W
             return _split(np.asarray(tokens[start : start + W], dtype=np.int32))
 
+        import grain  # only here: the format registry (loop.setup reads it) needs no grain
+
         # The grain shuffle re-permutes each epoch (its seed is folded with the epoch number).
         ds = grain.MapDataset.range(num_windows).shuffle(seed=shuffle_seed).repeat(None)
         ds = ds.map_with_index(window).batch(rows, drop_remainder=True)
@@ -286,6 +285,77 @@ class Dataset:
         return out
 
 
+class _Tokens(data_format.Encoded):
+    """The token cache: reused from ``tokens/``, or staged and moved there on commit."""
+
+    def __init__(self, make, meta: dict, out_dir: Path, stage: Path, encoded: bool):
+        self.make, self.meta, self.out_dir = make, meta, out_dir
+        self.stage, self.encoded = stage, encoded
+
+    @property
+    def dataset(self) -> Dataset:
+        """The :class:`Dataset` over the committed cache."""
+        train = _memmap(self.out_dir / "train.bin", self.meta["dtype"], self.meta["num_train"])
+        val = _memmap(self.out_dir / "val.bin", self.meta["dtype"], self.meta["num_val"])
+        return self.make(train, val)
+
+    def commit(self, workdir: Path) -> None:
+        if self.encoded:
+            _commit_tokens(self.stage, self.out_dir)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+
+@data_format.register
+class Text(data_format.DataFormat):
+    """``data.format='text'``: a corpus of text files or .jsonl ``text`` lines, as token windows."""
+
+    name = "text"
+    dtypes = {"inputs": np.int32, "targets": np.int32}
+    tokenizer_fields = dict(version=_CACHE_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
+
+    def source(self, run: RunSpec) -> data_format.Source:
+        """The corpus files, checked to hold text; their fingerprint."""
+        val_fraction = float(run.data.val_fraction)
+        if not 0.0 <= val_fraction < 1.0:  # 0: no validation split (library use; configs need > 0)
+            raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
+        files, desc = corpus_lib.source_files(run.data.path)
+        logging.info("data source: %s", desc)
+        corpus_lib.check_not_empty(files, desc)
+        return data_format.Source(desc, corpus_lib.fingerprint(files), files)
+
+    def texts(self, source: data_format.Source) -> Iterator[str]:
+        """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus."""
+        return _tokenizer_texts(source.content)
+
+    def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> _Tokens:
+        """The token cache (reused, or encoded into a staging folder of ``workdir``), checked to
+        hold a training window and, with a validation split, an eval batch."""
+        optim = run.optim
+        identity = dict(corpus=source.corpus, val_fraction=float(run.data.val_fraction))
+        out_dir = workdir / "tokens"
+        # Everything is built in a staging folder and checked before it replaces the caches, so
+        # a failed or refused build leaves the work dir as it was.
+        workdir.mkdir(parents=True, exist_ok=True)
+        stage = workdir / f"tokens.tmp{os.getpid()}"
+        try:
+            meta, encoded = _load_or_encode(
+                source.content, source.desc, tokenizer, out_dir, stage, identity
+            )
+            problem = _too_short_for_train(meta["num_train"], optim.seq_len)
+            if not problem and identity["val_fraction"] > 0:
+                problem = _too_short_for_eval(meta["num_val"], optim.batch_size, optim.seq_len)
+            if problem:
+                raise DataError(f"{source.desc}: {problem}")
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
+        make = functools.partial(Dataset, tokenizer, key=meta["key"], **sizes)
+        return _Tokens(make, meta, out_dir, stage, encoded)
+
+
 def build(run: RunSpec, workdir: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Dataset:
     """Tokenizer + token cache in ``workdir`` for ``run.data``; returns the :class:`Dataset`.
 
@@ -295,53 +365,4 @@ def build(run: RunSpec, workdir: str | os.PathLike, tokenizer: Tokenizer | None 
     for the run's ``seq_len``/``batch_size``, or a resume on data other than the checkpoint's;
     then nothing in ``workdir`` has changed.
     """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    data, optim = run.data, run.optim
-    val_fraction = float(data.val_fraction)
-    if not 0.0 <= val_fraction < 1.0:  # 0: no validation split (library use; configs need > 0)
-        raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
-    files, desc = corpus_lib.source_files(data.path)
-    logging.info("data source: %s", desc)
-    corpus_lib.check_not_empty(files, desc)
-    identity = dict(corpus=corpus_lib.fingerprint(files), source=desc, val_fraction=val_fraction)
-    resumed = provenance.has_checkpoint(workdir)
-    allow = data.allow_corpus_change
-    record_data = provenance.check_resume(workdir, identity, resumed, allow)
-    built_from = dict(
-        version=_CACHE_VERSION,
-        corpus=identity["corpus"],
-        vocab_size=int(run.model.vocab_size),
-        min_frequency=int(data.tokenizer_min_frequency),
-        train_chars=_TOKENIZER_TRAIN_CHARS,
-    )
-    tok_path, out_dir = workdir / "tokenizer.json", workdir / "tokens"
-    tok, new_tok = (
-        (tokenizer, False)
-        if tokenizer
-        else provenance.tokenizer_for(
-            tok_path, built_from, lambda: _tokenizer_texts(files), resumed
-        )
-    )
-    # Everything is built in a staging folder and checked before it replaces the caches, so a
-    # failed or refused build leaves the work dir as it was.
-    stage = workdir / f"tokens.tmp{os.getpid()}"
-    try:
-        meta, encoded = _load_or_encode(files, desc, tok, out_dir, stage, identity)
-        problem = _too_short_for_train(meta["num_train"], optim.seq_len)
-        if not problem and val_fraction > 0:
-            problem = _too_short_for_eval(meta["num_val"], optim.batch_size, optim.seq_len)
-        if problem:
-            raise DataError(f"{desc}: {problem}")
-        if new_tok:
-            tokenizer_lib.save_cached(tok, tok_path, built_from)
-        if encoded:
-            _commit_tokens(stage, out_dir)
-        if record_data:
-            provenance.write_json(workdir / provenance.MANIFEST, identity)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    train = _memmap(out_dir / "train.bin", meta["dtype"], meta["num_train"])
-    val = _memmap(out_dir / "val.bin", meta["dtype"], meta["num_val"])
-    sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
-    return Dataset(tok, train, val, key=meta["key"], **sizes)
+    return data_format.build(data_format.get(Text.name), run, workdir, tokenizer)

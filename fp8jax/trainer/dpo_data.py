@@ -7,15 +7,14 @@ chat template). A pair becomes two rows, chosen then rejected, each the prompt f
 its response, weights 1.0 on the response's targets only (its EOS or end-of-turn included)
 and 0.0 on the prompt and padding; one pair per two rows, padded to seq_len (no packing), so
 any split of a batch into an even number of rows keeps pairs whole. Batches carry the keys
-of fine-tuning (``sft_data.KEYS``). ``data.val_fraction`` of the pairs are held out; the
+of fine-tuning (``sft_data.KEYS``), data only: the DPO objective (``objectives.dpo``) holds
+beta, label smoothing and the reference. ``data.val_fraction`` of the pairs are held out; the
 training order is fixed by the seed and resumes from a step count (``stream.TrainIterator``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,9 +23,7 @@ import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
-from fp8jax.trainer import chat, provenance, sft_data
-from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer import chat, data_format, sft_data
 from fp8jax.trainer.sft_data import Example, make_row, stack
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 
@@ -177,56 +174,68 @@ class DpoDataset:
         return out
 
 
+def _shipped_pairs(run: RunSpec):
+    pairs = novel_pairs(passage_words=max(8, run.optim.seq_len // 4), seed=run.seed)
+    return pairs, "novel pair", "novel preference pairs"
+
+
+@data_format.register
+class Preferences(data_format.DataFormat):
+    """``data.format='dpo'``: .jsonl (prompt, chosen, rejected) pairs, trained by DPO."""
+
+    name = "dpo"
+    objective = "dpo"
+    dtypes = sft_data.DTYPES
+    tokenizer_fields = dict(dpo=_VERSION)
+
+    def source(self, run: RunSpec) -> data_format.Source:
+        """The pairs of ``data.path`` (each line checked), or the shipped novel pairs."""
+        shipped = functools.partial(_shipped_pairs, run)
+        return data_format.jsonl_source(run.data.path, check_pair, shipped, "pairs", sft_data.FIX)
+
+    def texts(self, source: data_format.Source):
+        """Every string of the pairs."""
+        return record_texts(source.content)
+
+    def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> data_format.Encoded:
+        """Every pair encoded as two rows, split and fitted to rows; nothing written."""
+        del workdir
+        data, optim = run.data, run.optim
+        pairs = [
+            tuple(encode_response(tokenizer, r, k, where) for k in ("chosen", "rejected"))
+            for r, where in source.content
+        ]
+        train_idx, val_idx = data_format.split(len(pairs), data.val_fraction)
+        train, dropped = fit_pairs([pairs[i] for i in train_idx], optim.seq_len, data.overlong)
+        val, val_dropped = fit_pairs([pairs[i] for i in val_idx], optim.seq_len, data.overlong)
+        if dropped + val_dropped:
+            logging.warning(
+                "%d of %d pairs have a row over seq_len+1=%d tokens (data.overlong='%s') or a "
+                "response without a token in it, and were dropped",
+                dropped + val_dropped,
+                len(pairs),
+                optim.seq_len + 1,
+                data.overlong,
+            )
+        sft_data.check_fits(source.desc, train, val, run, "pairs", per=2)
+        logging.info(
+            "%s: %d training, %d validation pairs", source.desc, len(train) // 2, len(val) // 2
+        )
+        key = sft_data.data_key(source, tokenizer, run, _VERSION)
+        dataset = DpoDataset(
+            tokenizer,
+            train,
+            val,
+            seed=run.seed,
+            batch_size=optim.batch_size,
+            seq_len=optim.seq_len,
+            key=key,
+        )
+        return data_format.Encoded(dataset)
+
+
 def build(run: RunSpec, workdir: str | os.PathLike, tokenizer=None) -> DpoDataset:
     """The preference data of ``run`` (``tokenizer``: an init_from checkpoint's; None: learn a
     BPE on the pairs into ``<workdir>/tokenizer.json``). DataError on bad data, before
     anything in ``workdir`` changes."""
-    workdir, data, optim = Path(workdir), run.data, run.optim
-    if data.path:
-        files, desc = sft_data.source_files(data.path)
-        records = sft_data.read_records(files, check_pair)
-        corpus = corpus_lib.fingerprint(files)
-    else:
-        pairs = novel_pairs(passage_words=max(8, optim.seq_len // 4), seed=run.seed)
-        records = [(r, f"novel pair {i}") for i, r in enumerate(pairs, 1)]
-        corpus = tokenizer_lib.sha256(json.dumps(pairs, sort_keys=True))
-        desc = f"novel preference pairs ({len(records)} passages of the shipped corpus)"
-    if not records:
-        raise DataError(f"no pairs in {desc}: add .jsonl lines or fix config.data.path")
-    identity = dict(corpus=corpus, source=desc, val_fraction=float(data.val_fraction))
-    resumed = provenance.has_checkpoint(workdir)
-    record_data = provenance.check_resume(workdir, identity, resumed, data.allow_corpus_change)
-    new_tok = False
-    if tokenizer is None:
-        built_from = dict(dpo=_VERSION, corpus=corpus, vocab_size=int(run.model.vocab_size),
-                          min_frequency=int(data.tokenizer_min_frequency))  # fmt: skip
-        tokenizer, new_tok = provenance.tokenizer_for(
-            workdir / "tokenizer.json", built_from, lambda: record_texts(records), resumed
-        )
-    pairs = [tuple(encode_response(tokenizer, r, k, where) for k in ("chosen", "rejected"))
-             for r, where in records]  # fmt: skip
-    train_idx, val_idx = sft_data.split(len(pairs), data.val_fraction)
-    train, dropped = fit_pairs([pairs[i] for i in train_idx], optim.seq_len, data.overlong)
-    val, val_dropped = fit_pairs([pairs[i] for i in val_idx], optim.seq_len, data.overlong)
-    if dropped + val_dropped:
-        logging.warning("%d of %d pairs have a row over seq_len+1=%d tokens (data.overlong="
-                        "'%s') or a response without a token in it, and were dropped",
-                        dropped + val_dropped, len(pairs), optim.seq_len + 1,
-                        data.overlong)  # fmt: skip
-    if not train or (data.val_fraction > 0 and not val):
-        raise DataError(
-            f"{desc}: {len(train) // 2} training and {len(val) // 2} validation pairs fit "
-            f"seq_len={optim.seq_len}: use more pairs, a larger seq_len, a larger "
-            f"data.val_fraction or data.overlong='truncate'"
-        )
-    key_src = dict(v=_VERSION, corpus=corpus, tokenizer=tokenizer_lib.sha256(
-        tokenizer.to_str()), seq_len=optim.seq_len, overlong=data.overlong)  # fmt: skip
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
-    workdir.mkdir(parents=True, exist_ok=True)  # every check passed: now the work dir changes
-    if new_tok:
-        tokenizer_lib.save_cached(tokenizer, workdir / "tokenizer.json", built_from)
-    if record_data:
-        provenance.write_json(workdir / provenance.MANIFEST, identity)
-    logging.info("%s: %d training, %d validation pairs", desc, len(train) // 2, len(val) // 2)
-    return DpoDataset(tokenizer, train, val, seed=run.seed, batch_size=optim.batch_size,
-                      seq_len=optim.seq_len, key=key)  # fmt: skip
+    return data_format.build(data_format.get(Preferences.name), run, workdir, tokenizer)

@@ -24,14 +24,13 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from jax.sharding import Mesh
 
 from fp8jax import configs, errors, models
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import dpo, environment, generate, provenance, spec
+from fp8jax.trainer import environment, formats, generate, objectives, provenance, spec
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
@@ -95,12 +94,13 @@ class Setup:
     mesh: Mesh
     model: models.Transformer
     tx: Any  # optax.GradientTransformation
+    objective: objectives.Objective  # what the steps minimise and report (the data format's)
     init: Any  # jitted (rng, params=None) -> TrainState, sharded (params: given weights)
     abstract: step_lib.TrainState  # ShapeDtypeStructs of the state
     state_shardings: step_lib.TrainState  # a NamedSharding per state leaf
     batch_sharding: Any  # NamedSharding of a batch's leaves
     train_step: Any  # jitted (state, batch) -> (state, metrics)
-    eval_step: Any  # jitted (state, batch) -> loss (DPO: dict of pair sums)
+    eval_step: Any  # jitted (state, batch) -> the objective's metrics (LM: the loss)
     stats_step: Any  # jitted (state, batch) -> per-layer FP8 health
 
 
@@ -116,25 +116,25 @@ def setup(run: RunSpec, devices=None, donate: bool = True) -> Setup:
     run = partitionable(run, mesh)
     model = models.build_model(run.model)
     tx = step_lib.make_optimizer(run)
-    steps = dpo if run.data.format == "dpo" else step_lib  # DPO: with the frozen reference
-    init_fn = functools.partial(steps.init_state, model, tx, run)
+    objective = objective_of(run)
+    init_fn = functools.partial(step_lib.init_state, model, tx, run, objective=objective)
     abstract = jax.eval_shape(init_fn, jax.random.PRNGKey(run.seed))
     state_sh = sharding_lib.state_shardings(model, abstract, mesh)
     batch_sh = sharding_lib.batch_sharding(mesh)
     train_step = jax.jit(
-        steps.make_train_step(model, tx, run, mesh=mesh),
+        step_lib.make_train_step(model, tx, run, mesh=mesh, objective=objective),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding_lib.replicated(mesh)),
         donate_argnums=0 if donate else (),
     )
-    eval_fn = (dpo.make_eval_step(model, mesh, run.dpo) if steps is dpo
-               else step_lib.make_eval_step(model, mesh))  # fmt: skip
+    eval_fn = step_lib.make_eval_step(model, mesh, objective)
     eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh))
     return Setup(
         run=run,
         mesh=mesh,
         model=model,
         tx=tx,
+        objective=objective,
         init=jax.jit(init_fn, out_shardings=state_sh),
         abstract=abstract,
         state_shardings=state_sh,
@@ -145,15 +145,17 @@ def setup(run: RunSpec, devices=None, donate: bool = True) -> Setup:
     )
 
 
+def objective_of(run: RunSpec) -> objectives.Objective:
+    """The objective ``run``'s data format trains, with the run's hyper-parameters."""
+    return objectives.get(formats.get(run.data.format).objective).from_run(run)
+
+
 def abstract_batch(run: RunSpec, batch_size: int | None = None) -> dict:
-    """ShapeDtypeStructs of one training batch (fine-tuning: with weights, positions, segments)."""
+    """ShapeDtypeStructs of one training batch (its data format's keys: fine-tuning adds
+    weights, positions and segment ids)."""
     shape = (batch_size or run.optim.batch_size, run.optim.seq_len)
-    struct = jax.ShapeDtypeStruct(shape, jnp.int32)
-    if run.data.format in ("sft", "dpo"):
-        weights = jax.ShapeDtypeStruct(shape, jnp.float32)
-        return dict(inputs=struct, targets=struct, weights=weights, positions=struct,
-                    segment_ids=struct)  # fmt: skip
-    return {"inputs": struct, "targets": struct}
+    dtypes = formats.get(run.data.format).dtypes
+    return {k: jax.ShapeDtypeStruct(shape, d) for k, d in dtypes.items()}
 
 
 def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
@@ -218,14 +220,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     # From here SIGTERM only sets a flag; the loop checkpoints and returns at a step boundary.
     with _Preempted() as preempt:
         with errors.reraise_as(errors.DataError, ValueError, OSError):
-            if run.data.format == "sft":
-                from fp8jax.trainer import sft_data as data_lib
-            elif run.data.format == "dpo":
-                from fp8jax.trainer import dpo_data as data_lib
-            else:  # here: setup() must not need grain
-                from fp8jax.trainer import data as data_lib
-
-            dataset = data_lib.build(run, workdir, tokenizer)
+            dataset = formats.build(run, workdir, tokenizer)
             if init_params is not None:  # a fresh fine-tuning run: keep its tokenizer
                 keep_tokenizer(workdir, tokenizer)
             train_iter = dataset.train_iter()
@@ -333,8 +328,10 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
                 pending = None
             if evaluates:
                 log.first("evaluation: compiling the eval step")
-                evaluate = dpo.evaluate if run.data.format == "dpo" else generate.evaluate
-                log.eval(step, evaluate(env.eval_step, state, eval_batches, env.batch_sharding))
+                evaluated = env.objective.evaluate(
+                    env.eval_step, state, eval_batches, env.batch_sharding
+                )
+                log.eval(step, evaluated)
             if checks_fp8:
                 log.first("FP8 health pass: compiling the stats step")
                 stats = env.stats_step(state, batch)

@@ -22,17 +22,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fp8jax.nn import state as fp8_state
 from fp8jax.parallel import comm, gather, layerwise
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer.loss import is_weighted
 
 P = PartitionSpec
-# (model, params, fp8, batch, loss weight, masters, gradient dtypes) -> (loss dict, fp8, grads):
-# one replica's gradients of its rows, micro-batches accumulated (the train step's).
+# (model, params, fp8, rows, loss weight, masters, gradient dtypes) -> (loss dict, fp8, grads):
+# one replica's gradients of its rows, micro-batches accumulated (the train step's). ``rows``:
+# the step's per-row inputs (the batch and its objective's), each leaf's leading axis the rows.
 GradsFn = Callable
 
 
 def _per_device(
-    grads_fn: GradsFn, model, params, fp8, batch_N, plan, masters, scale, sum_dtypes,
+    grads_fn: GradsFn, model, params, fp8, batch_N, plan, masters, scale, weighted, sum_dtypes,
     param_specs=None, groups=None,
 ):  # fmt: skip
     """``(loss_N, fp8_N, grads)`` with one replica per device, written per device (shard_map).
@@ -49,7 +48,7 @@ def _per_device(
 
     def local(params, fp8, masters, scale, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
-        w = scale if is_weighted(b) else 1.0 / n  # unweighted: the constant, as before
+        w = scale if weighted else 1.0 / n  # unweighted: the constant, as before
         with sharding_lib.activation_sharding(None), layerwise.active(groups):
             m = layerwise.wrap_model(model)  # local arrays: nothing to constrain
             loss, fp8, g = grads_fn(m, params, fp8, b, w, masters, sum_dtypes)
@@ -75,11 +74,27 @@ def _per_device(
 
 
 def reduced_grads(
-    model, params, fp8, batch, plan, mu, grads_fn: GradsFn, accum: int = 1, masters=None
+    model,
+    params,
+    fp8,
+    batch,
+    plan,
+    mu,
+    grads_fn: GradsFn,
+    accum: int = 1,
+    masters=None,
+    *,
+    scale,
+    weighted: bool,
 ):
-    """``(loss dict, FP8 state, gradients summed over the replicas, clipped share)``."""
+    """``(loss dict, FP8 state, gradients summed over the replicas, clipped share)``.
+
+    ``batch``: the step's per-row inputs; ``scale``: each replica's loss scale (the objective's,
+    of the global batch); ``weighted``: whether that scale is of a weighted global batch (else
+    each replica takes the constant 1/N).
+    """
     mesh, n = plan.mesh, plan.num_replicas
-    batch_size = batch["inputs"].shape[0]
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
     if batch_size % (n * accum):
         raise ValueError(
             f"batch_size={batch_size} must be divisible by data-parallel replicas ({n}) x "
@@ -89,13 +104,23 @@ def reduced_grads(
     batch_N = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x.reshape(n, -1, *x.shape[1:]), dp), batch
     )
-    scale = loss_lib.scale(batch, n)  # of the global batch, before it is split into replicas
     sum_dtypes = jax.tree.map(lambda p: p.dtype, params)  # not the gathered compute dtype
     if plan.layerwise:
         extended, specs, groups, w_amax, count = layerwise.prepare(params, fp8, plan, mu)
         dtypes = jax.tree.map(lambda p: p.dtype, extended)
         loss_N, fp8_N, grads = _per_device(
-            grads_fn, model, extended, fp8, batch_N, plan, masters, scale, dtypes, specs, groups
+            grads_fn,
+            model,
+            extended,
+            fp8,
+            batch_N,
+            plan,
+            masters,
+            scale,
+            weighted,
+            dtypes,
+            specs,
+            groups,
         )
         grads, clipped = layerwise.split_grads(grads)
         # Every device's clipped count over every replica's FP8-quantized values (the micro-
@@ -105,7 +130,7 @@ def reduced_grads(
         full, w_amax = gather.gather_params(params, fp8, plan)
         if plan.per_device:
             loss_N, fp8_N, grads_N = _per_device(
-                grads_fn, model, full, fp8, batch_N, plan, masters, scale, sum_dtypes
+                grads_fn, model, full, fp8, batch_N, plan, masters, scale, weighted, sum_dtypes
             )
         else:
 

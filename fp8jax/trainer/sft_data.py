@@ -1,9 +1,10 @@
 """Supervised fine-tuning data: .jsonl examples -> token ids with loss weights -> row batches.
 
-``build(run, workdir, tokenizer)`` reads ``run.data.path`` (a .jsonl file or a folder of them;
-'' = :func:`novel_task` built from the shipped corpus), encodes every example in memory (the
-Rust tokenizer does ~1M tokens/s, so a restart re-encodes rather than keeping a second cache),
-holds out ``data.val_fraction`` of the examples and returns an :class:`SftDataset`. Its batches
+``build(run, workdir, tokenizer)`` (the ``sft`` format over ``data_format.build``) reads
+``run.data.path`` (a .jsonl file or a folder of them; '' = :func:`novel_task` built from the
+shipped corpus), encodes every example in memory (the Rust tokenizer does ~1M tokens/s, so a
+restart re-encodes rather than keeping a second cache), holds out ``data.val_fraction`` of the
+examples and returns an :class:`SftDataset`. Its batches
 are ``{'inputs', 'targets', 'weights', 'positions', 'segment_ids'}`` [rows, seq_len]: weights
 1.0 on the targets that are completion (assistant) tokens, 0.0 on prompt and padding;
 ``segment_ids`` 1..n per row for its examples, 0 on padding; positions restart at 0 with
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,9 +24,10 @@ import numpy as np
 from absl import logging
 
 from fp8jax.errors import DataError
-from fp8jax.trainer import chat, provenance, tasks
+from fp8jax.trainer import chat, data_format, tasks
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer.data_format import split
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 _VERSION = 1  # how examples are encoded and split; part of the data key
 KEYS = ("inputs", "targets", "weights", "positions", "segment_ids")
+DTYPES = {k: np.float32 if k == "weights" else np.int32 for k in KEYS}  # a batch's arrays
+FIX = "set config.data.path to a .jsonl file or a folder of them ('' = the shipped novel task)"
 Example = tuple[np.ndarray, np.ndarray]  # ids int32 [n], trained bool [n]
 
 
@@ -54,38 +56,6 @@ def novel_task(num_examples: int = 512, passage_words: int = 40, seed: int = 0) 
             passage = " ".join(words[start : start + passage_words])
             out.append(tasks.example(passage, title))
     return [out[i] for i in rng.permutation(len(out))]
-
-
-def source_files(path: str) -> tuple[list[Path], str]:
-    """The .jsonl files ``data.path`` names (a file or a folder) and a description."""
-    p = Path(path).expanduser().resolve()
-    if p.is_file():
-        return [p], f"file {p}"
-    files = sorted(f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.gz")))
-    if not p.is_dir() or not files:
-        raise DataError(f"{p} is not a .jsonl file or a folder of them: set config.data.path "
-                        f"to fine-tuning examples ('' = the shipped novel task)")  # fmt: skip
-    return files, f"folder {p} ({len(files)} files)"
-
-
-def read_records(files: list[Path], check=chat.check_record) -> list[tuple[dict, str]]:
-    """``(example, 'file:line')`` of every non-blank line; a malformed line is a DataError
-    (``check(record, where)`` raises it for a well-formed JSON line of the wrong shape)."""
-    out = []
-    for f in files:
-        opener = gzip.open if f.name.endswith(".gz") else open
-        with opener(f, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{f}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-                check(record, where)
-                out.append((record, where))
-    return out
 
 
 def record_texts(records: list[tuple[dict, str]]):
@@ -114,15 +84,6 @@ def fit(examples: list[Example], seq_len: int, overlong: str) -> tuple[list[Exam
     return kept, counts
 
 
-def split(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) example indices: a fixed share, spread over the file by a fixed shuffle."""
-    num_val = min(int(round(n * val_fraction)), n - 1) if val_fraction > 0 else 0
-    if val_fraction > 0 and n > 1:
-        num_val = max(num_val, 1)
-    order = np.random.default_rng(seed32("sft-split")).permutation(n)
-    return np.sort(order[num_val:]), np.sort(order[:num_val])
-
-
 def plan_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, packing: bool) -> list:
     """Example indices of each row: one per row, or packed greedily in ``order``."""
     if not packing:
@@ -140,7 +101,7 @@ def plan_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, packing: boo
 
 def make_row(examples: list[Example], idxs: list[int], seq_len: int) -> Batch:
     """One row [seq_len] of the batch keys; example k of the row has segment id k + 1."""
-    row = {k: np.zeros(seq_len, np.float32 if k == "weights" else np.int32) for k in KEYS}
+    row = {k: np.zeros(seq_len, DTYPES[k]) for k in KEYS}
     at = 0
     for k, i in enumerate(idxs):
         ids, trained = examples[i]
@@ -218,59 +179,90 @@ class SftDataset:
         return out
 
 
+def fit_examples(examples: list[Example], run: RunSpec) -> tuple[list[Example], list[Example]]:
+    """(train, val) of the encoded ``examples`` that fit ``run``'s rows; DataError if either
+    split is left without one."""
+    data, seq_len = run.data, run.optim.seq_len
+    train_idx, val_idx = split(len(examples), data.val_fraction)
+    train, dropped = fit([examples[i] for i in train_idx], seq_len, data.overlong)
+    val, val_dropped = fit([examples[i] for i in val_idx], seq_len, data.overlong)
+    if dropped["overlong"] + val_dropped["overlong"]:
+        logging.warning(
+            "data.overlong='%s': %d of %d examples are longer than seq_len+1=%d tokens and were %s",
+            data.overlong,
+            dropped["overlong"] + val_dropped["overlong"],
+            len(examples),
+            seq_len + 1,
+            "dropped" if data.overlong == "drop" else "truncated",
+        )
+    if dropped["no_loss_tokens"] + val_dropped["no_loss_tokens"]:
+        logging.warning(
+            "%d examples have no completion token within seq_len and were dropped",
+            dropped["no_loss_tokens"] + val_dropped["no_loss_tokens"],
+        )
+    return train, val
+
+
+def check_fits(desc: str, train: list, val: list, run: RunSpec, noun: str, per: int = 1) -> None:
+    """DataError unless training and (with a validation share) held-out ``noun`` are left; a
+    ``noun`` is ``per`` encoded rows."""
+    if not train or (run.data.val_fraction > 0 and not val):
+        raise DataError(
+            f"{desc}: {len(train) // per} training and {len(val) // per} validation {noun} fit "
+            f"seq_len={run.optim.seq_len}: use more {noun}, a larger seq_len, a larger "
+            f"data.val_fraction or data.overlong='truncate'"
+        )
+
+
+def data_key(source: data_format.Source, tokenizer, run: RunSpec, version: int = _VERSION) -> str:
+    """The key of encoded .jsonl data: what shaped its rows (``version``: its format's encoding;
+    a resumed stream warns when the key changes)."""
+    return data_format.cache_key(
+        v=version,
+        corpus=source.corpus,
+        tokenizer=tokenizer_lib.sha256(tokenizer.to_str()),
+        seq_len=run.optim.seq_len,
+        overlong=run.data.overlong,
+    )
+
+
+def _shipped_task(run: RunSpec):
+    task = novel_task(passage_words=max(8, run.optim.seq_len // 4), seed=run.seed)
+    return task, "novel task example", "novel task"
+
+
+@data_format.register
+class Sft(data_format.DataFormat):
+    """``data.format='sft'``: .jsonl prompt/completion or chat examples, loss on completions."""
+
+    name = "sft"
+    dtypes = DTYPES
+    tokenizer_fields = dict(sft=_VERSION)
+
+    def source(self, run: RunSpec) -> data_format.Source:
+        """The examples of ``data.path`` (each line checked), or the shipped novel task."""
+        shipped = functools.partial(_shipped_task, run)
+        return data_format.jsonl_source(run.data.path, chat.check_record, shipped, "examples", FIX)
+
+    def texts(self, source: data_format.Source):
+        """Every string of the examples."""
+        return record_texts(source.content)
+
+    def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> data_format.Encoded:
+        """Every example encoded, split and fitted to rows; nothing written."""
+        del workdir
+        examples = [chat.encode(tokenizer, r, where) for r, where in source.content]
+        train, val = fit_examples(examples, run)
+        check_fits(source.desc, train, val, run, "examples")
+        logging.info("%s: %d training, %d validation examples", source.desc, len(train), len(val))
+        optim, key = run.optim, data_key(source, tokenizer, run)
+        sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
+        dataset = SftDataset(tokenizer, train, val, packing=run.data.packing, key=key, **sizes)
+        return data_format.Encoded(dataset)
+
+
 def build(run: RunSpec, workdir: str | os.PathLike, tokenizer=None) -> SftDataset:
     """The fine-tuning data of ``run`` (``tokenizer``: an init_from checkpoint's; None: learn a
     BPE on the examples into ``<workdir>/tokenizer.json``). DataError on bad data, before
     anything in ``workdir`` changes."""
-    workdir, data, optim = Path(workdir), run.data, run.optim
-    if data.path:
-        files, desc = source_files(data.path)
-        records, corpus = read_records(files), corpus_lib.fingerprint(files)
-    else:
-        tasks = novel_task(passage_words=max(8, optim.seq_len // 4), seed=run.seed)
-        records = [(r, f"novel task example {i}") for i, r in enumerate(tasks, 1)]
-        corpus = tokenizer_lib.sha256(json.dumps(tasks, sort_keys=True))
-        desc = f"novel task ({len(records)} passages of the shipped corpus)"
-    if not records:
-        raise DataError(f"no examples in {desc}: add .jsonl lines or fix config.data.path")
-    identity = dict(corpus=corpus, source=desc, val_fraction=float(data.val_fraction))
-    resumed = provenance.has_checkpoint(workdir)
-    record_data = provenance.check_resume(workdir, identity, resumed, data.allow_corpus_change)
-    new_tok = False
-    if tokenizer is None:
-        built_from = dict(sft=_VERSION, corpus=corpus, vocab_size=int(run.model.vocab_size),
-                          min_frequency=int(data.tokenizer_min_frequency))  # fmt: skip
-        tokenizer, new_tok = provenance.tokenizer_for(
-            workdir / "tokenizer.json", built_from, lambda: record_texts(records), resumed
-        )
-    examples = [chat.encode(tokenizer, r, where) for r, where in records]
-    train_idx, val_idx = split(len(examples), data.val_fraction)
-    train, dropped = fit([examples[i] for i in train_idx], optim.seq_len, data.overlong)
-    val, val_dropped = fit([examples[i] for i in val_idx], optim.seq_len, data.overlong)
-    if dropped["overlong"] + val_dropped["overlong"]:
-        logging.warning(
-            "data.overlong='%s': %d of %d examples are longer than seq_len+1=%d tokens and "
-            "were %s", data.overlong, dropped["overlong"] + val_dropped["overlong"],
-            len(examples), optim.seq_len + 1,
-            "dropped" if data.overlong == "drop" else "truncated",
-        )  # fmt: skip
-    if dropped["no_loss_tokens"] + val_dropped["no_loss_tokens"]:
-        logging.warning("%d examples have no completion token within seq_len and were dropped",
-                        dropped["no_loss_tokens"] + val_dropped["no_loss_tokens"])  # fmt: skip
-    if not train or (data.val_fraction > 0 and not val):
-        raise DataError(
-            f"{desc}: {len(train)} training and {len(val)} validation examples fit "
-            f"seq_len={optim.seq_len}: use more examples, a larger seq_len, a larger "
-            f"data.val_fraction or data.overlong='truncate'"
-        )
-    key_src = dict(v=_VERSION, corpus=corpus, tokenizer=tokenizer_lib.sha256(
-        tokenizer.to_str()), seq_len=optim.seq_len, overlong=data.overlong)  # fmt: skip
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
-    workdir.mkdir(parents=True, exist_ok=True)  # every check passed: now the work dir changes
-    if new_tok:
-        tokenizer_lib.save_cached(tokenizer, workdir / "tokenizer.json", built_from)
-    if record_data:
-        provenance.write_json(workdir / provenance.MANIFEST, identity)
-    logging.info("%s: %d training, %d validation examples", desc, len(train), len(val))
-    sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
-    return SftDataset(tokenizer, train, val, packing=data.packing, key=key, **sizes)
+    return data_format.build(data_format.get(Sft.name), run, workdir, tokenizer)

@@ -27,9 +27,9 @@ from fp8jax.optim import adam as optim
 from fp8jax.optim.fused import FusedAdamW
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer import provenance, replicas
+from fp8jax.trainer import objectives, provenance, replicas
 from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
+from fp8jax.trainer.objectives import Objective
 from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
@@ -44,7 +44,12 @@ class TrainState:
     bad_steps: jax.Array  # [] int32, consecutive non-finite steps (update skipped)
     skipped: jax.Array  # [] int32, total skipped steps
     comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
-    ref: Any = struct.field(default_factory=dict)  # DPO: frozen reference {'params', 'fp8'}
+    # The objective's own state (``Objective.init_state``): {} for the language-model loss,
+    # DPO's frozen reference {'params', 'fp8'}.
+    objective: Any = struct.field(default_factory=dict)
+
+
+LANGUAGE_MODEL = objectives.lm.LanguageModel()  # the objective of a step built without one
 
 
 def _kernel_mask(params):
@@ -153,8 +158,11 @@ def state_collection(model) -> str:
     return FLAX_FP8 if getattr(getattr(model, "cfg", None), "fp8_impl", "") == "flax" else FP8
 
 
-def init_state(model, tx, run: RunSpec, rng: jax.Array, params=None) -> TrainState:
-    """Initialise params (or start from ``params``, a checkpoint's), FP8 and optimizer state."""
+def init_state(
+    model, tx, run: RunSpec, rng: jax.Array, params=None, objective: Objective | None = None
+) -> TrainState:
+    """Initialise params (or start from ``params``, a checkpoint's), FP8 and optimizer state,
+    and the state ``objective`` declares (default: the language-model loss, none)."""
     tokens_BxL = jnp.zeros((1, run.optim.seq_len), jnp.int32)  # under jit with out_shardings
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
     given, params = params, variables["params"]
@@ -166,22 +174,25 @@ def init_state(model, tx, run: RunSpec, rng: jax.Array, params=None) -> TrainSta
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
-    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state)
+    aux = (objective or LANGUAGE_MODEL).init_state(params, fp8)
+    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state, aux)
 
 
-def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
-    """Loss (``loss.micro_batch_loss``'s dict), FP8 state after the forward, grads of params and
-    FP8 state. ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
+def _micro_grads(model, params, fp8, micro, weight=1.0, masters=None, objective=None):
+    """Loss (``objective.micro_batch_loss``'s dict), FP8 state after the forward, grads of params
+    and FP8 state. ``micro``: ``(batch, rows)``, the data and the objective's per-row inputs.
+    ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
     """
     # ``weight`` scales the loss: 1/N for one of N replicas (their gradients sum to the global
     # batch's; dy's FP8 amax equals the unsharded one); weighted: 1/sum(w) of the global batch.
     coll = state_collection(model)
+    batch, rows = micro
 
     def loss_fn(p, s):
         variables = {"params": p, coll: s}
         apply = functools.partial(model.apply, variables, mutable=[FP8])
         with optim.dequantize_carried(masters):
-            sums, mutated = loss_lib.micro_batch_loss(apply, batch)
+            sums, mutated = objective.micro_batch_loss(apply, batch, rows)
         sums = {k: weight * v for k, v in sums.items()}
         return sums["loss"], (sums, mutated.get(FP8, {}))
 
@@ -193,9 +204,20 @@ def _micro_grads(model, params, fp8, batch, weight=1.0, masters=None):
 
 
 def _accumulate(
-    model, params, fp8, batch, accum: int, weight=1.0, masters=None, sum_dtypes=None, wide=None
+    model,
+    params,
+    fp8,
+    micro,
+    accum: int,
+    weight=1.0,
+    masters=None,
+    sum_dtypes=None,
+    wide=None,
+    objective: Objective = LANGUAGE_MODEL,
 ):
     """(loss dict, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
+
+    ``micro``: ``(batch, rows)``, the data and the objective's per-row inputs, split together.
 
     ``sum_dtypes``: a tree like ``params`` of the gradients' dtypes (default: the params' own);
     fsdp's gathers hand kernels over in the compute dtype, whose gradients still come out in
@@ -203,8 +225,9 @@ def _accumulate(
     where it is wider (config.grad_accum_dtype); the result is cast back to ``sum_dtypes``.
     """
     if accum == 1:
-        return _micro_grads(model, params, fp8, batch, weight, masters)
-    micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+        return _micro_grads(model, params, fp8, micro, weight, masters, objective)
+    batch = micro[0]
+    micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), micro)
     if sum_dtypes is None:
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
     # At O2+ the gradients are bf16: a bf16 running sum rounds to 8 bits at every add; a wide
@@ -217,12 +240,12 @@ def _accumulate(
 
     def body(carry, mb):
         loss_sum, g_sum, fp8 = carry
-        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters)
+        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters, objective)
         g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
         return (jax.tree.map(jnp.add, loss_sum, loss), g_sum, fp8), None
 
     zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
-    loss0 = {k: jnp.zeros((), jnp.float32) for k in loss_lib.loss_keys(batch)}
+    loss0 = {k: jnp.zeros((), jnp.float32) for k in objective.loss_keys}
     (loss, grads, fp8), _ = jax.lax.scan(body, (loss0, zeros, fp8), micro)
     # Weighted micro-batches are already scaled by the global 1/sum(w): they only add up.
     n = 1 if is_weighted(batch) else accum
@@ -230,9 +253,25 @@ def _accumulate(
     return jax.tree.map(lambda x: x / n, loss), fp8, grads
 
 
-def batch_gradients(model, params, fp8, batch, accum: int = 1, wide=None):
-    """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step."""
-    out = _accumulate(model, params, fp8, batch, accum, loss_lib.scale(batch, 1), wide=wide)
+def batch_gradients(
+    model,
+    params,
+    fp8,
+    batch,
+    accum: int = 1,
+    wide=None,
+    objective: Objective | None = None,
+    rows=None,
+):
+    """Mean loss, FP8 state and mean gradients of one batch, as the one-device train step.
+
+    ``objective`` (default: the language-model loss) with ``rows``, the per-row inputs its
+    ``make_prepare`` gives (default: none).
+    """
+    objective = objective or LANGUAGE_MODEL
+    micro = (batch, {} if rows is None else rows)
+    scale = objective.scale(batch, 1)
+    out = _accumulate(model, params, fp8, micro, accum, scale, wide=wide, objective=objective)
     return out[0]["loss"], *out[1:]
 
 
@@ -254,12 +293,17 @@ def _on_gpu(mesh) -> bool:
     return getattr(mesh.devices.flat[0], "platform", "") == "gpu"  # elsewhere 'pallas' is XLA
 
 
-def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
-    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's).
+def make_train_step(
+    model, tx, run: RunSpec, mesh=None, fused: bool = True, objective: Objective | None = None
+):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)`` (``mesh``: run's) of
+    ``objective`` (default: the language-model loss).
 
     At O2+ ``tx`` must be ``make_optimizer(run)``: with ``fused`` the step runs it as
     ``fused_adamw(run).apply`` (the same arithmetic, one pass per leaf, in place: less memory);
-    otherwise as ``tx.update`` and ``optim.apply_updates``.
+    otherwise as ``tx.update`` and ``optim.apply_updates``. Metrics: the objective's loss sums
+    (means over the batch; DPO: also its pair statistics), the gradient norm, the rate and
+    the skipped-step counts.
     """
     # Several data-parallel replicas at O1+: gradients reduced in FP8 (parallel.comm), at O3 FP8
     # kernels all-gathered (parallel.gather), over the mesh the step is jitted over.
@@ -287,9 +331,13 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
     stacked = stacked_leaves(model) if slicing else None
     stochastic = run.fp8.master_rounding == "stochastic"
     seed, dtype, schedule = run.seed, run.model.dtype, learning_rate_schedule(run.optim)
+    objective = objective or LANGUAGE_MODEL
+    prepare = objective.make_prepare(model, mesh)
 
-    def grads_fn(model, params, fp8, batch, weight, masters, sum_dtypes):
-        return _accumulate(model, params, fp8, batch, accum, weight, masters, sum_dtypes, wide)
+    def grads_fn(model, params, fp8, micro, weight, masters, sum_dtypes):
+        return _accumulate(
+            model, params, fp8, micro, accum, weight, masters, sum_dtypes, wide, objective
+        )
 
     def master_seed(step):
         # Fixed by (seed, step): a resumed run rounds exactly as an uninterrupted one.
@@ -300,6 +348,10 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
             return _train_step(state, batch)
 
     def _train_step(state: TrainState, batch):
+        # What the objective computes once on the global batch (DPO: the reference's log-probs),
+        # split with the rows over micro-batches and replicas.
+        rows, objective_state = prepare(state.objective, batch)
+        micro = (batch, rows)
         # O2+: FP16 masters dequantized straight to the compute dtype (bf16 on GPU): an f32
         # view of every weight would cost 4 bytes/param of transient memory (OOM at 7B). The
         # FP8 layers' masters go in still encoded and are dequantized inside each layer, so no
@@ -310,13 +362,23 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
             params, masters = optim.carry_masters(state.params, state.fp8, dtype)
         comm_state, comm_metrics = state.comm, {}
         if plan is None:
-            loss, fp8, grads = _accumulate(
-                model, params, state.fp8, batch, accum, loss_lib.scale(batch, 1), masters, wide=wide
-            )
+            scale = objective.scale(batch, 1)
+            loss, fp8, grads = grads_fn(model, params, state.fp8, micro, scale, masters, None)
         else:
             mu = state.comm["mu"]
+            scale = objective.scale(batch, plan.num_replicas)  # of the global batch
             loss, fp8, grads, saturated = replicas.reduced_grads(
-                model, params, state.fp8, batch, plan, mu, grads_fn, accum, masters
+                model,
+                params,
+                state.fp8,
+                micro,
+                plan,
+                mu,
+                grads_fn,
+                accum,
+                masters,
+                scale=scale,
+                weighted=is_weighted(batch),
             )
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
             comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}
@@ -355,11 +417,12 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
             opt_state=opt_state,
             fp8=keep(fp8, state.fp8),
             comm=keep(comm_state, state.comm),
+            objective=objective.keep(objective_state, state.objective, ok),
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
             skipped=state.skipped + jnp.where(ok, 0, 1),
         )
         metrics = {
-            **loss,  # 'loss' (a DPO batch: also its pair statistics, means over the pairs)
+            **loss,  # 'loss' (DPO: also its pair statistics, means over the pairs)
             "grad_norm": grad_norm,
             "learning_rate": lr,
             "skipped_steps": new_state.skipped,
@@ -371,8 +434,11 @@ def make_train_step(model, tx, run: RunSpec, mesh=None, fused: bool = True):
     return train_step
 
 
-def make_eval_step(model, mesh=None):
-    """``eval_step(state, batch) -> mean loss`` (weighted mean if weighted; no FP8 update)."""
+def make_eval_step(model, mesh=None, objective: Objective | None = None):
+    """``eval_step(state, batch) -> metrics`` of ``objective`` (default: the language-model
+    loss, the mean loss; weighted mean if weighted) from the policy's token losses; no FP8
+    update."""
+    metrics = (objective or LANGUAGE_MODEL).make_eval(model, mesh)
 
     def eval_step(state: TrainState, batch):
         params = optim.materialize(state.params)
@@ -381,7 +447,7 @@ def make_eval_step(model, mesh=None):
             losses = model.apply(
                 {"params": params, coll: state.fp8}, batch["inputs"], **loss_kwargs(batch)
             )
-        return loss_lib.mean_cross_entropy(losses, batch.get("weights"))
+            return metrics(state.objective, batch, losses)
 
     return eval_step
 

@@ -201,6 +201,66 @@ def quantize_scaled(x, prev_scale, dtype, noise=None, amax=None) -> ScaledTensor
     return ScaledTensor(encode(x, scale, dtype, noise), scale)
 
 
+def joint_amaxes(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """``formats.amax`` of each of ``xs`` (one shape) from one reduction: one read of the inputs.
+
+    Separate reductions of m and v each re-read the gradient and their moment, and XLA does not
+    merge them.
+    """
+    abs_xs = [jnp.abs(x).astype(jnp.float32) for x in xs]
+    zeros = [jnp.zeros((), jnp.float32)] * len(xs)
+
+    def pairwise_max(a, b):
+        return tuple(jnp.maximum(u, v) for u, v in zip(a, b, strict=True))
+
+    return tuple(jax.lax.reduce(abs_xs, zeros, pairwise_max, tuple(range(xs[0].ndim))))
+
+
+def scaled_amaxes(values, stores) -> tuple[jax.Array, ...]:
+    """Amaxes of the ``values`` whose store is a ``ScaledTensor`` (one reduction), in order."""
+    scaled = [x for x, st in zip(values, stores, strict=True) if is_scaled(st)]
+    return joint_amaxes(*scaled) if scaled else ()
+
+
+def fresh_scales(amaxes, stores) -> list:
+    """New scales of the ``ScaledTensor`` stores from ``amaxes`` (in order), None for plain ones."""
+    it = iter(amaxes)
+    return [scale_for(next(it), st.scale, st.dtype) if is_scaled(st) else None for st in stores]
+
+
+def encode_like(values, stores, scales, seeds, ok=None, offset=0) -> list:
+    """Each f32 value in its store's form: a ``ScaledTensor``'s data (``encode`` with its new
+    scale, rounding stochastically where the store is narrow and its seed is not None), or the
+    value itself for a plain store. Where ``ok`` is False the old data; ``offset``: the flat
+    index of the values' first element in the stored tensor (a slice of it gets its noise)."""
+    out = []
+    for x, st, scale, seed in zip(values, stores, scales, seeds, strict=True):
+        if is_scaled(st):
+            narrow = st.data.dtype != jnp.dtype(jnp.float32)
+            noise = hash_bits(x.shape, seed, offset) if seed is not None and narrow else None
+            new = encode(x, scale, st.dtype, noise)
+            out.append(new if ok is None else jnp.where(ok, new, st.data))
+        else:
+            out.append(x if ok is None else jnp.where(ok, x, st))
+    return out
+
+
+def rebuild(datas, stores, scales, ok=None) -> list:
+    """New stores from ``encode_like``'s data and ``fresh_scales``' scales (old where not ok)."""
+    return [
+        ScaledTensor(d, sc if ok is None else jnp.where(ok, sc, st.scale)) if is_scaled(st) else d
+        for d, st, sc in zip(datas, stores, scales, strict=True)
+    ]
+
+
+def write(values, stores, seeds, ok=None) -> list:
+    """Whole f32 ``values`` stored like ``stores``: each ``ScaledTensor`` with a fresh scale from
+    its value's amax and the narrow cast, stochastic where its seed is not None; plain stores
+    take the values. Where ``ok`` is False every store keeps its old bits."""
+    scales = fresh_scales(scaled_amaxes(values, stores), stores)
+    return rebuild(encode_like(values, stores, scales, seeds, ok), stores, scales, ok)
+
+
 def path_key(path) -> tuple[str, ...]:
     """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
     return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
@@ -285,9 +345,8 @@ def apply_updates(params, updates, seed=None) -> Any:
         # An update below half a storage step (FP16: 2**-11 of the weight; small warm-up
         # learning rates) is lost to round-to-nearest; rounding stochastically keeps it in
         # expectation, as FP32 masters would.
-        narrow = p.data.dtype != jnp.dtype(jnp.float32)
-        noise = hash_bits(p.shape, salt) if salt is not None and narrow else None
-        return quantize_scaled(updated_value(p, u), p.scale, p.data.dtype, noise)
+        (new,) = write([updated_value(p, u)], [p], [salt])
+        return new
 
     is_leaf = lambda x: is_scaled(x) or x is None  # noqa: E731
     p_leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)

@@ -1,21 +1,25 @@
-"""The model's settings (``ModelConfig``), their vocabulary, and size/FLOP accounting.
+"""The model's settings (``ModelConfig``), their vocabulary, the model-family protocol and
+registry (``Family``), and size/FLOP accounting.
 
 ``fp8jax.trainer.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
-``fp8`` sections, validated; library users may build one directly.
+``fp8`` sections, validated; library users may build one directly. ``ModelConfig.style`` names
+a registered ``Family`` (``fp8jax.models.families``: one module per family), which says how the
+block is wired and how the model reads and writes Hugging Face checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from flax import linen as nn
 
+from fp8jax.errors import ConfigError, check_choice
+from fp8jax.models.hf_table import HfTensor
 from fp8jax.ops import remat, scaling
 
-STYLES = ("gpt", "llama")
 ATTENTION_IMPLS = ("", "xla", "cudnn")
 # 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for the step benchmark.
 FP8_IMPLS = ("fp8jax", "flax")
@@ -79,7 +83,7 @@ class ModelConfig:
     ``dtype`` (level O0).
     """
 
-    style: str  # 'gpt' or 'llama' (STYLES)
+    style: str  # a registered family's name (STYLES): 'gpt' or 'llama'; ModelConfig.family
     vocab_size: int  # token ids
     d_model: int  # residual width
     num_layers: int  # transformer blocks
@@ -117,8 +121,96 @@ class ModelConfig:
         return self.d_model // self.num_heads
 
     @property
+    def family(self) -> Family:
+        """The registered model family that ``style`` names (``fp8jax.models.families``)."""
+        return get_family(self.style)
+
+    @property
     def use_bias(self) -> bool:
-        return self.style == "gpt"  # GPT-2 linears carry biases, LLaMA's don't
+        return self.family.use_bias  # GPT-2 linears carry biases, LLaMA's don't
+
+
+# The block pieces a family picks, by kind (models.layers and models.transformer build them).
+NORMS = ("layernorm", "rmsnorm")  # LayerNorm: scale and bias; RMSNorm: scale only
+POSITIONS = ("learned", "rope")  # a learned table added to the embedding, or RoPE on q and k
+MLPS = ("gelu", "swiglu")  # GPT-2's tanh-GELU MLP, or LLaMA's gated SiLU (SwiGLU)
+MLP_MATRICES = {"gelu": 2, "swiglu": 3}  # weight matrices: GELU in/out, SwiGLU gate/up/out
+
+
+class Family:
+    """A model family: its block wiring, its config checks and its Hugging Face mapping.
+
+    Each family is one module of ``fp8jax.models.families`` that subclasses ``Family`` and
+    registers itself (``@register``) under ``name``, the ``model.style`` that selects it. The
+    block is built from the kinds the family picks (``norm``, ``positions``, ``mlp``,
+    ``use_bias``); the Hugging Face side is its ``config.json`` mapping and tensor table.
+    """
+
+    name: ClassVar[str]  # the model.style that selects the family
+    norm: ClassVar[str]  # NORMS
+    positions: ClassVar[str]  # POSITIONS
+    mlp: ClassVar[str]  # MLPS
+    use_bias: ClassVar[bool]  # every linear carries a bias
+    hf_architectures: ClassVar[tuple[str, ...]]  # the HF architectures it imports
+    hf_model_types: ClassVar[dict[str, str]]  # config.json model_type -> HF architecture
+
+    def matmul_params_per_layer(self, cfg: ModelConfig) -> int:
+        """Weights of one block that take part in matmuls: attention's and the MLP's."""
+        h = cfg.d_model // cfg.num_heads
+        attn = cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
+        return attn + MLP_MATRICES[self.mlp] * cfg.d_model * cfg.d_ff
+
+    def check(self, cfg: ModelConfig | Any) -> None:
+        """Raise a one-line ConfigError where ``cfg``'s sizes do not fit the family's block
+        (``cfg``: a ModelConfig, or a config file's ``model`` section)."""
+        head_dim = cfg.d_model // cfg.num_heads
+        if self.positions == "rope" and head_dim % 2:
+            raise ConfigError(
+                f"RoPE needs an even head dim, got d_model/num_heads={head_dim}: "
+                f"change model.d_model or model.num_heads"
+            )
+
+    def from_hf_config(self, hfc: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
+        """The ModelConfig architecture fields of a HF config.json dict of ``architecture``."""
+        raise NotImplementedError
+
+    def hf_export_name(self, cfg: ModelConfig) -> str:
+        """The HF architecture ``cfg`` exports as."""
+        raise NotImplementedError
+
+    def check_hf_export(self, cfg: ModelConfig) -> None:
+        """Raise a one-line CheckpointError if ``cfg`` has no HF form (before anything is
+        written)."""
+
+    def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The family's config.json keys of ``cfg`` (the common ones are added by the caller)."""
+        raise NotImplementedError
+
+    def hf_tensors(self, cfg: ModelConfig) -> list[HfTensor]:
+        """Every tensor of ``cfg``'s HF state dict, in HF's order."""
+        raise NotImplementedError
+
+
+FAMILIES: dict[str, Family] = {}  # name -> the registered family
+STYLES = FAMILIES.keys()  # the registered names (a live view, filled by models.families)
+
+
+def register(cls: type[Family]) -> type[Family]:
+    """Class decorator: register an instance of the family ``cls`` under ``cls.name``."""
+    if cls.name in FAMILIES:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    kinds = ((cls.norm, NORMS), (cls.positions, POSITIONS), (cls.mlp, MLPS))
+    for kind, known in kinds:
+        if kind not in known:
+            raise ValueError(f"model family {cls.name!r}: unknown block kind {kind!r} ({known})")
+    FAMILIES[cls.name] = cls()
+    return cls
+
+
+def get_family(name: str) -> Family:
+    """The registered family ``name``; a one-line ConfigError naming the registered ones."""
+    check_choice(name, STYLES, "model.style")
+    return FAMILIES[name]
 
 
 def count_params(params) -> int:
@@ -129,10 +221,7 @@ def count_params(params) -> int:
 def matmul_params(model_cfg: ModelConfig) -> int:
     """Weights that take part in matmuls: block linears and the LM head (not embedding lookups)."""
     m = model_cfg
-    h = m.d_model // m.num_heads
-    attn = m.d_model * h * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, k, v, out
-    mlp = (2 if m.style == "gpt" else 3) * m.d_model * m.d_ff  # GELU: in/out; SwiGLU: gate/up/out
-    return m.num_layers * (attn + mlp) + m.d_model * m.vocab_size
+    return m.num_layers * m.family.matmul_params_per_layer(m) + m.d_model * m.vocab_size
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:

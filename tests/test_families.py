@@ -86,6 +86,19 @@ def test_registry():
     assert len(set(supported)) == len(supported)  # each HF architecture imports as one family
 
 
+def test_architecture_and_execution_split_the_model_config():
+    """Each ModelConfig field is either what the network is or how it runs, never both; a
+    checkpoint records exactly the architecture."""
+    arch = {f.name for f in dataclasses.fields(models.Architecture)}
+    run = {f.name for f in dataclasses.fields(models.Execution)}
+    assert not arch & run
+    assert arch | run == {f.name for f in dataclasses.fields(models.ModelConfig)}
+    assert set(architectures.ARCHITECTURE_FIELDS) == arch
+    cfg = model_cfg(NAMES[0])
+    assert models.ModelConfig.of(cfg.architecture, cfg.execution) == cfg
+    assert architectures.fields_of(cfg) == dataclasses.asdict(cfg.architecture)
+
+
 @pytest.mark.parametrize("style", NAMES)
 def test_tiny_model_runs_and_counts_its_matmul_params(style):
     cfg = model_cfg(style)

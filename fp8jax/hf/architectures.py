@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> the architecture fields of a ``ModelConfig``.
 
-Only the architecture lives in a checkpoint: the training fields of a ``ModelConfig`` (dtypes,
-layer scan, fused QKV, remat, the FP8 recipe ...) come from a base config, as
-``dataclasses.replace(base, **architecture_fields)``.
+Only the architecture (``models.config.Architecture``) lives in a checkpoint: the execution
+fields of a ``ModelConfig`` (dtypes, layer scan, fused QKV, remat, the FP8 recipe ...) come
+from a base config, as ``dataclasses.replace(base, **architecture_fields)``. Each model family
+(``fp8jax.models.families``) maps its own config.json keys.
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fp8jax.errors import CheckpointError
-from fp8jax.models.config import ModelConfig, RopeScaling
+from fp8jax.models.config import Architecture, ModelConfig, RopeScaling
 from fp8jax.models.families import FAMILIES, Family
 
 # The HF architectures the registered families import, and config.json model_type -> one.
 SUPPORTED = tuple(a for family in FAMILIES.values() for a in family.hf_architectures)
 MODEL_TYPES = {k: a for family in FAMILIES.values() for k, a in family.hf_model_types.items()}
 # The ModelConfig fields a checkpoint determines.
-ARCHITECTURE_FIELDS = (
-    "style", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff",
-    "max_len", "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias",
-)  # fmt: skip
+ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(Architecture))
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 

@@ -5,6 +5,8 @@ The model families (``families``: GPT-2 and LLaMA style) register themselves on 
 
 from fp8jax.models import families
 from fp8jax.models.config import (
+    Architecture,
+    Execution,
     Family,
     ModelConfig,
     count_params,
@@ -16,8 +18,10 @@ from fp8jax.models.layers import Attention, Block, Mlp
 from fp8jax.models.transformer import Transformer, build_model
 
 __all__ = [
+    "Architecture",
     "Attention",
     "Block",
+    "Execution",
     "Family",
     "Mlp",
     "ModelConfig",

@@ -76,14 +76,11 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Everything the network's shape and numerics depend on (hashable: modules keep it).
+class Architecture:
+    """What the network is: the fields a checkpoint determines (a Hugging Face config.json, a
+    work dir's model.json), whatever runs it (``Execution``)."""
 
-    ``recipe`` is the FP8 scaling recipe of the matmuls, or None for plain matmuls in
-    ``dtype`` (level O0).
-    """
-
-    style: str  # a registered family's name (STYLES): 'gpt' or 'llama'; ModelConfig.family
+    style: str  # a registered family's name (STYLES): 'gpt' or 'llama'; see .family
     vocab_size: int  # token ids
     d_model: int  # residual width
     num_layers: int  # transformer blocks
@@ -91,30 +88,11 @@ class ModelConfig:
     num_kv_heads: int  # key/value heads (grouped-query if < num_heads)
     d_ff: int  # MLP hidden width
     max_len: int  # longest sequence, tokens
-    dtype: Any  # activation/compute dtype (a jnp.dtype)
-    param_dtype: Any  # parameter storage dtype (a jnp.dtype)
-    scan_layers: bool  # stack the blocks with nn.scan
-    fused_qkv: bool  # one GEMM for Q, K and V
-    remat_policy: str  # a REMAT_POLICIES name
-    tie_block_grads: bool  # a block's input gradient leaves with its weight gradients
-    fp8_lm_head: bool  # the LM head in FP8 too
     tie_embeddings: bool  # the token embedding doubles as the LM head
-    attention_impl: str | None  # 'xla', 'cudnn', or None (JAX picks)
-    recipe: scaling.Recipe | None  # FP8 scaling of the matmuls; None: no FP8 matmuls
-    fp8_impl: str  # 'fp8jax', or 'flax' (flax's own FP8 op, for benchmarks)
-    cast_kernel: str  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
-    fuse_activation: bool  # GPT's GELU inside the E4M3 cast of the MLP's second matmul
-    fuse_mlp: bool  # GPT's whole MLP as one custom VJP
-    fuse_qkv: bool  # the fused Q/K/V projection as one custom VJP (with fused_qkv)
-    fuse_norm: bool  # GPT's LayerNorms in the fused Q/K/V's and MLP's E4M3 casts (under rebuild)
     norm_eps: float  # epsilon of LayerNorm / RMSNorm
     rope_theta: float  # RoPE base (LLaMA style)
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
-    loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
-    # remat_policy 'none': the MLP's activation recomputed in the backward pass from its input
-    # rather than keeping its intermediates (see layers.recomputes_elementwise)
-    recompute_elementwise: bool
 
     @property
     def head_dim(self) -> int:
@@ -128,6 +106,63 @@ class ModelConfig:
     @property
     def use_bias(self) -> bool:
         return self.family.use_bias  # GPT-2 linears carry biases, LLaMA's don't
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the network runs: dtypes, params layout, remat, the FP8 recipe, its kernels and
+    fusions. The same architecture's params serve any of them (``hf.weights.relayout`` moves
+    them between layer scan and fused Q/K/V layouts)."""
+
+    dtype: Any  # activation/compute dtype (a jnp.dtype)
+    param_dtype: Any  # parameter storage dtype (a jnp.dtype)
+    scan_layers: bool  # stack the blocks with nn.scan
+    fused_qkv: bool  # one GEMM for Q, K and V
+    remat_policy: str  # a REMAT_POLICIES name
+    tie_block_grads: bool  # a block's input gradient leaves with its weight gradients
+    fp8_lm_head: bool  # the LM head in FP8 too
+    attention_impl: str | None  # 'xla', 'cudnn', or None (JAX picks)
+    recipe: scaling.Recipe | None  # FP8 scaling of the matmuls; None: no FP8 matmuls
+    fp8_impl: str  # 'fp8jax', or 'flax' (flax's own FP8 op, for benchmarks)
+    cast_kernel: str  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'
+    fuse_activation: bool  # GPT's GELU inside the E4M3 cast of the MLP's second matmul
+    fuse_mlp: bool  # GPT's whole MLP as one custom VJP
+    fuse_qkv: bool  # the fused Q/K/V projection as one custom VJP (with fused_qkv)
+    fuse_norm: bool  # GPT's LayerNorms in the fused Q/K/V's and MLP's E4M3 casts (under rebuild)
+    loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
+    # remat_policy 'none': the MLP's activation recomputed in the backward pass from its input
+    # rather than keeping its intermediates (see layers.recomputes_elementwise)
+    recompute_elementwise: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Execution, Architecture):
+    """Everything the network's shape and numerics depend on (hashable: modules keep it): an
+    ``Architecture`` and its ``Execution`` as one flat set of fields.
+
+    ``recipe`` is the FP8 scaling recipe of the matmuls, or None for plain matmuls in
+    ``dtype`` (level O0).
+    """
+
+    @classmethod
+    def of(cls, architecture: Architecture, execution: Execution) -> ModelConfig:
+        """The model config of ``architecture`` run as ``execution``."""
+        return cls(**_fields(architecture, Architecture), **_fields(execution, Execution))
+
+    @property
+    def architecture(self) -> Architecture:
+        """What the network is (the fields a checkpoint determines)."""
+        return Architecture(**_fields(self, Architecture))
+
+    @property
+    def execution(self) -> Execution:
+        """How the network runs."""
+        return Execution(**_fields(self, Execution))
+
+
+def _fields(value: Any, part: type) -> dict[str, Any]:
+    """``value``'s fields of the dataclass ``part`` (``Architecture`` or ``Execution``)."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(part)}
 
 
 # The block pieces a family picks, by kind (models.layers and models.transformer build them).

@@ -2,9 +2,11 @@
 registry (``Family``), and size/FLOP accounting.
 
 ``fp8jax.trainer.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
-``fp8`` sections, validated; library users may build one directly. ``ModelConfig.style`` names
-a registered ``Family`` (``fp8jax.models.families``: one module per family), which says how the
-block is wired and how the model reads and writes Hugging Face checkpoints.
+``fp8`` sections, validated; library users may build one directly. Its fields are those of an
+``Architecture`` (what the network is) and of an ``Execution`` (how it runs).
+``ModelConfig.style`` names a registered ``Family`` (``fp8jax.models.families``: one module per
+family), which says how the block is wired and how the model reads and writes Hugging Face
+checkpoints.
 """
 
 from __future__ import annotations
@@ -195,9 +197,9 @@ class Family:
         attn = cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
         return attn + MLP_MATRICES[self.mlp] * cfg.d_model * cfg.d_ff
 
-    def check(self, cfg: ModelConfig | Any) -> None:
+    def check(self, cfg: Architecture | Any) -> None:
         """Raise a one-line ConfigError where ``cfg``'s sizes do not fit the family's block
-        (``cfg``: a ModelConfig, or a config file's ``model`` section)."""
+        (``cfg``: an Architecture or ModelConfig, or a config file's ``model`` section)."""
         head_dim = cfg.d_model // cfg.num_heads
         if self.positions == "rope" and head_dim % 2:
             raise ConfigError(

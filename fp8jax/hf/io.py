@@ -192,10 +192,7 @@ def save_hf(
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: use one of {list(EXPORT_DTYPES)}")
     _check_empty_target(out_dir)
-    if model_cfg.style == "gpt" and model_cfg.num_kv_heads != model_cfg.num_heads:
-        raise CheckpointError(
-            "GPT-2 has no grouped-query attention: num_kv_heads must equal num_heads"
-        )
+    model_cfg.family.check_hf_export(model_cfg)  # e.g. GPT-2 has no grouped-query attention
     flat = weights.flatten(params)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

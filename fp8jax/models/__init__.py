@@ -1,17 +1,35 @@
-"""Decoder-only transformers (GPT-2 and LLaMA style) with FP8 linears, built from a ModelConfig."""
+"""Decoder-only transformers (GPT-2 and LLaMA style) with FP8 linears, built from a ModelConfig.
 
-from fp8jax.models.config import ModelConfig, count_params, flops_per_token, matmul_params
+The model families (``families``: GPT-2 and LLaMA style) register themselves on import.
+"""
+
+from fp8jax.models import families
+from fp8jax.models.config import (
+    Architecture,
+    Execution,
+    Family,
+    ModelConfig,
+    count_params,
+    flops_per_token,
+    get_family,
+    matmul_params,
+)
 from fp8jax.models.layers import Attention, Block, Mlp
 from fp8jax.models.transformer import Transformer, build_model
 
 __all__ = [
+    "Architecture",
     "Attention",
     "Block",
+    "Execution",
+    "Family",
     "Mlp",
     "ModelConfig",
     "Transformer",
     "build_model",
     "count_params",
+    "families",
     "flops_per_token",
+    "get_family",
     "matmul_params",
 ]

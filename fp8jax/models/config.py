@@ -1,21 +1,27 @@
-"""The model's settings (``ModelConfig``), their vocabulary, and size/FLOP accounting.
+"""The model's settings (``ModelConfig``), their vocabulary, the model-family protocol and
+registry (``Family``), and size/FLOP accounting.
 
 ``fp8jax.trainer.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
-``fp8`` sections, validated; library users may build one directly.
+``fp8`` sections, validated; library users may build one directly. Its fields are those of an
+``Architecture`` (what the network is) and of an ``Execution`` (how it runs).
+``ModelConfig.style`` names a registered ``Family`` (``fp8jax.models.families``: one module per
+family), which says how the block is wired and how the model reads and writes Hugging Face
+checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from flax import linen as nn
 
+from fp8jax.errors import ConfigError, check_choice
+from fp8jax.models.hf_table import HfTensor
 from fp8jax.ops import remat, scaling
 
-STYLES = ("gpt", "llama")
 ATTENTION_IMPLS = ("", "xla", "cudnn")
 # 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for the step benchmark.
 FP8_IMPLS = ("fp8jax", "flax")
@@ -72,14 +78,11 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Everything the network's shape and numerics depend on (hashable: modules keep it).
+class Architecture:
+    """What the network is: the fields a checkpoint determines (a Hugging Face config.json, a
+    work dir's model.json), whatever runs it (``Execution``)."""
 
-    ``recipe`` is the FP8 scaling recipe of the matmuls, or None for plain matmuls in
-    ``dtype`` (level O0).
-    """
-
-    style: str  # 'gpt' or 'llama' (STYLES)
+    style: str  # a registered family's name (STYLES): 'gpt' or 'llama'; see .family
     vocab_size: int  # token ids
     d_model: int  # residual width
     num_layers: int  # transformer blocks
@@ -87,6 +90,32 @@ class ModelConfig:
     num_kv_heads: int  # key/value heads (grouped-query if < num_heads)
     d_ff: int  # MLP hidden width
     max_len: int  # longest sequence, tokens
+    tie_embeddings: bool  # the token embedding doubles as the LM head
+    norm_eps: float  # epsilon of LayerNorm / RMSNorm
+    rope_theta: float  # RoPE base (LLaMA style)
+    rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
+    qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def family(self) -> Family:
+        """The registered model family that ``style`` names (``fp8jax.models.families``)."""
+        return get_family(self.style)
+
+    @property
+    def use_bias(self) -> bool:
+        return self.family.use_bias  # GPT-2 linears carry biases, LLaMA's don't
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the network runs: dtypes, params layout, remat, the FP8 recipe, its kernels and
+    fusions. The same architecture's params serve any of them (``hf.weights.relayout`` moves
+    them between layer scan and fused Q/K/V layouts)."""
+
     dtype: Any  # activation/compute dtype (a jnp.dtype)
     param_dtype: Any  # parameter storage dtype (a jnp.dtype)
     scan_layers: bool  # stack the blocks with nn.scan
@@ -94,7 +123,6 @@ class ModelConfig:
     remat_policy: str  # a REMAT_POLICIES name
     tie_block_grads: bool  # a block's input gradient leaves with its weight gradients
     fp8_lm_head: bool  # the LM head in FP8 too
-    tie_embeddings: bool  # the token embedding doubles as the LM head
     attention_impl: str | None  # 'xla', 'cudnn', or None (JAX picks)
     recipe: scaling.Recipe | None  # FP8 scaling of the matmuls; None: no FP8 matmuls
     fp8_impl: str  # 'fp8jax', or 'flax' (flax's own FP8 op, for benchmarks)
@@ -103,22 +131,123 @@ class ModelConfig:
     fuse_mlp: bool  # GPT's whole MLP as one custom VJP
     fuse_qkv: bool  # the fused Q/K/V projection as one custom VJP (with fused_qkv)
     fuse_norm: bool  # GPT's LayerNorms in the fused Q/K/V's and MLP's E4M3 casts (under rebuild)
-    norm_eps: float  # epsilon of LayerNorm / RMSNorm
-    rope_theta: float  # RoPE base (LLaMA style)
-    rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
-    qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
     loss_chunk: int  # with targets: tokens per chunk of the LM head's loss (0 = full logits)
     # remat_policy 'none': the MLP's activation recomputed in the backward pass from its input
     # rather than keeping its intermediates (see layers.recomputes_elementwise)
     recompute_elementwise: bool
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Execution, Architecture):
+    """Everything the network's shape and numerics depend on (hashable: modules keep it): an
+    ``Architecture`` and its ``Execution`` as one flat set of fields.
+
+    ``recipe`` is the FP8 scaling recipe of the matmuls, or None for plain matmuls in
+    ``dtype`` (level O0).
+    """
+
+    @classmethod
+    def of(cls, architecture: Architecture, execution: Execution) -> ModelConfig:
+        """The model config of ``architecture`` run as ``execution``."""
+        return cls(**_fields(architecture, Architecture), **_fields(execution, Execution))
 
     @property
-    def use_bias(self) -> bool:
-        return self.style == "gpt"  # GPT-2 linears carry biases, LLaMA's don't
+    def architecture(self) -> Architecture:
+        """What the network is (the fields a checkpoint determines)."""
+        return Architecture(**_fields(self, Architecture))
+
+    @property
+    def execution(self) -> Execution:
+        """How the network runs."""
+        return Execution(**_fields(self, Execution))
+
+
+def _fields(value: Any, part: type) -> dict[str, Any]:
+    """``value``'s fields of the dataclass ``part`` (``Architecture`` or ``Execution``)."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(part)}
+
+
+# The block pieces a family picks, by kind (models.layers and models.transformer build them).
+NORMS = ("layernorm", "rmsnorm")  # LayerNorm: scale and bias; RMSNorm: scale only
+POSITIONS = ("learned", "rope")  # a learned table added to the embedding, or RoPE on q and k
+MLPS = ("gelu", "swiglu")  # GPT-2's tanh-GELU MLP, or LLaMA's gated SiLU (SwiGLU)
+MLP_MATRICES = {"gelu": 2, "swiglu": 3}  # weight matrices: GELU in/out, SwiGLU gate/up/out
+
+
+class Family:
+    """A model family: its block wiring, its config checks and its Hugging Face mapping.
+
+    Each family is one module of ``fp8jax.models.families`` that subclasses ``Family`` and
+    registers itself (``@register``) under ``name``, the ``model.style`` that selects it. The
+    block is built from the kinds the family picks (``norm``, ``positions``, ``mlp``,
+    ``use_bias``); the Hugging Face side is its ``config.json`` mapping and tensor table.
+    """
+
+    name: ClassVar[str]  # the model.style that selects the family
+    norm: ClassVar[str]  # NORMS
+    positions: ClassVar[str]  # POSITIONS
+    mlp: ClassVar[str]  # MLPS
+    use_bias: ClassVar[bool]  # every linear carries a bias
+    hf_architectures: ClassVar[tuple[str, ...]]  # the HF architectures it imports
+    hf_model_types: ClassVar[dict[str, str]]  # config.json model_type -> HF architecture
+
+    def matmul_params_per_layer(self, cfg: ModelConfig) -> int:
+        """Weights of one block that take part in matmuls: attention's and the MLP's."""
+        h = cfg.d_model // cfg.num_heads
+        attn = cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
+        return attn + MLP_MATRICES[self.mlp] * cfg.d_model * cfg.d_ff
+
+    def check(self, cfg: Architecture | Any) -> None:
+        """Raise a one-line ConfigError where ``cfg``'s sizes do not fit the family's block
+        (``cfg``: an Architecture or ModelConfig, or a config file's ``model`` section)."""
+        head_dim = cfg.d_model // cfg.num_heads
+        if self.positions == "rope" and head_dim % 2:
+            raise ConfigError(
+                f"RoPE needs an even head dim, got d_model/num_heads={head_dim}: "
+                f"change model.d_model or model.num_heads"
+            )
+
+    def from_hf_config(self, hfc: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
+        """The ModelConfig architecture fields of a HF config.json dict of ``architecture``."""
+        raise NotImplementedError
+
+    def hf_export_name(self, cfg: ModelConfig) -> str:
+        """The HF architecture ``cfg`` exports as."""
+        raise NotImplementedError
+
+    def check_hf_export(self, cfg: ModelConfig) -> None:
+        """Raise a one-line CheckpointError if ``cfg`` has no HF form (before anything is
+        written)."""
+
+    def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The family's config.json keys of ``cfg`` (the common ones are added by the caller)."""
+        raise NotImplementedError
+
+    def hf_tensors(self, cfg: ModelConfig) -> list[HfTensor]:
+        """Every tensor of ``cfg``'s HF state dict, in HF's order."""
+        raise NotImplementedError
+
+
+FAMILIES: dict[str, Family] = {}  # name -> the registered family
+STYLES = FAMILIES.keys()  # the registered names (a live view, filled by models.families)
+
+
+def register(cls: type[Family]) -> type[Family]:
+    """Class decorator: register an instance of the family ``cls`` under ``cls.name``."""
+    if cls.name in FAMILIES:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    kinds = ((cls.norm, NORMS), (cls.positions, POSITIONS), (cls.mlp, MLPS))
+    for kind, known in kinds:
+        if kind not in known:
+            raise ValueError(f"model family {cls.name!r}: unknown block kind {kind!r} ({known})")
+    FAMILIES[cls.name] = cls()
+    return cls
+
+
+def get_family(name: str) -> Family:
+    """The registered family ``name``; a one-line ConfigError naming the registered ones."""
+    check_choice(name, STYLES, "model.style")
+    return FAMILIES[name]
 
 
 def count_params(params) -> int:
@@ -129,10 +258,7 @@ def count_params(params) -> int:
 def matmul_params(model_cfg: ModelConfig) -> int:
     """Weights that take part in matmuls: block linears and the LM head (not embedding lookups)."""
     m = model_cfg
-    h = m.d_model // m.num_heads
-    attn = m.d_model * h * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, k, v, out
-    mlp = (2 if m.style == "gpt" else 3) * m.d_model * m.d_ff  # GELU: in/out; SwiGLU: gate/up/out
-    return m.num_layers * (attn + mlp) + m.d_model * m.vocab_size
+    return m.num_layers * m.family.matmul_params_per_layer(m) + m.d_model * m.vocab_size
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:

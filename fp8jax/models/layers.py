@@ -83,7 +83,7 @@ def fuses_mlp(cfg: ModelConfig) -> bool:
     keeps its activation sharding constraint.
     """
     recipe_fuses = bool(cfg.recipe) and cfg.recipe.fuses_mlp
-    fusable = cfg.cast_kernel != "xla" and recipe_fuses and cfg.style == "gpt"
+    fusable = cfg.cast_kernel != "xla" and recipe_fuses and cfg.family.mlp == "gelu"
     return fuses_activation(cfg) and cfg.fuse_mlp and fusable
 
 
@@ -102,7 +102,8 @@ def folds_norm(cfg: ModelConfig, fused: Callable[[ModelConfig], bool]) -> bool:
     no E4M3 copy of it), where the fold spares a norm pass per rebuild. Without remat the
     step measured the same speed folded and 0.69 GiB more peak (gpt_1b3 O1, docs/kernels.md).
     """
-    return cfg.fuse_norm and cfg.style == "gpt" and fused(cfg) and "x" in rebuilds_operands(cfg)
+    layer_norm = cfg.family.norm == "layernorm"
+    return cfg.fuse_norm and layer_norm and fused(cfg) and "x" in rebuilds_operands(cfg)
 
 
 def recomputes_elementwise(cfg: ModelConfig) -> bool:
@@ -148,7 +149,7 @@ def dense(
 
     ``names`` label the kernel's axes (input axes then ``features``); the bias takes the
     trailing ``len(features)`` names. ``prologue`` (FP8 only) is an activation the layer applies
-    to its input inside the FP8 cast. ``use_bias`` defaults to the style's (``cfg.use_bias``).
+    to its input inside the FP8 cast. ``use_bias`` defaults to the family's (``cfg.use_bias``).
     ``dot_general`` (O0 only) replaces ``lax.dot_general``.
     """
     features = tuple(features)
@@ -169,10 +170,11 @@ def dense(
 
 
 def norm(cfg: ModelConfig, name: str) -> nn.Module:
-    """LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever ``cfg.dtype``."""
+    """The family's norm: LayerNorm (GPT) or RMSNorm (LLaMA); statistics in f32 whatever
+    ``cfg.dtype``."""
     common = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     scale_init = norm_scale_init()
-    if cfg.style == "gpt":
+    if cfg.family.norm == "layernorm":
         return nn.LayerNorm(scale_init=scale_init, bias_init=bias_init(("norm",)), **common)
     return nn.RMSNorm(scale_init=scale_init, **common)
 
@@ -211,7 +213,7 @@ class Attention(nn.Module):
             kv_names = ("embed", None, "kv_heads", "head_dim")
             kv_BxLx2xKxH = dense(c, (2, k, h), kv_names, name="kv", use_bias=bias)(x_BxLxD)
             k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
-        if c.style == "llama":
+        if c.family.positions == "rope":
             q_BxLxNxH = rope(q_BxLxNxH, positions_BxL, c.rope_theta, c.rope_scaling)
             k_BxLxKxH = rope(k_BxLxKxH, positions_BxL, c.rope_theta, c.rope_scaling)
         q_BxLxNxH = constrain(q_BxLxNxH, ("batch", "length", "heads", None))
@@ -267,7 +269,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """GELU MLP (GPT) or SwiGLU (LLaMA)."""
+    """The family's MLP: GELU (GPT) or SwiGLU (LLaMA)."""
 
     cfg: ModelConfig
 
@@ -280,7 +282,7 @@ class Mlp(nn.Module):
         if fuses_mlp(c) and not self.is_mutable_collection(FP8_STATS):
             return self._fused(x_BxLxD, ln)
         prologue = act = None
-        if c.style == "gpt":
+        if c.family.mlp == "gelu":
             h_BxLxF = dense(c, (c.d_ff,), ("embed", "mlp"), name="wi")(x_BxLxD)
             h_BxLxF = checkpoint_name(h_BxLxF, fp8_remat.HIDDEN)
             if fuses_activation(c):
@@ -374,7 +376,7 @@ def _act_dot_mlp(cfg: ModelConfig) -> bool:
     """Whether GPT's O0 MLP recomputes GELU through ``ops.act_dot`` (wo keeps h, not GELU(h)).
     LLaMA's SwiGLU takes ``_mlp_cls``' remat: as an ``act_dot`` it measured more peak memory at
     no more speed (docs/performance.md)."""
-    return recomputes_elementwise(cfg) and cfg.recipe is None and cfg.style == "gpt"
+    return recomputes_elementwise(cfg) and cfg.recipe is None and cfg.family.mlp == "gelu"
 
 
 def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:

@@ -92,7 +92,7 @@ class Transformer(nn.Module):
             name="embed",
         )
         x_BxLxD = embed(tokens_BxL)
-        if c.style == "gpt":
+        if c.family.positions == "learned":
             pos_table = self.param(
                 "pos_embed", normal_init((None, "embed")), (c.max_len, c.d_model), c.param_dtype
             )

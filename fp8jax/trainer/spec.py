@@ -173,11 +173,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
             f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
             f"{m.num_kv_heads}: use a divisor of num_heads (num_heads itself for plain MHA)"
         )
-    if m.style == "llama" and (m.d_model // m.num_heads) % 2:
-        raise ConfigError(
-            f"RoPE needs an even head dim, got d_model/num_heads={m.d_model // m.num_heads}: "
-            f"change model.d_model or model.num_heads"
-        )
+    model_lib.get_family(m.style).check(m)  # e.g. RoPE's even head dim
     fp8 = Fp8Spec(
         level=Level.parse(f.level),
         recipe=scaling.make_recipe(f.recipe, **_recipe_fields(f)),

@@ -3,9 +3,9 @@
 Config files stay ml_collections files (configs/*.py); configs/base.py declares every field
 once, with its default and valid values (``fp8jax.configs.fields``). ``parse(config)`` checks
 each field against that declaration, the recipes' fields with the recipes' own validation and
-the fields against each other, and returns a ``RunSpec``; the library below takes
-the spec and never a ConfigDict. ``check_environment(run, devices)`` adds what depends on the
-machine (the mesh against the devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
+the fields against each other, and returns a ``RunSpec``; the library below takes the spec and
+never a ConfigDict. ``check_environment(run, devices)`` adds what depends on the machine (the
+mesh against the devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
 Every problem is a one-line ``fp8jax.errors.ConfigError`` naming the field and the fix.
 """
 

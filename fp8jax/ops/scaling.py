@@ -3,6 +3,7 @@
 ``Recipe`` is what the matmuls, the Flax modules, the FSDP gathers and the checkpoint code ask
 of a recipe; each recipe is one module of ``fp8jax.recipes`` that registers itself in
 ``RECIPES`` (``make_recipe(name, **fields)`` builds one by name).
+
 A ``ScaleState`` holds one tensor's scale and amax history; an ``Fp8Meta`` the three of one
 FP8 matmul (inputs x, weights w, output gradients dy). Slot 0 of the history is the
 *pending* amax of the current step: every use of the tensor in a step (shared weights,

@@ -1,6 +1,6 @@
 """Shared structure of every config: each field, its meaning and unit (not a run config itself).
 
-This file is the one place that decides each field's default (fp8jax.trainer.spec.parse reads
+This file is the one place that decides each field's default (fp8jax.spec.parse reads
 every field and supplies none). The defaults are the tiny CPU run (configs/tiny.py); named
 configs override what differs.
 Config files are loaded by path (``--config configs/x.py``), not as a package, so each one

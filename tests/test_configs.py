@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8jax import models
-from fp8jax.trainer import environment, spec
+from fp8jax import models, spec
+from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"

@@ -20,12 +20,12 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from fp8jax import provenance, spec
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError
 from fp8jax.hf import architectures, weights, workdir
 from fp8jax.models.config import ModelConfig
-from fp8jax.trainer import provenance
-from fp8jax.trainer import tokenizer as tokenizer_lib
-from fp8jax.trainer.tokenizer import Tokenizer
+from fp8jax.tokenizer import Tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -49,9 +49,7 @@ class Loaded:
 
 def default_model_cfg() -> ModelConfig:
     """configs/base.py's model at level O0 (f32, no FP8): the training fields of an import."""
-    from fp8jax.trainer import loop, spec  # the config files' loader
-
-    config = loop.load_config("base")
+    config = spec.load_config("base")
     config.fp8.level = "O0"
     return spec.parse(config).model
 

@@ -1,6 +1,6 @@
 """The model's settings (``ModelConfig``), their vocabulary, and size/FLOP accounting.
 
-``fp8jax.trainer.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
+``fp8jax.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
 ``fp8`` sections, validated; library users may build one directly.
 """
 

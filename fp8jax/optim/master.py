@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct, traverse_util
 
+from fp8jax._tree import leaf_name
 from fp8jax.ops import formats
 
 # Accepted spellings of the storage formats (lower-cased before lookup).
@@ -199,19 +200,6 @@ def quantize_scaled(x, prev_scale, dtype, noise=None, amax=None) -> ScaledTensor
     amax = formats.amax(x) if amax is None else amax
     scale = scale_for(amax, prev_scale, dtype)
     return ScaledTensor(encode(x, scale, dtype, noise), scale)
-
-
-def path_key(path) -> tuple[str, ...]:
-    """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
-    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
-
-
-def leaf_name(path) -> str:
-    """Last meaningful key of a tree path (skipping the ``.value`` of flax Partitioned boxes)."""
-    names = list(path_key(path))
-    while names and names[-1] == "value":
-        names.pop()
-    return names[-1] if names else ""
 
 
 def is_matmul_weight(path, leaf) -> bool:

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import models
+from fp8jax._tree import leaf_name
+from fp8jax.data_spec import DpoSpec
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8
 from fp8jax.optim import adam as optim
-from fp8jax.optim.master import leaf_name
 from fp8jax.parallel import sharding as sharding_lib
+from fp8jax.spec import RunSpec
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
-from fp8jax.trainer.data_spec import DpoSpec
-from fp8jax.trainer.spec import RunSpec
 
 _MATRICES = ("kernel", "embedding")  # reference leaves stored in the compute dtype
 

@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
+from fp8jax import provenance
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
-from fp8jax.trainer import chat, provenance, sft_data
+from fp8jax.trainer import chat, sft_data
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.sft_data import Example, make_row, stack
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 
 if TYPE_CHECKING:
-    from fp8jax.trainer.spec import RunSpec
+    from fp8jax.spec import RunSpec
 
 _VERSION = 1  # how pairs are encoded and split; part of the data key
 FIELDS = ("prompt", "chosen", "rejected")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 import pathlib
 import signal
@@ -30,14 +29,14 @@ import ml_collections
 from absl import logging
 from jax.sharding import Mesh
 
-from fp8jax import errors, models
+from fp8jax import errors, models, provenance, spec
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import dpo, environment, generate, provenance, spec
+from fp8jax.spec import RunSpec
+from fp8jax.trainer import dpo, environment, generate
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
-from fp8jax.trainer.spec import RunSpec
 
 
 class _Preempted:
@@ -63,21 +62,7 @@ class _Preempted:
             signal.signal(signal.SIGTERM, self._old)
 
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"  # in a source checkout
-
-
-def load_config(name: str | os.PathLike, arg: str | None = None) -> ml_collections.ConfigDict:
-    """``get_config(arg)`` of a config file, given its path or its name under ``configs/``."""
-    path = pathlib.Path(name)
-    if path.suffix != ".py":
-        path = CONFIG_DIR / f"{name}.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config file {path}: pass a path or a name in {CONFIG_DIR}")
-    # Loaded by path, as ml_collections' --config flag does (configs/ is not a package).
-    module_spec = importlib.util.spec_from_file_location(f"fp8jax_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config() if arg is None else module.get_config(arg)
+load_config = spec.load_config  # a config file by path, or by name under configs/
 
 
 def partitionable(run: RunSpec, mesh: Mesh) -> RunSpec:

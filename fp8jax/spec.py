@@ -1,27 +1,32 @@
 """The run spec: a config file's fields as frozen, typed, validated dataclasses.
 
 Config files stay ml_collections files (configs/*.py, every field in configs/base.py, which
-alone decides the defaults). ``parse(config)`` reads each field once, checks its type and
-range and the fields against each other, and returns a ``RunSpec``; the library below takes
-the spec and never a ConfigDict. ``check_environment(run, devices)`` adds what depends on the
-machine (the mesh against the devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
+alone decides the defaults); ``load_config(name)`` reads one. ``parse(config)`` reads each
+field once, checks its type and range and the fields against each other, and returns a
+``RunSpec``; the library below takes the spec and never a ConfigDict.
+``check_environment(run, devices)`` adds what depends on the machine (the mesh against the
+devices, GPU-only kernels), ``check_corpus(run)`` the corpus.
 Every problem is a one-line ``fp8jax.errors.ConfigError`` naming the field and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import pathlib
 
 import jax.numpy as jnp
+import ml_collections
 
 from fp8jax import errors
+from fp8jax.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
 from fp8jax.models import config as model_lib
 from fp8jax.models.config import ModelConfig
 from fp8jax.ops import formats, kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level, Storage
 from fp8jax.parallel import comm as comm_lib
-from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 
 GRAD_ACCUM_DTYPES = ("float32", "")  # '' = the gradients' own dtype
 
@@ -340,3 +345,20 @@ def _comm(raw, mesh: MeshSpec) -> CommSpec:
             f"comm.gather='upfront'"
         )
     return spec
+
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # in a source checkout
+
+
+def load_config(name: str | os.PathLike, arg: str | None = None) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of a config file, given its path or its name under ``configs/``."""
+    path = pathlib.Path(name)
+    if path.suffix != ".py":
+        path = CONFIG_DIR / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file {path}: pass a path or a name in {CONFIG_DIR}")
+    # Loaded by path, as ml_collections' --config flag does (configs/ is not a package).
+    module_spec = importlib.util.spec_from_file_location(f"fp8jax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)

@@ -188,7 +188,7 @@ def layer_violations(units: dict[str, set[str]], layers=LAYERS) -> list[str]:
     """'a -> b' for each unit import that does not go down the layers (or names no layer)."""
     rank = {u: i for i, layer in enumerate(layers) for u in layer}
     bad = [f"{u} is in no layer of LAYERS" for u in sorted(units) if u not in rank]
-    bad += [f"{u} -> {t}" for u, ts in units.items() for t in sorted(ts) if t not in rank]
+    bad += [f"{u} -> {t}" for u, ts in sorted(units.items()) for t in sorted(ts) if t not in rank]
     bad += [
         f"{u} -> {t}"
         for u, ts in sorted(units.items())

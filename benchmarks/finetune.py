@@ -181,9 +181,10 @@ def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from fp8jax import spec
     from fp8jax.optim import adam
     from fp8jax.parallel import sharding
-    from fp8jax.trainer import checkpoint, dpo_data, loop, loss, spec
+    from fp8jax.trainer import checkpoint, dpo_data, loop, loss
     from fp8jax.trainer import step as step_lib
     from fp8jax.trainer.objectives import dpo
 

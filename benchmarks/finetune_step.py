@@ -69,10 +69,10 @@ def random_checkpoint(out_dir: str, shape: str, tiny: bool, seed: int = 0) -> st
         return out_dir
     import numpy as np
 
-    from fp8jax import hf
+    from fp8jax import hf, spec
+    from fp8jax import tokenizer as tokenizer_lib
     from fp8jax.hf import weights
-    from fp8jax.trainer import sft_data, spec
-    from fp8jax.trainer import tokenizer as tokenizer_lib
+    from fp8jax.trainer import sft_data
 
     config = runner.load(f"{shape}:O0", settings={**TINY_MODEL, "seq_len": 128} if tiny else {})
     model_cfg = spec.parse(config).model
@@ -114,10 +114,10 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
     """Import the run's checkpoint, build its SFT or DPO step and data, and time the step."""
     import jax
 
-    from fp8jax import models
+    from fp8jax import models, spec
     from fp8jax.diagnostics import memory
     from fp8jax.parallel import sharding
-    from fp8jax.trainer import dpo_data, loop, sft_data, spec
+    from fp8jax.trainer import dpo_data, loop, sft_data
 
     t0 = time.perf_counter()
     ckpt = random_checkpoint(os.path.join(ckpt_root, shape_of(run)), shape_of(run), tiny)

@@ -156,7 +156,8 @@ def build(config, plain: bool = False):
     """
     import jax
 
-    from fp8jax.trainer import loop, spec
+    from fp8jax import spec
+    from fp8jax.trainer import loop
     from fp8jax.trainer import step as step_lib
 
     run = spec.parse(config)

@@ -71,7 +71,8 @@ def data_run(path, vocab, seed=0, val_fraction=0.2, batch_size=4, seq_len=16, **
     """
     import dataclasses
 
-    from fp8jax.trainer import loop, spec
+    from fp8jax import spec
+    from fp8jax.trainer import loop
 
     run = spec.parse(loop.load_config("tiny"))
     return dataclasses.replace(
@@ -118,8 +119,7 @@ def bits(x) -> np.ndarray:
 def lm_grads(config, variables, tok):
     """``((loss, new fp8_state), (param grads, fp8_state cotangents))`` of ``config``'s model:
     next-token cross entropy on ``tok`` [B, L], jitted."""
-    from fp8jax import FP8, models
-    from fp8jax.trainer import spec
+    from fp8jax import FP8, models, spec
 
     model = models.build_model(spec.parse(config).model)
 
@@ -137,8 +137,7 @@ def same_step_grads(fused, plain, tok):
     initial values), loss, new FP8 state and FP8 cotangents; returns both param grads."""
     from flax import linen as nn
 
-    from fp8jax import models
-    from fp8jax.trainer import spec
+    from fp8jax import models, spec
 
     fused_model, plain_model = (models.build_model(spec.parse(c).model) for c in (fused, plain))
     variables = nn.unbox(jax.jit(fused_model.init)(jax.random.key(0), tok))

@@ -42,12 +42,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8jax import spec  # noqa: E402
 from fp8jax.diagnostics import hlo  # noqa: E402
 from fp8jax.ops import formats  # noqa: E402
 from fp8jax.optim import adam as optim  # noqa: E402
 from fp8jax.parallel import comm, sharding  # noqa: E402
 from fp8jax.trainer import loop as train_lib  # noqa: E402
-from fp8jax.trainer import spec  # noqa: E402
 
 STEPS = 2  # both move the parameters (a one-step warm-up: both at about the peak rate)
 

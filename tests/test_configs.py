@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8jax import configs, models
-from fp8jax.trainer import environment, spec
+from fp8jax import configs, models, spec
+from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from fp8jax import tokenizer
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import data, tokenizer
+from fp8jax.trainer import data
 
 from fp8_testing import data_run
 

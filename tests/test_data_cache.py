@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from fp8jax import errors
-from fp8jax.trainer import corpus, data, tokenizer
+from fp8jax import errors, tokenizer
+from fp8jax.trainer import corpus, data
 
 from fp8_testing import data_run
 

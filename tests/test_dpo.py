@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax import errors, models
-from fp8jax.trainer import dpo_data, loop, spec, stream
+from fp8jax import errors, models, spec
+from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.trainer import dpo_data, loop, stream
 from fp8jax.trainer import loss as loss_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 from fp8jax.trainer.objectives import dpo
 

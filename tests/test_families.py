@@ -12,11 +12,10 @@ import pytest
 from flax import linen as nn
 from flax import traverse_util
 
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
 from fp8jax.hf import architectures, weights
 from fp8jax.models import families
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
 

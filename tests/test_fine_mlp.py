@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import models
+from fp8jax import models, spec
 from fp8jax.ops import block_cast, cast_source, mlp, scaling
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import bits, lm_grads
 

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+from fp8jax import spec
 from fp8jax.models.layers import FLAX_FP8
-from fp8jax.trainer import environment, spec
+from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
 OP = "Fp8DirectDotGeneralOp_0"

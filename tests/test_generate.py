@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
 from fp8jax.models import decode
 from fp8jax.ops import scaling
-from fp8jax.trainer import generate, sampling, spec
+from fp8jax.trainer import generate, sampling
 from fp8jax.trainer import loop as train_lib
 
 from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)

@@ -24,9 +24,9 @@ from hf_testing import (
 )
 
 from fp8jax import errors, hf
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.hf import io, weights
 from fp8jax.models import build_model
-from fp8jax.trainer import tokenizer as tokenizer_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
@@ -238,7 +238,8 @@ def test_export_refuses_a_non_empty_output(ckpts, tmp_path):
 
 def make_workdir(path, level: str):
     """A work dir as the trainer leaves it: a checkpoint at ``level``, model.json, tokenizer."""
-    from fp8jax.trainer import loop, provenance, spec
+    from fp8jax import provenance, spec
+    from fp8jax.trainer import loop
     from fp8jax.trainer.checkpoint import Checkpointer
 
     config = loop.load_config("tiny", "llama")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax import spec
 from fp8jax.ops import dot, kernels
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import bits
 

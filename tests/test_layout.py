@@ -1,10 +1,15 @@
 """Package layout rules, read from the source with ``ast`` (nothing is imported).
 
 * No module uses another module's private names: what two modules share is public in one of
-  them (``from fp8jax.x import _y`` and ``<fp8jax module>._y`` both fail).
-* No module is over ``MAX_LINES`` lines.
-* No import cycle between modules (module-level imports), and none between subpackages.
-* ``fp8jax.parallel`` does not import ``fp8jax.trainer``.
+  them (``from fp8jax.x import _y`` and ``<fp8jax module>._y`` both fail). A private utility
+  module (``fp8jax/_tree.py``) is the exception: its public names may be imported anywhere.
+* Every import counts: module level, inside functions, and under ``if TYPE_CHECKING:`` (it
+  does not run, but a type named in a lower layer's signature is still a dependency on the
+  higher one).
+* No import cycle between modules, and none between units (a subpackage, or a top-level module).
+* Each unit imports only its own modules and units of lower layers (``LAYERS``, lowest first).
+  A command-line module (``if __name__ == "__main__"``) sits above every layer: it may import
+  any unit, and no module imports it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,25 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp8jax"
-MAX_LINES = 500
+# Units from the lowest layer up; a unit imports only itself and units of earlier layers.
+LAYERS = (
+    ("errors", "_tree"),  # the UserError family; pytree helpers
+    ("ops",),  # FP8 formats, scaling recipes, the custom-VJP matmuls and their kernels
+    ("recipes",),  # the scaling recipes, one module each, registered by name
+    ("nn",),  # Flax modules around ops
+    ("optim",),  # FP8/FP16 optimizer state and masters
+    ("parallel",),  # meshes, shardings, FP8 communication
+    ("models",),  # the transformer
+    ("diagnostics",),  # coverage, memory, HLO of a program
+    ("tokenizer",),
+    ("provenance", "data_spec"),  # work-dir records; the run spec's data sections
+    ("configs",),  # the shipped config files and their field declarations
+    ("spec",),  # the run spec: config files -> typed dataclasses
+    ("hf",),  # Hugging Face and work-dir checkpoints in and out
+    ("trainer",),  # loop, step, data, checkpoints, generation
+    ("cli",),  # what the command lines set up for their process
+    ("fp8jax",),  # the package's public API (fp8jax/__init__.py)
+)
 
 
 def _modules(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
@@ -33,6 +56,11 @@ def _modules(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
 
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_private_use(name: str, owner: str, modules) -> bool:
+    """Whether ``owner.name`` is another module's private name (not a private utility module)."""
+    return _is_private(name) and f"{owner}.{name}" not in modules
 
 
 def _imported(node: ast.AST, modules) -> list[str]:
@@ -83,7 +111,7 @@ def private_uses(tree: ast.Module, modules) -> list[str]:
             found += [
                 f"line {node.lineno}: from {node.module} import {a.name}"
                 for a in node.names
-                if _is_private(a.name)
+                if _is_private_use(a.name, node.module, modules)
             ]
     aliases = _aliases(tree, modules)
     for node in ast.walk(tree):
@@ -95,25 +123,18 @@ def private_uses(tree: ast.Module, modules) -> list[str]:
         head, _, rest = base.partition(".")
         if head not in aliases:
             continue
-        if aliases[head] + (f".{rest}" if rest else "") in modules:
+        owner = aliases[head] + (f".{rest}" if rest else "")
+        if owner in modules and _is_private_use(node.attr, owner, modules):
             found.append(f"line {node.lineno}: {base}.{node.attr}")
     return sorted(found, key=lambda f: int(f.split(":")[0].removeprefix("line ")))
 
 
 def import_graph(modules) -> dict[str, set[str]]:
-    """Module -> package modules it imports at module level (not inside functions)."""
+    """Module -> package modules it imports anywhere: module level, in functions, in branches."""
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        targets: set[str] = set()
-        stack = list(tree.body)
-        while stack:  # module level, including under if/try (TYPE_CHECKING, fallbacks)
-            node = stack.pop()
-            if isinstance(node, ast.If | ast.Try):
-                stack += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
-                stack += [s for h in getattr(node, "handlers", []) for s in h.body]
-            targets.update(_imported(node, modules))
-        graph[name] = targets - {name}
+        graph[name] = {t for node in ast.walk(tree) for t in _imported(node, modules)} - {name}
     return graph
 
 
@@ -144,9 +165,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _subpackage(module: str) -> str:
+def unit(module: str) -> str:
+    """The layer unit of a module: its subpackage or top-level module ('fp8jax': the package)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 else ""  # '' for fp8jax itself and its top-level modules
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def _is_entry_point(path: pathlib.Path) -> bool:
@@ -154,17 +176,34 @@ def _is_entry_point(path: pathlib.Path) -> bool:
     return '__name__ == "__main__"' in path.read_text()
 
 
-def subpackage_graph(modules, graph) -> dict[str, set[str]]:
-    """Subpackage -> subpackages it imports, without entry points and allowed edges."""
+def unit_graph(modules, graph) -> dict[str, set[str]]:
+    """Unit -> other units it imports, without the imports of command-line modules."""
     out: dict[str, set[str]] = collections.defaultdict(set)
     for name, targets in graph.items():
-        if _is_entry_point(modules[name]) or not _subpackage(name):
+        if _is_entry_point(modules[name]):
             continue
-        for t in targets:
-            edge = (_subpackage(name), _subpackage(t))
-            if _subpackage(t) and edge[0] != edge[1]:
-                out[edge[0]].add(edge[1])
+        out[unit(name)].update(unit(t) for t in targets if unit(t) != unit(name))
     return out
+
+
+def layer_violations(units: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """'a -> b' for each unit import that does not go down the layers (or names no layer)."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+    bad = [f"{u} is in no layer of LAYERS" for u in sorted(units) if u not in rank]
+    bad += [f"{u} -> {t}" for u, ts in sorted(units.items()) for t in sorted(ts) if t not in rank]
+    bad += [
+        f"{u} -> {t}"
+        for u, ts in sorted(units.items())
+        for t in sorted(ts)
+        if u in rank and t in rank and rank[t] >= rank[u]
+    ]
+    return bad
+
+
+def entry_point_importers(modules, graph) -> dict[str, list[str]]:
+    """Module -> the command-line modules it imports, for every module that imports one."""
+    entry_points = {name for name, path in modules.items() if _is_entry_point(path)}
+    return {name: sorted(ts & entry_points) for name, ts in graph.items() if ts & entry_points}
 
 
 MODULES = _modules()
@@ -177,33 +216,19 @@ def test_no_private_names_across_modules(name):
     assert not found, f"{name} uses private names of other modules: {found}; make them public"
 
 
-def test_modules_stay_short():
-    long = {
-        name: n
-        for name, path in MODULES.items()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"modules over {MAX_LINES} lines: {long}; split them by responsibility"
-
-
 def test_no_import_cycles():
     graph = import_graph(MODULES)
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
-    subs = subpackage_graph(MODULES, graph)
-    cycle = find_cycle(subs)
-    assert cycle is None, f"subpackage import cycle: {' -> '.join(cycle)}"
+    cycle = find_cycle(unit_graph(MODULES, graph))
+    assert cycle is None, f"import cycle between units: {' -> '.join(cycle)}"
 
 
-def test_parallel_does_not_import_the_trainer():
-    lazy_too = {  # imports inside functions count too
-        name: {
-            t for node in ast.walk(ast.parse(path.read_text())) for t in _imported(node, MODULES)
-        }
-        for name, path in MODULES.items()
-        if name.startswith("fp8jax.parallel")
-    }
-    bad = {n: sorted(t for t in ts if t.startswith("fp8jax.trainer")) for n, ts in lazy_too.items()}
-    assert not any(bad.values()), f"fp8jax.parallel imports the trainer: {bad}"
+def test_units_import_only_lower_layers():
+    graph = import_graph(MODULES)
+    bad = layer_violations(unit_graph(MODULES, graph))
+    assert not bad, f"imports against the layers (LAYERS in {__name__}): {bad}"
+    importers = entry_point_importers(MODULES, graph)
+    assert not importers, f"command-line modules are imported by: {importers}"
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
@@ -212,15 +237,37 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     (pkg / "a").mkdir(parents=True)
     for init in (pkg / "__init__.py", pkg / "a" / "__init__.py"):
         init.write_text("")
-    (pkg / "a" / "x.py").write_text("import fp8jax.a.y\n\ndef _hidden():\n    pass\n")
+    (pkg / "_util.py").write_text("def helper():\n    pass\n\ndef _secret():\n    pass\n")
+    # The cycle x -> y -> x closes through an import inside a function.
+    (pkg / "a" / "x.py").write_text("def f():\n    import fp8jax.a.y\n\ndef _hidden():\n    pass\n")
     (pkg / "a" / "y.py").write_text(
         "from fp8jax.a import x\nfrom fp8jax.a.x import _hidden\nimport fp8jax\n"
         "from fp8jax.a import x as xx\n\nx._hidden()\nxx._hidden()\nfp8jax.a.x._hidden()\n"
-        "x.__name__\n"
+        "x.__name__\nfrom fp8jax import _util\nfrom fp8jax._util import helper, _secret\n"
+        "_util.helper()\nfp8jax._util.helper()\n_util._secret()\n"
     )
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fp8jax.a import x\n"
+        "def g():\n    from fp8jax import cmd\n"
+    )
+    (pkg / "cmd.py").write_text('import fp8jax.b\nif __name__ == "__main__":\n    pass\n')
     modules = _modules(pkg)
     found = private_uses(ast.parse((pkg / "a" / "y.py").read_text()), modules)
-    assert [f.split(":")[0] for f in found] == ["line 2", "line 6", "line 7", "line 8"]
-    assert find_cycle(import_graph(modules)) == ["fp8jax.a.x", "fp8jax.a.y", "fp8jax.a.x"]
+    expected = ["line 2", "line 6", "line 7", "line 8", "line 11", "line 14"]
+    assert [f.split(":")[0] for f in found] == expected
+    graph = import_graph(modules)
+    assert find_cycle(graph) == ["fp8jax.a.x", "fp8jax.a.y", "fp8jax.a.x"]
     assert find_cycle({"ops": {"nn"}, "nn": {"ops"}}) == ["nn", "ops", "nn"]
     assert find_cycle({"ops": set(), "nn": {"ops"}}) is None
+    units = unit_graph(modules, graph)  # cmd's own imports do not count; imports of it do
+    assert dict(units) == {"fp8jax": set(), "_util": set(), "a": {"_util", "fp8jax"},
+                           "b": {"a", "cmd"}}  # fmt: skip
+    assert layer_violations(units, (("_util", "cmd"), ("fp8jax",), ("a",), ("b",))) == []
+    assert layer_violations(units, (("_util", "cmd"), ("fp8jax",), ("b",), ("a",))) == ["b -> a"]
+    assert layer_violations(units, (("_util", "fp8jax", "a"), ("cmd", "b"))) == [
+        "a -> _util", "a -> fp8jax", "b -> cmd",
+    ]  # fmt: skip
+    assert layer_violations(units, (("cmd", "fp8jax"), ("a",), ("b",))) == [
+        "_util is in no layer of LAYERS", "a -> _util",
+    ]  # fmt: skip
+    assert entry_point_importers(modules, graph) == {"fp8jax.b": ["fp8jax.cmd"]}

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
 from fp8jax.models import head_loss
-from fp8jax.trainer import loop, spec
+from fp8jax.trainer import loop
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.objectives import dpo
 

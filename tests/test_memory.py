@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from fp8jax import spec
 from fp8jax.diagnostics import memory
 from fp8jax.optim import adam as optim
 from fp8jax.optim.levels import Level
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 D, F, V = 4096, 11008, 32000  # LLaMA-7B widths: one layer is enough for per-param figures
 

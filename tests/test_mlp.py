@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax import spec
 from fp8jax.ops import act_kernels, activations, dot, kernels, mlp
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import bits, same_step_grads
 

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import FP8, FP8_STATS, models
+from fp8jax import FP8, FP8_STATS, models, spec
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
 

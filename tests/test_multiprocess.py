@@ -96,10 +96,10 @@ def _worker(mode: str, out: str) -> None:
     import jax
     import numpy as np
 
+    from fp8jax import spec
     from fp8jax.parallel import sharding
     from fp8jax.trainer import data as data_lib
     from fp8jax.trainer import loop as train_lib
-    from fp8jax.trainer import spec
 
     if mode == "worker":
         sharding.initialize_distributed()  # what train.py does for config.distributed

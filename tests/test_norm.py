@@ -8,11 +8,10 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import FP8, models
+from fp8jax import FP8, models, spec
 from fp8jax.models import layers
 from fp8jax.ops import formats, kernels, mlp, norm, qkv, remat
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import (
     bits,

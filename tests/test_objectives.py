@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from flax import struct
 
-from fp8jax import errors
-from fp8jax.trainer import corpus, formats, loop, objectives, sft_data, spec
+from fp8jax import errors, spec
+from fp8jax.trainer import corpus, formats, loop, objectives, sft_data
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 

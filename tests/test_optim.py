@@ -614,8 +614,8 @@ def test_fused_adamw_skipped_step_keeps_every_bit():
 def test_fused_train_step_equals_the_unfused_one(rounding):
     """The trainer's O2 step (stacked blocks, bf16 compute) with and without ``FusedAdamW``:
     equal bits after a step, and after a skipped one (a NaN weight makes the loss NaN)."""
+    from fp8jax import spec
     from fp8jax.trainer import loop as train_lib
-    from fp8jax.trainer import spec
     from fp8jax.trainer import step as step_lib
 
     c = train_lib.load_config("tiny")

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import models
+from fp8jax import models, spec
 from fp8jax.ops import formats, qkv, scaling
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import bits, lm_grads, pallas_calls, pallas_name, same_step_grads
 

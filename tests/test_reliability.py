@@ -31,13 +31,12 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
 from fp8jax.models import layers
 from fp8jax.ops.scaling import ScaleState
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 

@@ -16,13 +16,12 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import FP8
+from fp8jax import FP8, spec
 from fp8jax.models import layers
 from fp8jax.models.config import REMAT_POLICIES
 from fp8jax.models.layers import Block
 from fp8jax.ops import dot, mlp, remat
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 from fp8_testing import (
     ROOT,

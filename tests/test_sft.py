@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.optim.levels import Level
-from fp8jax.trainer import chat, loop, sft_data, spec
+from fp8jax.trainer import chat, loop, sft_data
 from fp8jax.trainer import step as step_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 
 from fp8_testing import with_overrides
 

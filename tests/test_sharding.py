@@ -21,11 +21,12 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp8jax import models
+from fp8jax import models, spec
+from fp8jax._tree import path_key
 from fp8jax.diagnostics import hlo
 from fp8jax.optim import master
 from fp8jax.parallel import comm, sharding
-from fp8jax.trainer import spec, step
+from fp8jax.trainer import step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -156,7 +157,7 @@ def test_state_shardings_cover_scaled_states(level):
     q_spec = P(None, "fsdp", "tensor")
     q = sh.params["blocks"]["attn"]["q"]["kernel"]
     flat = jax.tree_util.tree_flatten_with_path(sh.opt_state, is_leaf=master.is_scaled)[0]
-    moments = [x for p, x in flat if sharding.path_key(p)[-3:] == ("attn", "q", "kernel")]
+    moments = [x for p, x in flat if path_key(p)[-3:] == ("attn", "q", "kernel")]
     assert moments, "optimizer moments of the q kernel not found"
     if level == "O2":  # FP16 master, E4M3 m and FP16 v: data like the param, scale replicated
         assert q.data.spec == q_spec and q.scale.spec == P()

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from fp8jax import spec
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
-from fp8jax.trainer import generate, spec
+from fp8jax.trainer import generate
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import metrics as metrics_lib
 

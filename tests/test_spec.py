@@ -12,12 +12,12 @@ import re
 
 import pytest
 
-from fp8jax import errors, models
+from fp8jax import errors, models, spec
 from fp8jax.configs import fields
 from fp8jax.ops import scaling
 from fp8jax.optim.levels import LEVELS, Level
 from fp8jax.parallel import comm
-from fp8jax.trainer import corpus, environment, loop, spec
+from fp8jax.trainer import corpus, environment, loop
 
 from fp8_testing import base_config, flat_fields, set_field
 
@@ -175,7 +175,7 @@ def test_no_config_defaults_in_the_library():
     """No ``.get(field, default)`` on a config anywhere in fp8jax/, and only the edge (spec,
     the loop's entry point, the command line, inspect's main and the config files themselves)
     knows ml_collections."""
-    edge = {"trainer/spec.py", "trainer/loop.py", "diagnostics/inspect.py", "errors.py", "train.py"}
+    edge = {"spec.py", "trainer/loop.py", "diagnostics/inspect.py", "errors.py", "train.py"}
     edge |= {f"configs/{p.name}" for p in (ROOT / "fp8jax" / "configs").glob("*.py")}
     sections = r"config\w*|c|cfg|m|f|d|fp8|data|model|comm|mesh|optim|loop"
     pattern = re.compile(rf"\b({sections})\.get\(")

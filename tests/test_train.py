@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp8jax import spec
 from fp8jax.diagnostics import inspect as inspect_lib
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from fp8jax import errors
-from fp8jax.trainer import environment, spec
+from fp8jax import errors, spec
+from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
 from fp8_testing import base_config, flat_fields, set_field
@@ -236,7 +236,7 @@ def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.C
 
 def test_o3_with_fsdp_validates():
     code = (
-        "from fp8jax.trainer import environment as e, loop as t, spec as s; "
+        "from fp8jax import spec as s; from fp8jax.trainer import environment as e, loop as t; "
         "c = t.load_config('tiny'); c.fp8.level = 'O3'; c.mesh.data, c.mesh.fsdp = 1, 2; "
         "e.check_environment(s.parse(c)); c.mesh.fsdp = -1; e.check_environment(s.parse(c))"
     )

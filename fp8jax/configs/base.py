@@ -3,10 +3,10 @@
 Each line reads ``section.field = Kind(default, valid values)  # meaning, unit`` (the kinds:
 ``fp8jax.configs.fields``). ``get_config()`` is the config of every field at its default, the
 tiny CPU run (configs/tiny.py); named configs start from it and override what differs, so a
-config file outside the package can do the same. ``fp8jax.trainer.spec.parse`` checks each
+config file outside the package can do the same. ``fp8jax.spec.parse`` checks each
 field against its declaration here and supplies no default of its own. Fields declared as a
 plain ``Field`` are checked by their section's own type (``config.data``, ``config.dpo``:
-``fp8jax.trainer.data_spec``; ``config.comm``: ``fp8jax.parallel.comm.CommConfig``) or, for
+``fp8jax.data_spec``; ``config.comm``: ``fp8jax.parallel.comm.CommConfig``) or, for
 the scaling recipes' fields, by the recipes themselves (``fp8jax.ops.scaling``).
 """
 

@@ -5,7 +5,7 @@ range)  # meaning, unit``. ``defaults`` turns those declarations into the plain 
 config files override; ``validate`` checks a config's value of each declared field against its
 declaration, raising the one-line ``fp8jax.errors.ConfigError`` that names the field and the fix.
 A ``Field`` declares a default only: its section's own type validates it (``config.data`` and
-``config.dpo``: ``fp8jax.trainer.data_spec``; ``config.comm``: ``CommConfig``).
+``config.dpo``: ``fp8jax.data_spec``; ``config.comm``: ``CommConfig``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from fp8jax import errors
+from fp8jax import errors, spec
 from fp8jax.diagnostics import coverage, memory
 from fp8jax.optim.levels import Level
-from fp8jax.trainer import environment, spec
+from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")

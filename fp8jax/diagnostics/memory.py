@@ -24,8 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp8jax._tree import path_key
 from fp8jax.optim.levels import Level, Storage
-from fp8jax.optim.master import ScaledTensor, is_scaled, path_key, resolve_mask, storage_dtype
+from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
 
 _MIB = 2.0**20
 

@@ -20,12 +20,12 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from fp8jax import provenance, spec
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError
 from fp8jax.hf import architectures, weights, workdir
 from fp8jax.models.config import ModelConfig
-from fp8jax.trainer import provenance
-from fp8jax.trainer import tokenizer as tokenizer_lib
-from fp8jax.trainer.tokenizer import Tokenizer
+from fp8jax.tokenizer import Tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -50,7 +50,6 @@ class Loaded:
 def default_model_cfg() -> ModelConfig:
     """The base config's model at level O0 (f32, no FP8): the training fields of an import."""
     from fp8jax.configs import base
-    from fp8jax.trainer import spec
 
     config = base.get_config()
     config.fp8.level = "O0"

@@ -14,14 +14,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from fp8jax import errors
+from fp8jax import errors, provenance
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError, CheckpointMismatchError
 from fp8jax.hf import architectures, weights
 from fp8jax.models.config import ModelConfig
 from fp8jax.optim import master
-from fp8jax.trainer import provenance
-from fp8jax.trainer import tokenizer as tokenizer_lib
-from fp8jax.trainer.tokenizer import Tokenizer
+from fp8jax.tokenizer import Tokenizer
 
 TOKENIZER = "tokenizer.json"
 

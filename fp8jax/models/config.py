@@ -1,7 +1,7 @@
 """The model's settings (``ModelConfig``), their vocabulary, the model-family protocol and
 registry (``Family``), and size/FLOP accounting.
 
-``fp8jax.trainer.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
+``fp8jax.spec.parse`` builds a ``ModelConfig`` from a config file's ``model`` and
 ``fp8`` sections, validated; library users may build one directly. Its fields are those of an
 ``Architecture`` (what the network is) and of an ``Execution`` (how it runs).
 ``ModelConfig.style`` names a registered ``Family`` (``fp8jax.models.families``: one module per

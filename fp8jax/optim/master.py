@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct, traverse_util
 
+from fp8jax._tree import leaf_name
 from fp8jax.ops import formats
 
 # Accepted spellings of the storage formats (lower-cased before lookup).
@@ -259,19 +260,6 @@ def write(values, stores, seeds, ok=None) -> list:
     take the values. Where ``ok`` is False every store keeps its old bits."""
     scales = fresh_scales(scaled_amaxes(values, stores), stores)
     return rebuild(encode_like(values, stores, scales, seeds, ok), stores, scales, ok)
-
-
-def path_key(path) -> tuple[str, ...]:
-    """A tree path as a tuple of plain names, e.g. ('blocks', 'mlp', 'wi', 'kernel')."""
-    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
-
-
-def leaf_name(path) -> str:
-    """Last meaningful key of a tree path (skipping the ``.value`` of flax Partitioned boxes)."""
-    names = list(path_key(path))
-    while names and names[-1] == "value":
-        names.pop()
-    return names[-1] if names else ""
 
 
 def is_matmul_weight(path, leaf) -> bool:

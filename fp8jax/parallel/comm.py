@@ -42,9 +42,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from fp8jax._tree import path_key
 from fp8jax.errors import ConfigError, check_bool, check_int, check_number
 from fp8jax.ops import formats
-from fp8jax.optim.master import path_key
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
 

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from fp8jax._tree import path_key
 from fp8jax.ops import formats, scaling
-from fp8jax.optim.master import fp8_op_name, path_key
+from fp8jax.optim.master import fp8_op_name
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.comm import Plan, amax_stacked, from_wire, per_layer, to_wire, wire_format
 from fp8jax.parallel.sharding import MESH_AXES

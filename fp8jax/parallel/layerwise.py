@@ -37,9 +37,9 @@ from flax import linen as nn
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from fp8jax._tree import path_key
 from fp8jax.ops import block_cast, formats, scaling
 from fp8jax.ops.remat import GATHERED
-from fp8jax.optim.master import path_key
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.gather import COMPUTE_DTYPE_LEAVES, find_meta

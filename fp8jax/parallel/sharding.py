@@ -19,8 +19,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fp8jax._tree import path_key
 from fp8jax.optim import master
-from fp8jax.optim.master import path_key
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them

@@ -1,1 +1,1 @@
-"""The trainer: run spec, loop, train step, checkpoints, data, tokenizer and metrics."""
+"""The trainer: loop, train step, checkpoints, data and metrics."""

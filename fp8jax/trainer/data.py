@@ -5,7 +5,7 @@
 and returns a :class:`Dataset` whose training iterator is infinite, seed-deterministic, sharded
 by process and resumable from a JSON state. Both caches are keyed on the corpus bytes and every
 setting that shapes them, and are written only once the build has succeeded
-(fp8jax.trainer.provenance has the rules for reuse on resume).
+(fp8jax.provenance has the rules for reuse on resume).
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
+from fp8jax import provenance
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
+from fp8jax.tokenizer import Tokenizer
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import data_format, provenance
-from fp8jax.trainer import tokenizer as tokenizer_lib
+from fp8jax.trainer import data_format
 from fp8jax.trainer.stream import TrainIterator, process_rows, seed32
 from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterator's JSON
-from fp8jax.trainer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from fp8jax.trainer.spec import RunSpec
+    from fp8jax.spec import RunSpec
 
 _CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
 _ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call

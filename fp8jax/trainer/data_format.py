@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from fp8jax import provenance
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import provenance
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.stream import seed32
 
 if TYPE_CHECKING:
-    from fp8jax.trainer.spec import RunSpec
+    from fp8jax.spec import RunSpec
 
 TOKENIZER_FILE = "tokenizer.json"  # the learned BPE in the work dir
 JSONL = (".jsonl", ".jsonl.gz")  # the files of the .jsonl formats

@@ -28,7 +28,7 @@ from fp8jax.trainer.sft_data import Example, make_row, stack
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 
 if TYPE_CHECKING:
-    from fp8jax.trainer.spec import RunSpec
+    from fp8jax.spec import RunSpec
 
 _VERSION = 1  # how pairs are encoded and split; part of the data key
 FIELDS = ("prompt", "chosen", "rejected")

@@ -10,11 +10,11 @@ import pathlib
 from jax.sharding import Mesh
 
 from fp8jax import errors
+from fp8jax.data_spec import DATA_FIX
 from fp8jax.errors import ConfigError
 from fp8jax.models.config import ModelConfig
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer.data_spec import DATA_FIX
-from fp8jax.trainer.spec import RunSpec
+from fp8jax.spec import RunSpec
 
 
 def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> Mesh:
@@ -58,7 +58,7 @@ def check_corpus(run: RunSpec) -> None:
                           f"shipped corpus)")  # fmt: skip
     if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
         return
-    from fp8jax.trainer import tokenizer  # its BPE sets the vocabulary's floor
+    from fp8jax import tokenizer  # its BPE sets the vocabulary's floor
 
     vocab, low = run.model.vocab_size, tokenizer.MIN_VOCAB_SIZE
     if vocab < low:

@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fp8jax import errors, models
+from fp8jax import errors, models, provenance
 from fp8jax.nn.state import FP8
 from fp8jax.ops import scaling
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
-from fp8jax.trainer import provenance
 from fp8jax.trainer import step as step_lib
 
 LEVELS = ("O0", "O1")  # O2/O3 differ from O1 only in what training stores

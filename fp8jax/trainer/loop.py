@@ -28,14 +28,14 @@ import ml_collections
 from absl import logging
 from jax.sharding import Mesh
 
-from fp8jax import configs, errors, models
+from fp8jax import configs, errors, models, provenance, spec
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import environment, formats, generate, objectives, provenance, spec
+from fp8jax.spec import RunSpec
+from fp8jax.trainer import environment, formats, generate, objectives
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
-from fp8jax.trainer.spec import RunSpec
 
 
 class _Preempted:

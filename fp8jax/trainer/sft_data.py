@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.trainer import chat, data_format, tasks
 from fp8jax.trainer import corpus as corpus_lib
-from fp8jax.trainer import tokenizer as tokenizer_lib
 from fp8jax.trainer.data_format import split
 from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 
 if TYPE_CHECKING:
-    from fp8jax.trainer.spec import RunSpec
+    from fp8jax.spec import RunSpec
 
 _VERSION = 1  # how examples are encoded and split; part of the data key
 KEYS = ("inputs", "targets", "weights", "positions", "segment_ids")

@@ -20,6 +20,7 @@ import optax
 from absl import logging
 from flax import struct
 
+from fp8jax import provenance
 from fp8jax.models.layers import FLAX_FP8
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8, FP8_STATS
@@ -27,10 +28,10 @@ from fp8jax.optim import adam as optim
 from fp8jax.optim.fused import FusedAdamW
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.trainer import objectives, provenance, replicas
+from fp8jax.spec import OptimSpec, RunSpec
+from fp8jax.trainer import objectives, replicas
 from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.objectives import Objective
-from fp8jax.trainer.spec import OptimSpec, RunSpec
 
 
 @struct.dataclass

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import models
+from fp8jax._tree import leaf_name
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8
 from fp8jax.optim import adam as optim
-from fp8jax.optim.master import leaf_name
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer.objectives.base import Objective, register

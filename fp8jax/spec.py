@@ -17,13 +17,13 @@ import jax.numpy as jnp
 
 from fp8jax import errors
 from fp8jax.configs import base, fields
+from fp8jax.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 from fp8jax.errors import ConfigError
 from fp8jax.models import config as model_lib
 from fp8jax.models.config import ModelConfig
 from fp8jax.ops import scaling
 from fp8jax.optim.levels import Level, Storage
 from fp8jax.parallel import comm as comm_lib
-from fp8jax.trainer.data_spec import DataSpec, DpoSpec, parse_data, parse_dpo
 
 CommSpec = comm_lib.CommConfig  # FP8 gradient communication (``config.comm``)
 

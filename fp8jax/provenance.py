@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.ops import scaling
-from fp8jax.trainer import tokenizer as tokenizer_lib
-from fp8jax.trainer.tokenizer import Tokenizer
+from fp8jax.tokenizer import Tokenizer
 
 MANIFEST = "data.json"
 # The model a work dir's checkpoints hold (ModelConfig fields as JSON), for import/export.

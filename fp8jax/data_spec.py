@@ -1,5 +1,5 @@
 """The run spec's data sections: ``config.data`` (corpus or fine-tuning examples) and
-``config.dpo`` (preference tuning), as frozen dataclasses validated by ``trainer.spec.parse``.
+``config.dpo`` (preference tuning), as frozen dataclasses validated by ``spec.parse``.
 """
 
 from __future__ import annotations

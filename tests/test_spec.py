@@ -214,8 +214,10 @@ def test_setup_is_a_frozen_dataclass_without_string_keys():
     c.model.num_layers, c.model.d_model, c.model.d_ff = 1, 64, 128
     env = loop.setup(spec.parse(c))
     names = {f.name for f in dataclasses.fields(loop.Setup)}
-    assert names == {"run", "mesh", "model", "tx", "init", "abstract", "state_shardings",
-                     "batch_sharding", "train_step", "eval_step", "stats_step"}  # fmt: skip
+    assert names == {
+        "run", "mesh", "model", "objective", "tx", "init", "abstract", "state_shardings",
+        "batch_sharding", "train_step", "eval_step", "stats_step",
+    }  # fmt: skip
     with pytest.raises(TypeError):
         env["train_step"]  # noqa: B018
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -10,6 +10,14 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+__all__ = [
+    "drop_closed_event_loop_errors",
+    "fail",
+    "quiet_jax_backend_probe",
+    "run",
+    "user_errors",
+]
+
 
 def quiet_jax_backend_probe() -> None:
     """Drop JAX's INFO lines about backends it could not load ('Unable to initialize backend

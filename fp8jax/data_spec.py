@@ -8,6 +8,16 @@ import dataclasses
 
 from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
 
+__all__ = [
+    "DATA_FIX",
+    "DATA_FORMATS",
+    "OVERLONG",
+    "DataSpec",
+    "DpoSpec",
+    "parse_data",
+    "parse_dpo",
+]
+
 DATA_FORMATS = ("text", "sft", "dpo")  # corpus, prompt/completion examples, preference pairs
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 DATA_FIX = "set config.data.path to a text file, a folder of .txt files or a .jsonl file"

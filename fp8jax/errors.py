@@ -14,6 +14,24 @@ import re
 
 from absl import flags
 
+__all__ = [
+    "USER_ERRORS",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ConfigError",
+    "DataError",
+    "NonFiniteLossError",
+    "UserError",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "describe_flag_error",
+    "field_name",
+    "one_line",
+    "reraise_as",
+]
+
 
 class UserError(Exception):
     """A problem with the run's inputs or its numerics, fixable by the user; one line."""

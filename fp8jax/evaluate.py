@@ -18,6 +18,10 @@ from absl import flags
 
 from fp8jax import cli
 
+__all__ = [
+    "main",
+]
+
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
 _DATA = flags.DEFINE_string("data", None, "Text file, folder of .txt files, or .jsonl file.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per batch.")

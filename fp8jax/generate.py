@@ -17,6 +17,11 @@ from absl import flags
 
 from fp8jax import cli
 
+__all__ = [
+    "main",
+    "prompts",
+]
+
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for a batch).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file of prompts, one a line.")

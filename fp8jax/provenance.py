@@ -24,6 +24,17 @@ from fp8jax.errors import DataError
 from fp8jax.ops import scaling
 from fp8jax.tokenizer import Tokenizer
 
+__all__ = [
+    "MANIFEST",
+    "MODEL_RECORD",
+    "check_resume",
+    "has_checkpoint",
+    "read_json",
+    "record_model",
+    "tokenizer_for",
+    "write_json",
+]
+
 MANIFEST = "data.json"
 # The model a work dir's checkpoints hold (ModelConfig fields as JSON), for import/export.
 MODEL_RECORD = "model.json"

@@ -25,6 +25,19 @@ from fp8jax.ops import scaling
 from fp8jax.optim.levels import Level, Storage
 from fp8jax.parallel import comm as comm_lib
 
+__all__ = [
+    "CommSpec",
+    "DataSpec",
+    "Fp8Spec",
+    "Level",
+    "LoopSpec",
+    "MeshSpec",
+    "OptimSpec",
+    "RunSpec",
+    "parse",
+    "with_level",
+]
+
 CommSpec = comm_lib.CommConfig  # FP8 gradient communication (``config.comm``)
 
 

@@ -13,6 +13,21 @@ import tokenizers
 from absl import logging
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+__all__ = [
+    "EOS",
+    "HF_SPECIAL_FILES",
+    "HF_TOKENIZER",
+    "MIN_VOCAB_SIZE",
+    "Tokenizer",
+    "from_str",
+    "load_cached",
+    "load_hf",
+    "record_path",
+    "save_cached",
+    "sha256",
+    "train",
+]
+
 EOS = "<|endoftext|>"
 # 256 byte symbols plus EOS: the smallest vocabulary that can still encode any text.
 MIN_VOCAB_SIZE = 257

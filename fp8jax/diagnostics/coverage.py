@@ -19,6 +19,21 @@ import jax
 
 from fp8jax.ops import cublaslt, scaling
 
+__all__ = [
+    "BLOCK_GEMM",
+    "CUBLAS_FP8",
+    "FP8_KERNELS",
+    "FP8_TYPES",
+    "MOSAIC",
+    "SCALED_GEMM",
+    "TRITON",
+    "CoverageReport",
+    "DotEntry",
+    "coverage_report",
+    "gemm_counts",
+    "parse_stablehlo",
+]
+
 # Element types XLA treats as FP8 (the first two are the ones fp8jax emits).
 FP8_TYPES = (
     "f8E4M3FN",

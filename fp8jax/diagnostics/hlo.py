@@ -13,6 +13,15 @@ from __future__ import annotations
 import math
 import re
 
+__all__ = [
+    "DTYPE_BYTES",
+    "bytes_summary",
+    "collectives",
+    "computations",
+    "executions",
+    "fp8_collectives_in_stablehlo",
+]
+
 # Bytes per element of HLO's element types.
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,

@@ -20,6 +20,13 @@ from fp8jax.optim.levels import Level
 from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
+__all__ = [
+    "coverage_of",
+    "lower_train_step",
+    "main",
+    "memory_rows",
+]
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config()).")
 _MEMORY = flags.DEFINE_bool("memory", False, "Also report bytes/param at O0/O1/O2.")
 _COMPILE = flags.DEFINE_bool(

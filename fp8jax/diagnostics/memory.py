@@ -28,6 +28,15 @@ from fp8jax._tree import path_key
 from fp8jax.optim.levels import Level, Storage
 from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
 
+__all__ = [
+    "account",
+    "bytes_per_param",
+    "compiled_memory",
+    "format_compiled_memory",
+    "memory_table",
+    "state_bytes",
+]
+
 _MIB = 2.0**20
 
 

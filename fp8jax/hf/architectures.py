@@ -18,6 +18,23 @@ from fp8jax.errors import CheckpointError
 from fp8jax.models.config import Architecture, ModelConfig, RopeScaling
 from fp8jax.models.families import FAMILIES, Family
 
+__all__ = [
+    "ARCHITECTURE_FIELDS",
+    "CONFIG",
+    "GENERATION_CONFIG",
+    "MODEL_TYPES",
+    "SUPPORTED",
+    "architecture_name",
+    "export_name",
+    "family_of",
+    "fields_of",
+    "from_hf_config",
+    "from_json",
+    "hf_config",
+    "read_json",
+    "to_json",
+]
+
 # The HF architectures the registered families import, and config.json model_type -> one.
 SUPPORTED = tuple(a for family in FAMILIES.values() for a in family.hf_architectures)
 MODEL_TYPES = {k: a for family in FAMILIES.values() for k, a in family.hf_model_types.items()}

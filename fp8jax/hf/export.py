@@ -12,6 +12,10 @@ import argparse
 import os
 import sys
 
+__all__ = [
+    "main",
+]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8jax.hf.export", description=__doc__)

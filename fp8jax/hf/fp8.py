@@ -38,6 +38,30 @@ import safetensors.numpy
 
 from fp8jax import errors
 
+__all__ = [
+    "BF16",
+    "E4M3",
+    "E4M3_MAX",
+    "INDEX",
+    "SCHEMES",
+    "SUFFIXES",
+    "TARGETS",
+    "check_block",
+    "convert",
+    "dequantize",
+    "dequantize_weight",
+    "is_decoder_linear",
+    "is_fp8",
+    "load_tensors",
+    "main",
+    "quantization_config",
+    "quantize",
+    "quantize_weight",
+    "read_header",
+    "save_tensors",
+    "weight_of_scale",
+]
+
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 BF16 = np.dtype(ml_dtypes.bfloat16)

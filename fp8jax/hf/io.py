@@ -27,6 +27,22 @@ from fp8jax.hf import architectures, weights, workdir
 from fp8jax.models.config import ModelConfig
 from fp8jax.tokenizer import Tokenizer
 
+__all__ = [
+    "EXPORT_DTYPES",
+    "MAX_SHARD_BYTES",
+    "SAFETENSORS",
+    "SAFETENSORS_INDEX",
+    "TOKENIZER_FILES",
+    "Loaded",
+    "architecture",
+    "default_model_cfg",
+    "export",
+    "load",
+    "load_hf_params",
+    "safetensors_files",
+    "save_hf",
+]
+
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size (5 GB)

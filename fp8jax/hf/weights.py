@@ -17,6 +17,22 @@ from fp8jax.models import build_model
 from fp8jax.models.config import ModelConfig
 from fp8jax.models.hf_table import HfTensor, Piece
 
+__all__ = [
+    "IGNORED_SUFFIXES",
+    "HfTensor",
+    "check_coverage",
+    "empty_params",
+    "fill",
+    "flatten",
+    "gather",
+    "hf_tensors",
+    "is_ignored",
+    "leaf_key",
+    "param_shapes",
+    "relayout",
+    "unflatten",
+]
+
 # Buffers HF models register in their state dicts that are not weights (GPT-2's causal mask,
 # old LLaMA's RoPE frequencies).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

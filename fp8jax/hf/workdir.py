@@ -22,6 +22,17 @@ from fp8jax.models.config import ModelConfig
 from fp8jax.optim import master
 from fp8jax.tokenizer import Tokenizer
 
+__all__ = [
+    "LAYOUT_FIELDS",
+    "TOKENIZER",
+    "architecture",
+    "is_workdir",
+    "latest_step_dir",
+    "layout",
+    "restore_params",
+    "tokenizer",
+]
+
 TOKENIZER = "tokenizer.json"
 
 

@@ -22,6 +22,31 @@ from fp8jax.errors import ConfigError, check_choice
 from fp8jax.models.hf_table import HfTensor
 from fp8jax.ops import remat, scaling
 
+__all__ = [
+    "ATTENTION_IMPLS",
+    "DTYPES",
+    "FAMILIES",
+    "FP8_IMPLS",
+    "MLPS",
+    "MLP_MATRICES",
+    "MODEL_FLAGS",
+    "MODEL_SIZES",
+    "NORMS",
+    "POSITIONS",
+    "REMAT_POLICIES",
+    "STYLES",
+    "Architecture",
+    "Execution",
+    "Family",
+    "ModelConfig",
+    "RopeScaling",
+    "count_params",
+    "flops_per_token",
+    "get_family",
+    "matmul_params",
+    "register",
+]
+
 ATTENTION_IMPLS = ("", "xla", "cudnn")
 # 'flax': flax's own nn.Fp8DirectDotGeneralOp in the same model, for the step benchmark.
 FP8_IMPLS = ("fp8jax", "flax")

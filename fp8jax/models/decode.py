@@ -19,6 +19,14 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+__all__ = [
+    "CACHE",
+    "KVCache",
+    "decoding",
+    "init_cache",
+    "step",
+]
+
 CACHE = "cache"  # the variable collection of the key/value cache
 
 

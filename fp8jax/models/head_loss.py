@@ -25,6 +25,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "chunk_size",
+    "chunked_cross_entropy",
+    "token_cross_entropy",
+    "weighted_cross_entropy",
+]
+
 
 def token_cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
     """``logsumexp(logits) - logits[target]`` of every token, float32 (any leading shape)."""

@@ -42,6 +42,25 @@ from fp8jax.ops import remat as fp8_remat
 from fp8jax.ops.act_dot import act_dot_general
 from fp8jax.parallel.sharding import constrain  # inert unless a step binds a mesh
 
+__all__ = [
+    "FLAX_FP8",
+    "Attention",
+    "Block",
+    "Mlp",
+    "constrain",
+    "dense",
+    "folds_norm",
+    "fp8_cls",
+    "fuses_activation",
+    "fuses_mlp",
+    "fuses_qkv",
+    "norm",
+    "promote_for",
+    "rebuilds_operands",
+    "recomputes_elementwise",
+    "segment_mask",
+]
+
 # The collection of flax's own FP8 ops (fp8_impl='flax'): the gradient of its variables is their
 # new value.
 FLAX_FP8 = OVERWRITE_WITH_GRADIENT

@@ -12,6 +12,11 @@ import jax.numpy as jnp
 
 from fp8jax.models.config import RopeScaling
 
+__all__ = [
+    "rope",
+    "rope_frequencies",
+]
+
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
     """RoPE's ``half`` inverse frequencies ``theta**(-i/half)``, Llama 3-scaled if ``scaling``."""

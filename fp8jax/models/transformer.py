@@ -29,6 +29,13 @@ from fp8jax.models.params import normal_init
 from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.parallel import layerwise
 
+__all__ = [
+    "HeadKernel",
+    "Transformer",
+    "build_model",
+    "tie_grads",
+]
+
 
 @jax.custom_vjp
 def tie_grads(x, params):

@@ -20,6 +20,18 @@ from fp8jax.ops import activations, dot, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.recipes import DelayedScaling
 
+__all__ = [
+    "FP8",
+    "Einsum",
+    "Fp8DotGeneral",
+    "Fp8Einsum",
+    "Fp8Meta",
+    "fp8_dot_general_cls",
+    "fp8_einsum",
+    "fp8_scan",
+    "keep_kernel_dtype",
+]
+
 
 class _Fp8Op(nn.Module):
     """An FP8 matmul's ``meta`` variable: read it, record health stats, write the new amax."""

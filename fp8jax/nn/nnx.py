@@ -23,6 +23,17 @@ from fp8jax.nn import state
 from fp8jax.ops import activations, dot, kernels, scaling
 from fp8jax.recipes import DelayedScaling
 
+__all__ = [
+    "Fp8DotGeneral",
+    "Fp8Einsum",
+    "Fp8State",
+    "commit_fp8_state",
+    "diff_state",
+    "merge_fp8_grads",
+    "split_grads",
+    "update_fp8_state",
+]
+
 _DEFAULT_RECIPE = DelayedScaling()
 
 

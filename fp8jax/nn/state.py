@@ -21,6 +21,17 @@ import jax.numpy as jnp
 from fp8jax.ops import scaling
 from fp8jax.ops.scaling import Fp8Meta, ScaleState
 
+__all__ = [
+    "FP8",
+    "FP8_STATS",
+    "commit",
+    "keep_if_finite",
+    "max_over_replicas",
+    "merge_grads",
+    "summarize",
+    "update_state",
+]
+
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
 

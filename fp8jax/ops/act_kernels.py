@@ -29,6 +29,11 @@ from fp8jax.ops.kernels import (
     untarget,
 )
 
+__all__ = [
+    "act_grad_cast_transpose",
+    "pallas_act_grad_cast_transpose",
+]
+
 
 def _grad_reference(pre, da, inv, scale, pending, affine, act_scale, dtype, act):
     """XLA version of ``act_grad_cast_transpose``."""

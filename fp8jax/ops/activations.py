@@ -12,6 +12,17 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+__all__ = [
+    "ACTIVATIONS",
+    "ACTIVATION_AND_GRADS",
+    "ACTIVATION_GRADS",
+    "activation",
+    "check_activation",
+    "gelu_tanh",
+    "gelu_tanh_and_grad",
+    "gelu_tanh_grad",
+]
+
 _C, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic term of GELU's tanh form
 
 

@@ -29,6 +29,19 @@ from fp8jax.ops import (
     scaling,
 )
 
+__all__ = [
+    "block_amaxes",
+    "cast_transpose_blocks",
+    "cast_transpose_rows",
+    "cast_transpose_tiles",
+    "dequantize_blocks",
+    "dequantize_tiles",
+    "quantize_blocks",
+    "quantize_tiles",
+    "requantizable_blocks",
+    "split_tiles",
+]
+
 
 def _pad_to(x: jax.Array, axis: int, tile: int) -> jax.Array:
     pad = -x.shape[axis] % tile

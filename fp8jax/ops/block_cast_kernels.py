@@ -31,6 +31,16 @@ import jax.numpy as jnp
 
 from fp8jax.ops import cast_source, formats, kernels, scaling
 
+__all__ = [
+    "MAX_KERNEL_TILE",
+    "finite_max",
+    "kernel_takes",
+    "pallas_cast_transpose_blocks",
+    "pallas_cast_transpose_tiles",
+    "tile_abs",
+    "tile_scales",
+]
+
 MAX_KERNEL_TILE = 128  # a [T, T] f32 block in registers: 64 KiB at T = 128
 # Warps per [128, 128] block, the fastest of 4, 8, 16 on an H200 (x [16384, 2048] bf16, w
 # [2048, 8192] bf16): the tiles kernel keeps two scaled copies live, the blocks kernel one. A

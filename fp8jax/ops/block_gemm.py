@@ -45,6 +45,25 @@ import jax.numpy as jnp
 
 from fp8jax.ops import block_gemm_mgpu, cublaslt, kernels, tile_dot
 
+__all__ = [
+    "BLOCK",
+    "BM",
+    "BN",
+    "GROUP",
+    "OUT_DTYPES",
+    "PREFETCH",
+    "STAGES",
+    "WARPS",
+    "block_scaled_dot",
+    "block_scaled_dot_reference",
+    "check_operands",
+    "kernel_for",
+    "mosaic_block_scaled_dot",
+    "pallas_block_scaled_dot",
+    "promote",
+    "resolve_b_blocks",
+]
+
 BLOCK = 128  # DeepSeek-V3's tile: elements of K per scale
 OUT_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

@@ -38,6 +38,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+__all__ = [
+    "BLOCKS",
+    "COMPUTE_WGS",
+    "DEFAULT",
+    "KERNEL_NAME",
+    "ROWS",
+    "WGMMA_ROWS",
+    "Tuning",
+    "available",
+    "block_scaled_dot",
+    "takes",
+    "tuning_for",
+]
+
 KERNEL_NAME = "fp8_block_scaled_dot"  # the Triton kernel's name too: coverage counts either
 WGMMA_ROWS = 64  # rows of one FP8 WGMMA accumulator fragment (m64nNk32)
 COMPUTE_WGS = 2  # compute warpgroups per CTA; a third warpgroup issues the TMA copies

@@ -20,6 +20,19 @@ from flax import struct
 
 from fp8jax.ops import activations
 
+__all__ = [
+    "Source",
+    "activated",
+    "activation_grad",
+    "block_specs",
+    "check",
+    "evaluate",
+    "evaluate_block",
+    "identity",
+    "plain",
+    "vector_specs",
+]
+
 
 @struct.dataclass
 class Source:

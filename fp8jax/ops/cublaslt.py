@@ -33,6 +33,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "BLOCK",
+    "BLOCKS",
+    "ROWWISE",
+    "SOURCE",
+    "TARGET",
+    "TILES",
+    "WORKSPACE",
+    "available",
+    "block_dot",
+    "block_scales",
+    "require",
+    "rowwise_dot",
+    "scaled_mm",
+    "supports",
+    "unavailable_reason",
+]
+
 TARGET = "fp8jax_scaled_gemm"
 SOURCE = Path(__file__).with_name("csrc") / "scaled_gemm.cc"
 BLOCK = 128  # cuBLASLt's block scales: 128 elements of K per scale

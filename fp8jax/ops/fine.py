@@ -46,6 +46,16 @@ from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
+__all__ = [
+    "Out",
+    "check_recipes",
+    "check_unbatched",
+    "fine_matmul",
+    "out_rowwise",
+    "rowwise_gemm",
+    "saturation_stats",
+]
+
 
 def check_recipes(meta: Fp8Meta) -> scaling.Recipe:
     """The fine recipe of ``meta``; one clear error if x, w and dy do not share it."""

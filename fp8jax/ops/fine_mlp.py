@@ -32,6 +32,11 @@ from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
+__all__ = [
+    "ACT",
+    "gelu_mlp",
+]
+
 ACT = "gelu_tanh"
 
 

@@ -11,6 +11,20 @@ import math
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FORMATS",
+    "amax",
+    "as_dtype",
+    "clip_threshold",
+    "dequantize",
+    "fmax",
+    "quantize",
+    "saturate",
+    "saturation_stats",
+]
+
 E4M3 = jnp.float8_e4m3fn  # 4 exponent bits, max 448: forward tensors (activations, weights).
 E5M2 = jnp.float8_e5m2  # 5 exponent bits, max 57344: gradients, which need the range.
 

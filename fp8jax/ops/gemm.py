@@ -22,6 +22,25 @@ from fp8jax.ops import activations, formats, kernels
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
+__all__ = [
+    "REBUILD",
+    "GemmConfig",
+    "acc_dtype",
+    "bwd_fused",
+    "dgrad_out",
+    "dy_cotangent",
+    "fused_grads",
+    "fwd_fused",
+    "inverse_scales",
+    "mm",
+    "rebuilt_input",
+    "rebuilt_operands",
+    "rebuilt_weight",
+    "unscale",
+    "uses_fused_cast",
+    "wgrad_dtype",
+]
+
 
 class GemmConfig(NamedTuple):
     """Static facts the backward pass needs (hashable, passed as a non-diff argument)."""

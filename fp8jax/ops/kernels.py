@@ -28,6 +28,30 @@ import jax.numpy as jnp
 
 from fp8jax.ops import activations, formats, scaling
 
+__all__ = [
+    "ACT_COL_BLOCKS",
+    "AUTO",
+    "BOTH",
+    "IMPLS",
+    "WARPS",
+    "affine_operands",
+    "apply_affine",
+    "apply_norm",
+    "cast_transpose",
+    "check_affine",
+    "check_impl",
+    "check_norm",
+    "dispatch",
+    "grid_layout",
+    "kernel_tanh",
+    "norm_operands",
+    "pallas_cast_transpose",
+    "record_amax",
+    "record_reference",
+    "resolve_impl",
+    "untarget",
+]
+
 IMPLS = ("xla", "pallas", "interpret")
 AUTO = "auto"  # the library ops' default cast: ``resolve_impl`` picks one of IMPLS per platform
 # Triton blocks are powers of two; fp8jax pads GEMM dims to 16. 64 rows x 128 columns with 4

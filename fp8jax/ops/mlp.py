@@ -33,6 +33,13 @@ from fp8jax.ops import act_kernels, dot, formats, gemm, kernels, norm
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
+__all__ = [
+    "ACT",
+    "DENSE",
+    "gelu_mlp",
+    "tensor_gelu_mlp",
+]
+
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
 ACT = "gelu_tanh"
 

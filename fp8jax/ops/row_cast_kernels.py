@@ -30,6 +30,16 @@ import jax.numpy as jnp
 
 from fp8jax.ops import block_cast_kernels, cast_source, formats, kernels, scaling
 
+__all__ = [
+    "COL_BLOCKS",
+    "ROW_BLOCKS",
+    "blocks",
+    "default_tuning",
+    "pallas_cast_rows_cols",
+    "pallas_cast_transpose_rows",
+    "pallas_row_col_amax",
+]
+
 # Power-of-two Triton blocks that divide a side; fp8jax pads GEMM sides to 16. Default tunings
 # (the fastest of 64/32/128 rows x 64/128/256 columns and 4 or 8 warps on an H200, for
 # gpt_1b3's [16384, 8192] MLP activation): 64 x 128 blocks with 8 warps for a tensor alone

@@ -22,6 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
+__all__ = [
+    "tile_dot",
+    "tile_dot_p",
+]
+
 _NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]^T
 
 try:  # jax >= 0.4.36 keeps Primitive in jax.extend

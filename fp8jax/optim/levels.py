@@ -9,6 +9,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+__all__ = [
+    "LEVELS",
+    "MASTER_ROUNDING",
+    "STATE_FORMATS",
+    "Capabilities",
+    "Level",
+    "Storage",
+]
+
 # Storage formats the O2+ optimizer may use for Adam moments and master weights.
 STATE_FORMATS = ("e4m3", "e5m2", "float16", "bfloat16", "float32")
 MASTER_ROUNDING = ("stochastic", "nearest")  # how O2+ masters are re-quantized

@@ -34,6 +34,36 @@ from flax import struct, traverse_util
 from fp8jax._tree import leaf_name
 from fp8jax.ops import formats
 
+__all__ = [
+    "STORAGE_FORMATS",
+    "ScaledTensor",
+    "apply_updates",
+    "carry_masters",
+    "dequantize_carried",
+    "dequantize_carrier",
+    "encode",
+    "encode_like",
+    "floor_log2",
+    "fp8_op_name",
+    "fresh_scales",
+    "hash_bits",
+    "is_matmul_weight",
+    "is_scaled",
+    "joint_amaxes",
+    "leaf_salt",
+    "materialize",
+    "pow2",
+    "quantize_scaled",
+    "rebuild",
+    "resolve_mask",
+    "scale_for",
+    "scaled_amaxes",
+    "storage_dtype",
+    "to_master",
+    "updated_value",
+    "write",
+]
+
 # Accepted spellings of the storage formats (lower-cased before lookup).
 STORAGE_FORMATS = {
     "e4m3": jnp.float8_e4m3fn,

@@ -22,6 +22,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fp8jax._tree import path_key
 from fp8jax.optim import master
 
+__all__ = [
+    "ACTIVATION_RULES",
+    "DP_AXES",
+    "MESH_AXES",
+    "RULES",
+    "activation_sharding",
+    "axis_dim",
+    "batch_sharding",
+    "boxed_params",
+    "constrain",
+    "dp_size",
+    "drop_axis",
+    "fit_spec",
+    "initialize_distributed",
+    "logical_shardings",
+    "make_mesh",
+    "param_logical_names",
+    "param_specs",
+    "put_batch",
+    "replicated",
+    "state_shardings",
+    "within_replica",
+]
+
 MESH_AXES = ("data", "fsdp", "tensor")
 DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
 

@@ -26,6 +26,17 @@ import numpy as np
 
 from fp8jax.errors import DataError
 
+__all__ = [
+    "NO_TEMPLATE_FIX",
+    "chat_parts",
+    "check_record",
+    "compile_template",
+    "encode",
+    "plain_ids",
+    "render",
+    "template_of",
+]
+
 NO_TEMPLATE_FIX = (
     "the tokenizer has no chat template: write the data as {'prompt', 'completion'} lines, "
     "or set init_from to a checkpoint whose tokenizer_config.json has a chat_template"

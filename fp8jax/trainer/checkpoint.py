@@ -32,6 +32,15 @@ from jax.experimental import multihost_utils
 
 from fp8jax.errors import CheckpointMismatchError
 
+__all__ = [
+    "OFFSET_KEY",
+    "SAVED_AS",
+    "Checkpointer",
+    "abstract_like",
+    "data_state_problem",
+    "non_finite_leaves",
+]
+
 
 class Checkpointer:
     """Save/restore ``(state, data_state)`` under ``<workdir>/checkpoints``, keeping the last K."""

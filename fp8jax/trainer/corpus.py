@@ -10,6 +10,16 @@ from pathlib import Path
 
 from fp8jax.errors import DataError
 
+__all__ = [
+    "FIX",
+    "SHIPPED_DIR",
+    "TEXT_SUFFIXES",
+    "check_not_empty",
+    "fingerprint",
+    "pieces",
+    "source_files",
+]
+
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole

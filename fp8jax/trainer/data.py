@@ -33,6 +33,15 @@ from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterat
 if TYPE_CHECKING:
     from fp8jax.spec import RunSpec
 
+__all__ = [
+    "Batch",
+    "Dataset",
+    "Text",
+    "TrainIterator",
+    "build",
+    "state_to_bytes",
+]
+
 _CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
 _ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast

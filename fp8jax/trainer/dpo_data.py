@@ -30,6 +30,20 @@ from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 if TYPE_CHECKING:
     from fp8jax.spec import RunSpec
 
+__all__ = [
+    "FIELDS",
+    "DpoDataset",
+    "Preferences",
+    "build",
+    "check_pair",
+    "encode_response",
+    "fit_pairs",
+    "make_row",
+    "novel_pairs",
+    "record_texts",
+    "stack",
+]
+
 _VERSION = 1  # how pairs are encoded and split; part of the data key
 FIELDS = ("prompt", "chosen", "rejected")
 

@@ -16,6 +16,12 @@ from fp8jax.models.config import ModelConfig
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
 
+__all__ = [
+    "check_corpus",
+    "check_environment",
+    "check_platform",
+]
+
 
 def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> Mesh:
     """Check ``run`` against the machine; return its mesh (``check_corpus``: the files).

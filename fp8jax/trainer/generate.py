@@ -29,6 +29,19 @@ from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.sampling import GREEDY, Sampling
 
+__all__ = [
+    "MIN_BUCKET",
+    "Buckets",
+    "Decoder",
+    "bucket",
+    "buckets_for",
+    "decoder_for",
+    "end_sample",
+    "evaluate",
+    "generate",
+    "generate_ids",
+]
+
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
 
 

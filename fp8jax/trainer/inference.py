@@ -24,6 +24,18 @@ from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import step as step_lib
 
+__all__ = [
+    "LAYOUT_FIELDS",
+    "LEVELS",
+    "Inference",
+    "evaluate",
+    "fine_recipe",
+    "fresh_fp8_state",
+    "load",
+    "restore_fp8_state",
+    "text_tokens",
+]
+
 LEVELS = ("O0", "O1")  # O2/O3 differ from O1 only in what training stores
 # Training fields the params and FP8 state layout depend on, taken from a work dir's record.
 LAYOUT_FIELDS = ("scan_layers", "fused_qkv", "fp8_lm_head")

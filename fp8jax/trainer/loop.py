@@ -37,6 +37,19 @@ from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
+__all__ = [
+    "Setup",
+    "abstract_batch",
+    "from_checkpoint",
+    "keep_tokenizer",
+    "load_config",
+    "objective_of",
+    "partitionable",
+    "setup",
+    "train_and_evaluate",
+    "use_compilation_cache",
+]
+
 
 class _Preempted:
     """SIGTERM flag: the loop checkpoints and returns at the next step boundary."""

@@ -21,6 +21,19 @@ from fp8jax import errors
 from fp8jax.diagnostics import memory
 from fp8jax.nn import state as fp8_state
 
+__all__ = [
+    "HEALTH_WARN_SHARE",
+    "NonFiniteGuard",
+    "RunLog",
+    "Writer",
+    "fmt",
+    "fp8_health",
+    "fp8_worst",
+    "log_memory",
+    "logs_above_bar",
+    "quiet_library_logs",
+]
+
 
 class _QuietLibraries:
     """Drop INFO records from orbax/grain (they log every save and read at INFO)."""

@@ -16,6 +16,15 @@ import jax.numpy as jnp
 
 from fp8jax import errors
 
+__all__ = [
+    "GREEDY",
+    "Sampling",
+    "filtered_logits",
+    "next_tokens",
+    "top_k_mask",
+    "top_p_mask",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:

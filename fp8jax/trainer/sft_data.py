@@ -33,6 +33,25 @@ from fp8jax.trainer.stream import Batch, TrainIterator, process_rows, seed32
 if TYPE_CHECKING:
     from fp8jax.spec import RunSpec
 
+__all__ = [
+    "DTYPES",
+    "FIX",
+    "KEYS",
+    "Example",
+    "Sft",
+    "SftDataset",
+    "build",
+    "check_fits",
+    "data_key",
+    "fit",
+    "fit_examples",
+    "make_row",
+    "novel_task",
+    "plan_rows",
+    "record_texts",
+    "stack",
+]
+
 _VERSION = 1  # how examples are encoded and split; part of the data key
 KEYS = ("inputs", "targets", "weights", "positions", "segment_ids")
 DTYPES = {k: np.float32 if k == "weights" else np.int32 for k in KEYS}  # a batch's arrays

@@ -33,6 +33,23 @@ from fp8jax.trainer import objectives, replicas
 from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
 from fp8jax.trainer.objectives import Objective
 
+__all__ = [
+    "LANGUAGE_MODEL",
+    "TrainState",
+    "batch_gradients",
+    "fused_adamw",
+    "init_state",
+    "learning_rate_schedule",
+    "make_eval_step",
+    "make_optimizer",
+    "make_stats_step",
+    "make_train_step",
+    "record_schedule",
+    "splits_pallas_casts",
+    "stacked_leaves",
+    "state_collection",
+]
+
 
 @struct.dataclass
 class TrainState:

@@ -11,6 +11,15 @@ from typing import Any
 
 from absl import logging
 
+__all__ = [
+    "Batch",
+    "TrainIterator",
+    "process_rows",
+    "seed32",
+    "state_from_bytes",
+    "state_to_bytes",
+]
+
 Batch = dict  # batch key -> np.ndarray [rows, seq_len]
 
 

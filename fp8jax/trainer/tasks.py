@@ -21,6 +21,20 @@ import numpy as np
 from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
 
+__all__ = [
+    "PROMPT_SUFFIX",
+    "chance",
+    "exact_match",
+    "example",
+    "novel_files",
+    "novel_split",
+    "novel_titles",
+    "preference_pairs",
+    "title_in",
+    "title_of",
+    "write_jsonl",
+]
+
 PROMPT_SUFFIX = "\nNovel:"  # what ends every prompt, before the title
 
 

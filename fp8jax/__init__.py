@@ -20,12 +20,10 @@ from fp8jax.nn.state import (
     summarize,
     update_state,
 )
-from fp8jax.ops import formats, kernels, remat, scaling
 from fp8jax.ops.dot import dot_general
-from fp8jax.ops.formats import E4M3, E5M2, amax, dequantize, quantize
-from fp8jax.ops.kernels import cast_transpose
 from fp8jax.ops.scaling import Fp8Meta, ScaleState, init_meta, make_recipe
-from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
+from fp8jax.optim.adam import fp8_adamw
+from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, RowwiseScaling
 
 __version__ = "0.1.0"
 
@@ -42,8 +40,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "E4M3",
-    "E5M2",
     "FP8",
     "FP8_STATS",
     "BlockScaling",
@@ -53,29 +49,23 @@ __all__ = [
     "Einsum",
     "Fp8DotGeneral",
     "Fp8Einsum",
-    "RowwiseScaling",
     "Fp8Meta",
+    "Recipe",
+    "RowwiseScaling",
     "ScaleState",
-    "amax",
-    "cast_transpose",
     "commit",
     "coverage_report",
-    "dequantize",
     "dot_general",
-    "formats",
+    "fp8_adamw",
     "fp8_dot_general_cls",
     "fp8_einsum",
     "fp8_scan",
     "init_meta",
     "keep_if_finite",
     "keep_kernel_dtype",
-    "kernels",
     "make_recipe",
     "merge_grads",
     "nnx",
-    "quantize",
-    "remat",
-    "scaling",
     "summarize",
     "train_and_evaluate",
     "update_state",

@@ -10,7 +10,7 @@ import pytest
 
 import fp8jax
 from fp8jax.diagnostics.coverage import coverage_report
-from fp8jax.ops import dot
+from fp8jax.ops import dot, formats
 
 from fp8_testing import FWD_TOL, GRAD_TOL, MIN_ERR, rel_err
 
@@ -245,8 +245,8 @@ def test_bf16_output_carries_no_scale_rounding_bias():
     meta = meta.replace(x=meta.x.replace(scale=sx), w=meta.w.replace(scale=sw))
     y, _ = _dot(x, w, DENSE, meta)
     assert y.dtype == jnp.bfloat16
-    xq = np.asarray(fp8jax.quantize(x, sx, fp8jax.E4M3), np.float64)
-    wq = np.asarray(fp8jax.quantize(w, sw, fp8jax.E4M3), np.float64)
+    xq = np.asarray(formats.quantize(x, sx, formats.E4M3), np.float64)
+    wq = np.asarray(formats.quantize(w, sw, formats.E4M3), np.float64)
     y_ref = (xq @ wq) / (float(sx) * float(sw))
     big = np.abs(y_ref) > 1e-2
     ratio = np.asarray(y, np.float64)[big] / y_ref[big] - 1.0

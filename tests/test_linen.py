@@ -11,6 +11,7 @@ import fp8jax
 from fp8jax import FP8, FP8_STATS, Fp8DotGeneral
 from fp8jax.diagnostics.coverage import coverage_report
 from fp8jax.nn.linen import fp8_scan
+from fp8jax.ops import formats
 
 from fp8_testing import (
     E4M3_MAX,
@@ -178,7 +179,7 @@ def _replay_reused(kernel, meta, x, r):
     def net(eps):  # eps [3, B, D]: a zero added to each call's output exposes its dy
         h, m, x_amax = x, meta, []
         for i in range(3):
-            x_amax.append(fp8jax.amax(h))
+            x_amax.append(formats.amax(h))
             y, m = fp8jax.dot_general(h, kernel, (((1,), (0,)), ((), ())), m)
             h = h + jnp.tanh(y + eps[i])
         return jnp.sum(h * r), jnp.stack(x_amax)
@@ -245,7 +246,7 @@ def test_scan_variable_axes_gives_per_layer_states():
     def replay(kernels_LxDxD, meta):
         h, x_own = x, []
         for layer in range(3):
-            x_own.append(fp8jax.amax(h))
+            x_own.append(formats.amax(h))
             m = jax.tree.map(lambda a, i=layer: a[i], meta)
             y, _ = fp8jax.dot_general(h, kernels_LxDxD[layer], (((1,), (0,)), ((), ())), m)
             h = h + jnp.tanh(y)

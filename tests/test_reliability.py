@@ -33,6 +33,7 @@ from flax import linen as nn
 import fp8jax
 from fp8jax import errors, models, spec
 from fp8jax.models import layers
+from fp8jax.ops import formats
 from fp8jax.ops.scaling import ScaleState
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
@@ -423,8 +424,8 @@ def test_overflow_saturates_never_inf_and_reports_share():
     A plain cast would give NaN (E4M3) or Inf (E5M2); the FP8 GEMM saturates instead, forward and
     backward stay finite, and FP8_STATS / saturation_stats report the saturated share.
     """
-    assert np.isnan(np.float32(jnp.float32(1e6).astype(fp8jax.E4M3)))
-    assert np.isinf(np.float32(jnp.float32(1e9).astype(fp8jax.E5M2)))
+    assert np.isnan(np.float32(jnp.float32(1e6).astype(formats.E4M3)))
+    assert np.isinf(np.float32(jnp.float32(1e9).astype(formats.E5M2)))
     x = np.random.default_rng(0).normal(size=(8, 32)).astype(np.float32)
     x[:2] = 1e6
     dense = _fp8_dense(fp8jax.DelayedScaling(history_len=4))

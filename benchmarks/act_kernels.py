@@ -29,11 +29,22 @@ SHAPE = (16384, 8192)  # gpt_1b3's [tokens, d_ff]
 # (block rows, block columns, warps, stages, transpose the FP8 block instead of the f32 one):
 # the defaults (64 x 64 for these passes, 64 x 128 for the others; 1 stage, f32 transposed)
 # first.
-TUNINGS = [(64, 64, 4, 1, False), (64, 128, 4, 1, False), (64, 64, 8, 1, False),
-           (64, 128, 8, 1, False), (32, 64, 4, 1, False), (32, 128, 4, 1, False),
-           (128, 64, 4, 1, False), (128, 64, 8, 1, False), (64, 32, 4, 1, False),
-           (64, 64, 2, 1, False), (64, 64, 4, 1, True), (64, 64, 4, 2, False),
-           (64, 64, 4, 2, True), (128, 64, 8, 1, True)]  # fmt: skip
+TUNINGS = [
+    (64, 64, 4, 1, False),
+    (64, 128, 4, 1, False),
+    (64, 64, 8, 1, False),
+    (64, 128, 8, 1, False),
+    (32, 64, 4, 1, False),
+    (32, 128, 4, 1, False),
+    (128, 64, 4, 1, False),
+    (128, 64, 8, 1, False),
+    (64, 32, 4, 1, False),
+    (64, 64, 2, 1, False),
+    (64, 64, 4, 1, True),
+    (64, 64, 4, 2, False),
+    (64, 64, 4, 2, True),
+    (128, 64, 8, 1, True),
+]
 REPS = 10
 
 
@@ -54,18 +65,36 @@ def measure(shape, iters: int, interpret: bool, tunings) -> list[dict]:
 
                 def fn(pre, da, s, bm=bm, bk=bk, knobs=knobs):
                     return kernels.pallas_cast_transpose(
-                        pre, s, e4m3, bm, bk, interpret, prologue="gelu_tanh", affine=affine,
+                        pre,
+                        s,
+                        e4m3,
+                        bm,
+                        bk,
+                        interpret,
+                        prologue="gelu_tanh",
+                        affine=affine,
                         **knobs,
-                    )  # fmt: skip
+                    )
 
                 scale = s_act
             else:
 
                 def fn(pre, da, s, bm=bm, bk=bk, knobs=knobs, act=kernel == "grad+act"):
                     return act_kernels.pallas_act_grad_cast_transpose(
-                        pre, da, inv, s, e5m2, "gelu_tanh", bm, bk, interpret, pending, affine,
-                        s_act if act else None, **knobs,
-                    )  # fmt: skip
+                        pre,
+                        da,
+                        inv,
+                        s,
+                        e5m2,
+                        "gelu_tanh",
+                        bm,
+                        bk,
+                        interpret,
+                        pending,
+                        affine,
+                        s_act if act else None,
+                        **knobs,
+                    )
 
                 scale = jnp.float32(4.0)
             tuning = f"{bm}x{bk}, {warps} warps, {stages} stage{'s' * (stages > 1)}"

@@ -65,7 +65,7 @@ SIZES = {
             "num_train_steps": 150,
             "warmup_steps": 15,
             "learning_rate": 1e-3,
-        },  # fmt: skip
+        },
         dpo="dpo_tiny",
         dpo_settings={
             "seq_len": 64,
@@ -74,7 +74,7 @@ SIZES = {
             "warmup_steps": 6,
             "learning_rate": 1e-4,
             "eval_batches": 2,
-        },  # fmt: skip
+        },
         passage_words=12,
         num_train=192,
         num_test=48,
@@ -96,7 +96,7 @@ SIZES = {
             "warmup_steps": 100,
             "learning_rate": 1e-3,
             "log_every_steps": 100,
-        },  # fmt: skip
+        },
         sft="sft_tiny",
         sft_settings={
             "model.dtype": "bfloat16",
@@ -107,7 +107,7 @@ SIZES = {
             "learning_rate": 3e-4,
             "log_every_steps": 50,
             "eval_batches": 8,
-        },  # fmt: skip
+        },
         # Short: policy and reference start at the SFT model, which already ranks most pairs
         # right; beta 0.1 and a small rate move it without undoing the fine-tuning.
         dpo="dpo_tiny",
@@ -121,7 +121,7 @@ SIZES = {
             "dpo.beta": 0.1,
             "log_every_steps": 25,
             "eval_batches": 4,
-        },  # fmt: skip
+        },
         passage_words=48,
         num_train=6000,
         num_test=600,
@@ -130,22 +130,28 @@ SIZES = {
 STAGE_FIELDS = ("val_loss", "train_loss", "train_tokens_per_s")
 # The DPO run's last logs: its training pairs' and its own validation split's (of the training
 # examples) statistics; the test examples' pairs are in 'held_out'.
-DPO_FIELDS = ("train_reward_accuracy", "train_reward_margin", "val_reward_accuracy",
-              "val_reward_margin")  # fmt: skip
+DPO_FIELDS = (
+    "train_reward_accuracy",
+    "train_reward_margin",
+    "val_reward_accuracy",
+    "val_reward_margin",
+)
 
 
 def stage_settings(steps: int, extra: dict) -> dict:
     """One evaluation and one checkpoint, at the end; no end-of-run sample."""
-    return {"eval_every_steps": steps, "checkpoint_every_steps": steps, "sample_tokens": 0,
-            **extra}  # fmt: skip
+    return {"eval_every_steps": steps, "checkpoint_every_steps": steps, "sample_tokens": 0, **extra}
 
 
 def with_steps(settings: dict, steps: int) -> dict:
     """``settings`` with ``num_train_steps`` (0: theirs) and a warm-up of at most a tenth."""
     if not steps:
         return settings
-    return {**settings, "num_train_steps": steps,
-            "warmup_steps": min(settings["warmup_steps"], max(1, steps // 10))}  # fmt: skip
+    return {
+        **settings,
+        "num_train_steps": steps,
+        "warmup_steps": min(settings["warmup_steps"], max(1, steps // 10)),
+    }
 
 
 def pretrain_config(size: Size, steps: int = 0, sets=()):
@@ -158,8 +164,7 @@ def sft_config(size: Size, level: str, init_from: str, train_path: str, steps=0,
     """The fine-tuning ConfigDict at ``level`` ('O1' or 'O1:key=value+...') from ``init_from``."""
     settings = with_steps(size.sft_settings, steps)
     steps = settings["num_train_steps"]
-    extra = {**settings, "init_from": init_from, "data.path": train_path,
-             "data.val_fraction": 0.05}  # fmt: skip
+    extra = {**settings, "init_from": init_from, "data.path": train_path, "data.val_fraction": 0.05}
     return runner.load(f"{size.sft}:{level}", sets, stage_settings(steps, extra))
 
 
@@ -167,8 +172,7 @@ def dpo_config(size: Size, level: str, init_from: str, train_path: str, steps=0,
     """The preference-tuning ConfigDict at ``level`` from the SFT work dir ``init_from``."""
     settings = with_steps(size.dpo_settings, steps)
     steps = settings["num_train_steps"]
-    extra = {**settings, "init_from": init_from, "data.path": train_path,
-             "data.val_fraction": 0.05}  # fmt: skip
+    extra = {**settings, "init_from": init_from, "data.path": train_path, "data.val_fraction": 0.05}
     return runner.load(f"{size.dpo}:{level}", sets, stage_settings(steps, extra))
 
 
@@ -192,11 +196,17 @@ def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
     with tempfile.TemporaryDirectory() as empty:  # not a resume: the init_from weights
         run, tok, params = loop.from_checkpoint(run, empty)
     env = loop.setup(run, donate=False)
-    encoded = [tuple(dpo_data.encode_response(tok, p, k, f"held-out pair {i}")
-                     for k in ("chosen", "rejected")) for i, p in enumerate(pairs, 1)]  # fmt: skip
+    encoded = [
+        tuple(
+            dpo_data.encode_response(tok, p, k, f"held-out pair {i}")
+            for k in ("chosen", "rejected")
+        )
+        for i, p in enumerate(pairs, 1)
+    ]
     rows, dropped = dpo_data.fit_pairs(encoded, run.optim.seq_len, "drop")
-    data = dpo_data.DpoDataset(tok, [], rows, seed=run.seed, batch_size=run.optim.batch_size,
-                               seq_len=run.optim.seq_len)  # fmt: skip
+    data = dpo_data.DpoDataset(
+        tok, [], rows, seed=run.seed, batch_size=run.optim.batch_size, seq_len=run.optim.seq_len
+    )
     batches = data.eval_batches(len(rows))
     coll = step_lib.state_collection(env.model)
 
@@ -223,8 +233,12 @@ def held_out_preferences(config, workdir: str, pairs: list[dict]) -> dict:
         end, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
     finally:
         ckpt.close()
-    return {"before": before, "after": stats(end), "num_pairs": len(rows) // 2,
-            "dropped_pairs": dropped}  # fmt: skip
+    return {
+        "before": before,
+        "after": stats(end),
+        "num_pairs": len(rows) // 2,
+        "dropped_pairs": dropped,
+    }
 
 
 def score(workdir: str, test: list[dict]) -> dict:
@@ -268,9 +282,12 @@ def main(argv=None):
     p.add_argument("--levels", default="O0,O1,O2", help="fine-tuning levels (options as --runs)")
     p.add_argument("--pretrain-steps", type=int, default=0, help="0: the size's")
     p.add_argument("--sft-steps", type=int, default=0, help="0: the size's")
-    p.add_argument("--dpo-levels", default=None,
-                   help="SFT levels (of --levels) to preference-tune from, at that level; "
-                        "default: those of O0 and O1 in --levels; '' for none")  # fmt: skip
+    p.add_argument(
+        "--dpo-levels",
+        default=None,
+        help="SFT levels (of --levels) to preference-tune from, at that level; "
+        "default: those of O0 and O1 in --levels; '' for none",
+    )
     p.add_argument("--dpo-steps", type=int, default=0, help="0: the size's")
     a = runner.parse_args(p, argv)
     size = SIZES[a.size]
@@ -280,8 +297,10 @@ def main(argv=None):
     else:
         dpo_levels = [lv for lv in a.dpo_levels.split(",") if lv]
     if set(dpo_levels) - set(levels):
-        raise SystemExit(f"error: --dpo-levels {','.join(dpo_levels)}: each must be one of "
-                         f"--levels {a.levels} (DPO starts from that SFT run)")  # fmt: skip
+        raise SystemExit(
+            f"error: --dpo-levels {','.join(dpo_levels)}: each must be one of "
+            f"--levels {a.levels} (DPO starts from that SFT run)"
+        )
     work = os.path.join(a.out, "finetune_work")
     data_dir = os.path.join(work, "data")
     pre_dir = os.path.join(work, "pretrain")
@@ -290,10 +309,13 @@ def main(argv=None):
     sft_dir = lambda lv: os.path.join(work, runner.safe_name(f"sft_{lv}"))  # noqa: E731
     try:  # every config before the first run: a typo stops the benchmark at once
         pre_cfg = pretrain_config(size, a.pretrain_steps, a.set)
-        sft_cfgs = {lv: sft_config(size, lv, pre_dir, train_path, a.sft_steps, a.set)
-                    for lv in levels}  # fmt: skip
-        dpo_cfgs = {lv: dpo_config(size, lv, sft_dir(lv), pairs_path, a.dpo_steps, a.set)
-                    for lv in dpo_levels}  # fmt: skip
+        sft_cfgs = {
+            lv: sft_config(size, lv, pre_dir, train_path, a.sft_steps, a.set) for lv in levels
+        }
+        dpo_cfgs = {
+            lv: dpo_config(size, lv, sft_dir(lv), pairs_path, a.dpo_steps, a.set)
+            for lv in dpo_levels
+        }
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     from fp8jax.trainer import loop, tasks
@@ -309,8 +331,12 @@ def main(argv=None):
     rows = []
     t0 = time.perf_counter()
     summary = loop.train_and_evaluate(pre_cfg, fresh(pre_dir))
-    row = {"stage": "pretrain", "level": pre_cfg.fp8.level, "run_s": time.perf_counter() - t0,
-           **{k: summary.get(k) for k in STAGE_FIELDS}}  # fmt: skip
+    row = {
+        "stage": "pretrain",
+        "level": pre_cfg.fp8.level,
+        "run_s": time.perf_counter() - t0,
+        **{k: summary.get(k) for k in STAGE_FIELDS},
+    }
     row.update(score(pre_dir, test))  # before fine-tuning: the baseline beside chance
     runner.write_json(a.out, "finetune_pretrain", row)
     rows.append(row)
@@ -318,9 +344,13 @@ def main(argv=None):
     for level, c in sft_cfgs.items():
         t0 = time.perf_counter()
         summary = loop.train_and_evaluate(c, fresh(sft_dir(level)))
-        row = {"stage": f"sft {level}", "level": c.fp8.level, "run_s": time.perf_counter() - t0,
-               **{k: summary.get(k) for k in STAGE_FIELDS},
-               **score(sft_dir(level), test)}  # fmt: skip
+        row = {
+            "stage": f"sft {level}",
+            "level": c.fp8.level,
+            "run_s": time.perf_counter() - t0,
+            **{k: summary.get(k) for k in STAGE_FIELDS},
+            **score(sft_dir(level), test),
+        }
         runner.write_json(a.out, runner.safe_name(f"finetune_sft_{level}"), row)
         rows.append(row)
         print(row, flush=True)
@@ -328,10 +358,15 @@ def main(argv=None):
         dpo_dir = fresh(os.path.join(work, runner.safe_name(f"dpo_{level}")))
         t0 = time.perf_counter()
         summary = loop.train_and_evaluate(c, dpo_dir)
-        row = {"stage": f"dpo {level}", "level": c.fp8.level, "run_s": time.perf_counter() - t0,
-               "beta": c.dpo.beta, **{k: summary.get(k) for k in (*STAGE_FIELDS, *DPO_FIELDS)},
-               "held_out": held_out_preferences(c, dpo_dir, test_pairs),
-               **score(dpo_dir, test)}  # fmt: skip
+        row = {
+            "stage": f"dpo {level}",
+            "level": c.fp8.level,
+            "run_s": time.perf_counter() - t0,
+            "beta": c.dpo.beta,
+            **{k: summary.get(k) for k in (*STAGE_FIELDS, *DPO_FIELDS)},
+            "held_out": held_out_preferences(c, dpo_dir, test_pairs),
+            **score(dpo_dir, test),
+        }
         runner.write_json(a.out, runner.safe_name(f"finetune_dpo_{level}"), row)
         rows.append(row)
         print(row, flush=True)

@@ -34,15 +34,23 @@ import time
 from benchmarks import common, runner
 
 # The pre-training config whose architecture each fine-tuning config's checkpoint has.
-SHAPES = {"sft_llama_1b": "llama_1b", "sft_llama_7b": "llama_7b",
-          "dpo_llama_1b": "llama_1b", "dpo_llama_7b": "llama_7b"}  # fmt: skip
+SHAPES = {
+    "sft_llama_1b": "llama_1b",
+    "sft_llama_7b": "llama_7b",
+    "dpo_llama_1b": "llama_1b",
+    "dpo_llama_7b": "llama_7b",
+}
 RUNS = ",".join(f"{c}:{lv}" for c in ("sft_llama_1b", "sft_llama_7b") for lv in ("O0", "O1", "O2"))
 DPO_RUNS = ",".join(f"{c}:{lv}" for c in ("dpo_llama_1b", "dpo_llama_7b") for lv in ("O0", "O2"))
 # --tiny: a CPU-sized architecture (written into the checkpoint) and rows.
 TINY_MODEL = {k: v for k, v in runner.QUICK.items() if k.startswith("model.")}
 TINY_MODEL.update({"model.max_len": 128, "model.vocab_size": 512})
-TINY_RUN = {"seq_len": 128, "batch_size": 4, "model.dtype": "float32",
-            "model.attention_impl": "xla"}  # fmt: skip
+TINY_RUN = {
+    "seq_len": 128,
+    "batch_size": 4,
+    "model.dtype": "float32",
+    "model.attention_impl": "xla",
+}
 
 
 def shape_of(run: str) -> str:
@@ -55,8 +63,12 @@ def shape_of(run: str) -> str:
 
 def config_for(run: str, ckpt: str, tiny: bool, batch: int = 0, sets=()):
     """The ConfigDict of one run, fine-tuning the checkpoint ``ckpt`` on the novel task."""
-    settings = {**runner.step_settings(batch=batch), "init_from": ckpt, "data.path": "",
-                **(TINY_RUN if tiny else {})}  # fmt: skip
+    settings = {
+        **runner.step_settings(batch=batch),
+        "init_from": ckpt,
+        "data.path": "",
+        **(TINY_RUN if tiny else {}),
+    }
     if tiny and batch:
         settings["batch_size"] = batch
     return runner.load(run, sets, settings)
@@ -149,8 +161,11 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
     mem = memory.compiled_memory(compiled) or {}
     # XLA's needs, known before a step runs: an out-of-memory row still shows them.
     temp, args = (mem.get(k, 0) / 2**30 for k in ("temp", "argument"))
-    print(f"{run}: compiled in {compile_s:.1f} s; XLA temp {temp:.2f} GiB, arguments "
-          f"{args:.2f} GiB", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"{run}: compiled in {compile_s:.1f} s; XLA temp {temp:.2f} GiB, arguments {args:.2f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
     for i in range(2):  # warm-up
         state, metrics = compiled(state, batches[i])
     jax.block_until_ready(metrics)
@@ -193,7 +208,7 @@ def child(run: str, ckpt_root: str, tiny: bool, steps: int, batch: int = 0, sets
             {k: float(metrics[k]) for k in ("reward_accuracy", "reward_margin")}
             if is_dpo(run)
             else {}
-        ),  # fmt: skip
+        ),
         "checkpoint_s": write_s,
         "import_s": import_s,
         "build_s": build_s,
@@ -235,8 +250,9 @@ def main(argv=None):
         a.argv = [*a.argv, f"--ckpt-dir={ckpt_root}"]
     check = lambda run: (shape_of(run), config_for(run, ckpt_root, a.tiny, a.batch, a.set))  # noqa: E731
     try:
-        rows = runner.drive("finetune_step", a, measure, runs, check=check,
-                            timeout=a.timeout or None)  # fmt: skip
+        rows = runner.drive(
+            "finetune_step", a, measure, runs, check=check, timeout=a.timeout or None
+        )
     finally:
         if own:
             shutil.rmtree(ckpt_root, ignore_errors=True)

@@ -52,11 +52,23 @@ def _set_triton_flag(flags: str, value: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-_TRIVIAL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "copy-start",
-            "copy-done"}  # fmt: skip
+_TRIVIAL = {
+    "parameter",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "constant",
+    "copy-start",
+    "copy-done",
+}
 # (mode, variant) whose compiled HLO --dump-hlo writes, for the first shape.
-DUMPED = {("linear", "fp8jax-delayed"), ("linear", "flax-direct"), ("linear", "fp8jax-current"),
-          ("mlp", "fp8jax-delayed"), ("mlp", "flax-direct")}  # fmt: skip
+DUMPED = {
+    ("linear", "fp8jax-delayed"),
+    ("linear", "flax-direct"),
+    ("linear", "fp8jax-current"),
+    ("mlp", "fp8jax-delayed"),
+    ("mlp", "flax-direct"),
+}
 
 
 def _hlo_stats(text: str) -> dict:

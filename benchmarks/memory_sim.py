@@ -27,9 +27,16 @@ from benchmarks import common, runner
 
 GIB = 2**30
 MESH_AXES = ("data", "fsdp", "tensor")
-QUICK = {"model.num_layers": 2, "model.d_model": 128, "model.num_heads": 4,
-         "model.num_kv_heads": 4, "model.d_ff": 256, "model.vocab_size": 512,
-         "model.max_len": 64, "seq_len": 64}  # fmt: skip
+QUICK = {
+    "model.num_layers": 2,
+    "model.d_model": 128,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 4,
+    "model.d_ff": 256,
+    "model.vocab_size": 512,
+    "model.max_len": 64,
+    "seq_len": 64,
+}
 
 
 def config_for(run: str, devices: int, quick: bool, sets=()):
@@ -139,8 +146,12 @@ def main(argv=None):
             dump = os.path.join(dumps, runner.safe_name(run))
             flags += f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
             extra = common.dump_env(dump)
-        return {**os.environ, **extra, "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"{flags} {flag}".strip()}  # fmt: skip
+        return {
+            **os.environ,
+            **extra,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{flags} {flag}".strip(),
+        }
 
     rows = runner.drive(
         "memory_sim",

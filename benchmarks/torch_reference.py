@@ -45,11 +45,20 @@ ROPE_THETA = 10_000.0
 BATCH, SEQ = 8, 2048
 # configs/gpt_1b3.py and configs/llama_1b.py (vocabulary 32768, untied head, max_len 2048).
 CONFIGS = {
-    "gpt_1b3": dict(style="gpt", vocab=32768, d_model=2048, layers=24, heads=16, kv_heads=16,
-                    d_ff=8192, lr=2e-4),
-    "llama_1b": dict(style="llama", vocab=32768, d_model=2048, layers=22, heads=32, kv_heads=4,
-                     d_ff=5632, lr=4e-4),
-}  # fmt: skip
+    "gpt_1b3": dict(
+        style="gpt", vocab=32768, d_model=2048, layers=24, heads=16, kv_heads=16, d_ff=8192, lr=2e-4
+    ),
+    "llama_1b": dict(
+        style="llama",
+        vocab=32768,
+        d_model=2048,
+        layers=22,
+        heads=32,
+        kv_heads=4,
+        d_ff=5632,
+        lr=4e-4,
+    ),
+}
 
 
 def linear(d_in: int, d_out: int, bias: bool, std: float = INIT_STD) -> nn.Linear:

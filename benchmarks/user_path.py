@@ -67,8 +67,12 @@ def run(cmd: list[str], log_path: pathlib.Path, env: dict) -> dict:
             if m := COMPILED.search(line):
                 marks["compile_s"] = float(m.group(1))
     log_path.write_text("".join(lines))
-    return {"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "marks": marks,
-            "steps": steps}  # fmt: skip
+    return {
+        "rc": proc.returncode,
+        "wall_s": time.perf_counter() - t0,
+        "marks": marks,
+        "steps": steps,
+    }
 
 
 def step_gaps(steps: dict, every: int) -> dict:
@@ -95,15 +99,24 @@ def main(argv=None) -> int:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
     every = args.checkpoint_every
     common = [
-        sys.executable, "train.py", f"--config={args.config}", f"--workdir={workdir}",
-        f"--config.checkpoint_every_steps={every}", "--config.log_every_steps=1",
-        f"--config.eval_every_steps={args.steps // 2}", "--config.eval_batches=4",
-        f"--config.fp8_stats_every_steps={args.steps // 2}", *args.overrides,
+        sys.executable,
+        "train.py",
+        f"--config={args.config}",
+        f"--workdir={workdir}",
+        f"--config.checkpoint_every_steps={every}",
+        "--config.log_every_steps=1",
+        f"--config.eval_every_steps={args.steps // 2}",
+        "--config.eval_batches=4",
+        f"--config.fp8_stats_every_steps={args.steps // 2}",
+        *args.overrides,
         *(f"--config.{kv}" for kv in args.set),
-    ]  # fmt: skip
+    ]
     runs = {}
-    for name, steps in (("first", args.steps), ("rerun", args.steps),
-                        ("resume", args.steps + args.more)):  # fmt: skip
+    for name, steps in (
+        ("first", args.steps),
+        ("rerun", args.steps),
+        ("resume", args.steps + args.more),
+    ):
         cmd = [*common, f"--config.num_train_steps={steps}"]
         r = run(cmd, out / f"log_{name}.txt", env)
         r.update(step_gaps(r.pop("steps"), every))

@@ -28,8 +28,7 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per batch.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: max_len).")
 _NUM_BATCHES = flags.DEFINE_integer("num_batches", 8, "Batches to evaluate, at most.")
 _LEVEL = flags.DEFINE_enum("level", None, ["O0", "O1"], "O0 plain matmuls, O1 FP8 matmuls.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
-                           "Compute dtype.")  # fmt: skip
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
 flags.mark_flags_as_required(["ckpt", "data"])
 
 

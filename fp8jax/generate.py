@@ -31,8 +31,7 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = al
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the nucleus of this probability (1 = all).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the sampling.")
 _LEVEL = flags.DEFINE_enum("level", None, ["O0", "O1"], "O0 plain matmuls, O1 FP8 matmuls.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
-                           "Compute dtype.")  # fmt: skip
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
 flags.mark_flag_as_required("ckpt")
 
 
@@ -61,10 +60,17 @@ def main(argv):
         texts = prompts()
         inf = inference.load(_CKPT.value, _LEVEL.value, _DTYPE.value)
         out = generate.generate(
-            inf.model, inf.params, inf.fp8_state, inf.tokenizer, texts, _MAX_NEW.value,
-            temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+            inf.model,
+            inf.params,
+            inf.fp8_state,
+            inf.tokenizer,
+            texts,
+            _MAX_NEW.value,
+            temperature=_TEMPERATURE.value,
+            top_k=_TOP_K.value,
+            top_p=_TOP_P.value,
             seed=_SEED.value,
-        )  # fmt: skip
+        )
     for prompt, completion in zip(texts, out, strict=True):
         sys.stdout.write(f"{prompt}{completion}\n")
 

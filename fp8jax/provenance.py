@@ -120,8 +120,10 @@ def check_resume(workdir: Path, identity: dict[str, Any], resumed: bool, allow: 
     if recorded is None:
         logging.warning(
             "no record (%s) of the data the checkpoint in %s was trained on; recording %s",
-            MANIFEST, workdir, identity["source"],
-        )  # fmt: skip
+            MANIFEST,
+            workdir,
+            identity["source"],
+        )
         return True
     changes = _changes(recorded, identity)
     if not changes:  # same bytes under another name: only the description changes
@@ -139,8 +141,9 @@ def check_resume(workdir: Path, identity: dict[str, Any], resumed: bool, allow: 
         "data.allow_corpus_change: %s; the token cache and validation split are rebuilt for %s, "
         "and the tokenizer stays the one the checkpoint was trained with (its ids are in the "
         "embeddings)",
-        "; ".join(changes), identity["source"],
-    )  # fmt: skip
+        "; ".join(changes),
+        identity["source"],
+    )
     return True
 
 
@@ -185,8 +188,9 @@ def tokenizer_for(
         logging.warning(
             "no record of what built tokenizer %s; keeping it: the checkpoint in %s was trained "
             "with it",
-            path, ckpt,
-        )  # fmt: skip
+            path,
+            ckpt,
+        )
         return tok, False
     changed = [k for k in _SETTINGS if recorded.get(k) != built_from[k]]
     if changed:
@@ -200,6 +204,8 @@ def tokenizer_for(
     logging.warning(
         "keeping tokenizer %s although it was built from other %s: the checkpoint in %s was "
         "trained with its ids",
-        path, differ, ckpt,
-    )  # fmt: skip
+        path,
+        differ,
+        ckpt,
+    )
     return tok, False

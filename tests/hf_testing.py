@@ -11,33 +11,81 @@ VOCAB, MAX_POS = 300, 64
 # name -> (transformers config class, its kwargs). Each family's switches are exercised:
 # GQA, Llama 3 rope scaling, tied and untied heads, Mistral's window, Qwen2's q/k/v biases.
 FAMILIES = {
-    "llama3": ("LlamaConfig", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=MAX_POS, rope_theta=5e5,
-        rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=16),
-    )),
-    "llama": ("LlamaConfig", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=MAX_POS, rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )),
-    "mistral": ("MistralConfig", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=128, sliding_window=MAX_POS,
-        head_dim=16, tie_word_embeddings=False,
-    )),
-    "qwen2": ("Qwen2Config", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=MAX_POS, rope_theta=1e6,
-        tie_word_embeddings=True,
-    )),
-    "gpt2": ("GPT2Config", dict(
-        n_embd=64, n_layer=2, n_head=4, n_positions=MAX_POS, n_inner=96,
-        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0,
-    )),
-}  # fmt: skip
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=MAX_POS,
+            rope_theta=5e5,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=MAX_POS,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=128,
+            sliding_window=MAX_POS,
+            head_dim=16,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=MAX_POS,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=MAX_POS,
+            n_inner=96,
+            layer_norm_epsilon=1e-5,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+}
 
 
 def random_init(model, seed: int = 0) -> None:

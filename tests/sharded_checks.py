@@ -127,10 +127,12 @@ def run(prepared: dict) -> dict:
             fp8_after_0 = jax.device_get(state.fp8)
             params_after_0 = jax.device_get(optim.materialize(state.params))
     identical = all(
-        all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0].data))
-            for s in x.addressable_shards)
+        all(
+            np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0].data))
+            for s in x.addressable_shards
+        )
         for x in jax.tree.leaves(state.fp8)
-    )  # fmt: skip
+    )
     return dict(
         mesh=dict(prepared["mesh"].shape),
         metrics=metrics,
@@ -276,8 +278,15 @@ def overflow_check() -> dict:
         q = jnp.clip(x * s, -fmax, fmax).astype(fmt)  # E5M2 with the shared max scale
         return (jax.lax.psum(q, sharding.DP_AXES).astype(jnp.float32) / s)[None]
 
-    naive_fn = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=P(sharding.DP_AXES),
-                                     out_specs=P(sharding.DP_AXES), check_vma=False))  # fmt: skip
+    naive_fn = jax.jit(
+        jax.shard_map(
+            naive,
+            mesh=mesh,
+            in_specs=P(sharding.DP_AXES),
+            out_specs=P(sharding.DP_AXES),
+            check_vma=False,
+        )
+    )
     naive_out = np.asarray(naive_fn(g))[0]
     reduce = jax.jit(lambda x, mu: comm.reduce_gradients({"w": x}, mu, plan))
     exact = g_Nx4096.sum(0)
@@ -433,7 +442,7 @@ def main() -> dict:
             _with(tiny_config("O3", data=2, fsdp=4), recipe="block", block_size=16),
             devs,
             "base O3 block",
-        ),  # fmt: skip
+        ),
         # O2's masters reach the per-device replicas still encoded (master.carry_masters).
         "O2 DP": (tiny_config("O2", data=8), devs, "base O2"),
         # The fused cast kernel (through Pallas' interpreter) inside the per-device replicas,
@@ -455,9 +464,18 @@ def main() -> dict:
         "O1 DP by layer": (_unrolled(o1(data=8)), devs, "O1 DP one bucket"),
     }
     # Other programs, same math (or, for the block recipe, the same layout as O3 FSDP's).
-    variants = {"O1 DP Pallas", "O1 DP qkv", "O1 DP Pallas qkv", "O1 DP one bucket",
-                "O1 DP by layer", "O3 FSDP block", "O3 FSDP upfront", "O3 FSDP unrolled upfront",
-                "O3 FSDP unrolled layer", "O1 FSDP layer"}  # fmt: skip
+    variants = {
+        "O1 DP Pallas",
+        "O1 DP qkv",
+        "O1 DP Pallas qkv",
+        "O1 DP one bucket",
+        "O1 DP by layer",
+        "O3 FSDP block",
+        "O3 FSDP upfront",
+        "O3 FSDP unrolled upfront",
+        "O3 FSDP unrolled layer",
+        "O1 FSDP layer",
+    }
     # Compiles dominate: run them on two threads (XLA compiles outside the GIL); then execute
     # one program at a time, so no two programs' collectives interleave on the devices.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -487,7 +505,7 @@ def main() -> dict:
                 for r in hlo.collectives(results["O3 FSDP block"]["hlo"], len(devs))
                 if r["op"] == "all-gather"
             }
-        ),  # fmt: skip
+        ),
         stablehlo_O1=stablehlo_fp8(tiny_config("O1", data=8)),
         stablehlo_O3=stablehlo_fp8(tiny_config("O3", data=2, fsdp=4)),
         stablehlo_O1_FSDP_bf16=stablehlo_fp8(_bf16(tiny_config("O1", data=2, fsdp=4))),

@@ -230,8 +230,12 @@ def test_apply_overrides_through_ml_collections():
 
 
 def test_load_applies_settings_then_options_then_sets():
-    c = runner.load("tiny:O2:seq_len=16+plain", sets=["model.d_ff=96"], flags={"plain"},
-                    settings={"seq_len": 8, "batch_size": 2, "model.d_ff": 64})  # fmt: skip
+    c = runner.load(
+        "tiny:O2:seq_len=16+plain",
+        sets=["model.d_ff=96"],
+        flags={"plain"},
+        settings={"seq_len": 8, "batch_size": 2, "model.d_ff": 64},
+    )
     assert (c.fp8.level, c.seq_len, c.batch_size, c.model.d_ff) == ("O2", 16, 2, 96)
     c = runner.load("tiny:O1", sets=["seq_len=24"], settings=runner.step_settings(quick=True))
     assert (c.seq_len, c.model.d_model, c.mesh.data, c.model.attention_impl) == (24, 64, -1, "xla")
@@ -637,8 +641,18 @@ def test_finetune_tiny_scores_each_stage(tmp_path):
     """Pre-train, SFT at O1 from it, DPO at O1 from that: one JSON per stage with its exact
     match on the held-out passages (a share), chance beside it, and the level each work dir
     decoded at; the DPO stage's held-out pair statistics before and after."""
-    args = ["--size", "tiny", "--levels", "O1", "--pretrain-steps", "3", "--sft-steps", "3",
-            "--dpo-steps", "3"]  # fmt: skip
+    args = [
+        "--size",
+        "tiny",
+        "--levels",
+        "O1",
+        "--pretrain-steps",
+        "3",
+        "--sft-steps",
+        "3",
+        "--dpo-steps",
+        "3",
+    ]
     proc = _module("finetune", *args, "--set", "compilation_cache_dir=", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-800:]
     rows = {
@@ -666,8 +680,14 @@ def test_finetune_tiny_scores_each_stage(tmp_path):
     assert before["reward_accuracy"] == 0 and before["reward_margin"] == 0, before
     assert before["loss"] == pytest.approx(math.log(2)), before
     for stats in (before, after):
-        assert set(stats) == {"loss", "reward_accuracy", "reward_margin", "chosen_logp",
-                              "rejected_logp", "preference_accuracy"}, stats  # fmt: skip
+        assert set(stats) == {
+            "loss",
+            "reward_accuracy",
+            "reward_margin",
+            "chosen_logp",
+            "rejected_logp",
+            "preference_accuracy",
+        }, stats
         assert 0 <= stats["reward_accuracy"] <= 1 and 0 <= stats["preference_accuracy"] <= 1
         assert stats["chosen_logp"] < 0 and stats["rejected_logp"] < 0, stats
     # The end is the trained policy, not the start (three steps moved its log-probs).
@@ -690,12 +710,17 @@ def test_novel_split_keeps_test_passages_apart_and_scores_exactly():
         head, tail = " ".join(words[:cut]), " ".join(words[cut:])
         title = tasks.title_of(f)
         for part, inside, outside in ((test, tail, head), (train, head, tail)):
-            passages = [r["prompt"].removesuffix(tasks.PROMPT_SUFFIX) for r in part
-                        if tasks.title_in(r) == title]  # fmt: skip
+            passages = [
+                r["prompt"].removesuffix(tasks.PROMPT_SUFFIX)
+                for r in part
+                if tasks.title_in(r) == title
+            ]
             assert passages and all(p in inside and p not in outside for p in passages)
     pairs = tasks.preference_pairs(test, seed=1)
-    assert all(p["chosen"] == r["completion"] and p["rejected"] != p["chosen"] for p, r in
-               zip(pairs, test, strict=True))  # fmt: skip
+    assert all(
+        p["chosen"] == r["completion"] and p["rejected"] != p["chosen"]
+        for p, r in zip(pairs, test, strict=True)
+    )
     assert all(p["rejected"].strip() in titles for p in pairs)
     assert tasks.exact_match([" Emma", "Persuasion\n", "Emma "], ["Emma", "Persuasion", "Emm"]) == (
         pytest.approx(2 / 3)

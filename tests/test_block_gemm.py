@@ -229,15 +229,25 @@ def _one_line_error(exc, match, *args, **kw):
 def test_bad_input_is_a_one_line_error():
     a, a_inv, b, b_inv = _operands(32, 48, 200)
     for block in (100, 8, 0):
-        _one_line_error(ValueError, "block must be a power of two >= 16", a, a_inv, b, b_inv,
-                        block=block)  # fmt: skip
-    _one_line_error(ValueError, r"a_inv must be \(32, 2\) and b_inv \(1, 2\) \(blocks\) or "
-                    r"\(48, 2\) \(rows\), got \(32, 1\)", a, a_inv[:, :1], b, b_inv)  # fmt: skip
+        _one_line_error(
+            ValueError, "block must be a power of two >= 16", a, a_inv, b, b_inv, block=block
+        )
+    _one_line_error(
+        ValueError,
+        r"a_inv must be \(32, 2\) and b_inv \(1, 2\) \(blocks\) or "
+        r"\(48, 2\) \(rows\), got \(32, 1\)",
+        a,
+        a_inv[:, :1],
+        b,
+        b_inv,
+    )
     _one_line_error(ValueError, r"got \(32, 2\) and \(3, 2\)", a, a_inv, b, jnp.ones((3, 2)))
-    _one_line_error(ValueError, r"with block 64, a_inv must be \(32, 4\)", a, a_inv, b, b_inv,
-                    block=64)  # fmt: skip
-    _one_line_error(TypeError, "a is bfloat16: quantize it to float8", a.astype(jnp.bfloat16),
-                    a_inv, b, b_inv)  # fmt: skip
+    _one_line_error(
+        ValueError, r"with block 64, a_inv must be \(32, 4\)", a, a_inv, b, b_inv, block=64
+    )
+    _one_line_error(
+        TypeError, "a is bfloat16: quantize it to float8", a.astype(jnp.bfloat16), a_inv, b, b_inv
+    )
     _one_line_error(TypeError, "b is float32", a, a_inv, b.astype(jnp.float32), b_inv)
     _one_line_error(ValueError, "same K", a, a_inv, b[:, :100], b_inv)
     _one_line_error(ValueError, "out_dtype must be", a, a_inv, b, b_inv, out_dtype=jnp.int32)

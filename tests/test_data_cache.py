@@ -33,8 +33,16 @@ def _novel(num_chars: int, start: int = 0) -> str:
 
 
 def _config(path, vocab=VOCAB, min_frequency=2, val_fraction=0.2, allow=False):
-    return data_run(path, vocab, 0, val_fraction, 4, 16, tokenizer_min_frequency=min_frequency,
-                    allow_corpus_change=allow)  # fmt: skip
+    return data_run(
+        path,
+        vocab,
+        0,
+        val_fraction,
+        4,
+        16,
+        tokenizer_min_frequency=min_frequency,
+        allow_corpus_change=allow,
+    )
 
 
 def _reference(text: str, vocab=VOCAB, min_frequency=2) -> tokenizer.Tokenizer:

@@ -51,8 +51,7 @@ def test_dpo_loss_equals_numpy():
     policy, ref = rng.normal(-20, 5, 16), rng.normal(-20, 5, 16)  # rows: c0, r0, c1, r1 ...
     mask = np.array([1, 1, 1, 1, 1, 1, 0, 1], np.float32)  # pair 6 is padding
     for beta, smoothing in ((0.1, 0.0), (0.5, 0.2)):
-        got = dpo.dpo_sums(policy.astype(np.float32), ref.astype(np.float32), mask, beta,
-                                smoothing)  # fmt: skip
+        got = dpo.dpo_sums(policy.astype(np.float32), ref.astype(np.float32), mask, beta, smoothing)
         loss_P, d_P = numpy_dpo(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta, smoothing)
         m = mask.astype(bool)
         assert float(got["loss"]) == pytest.approx(loss_P[m].sum(), rel=1e-5)
@@ -99,11 +98,16 @@ def test_pairs_share_their_prompt_and_chat_pairs_train_the_response_turns_only(t
     assert c_ids[: (~c_w).sum()].tolist() == r_ids[: (~r_w).sum()].tolist()  # the same prompt
     assert tok.decode(c_ids[c_w].tolist()) == " Jane Austen.</s>"
     assert tok.decode(r_ids[r_w].tolist()) == " Brontë</s>"
-    prompt = [{"role": "user", "content": "Who wrote Emma?"},
-              {"role": "assistant", "content": "Jane Austen."},
-              {"role": "user", "content": "Sure?"}]  # fmt: skip
-    chat = dict(prompt=prompt, chosen=[{"role": "assistant", "content": "Yes."}],
-                rejected=[{"role": "assistant", "content": "Brontë."}])  # fmt: skip
+    prompt = [
+        {"role": "user", "content": "Who wrote Emma?"},
+        {"role": "assistant", "content": "Jane Austen."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    chat = dict(
+        prompt=prompt,
+        chosen=[{"role": "assistant", "content": "Yes."}],
+        rejected=[{"role": "assistant", "content": "Brontë."}],
+    )
     ids, trained = dpo_data.encode_response(tok, chat, "chosen", "x")
     assert tok.decode(ids[trained].tolist()) == "Yes.<|im_end|>\n"  # not the prompt's turn
     ids, trained = dpo_data.encode_response(tok, chat, "rejected", "x")
@@ -119,7 +123,7 @@ def test_bad_lines_name_file_and_line(tmp_path):
             good,
             good,
             json.dumps({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant"}]}),
-        ],  # fmt: skip
+        ],
     }
     for message, lines in cases.items():
         path = tmp_path / "bad.jsonl"
@@ -195,8 +199,15 @@ def pairs_file(tmp_path_factory):
 
 def learning_run(level, path):
     more = {"data.val_fraction": 0.2, "eval_batches": 8}  # every held-out pair
-    return dpo_run(path, level, num_train_steps=STEPS, eval_every_steps=EVAL_EVERY,
-                   learning_rate=3e-3, checkpoint_every_steps=0, **more)  # fmt: skip
+    return dpo_run(
+        path,
+        level,
+        num_train_steps=STEPS,
+        eval_every_steps=EVAL_EVERY,
+        learning_rate=3e-3,
+        checkpoint_every_steps=0,
+        **more,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -211,9 +211,12 @@ def test_linen_einsum_propagates_inf_forward_and_backward():
     kw = dict(shape=(16, 3, 5), einsum_str=eq, use_bias=True)
     x = randn(2, (2, 4, 16))
     _linen_case(
-        fp8jax.Einsum(**kw), fp8jax.Einsum(**kw, recipe=None), x, _with(x, (1, 2, 3), -np.inf),
+        fp8jax.Einsum(**kw),
+        fp8jax.Einsum(**kw, recipe=None),
+        x,
+        _with(x, (1, 2, 3), -np.inf),
         (2, 4, 3, 5),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("kind", ["linear", "einsum"])

@@ -213,10 +213,17 @@ def test_o1_decoding_reads_the_stored_scales_and_keeps_them():
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
     cached, cache = step(trained, cache, tokens, positions)
     np.testing.assert_allclose(cached, full, atol=1e-5 * float(jnp.abs(full).max()), rtol=0)
-    halved = jax.tree.map(lambda m: m.replace(x=m.x.replace(scale=m.x.scale / 3)), fp8,
-                          is_leaf=lambda m: hasattr(m, "dy"))  # fmt: skip
-    other, _ = step({**trained, "fp8_state": halved}, decode.init_cache(model, trained, 2, 16),
-                    tokens, positions)  # fmt: skip
+    halved = jax.tree.map(
+        lambda m: m.replace(x=m.x.replace(scale=m.x.scale / 3)),
+        fp8,
+        is_leaf=lambda m: hasattr(m, "dy"),
+    )
+    other, _ = step(
+        {**trained, "fp8_state": halved},
+        decode.init_cache(model, trained, 2, 16),
+        tokens,
+        positions,
+    )
     assert float(jnp.abs(other - cached).max()) > 1e-3 * float(jnp.abs(full).max())
     assert set(cache) <= {"blocks"}  # the cache tree only
 
@@ -264,11 +271,23 @@ def _tiny_run(tmp_path_factory, recipe):
     corpus = root / "corpus.txt"
     text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
     corpus.write_text(text[:60_000])
-    small = {"model.d_model": 64, "model.num_heads": 2, "model.num_kv_heads": 2,
-             "model.d_ff": 128, "model.vocab_size": 320, "model.max_len": 32, "seq_len": 32,
-             "batch_size": 4, "num_train_steps": 3, "warmup_steps": 1, "eval_batches": 1,
-             "sample_tokens": 4, "compilation_cache_dir": "", "data.path": str(corpus),
-             "fp8.recipe": recipe}  # fmt: skip
+    small = {
+        "model.d_model": 64,
+        "model.num_heads": 2,
+        "model.num_kv_heads": 2,
+        "model.d_ff": 128,
+        "model.vocab_size": 320,
+        "model.max_len": 32,
+        "seq_len": 32,
+        "batch_size": 4,
+        "num_train_steps": 3,
+        "warmup_steps": 1,
+        "eval_batches": 1,
+        "sample_tokens": 4,
+        "compilation_cache_dir": "",
+        "data.path": str(corpus),
+        "fp8.recipe": recipe,
+    }
     config = with_overrides(train_lib.load_config("tiny"), small)
     train_lib.train_and_evaluate(config, str(root / "wd"))
     return root / "wd", corpus, config
@@ -312,8 +331,9 @@ def run_cli(module, *args):
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]

@@ -55,10 +55,15 @@ def fp8jax_logits(directory, **training):
 
 
 LAYOUTS = [  # (family, scan_layers, fused_qkv): every family, both layouts of attention
-    ("llama3", True, False), ("llama3", False, True), ("llama", True, True),
-    ("mistral", False, False), ("qwen2", True, False), ("qwen2", False, True),
-    ("gpt2", True, False), ("gpt2", False, True),
-]  # fmt: skip
+    ("llama3", True, False),
+    ("llama3", False, True),
+    ("llama", True, True),
+    ("mistral", False, False),
+    ("qwen2", True, False),
+    ("qwen2", False, True),
+    ("gpt2", True, False),
+    ("gpt2", False, True),
+]
 
 
 @pytest.mark.parametrize("family,scan,fused", LAYOUTS)
@@ -147,9 +152,17 @@ def test_fp8jax_to_transformers_logits(tmp_path, kind):
     import transformers
 
     m = dataclasses.replace(
-        hf.default_model_cfg(), vocab_size=VOCAB, d_model=64, num_heads=4, d_ff=96,
-        max_len=MAX_POS, norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, **FP8JAX_MODELS[kind]
-    )  # fmt: skip
+        hf.default_model_cfg(),
+        vocab_size=VOCAB,
+        d_model=64,
+        num_heads=4,
+        d_ff=96,
+        max_len=MAX_POS,
+        norm_eps=1e-5,
+        rope_theta=1e4,
+        rope_scaling=None,
+        **FP8JAX_MODELS[kind],
+    )
     # bf16-representable params: the export is then exact and both sides compute in f32.
     flat = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in random_params(m).items()}
     params = weights.unflatten(flat)
@@ -271,8 +284,11 @@ def test_workdir_load_and_export_o2(tmp_path):
         np.testing.assert_array_equal(got[k], np.asarray(want[k]), err_msg=str(k))
     proc = subprocess.run(
         [sys.executable, "-m", "fp8jax.hf.export", str(tmp_path / "wd"), str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
     bf16 = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), loaded.params)
@@ -284,8 +300,11 @@ def test_export_cli_bad_input_exit_2(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "fp8jax.hf.export", str(tmp_path / "nothing"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "neither a Hugging Face model dir" in lines[0] and not out.exists()

@@ -260,14 +260,21 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert find_cycle({"ops": {"nn"}, "nn": {"ops"}}) == ["nn", "ops", "nn"]
     assert find_cycle({"ops": set(), "nn": {"ops"}}) is None
     units = unit_graph(modules, graph)  # cmd's own imports do not count; imports of it do
-    assert dict(units) == {"fp8jax": set(), "_util": set(), "a": {"_util", "fp8jax"},
-                           "b": {"a", "cmd"}}  # fmt: skip
+    assert dict(units) == {
+        "fp8jax": set(),
+        "_util": set(),
+        "a": {"_util", "fp8jax"},
+        "b": {"a", "cmd"},
+    }
     assert layer_violations(units, (("_util", "cmd"), ("fp8jax",), ("a",), ("b",))) == []
     assert layer_violations(units, (("_util", "cmd"), ("fp8jax",), ("b",), ("a",))) == ["b -> a"]
     assert layer_violations(units, (("_util", "fp8jax", "a"), ("cmd", "b"))) == [
-        "a -> _util", "a -> fp8jax", "b -> cmd",
-    ]  # fmt: skip
+        "a -> _util",
+        "a -> fp8jax",
+        "b -> cmd",
+    ]
     assert layer_violations(units, (("cmd", "fp8jax"), ("a",), ("b",))) == [
-        "_util is in no layer of LAYERS", "a -> _util",
-    ]  # fmt: skip
+        "_util is in no layer of LAYERS",
+        "a -> _util",
+    ]
     assert entry_point_importers(modules, graph) == {"fp8jax.b": ["fp8jax.cmd"]}

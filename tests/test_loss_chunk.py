@@ -274,10 +274,19 @@ def test_chunked_train_step_compiles_to_less_temp_memory():
     at least half of the (1024 - 128) tokens' f32 logits: the chunk bounds the buffers."""
     vocab, batch_size, seq_len, chunk = 8192, 4, 256, 128
     tokens = batch_size * seq_len
-    run = run_spec(seq_len=seq_len, batch_size=batch_size,
-                   **{"model.vocab_size": vocab, "model.d_model": 64, "model.d_ff": 128,
-                      "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2,
-                      "model.max_len": seq_len})  # fmt: skip
+    run = run_spec(
+        seq_len=seq_len,
+        batch_size=batch_size,
+        **{
+            "model.vocab_size": vocab,
+            "model.d_model": 64,
+            "model.d_ff": 128,
+            "model.num_layers": 1,
+            "model.num_heads": 2,
+            "model.num_kv_heads": 2,
+            "model.max_len": seq_len,
+        },
+    )
     temps = {}
     jax.config.update("jax_disable_most_optimizations", False)  # the memory XLA really plans
     try:
@@ -314,7 +323,8 @@ def test_chunks_keep_a_sharded_batch_local():
     another's activations (contiguous chunks would scan over the sharded axis)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "0", proc.stdout

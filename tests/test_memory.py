@@ -46,9 +46,14 @@ def trainer_state(c):
 
 @pytest.mark.parametrize(
     "level,fp8",
-    [("O0", {}), ("O1", {}), ("O2", {}), ("O3", {}),
-     ("O2", {"m_format": "e5m2", "v_format": "bfloat16", "master_format": "bfloat16"})],
-)  # fmt: skip
+    [
+        ("O0", {}),
+        ("O1", {}),
+        ("O2", {}),
+        ("O3", {}),
+        ("O2", {"m_format": "e5m2", "v_format": "bfloat16", "master_format": "bfloat16"}),
+    ],
+)
 def test_estimate_matches_the_trainers_state(level, fp8):
     """``state_bytes`` from the table gives, to the byte, what the trainer's state holds."""
     c = tiny_config(level, **fp8)
@@ -174,8 +179,9 @@ def test_fused_adamw_holds_no_f32_copy_of_a_stacked_leaf():
     shape = (32, 64, 256)  # [layers, d_in, d_out]
     n = shape[0] * shape[1] * shape[2]
     slice_bytes = 4 * shape[1] * shape[2]  # one layer's f32 values at a time
-    opt = FusedAdamW(optax.constant_schedule(1e-3), weight_decay=0.1, grad_clip=1.0,
-                     slice_bytes=slice_bytes)  # fmt: skip
+    opt = FusedAdamW(
+        optax.constant_schedule(1e-3), weight_decay=0.1, grad_clip=1.0, slice_bytes=slice_bytes
+    )
     tx = opt.transform()
     p32 = {"blocks": {"wi": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)}}}
     masters = jax.eval_shape(optim.to_master, p32)

@@ -266,8 +266,9 @@ def test_rebuild_casts_operands_again_bit_for_bit_one_layout_each(op, rebuild):
 
     def grads(x, w1, b1, w2):
         y = fn(True, "pallas")(x, w1, b1, w2)[0]
-        return jax.grad(lambda *a: jnp.sum(fn(True, "pallas")(*a)[0].astype(jnp.float32)),
-                        argnums=(0, 1, 3))(x, w1, b1, w2), y  # fmt: skip
+        return jax.grad(
+            lambda *a: jnp.sum(fn(True, "pallas")(*a)[0].astype(jnp.float32)), argnums=(0, 1, 3)
+        )(x, w1, b1, w2), y
 
     calls = _cuda_kernel_outputs(grads, x, w1, b1, w2)
     e4m3 = [c for c in calls if "f8E4M3FN" in c and "f8E5M2" not in c]

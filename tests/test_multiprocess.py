@@ -112,9 +112,13 @@ def _worker(mode: str, out: str) -> None:
     config.batch_size = 8
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, 50_000)
     dataset = data_lib.Dataset(
-        None, tokens.astype(np.int32), tokens[:1000].astype(np.int32),
-        seed=config.seed, batch_size=config.batch_size, seq_len=config.seq_len,
-    )  # fmt: skip
+        None,
+        tokens.astype(np.int32),
+        tokens[:1000].astype(np.int32),
+        seed=config.seed,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+    )
     it = dataset.train_iter()  # this process's rows of each global batch
     env = train_lib.setup(spec.parse(config))
     state = env.init(jax.random.PRNGKey(config.seed))

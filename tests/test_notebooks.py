@@ -109,8 +109,11 @@ def test_install_cell_clones_the_repository_on_colab(path, tmp_path, monkeypatch
 
 def test_finetune_notebook_downloads_nothing_by_default():
     """04 imports a local checkpoint dir; empty, it makes its own: the test path downloads none."""
-    code = [c.source for c in _read(COLAB / "04_finetune_hf_checkpoint.ipynb").cells
-            if c.cell_type == "code"]  # fmt: skip
+    code = [
+        c.source
+        for c in _read(COLAB / "04_finetune_hf_checkpoint.ipynb").cells
+        if c.cell_type == "code"
+    ]
     assert sum('CHECKPOINT = ""' in src for src in code) == 1
     assert not [src for src in code if "snapshot_download" in src or 'from_pretrained("' in src]
 

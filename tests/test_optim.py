@@ -102,8 +102,13 @@ def all_finite(tree):
 
 
 # Every format once as m and once as v.
-FORMAT_PAIRS = [("e4m3", "float16"), ("e5m2", "e4m3"), ("float16", "bfloat16"),
-                ("bfloat16", "float32"), ("float32", "e5m2")]  # fmt: skip
+FORMAT_PAIRS = [
+    ("e4m3", "float16"),
+    ("e5m2", "e4m3"),
+    ("float16", "bfloat16"),
+    ("bfloat16", "float32"),
+    ("float32", "e5m2"),
+]
 
 
 @pytest.mark.parametrize("m_format,v_format", FORMAT_PAIRS)
@@ -164,8 +169,9 @@ TOLERANCES = [
 @pytest.mark.parametrize("m_format,v_format,master,sr,disp_tol,abs_tol,loss_tol", TOLERANCES)
 def test_tracks_adamw(reference, m_format, v_format, master, sr, disp_tol, abs_tol, loss_tol):
     ref, ref_loss = reference
-    tx = optim.fp8_adamw(LR, weight_decay=WD, m_format=m_format, v_format=v_format,
-                         stochastic_rounding=sr)  # fmt: skip
+    tx = optim.fp8_adamw(
+        LR, weight_decay=WD, m_format=m_format, v_format=v_format, stochastic_rounding=sr
+    )
     p, params, _ = train(tx, master)
     loss = float(loss_fn(p))
     disp, dmax, dloss = displacement_error(p, ref), max_abs_diff(p, ref), loss / ref_loss - 1
@@ -193,8 +199,9 @@ def test_stochastic_rounding_removes_stagnation_bias():
 @pytest.mark.parametrize("m_format,v_format", [("e4m3", "float16"), ("e5m2", "bfloat16")])
 def test_scale_follows_amax_rule(m_format, v_format):
     b1, b2 = 0.9, 0.999
-    tx = optim.scale_by_fp8_adam(b1, b2, m_format=m_format, v_format=v_format,
-                                 stochastic_rounding=False)  # fmt: skip
+    tx = optim.scale_by_fp8_adam(
+        b1, b2, m_format=m_format, v_format=v_format, stochastic_rounding=False
+    )
     params = init_params()
     grads = jax.grad(loss_fn)(params)
     _, state = jax.jit(tx.update)(grads, tx.init(params))
@@ -337,8 +344,13 @@ def test_chain_with_clipping_and_schedule():
 def test_weight_decay_mask_matches_optax():
     decay_kernels = lambda p: jax.tree_util.tree_map_with_path(optim.is_matmul_weight, p)
     ref, _, _ = train(optax.adamw(LR, weight_decay=0.3, mask=decay_kernels), steps=10)
-    tx = optim.fp8_adamw(LR, weight_decay=0.3, m_format="float32", v_format="float32",
-                         weight_decay_mask=decay_kernels)  # fmt: skip
+    tx = optim.fp8_adamw(
+        LR,
+        weight_decay=0.3,
+        m_format="float32",
+        v_format="float32",
+        weight_decay_mask=decay_kernels,
+    )
     p, _, _ = train(tx, steps=10)
     assert max_abs_diff(p, ref) < 1e-6
 
@@ -564,8 +576,15 @@ def test_fused_adamw_equals_update_then_apply(sr, slice_bytes):
 
     mask = lambda p: jax.tree_util.tree_map_with_path(optim.is_matmul_weight, p)  # noqa: E731
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
-    opt = FusedAdamW(schedule, weight_decay=0.1, weight_decay_mask=mask, grad_clip=1.0,
-                     stochastic_rounding=sr, seed=7, slice_bytes=slice_bytes)  # fmt: skip
+    opt = FusedAdamW(
+        schedule,
+        weight_decay=0.1,
+        weight_decay_mask=mask,
+        grad_clip=1.0,
+        stochastic_rounding=sr,
+        seed=7,
+        slice_bytes=slice_bytes,
+    )
     tx = opt.transform()
     p32 = _fused_params()
     state = tx.init(p32)
@@ -631,10 +650,11 @@ def test_fused_train_step_equals_the_unfused_one(rounding):
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
     state = env.init(jax.random.PRNGKey(0))
     steps = [
-        _exact_jit(step_lib.make_train_step(env.model, env.tx, env.run, env.mesh, fused=f),
-                   state, batch)
+        _exact_jit(
+            step_lib.make_train_step(env.model, env.tx, env.run, env.mesh, fused=f), state, batch
+        )
         for f in (False, True)
-    ]  # fmt: skip
+    ]
     for i in range(3):
         if i == 2:  # a NaN weight: NaN loss, the step is skipped
             emb = state.params["embed"]["embedding"].at[tok[0, 0], 0].set(jnp.nan)

@@ -67,8 +67,10 @@ def test_qkv_projection_equals_its_dot_general_path(rebuild):
     w = jnp.asarray(rng.standard_normal((d, kv, g + 2, h)) * 0.05, jnp.float32)
     b = jnp.asarray(rng.standard_normal((kv, g + 2, h)) * 0.1, jnp.float32)
     meta = scaling.init_meta(scaling.DelayedScaling())
-    cts = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
-           ((2, 16, kv * g, h), (2, 16, kv, h), (2, 16, kv, h))]  # fmt: skip
+    cts = [
+        jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+        for s in ((2, 16, kv * g, h), (2, 16, kv, h), (2, 16, kv, h))
+    ]
 
     def run(impl):
         def f(x, w, b, meta):
@@ -120,7 +122,7 @@ def _tiny(style, fuse_qkv, dtype, kernel="interpret", policy="none"):
         ("llama", "float32", "none"),
         ("gpt", "bfloat16", "none"),
         ("gpt", "float32", "activations_saveable"),
-    ],  # fmt: skip
+    ],
 )
 def test_fused_qkv_equals_one_fp8_matmul(style, dtype, policy):
     """Same params, loss, scale state and FP8 cotangents as the sliced ``dot_general``; the

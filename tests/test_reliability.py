@@ -138,9 +138,14 @@ def cli(workdir, corpus, *extra, **overrides) -> list[str]:
     """The train.py command line for ``SMALL`` plus ``overrides`` and ``extra`` flags."""
     values = {**SMALL, "data.path": str(corpus), **overrides}
     return [
-        sys.executable, "train.py", "--config", "configs/tiny.py", f"--workdir={workdir}",
-        *[f"--config.{k}={v}" for k, v in values.items()], *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.py",
+        f"--workdir={workdir}",
+        *[f"--config.{k}={v}" for k, v in values.items()],
+        *extra,
+    ]
 
 
 def run_cli(args, env, timeout=300) -> subprocess.CompletedProcess:
@@ -312,8 +317,11 @@ def assert_trees_equal(a, b):
 
 
 # Attempt 2 + 4k gets NaN and 4 + 4k gets +Inf in KINDS[k]; the attempts between are clean.
-FAULTS = [(2 + 4 * k + 2 * i, 3 + 4 * k + 2 * i, kind, value)
-          for k, kind in enumerate(KINDS) for i, value in enumerate((NAN, INF))]  # fmt: skip
+FAULTS = [
+    (2 + 4 * k + 2 * i, 3 + 4 * k + 2 * i, kind, value)
+    for k, kind in enumerate(KINDS)
+    for i, value in enumerate((NAN, INF))
+]
 
 
 @pytest.fixture(scope="module")
@@ -538,8 +546,9 @@ def test_sigterm_resume_is_bit_exact(corpus, tmp_path, baseline, monkeypatch):
 
 
 @pytest.mark.slow
-def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(corpus, env, tmp_path,
-                                                                    baseline):  # fmt: skip
+def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(
+    corpus, env, tmp_path, baseline
+):
     """Injects SIGKILL at 4 random moments (seeded) into train.py runs that checkpoint every step.
 
     After each kill the latest checkpoint restores whole (its data position equals its step);
@@ -554,8 +563,11 @@ def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(corpus, env,
         with open(tmp_path / f"log{i}.txt", "w") as log:
             proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
             try:
-                _wait_for(lambda: len(train_records(tmp_path)) > seen or proc.poll() is not None,
-                          180, "a new step")  # fmt: skip
+                _wait_for(
+                    lambda: len(train_records(tmp_path)) > seen or proc.poll() is not None,
+                    180,
+                    "a new step",
+                )
                 time.sleep(rng.uniform(0.0, 1.5))
             finally:
                 proc.kill()

@@ -321,9 +321,13 @@ def test_activations_saveable_recomputes_no_gemm(style, level, cast):
 @pytest.mark.parametrize("policy", ACTIVATIONS)
 @pytest.mark.parametrize(
     "style,cast,fuse_mlp",
-    [("gpt", "xla", True), ("gpt", "interpret", True), ("gpt", "interpret", False),
-     ("llama", "xla", True)],
-)  # fmt: skip
+    [
+        ("gpt", "xla", True),
+        ("gpt", "interpret", True),
+        ("gpt", "interpret", False),
+        ("llama", "xla", True),
+    ],
+)
 def test_activations_saveable_gradients(style, cast, fuse_mlp, policy):
     """In f32 (no bf16 value rounded where a fusion ends) 'activations_saveable' gives the same
     parameter and input gradients and FP8 state as no remat: what it saves is what the forward

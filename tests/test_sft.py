@@ -93,8 +93,9 @@ def test_accumulation_weights_micro_batches_by_their_loss_tokens(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     logits = model.apply({"params": params}, batch["inputs"])
     halves = [slice(0, 2), slice(2, 4)]
-    mean_of_means = np.mean([numpy_weighted_ce(logits[h], batch["targets"][h],
-                                               batch["weights"][h]) for h in halves])  # fmt: skip
+    mean_of_means = np.mean(
+        [numpy_weighted_ce(logits[h], batch["targets"][h], batch["weights"][h]) for h in halves]
+    )
     assert abs(float(loss2) - mean_of_means) > 1e-3 * abs(mean_of_means)
 
 
@@ -131,8 +132,12 @@ def test_packed_examples_see_only_themselves():
     row = sft_data.make_row(examples, [0, 1, 2], 32)
     batch = sft_data.stack([row])
     params = model.init(jax.random.PRNGKey(0), batch["inputs"])["params"]
-    packed = model.apply({"params": params}, batch["inputs"], positions_BxL=batch["positions"],
-                         segment_ids_BxL=batch["segment_ids"])  # fmt: skip
+    packed = model.apply(
+        {"params": params},
+        batch["inputs"],
+        positions_BxL=batch["positions"],
+        segment_ids_BxL=batch["segment_ids"],
+    )
     at = 0
     for ids, _ in examples:
         alone = model.apply({"params": params}, ids[None, :-1])
@@ -173,8 +178,10 @@ def test_stream_is_seeded_resumable_and_split_over_processes(tmp_path):
     first = next(other_seed.train_iter(process_index=0, process_count=1))
     assert not np.array_equal(first["inputs"], batches[0]["inputs"])
     # Padded rows: one example each.
-    padded = sft_data.build(dataclasses.replace(run, data=dataclasses.replace(
-        run.data, packing=False)), tmp_path / "work3")  # fmt: skip
+    padded = sft_data.build(
+        dataclasses.replace(run, data=dataclasses.replace(run.data, packing=False)),
+        tmp_path / "work3",
+    )
     b = next(padded.train_iter(process_index=0, process_count=1))
     assert b["segment_ids"].max() == 1
 
@@ -200,8 +207,10 @@ def test_bad_lines_name_file_and_line(tmp_path):
 
 
 def test_overlong_examples_are_dropped_or_truncated():
-    long_, short = (np.arange(40, dtype=np.int32), np.ones(40, bool)), (
-        np.arange(5, dtype=np.int32), np.ones(5, bool))  # fmt: skip
+    long_, short = (
+        (np.arange(40, dtype=np.int32), np.ones(40, bool)),
+        (np.arange(5, dtype=np.int32), np.ones(5, bool)),
+    )
     kept, counts = sft_data.fit([long_, short], 16, "drop")
     assert len(kept) == 1 and counts["overlong"] == 1
     kept, _ = sft_data.fit([long_, short], 16, "truncate")
@@ -222,8 +231,9 @@ def test_init_state_starts_from_given_params_and_bad_init_from_is_one_line(tmp_p
     state = step_lib.init_state(model, tx, run, jax.random.PRNGKey(0), params=given)
     from fp8jax.optim import adam
 
-    for a, b in zip(jax.tree.leaves(adam.materialize(state.params)), jax.tree.leaves(given),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(adam.materialize(state.params)), jax.tree.leaves(given), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)  # O2: FP16 masters
     bad = dataclasses.replace(run, init_from=str(tmp_path / "missing"))
     with pytest.raises(errors.ConfigError, match="init_from=.*missing.*not a directory"):
@@ -231,13 +241,18 @@ def test_init_state_starts_from_given_params_and_bad_init_from_is_one_line(tmp_p
     assert not (tmp_path / "work").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(errors.UserError, match="neither a Hugging Face model dir"):
-        loop.from_checkpoint(dataclasses.replace(run, init_from=str(tmp_path / "empty")),
-                             str(tmp_path / "work"))  # fmt: skip
+        loop.from_checkpoint(
+            dataclasses.replace(run, init_from=str(tmp_path / "empty")), str(tmp_path / "work")
+        )
 
 
 def test_sft_tiny_learns_the_titles(tmp_path):
-    run = sft_run(num_train_steps=60, eval_every_steps=20, checkpoint_every_steps=0,
-                  **{"model.d_model": 64, "model.d_ff": 128})  # fmt: skip
+    run = sft_run(
+        num_train_steps=60,
+        eval_every_steps=20,
+        checkpoint_every_steps=0,
+        **{"model.d_model": 64, "model.d_ff": 128},
+    )
     summary = loop.train_and_evaluate(run, str(tmp_path / "work"))
     evals = [json.loads(line) for line in open(tmp_path / "work" / "metrics.jsonl")]
     losses = [e["val_loss"] for e in evals if "val_loss" in e]

@@ -169,9 +169,12 @@ def test_loop_reads_a_step_after_dispatching_the_next(corpus, tmp_path, monkeypa
     )
     steps = 6
     config = small_config(
-        corpus, num_train_steps=steps, checkpoint_every_steps=3, fp8_stats_every_steps=1000,
+        corpus,
+        num_train_steps=steps,
+        checkpoint_every_steps=3,
+        fp8_stats_every_steps=1000,
         sample_tokens=0,
-    )  # fmt: skip
+    )
     train_lib.train_and_evaluate(config, str(tmp_path))
     assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, steps + 1))
     for n in range(1, steps):

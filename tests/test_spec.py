@@ -164,8 +164,15 @@ def test_library_defaults_agree_with_base():
         bad.fp8.amax_compute_algo = "mean"
         spec.parse(bad)
     # The spec's own dataclasses (and the model's) carry no defaults at all.
-    for cls in (spec.RunSpec, spec.Fp8Spec, spec.DataSpec, spec.OptimSpec, spec.LoopSpec,
-                spec.MeshSpec, models.ModelConfig):  # fmt: skip
+    for cls in (
+        spec.RunSpec,
+        spec.Fp8Spec,
+        spec.DataSpec,
+        spec.OptimSpec,
+        spec.LoopSpec,
+        spec.MeshSpec,
+        models.ModelConfig,
+    ):
         for f in dataclasses.fields(cls):
             assert f.default is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
             assert f.default_factory is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
@@ -215,9 +222,19 @@ def test_setup_is_a_frozen_dataclass_without_string_keys():
     env = loop.setup(spec.parse(c))
     names = {f.name for f in dataclasses.fields(loop.Setup)}
     assert names == {
-        "run", "mesh", "model", "objective", "tx", "init", "abstract", "state_shardings",
-        "batch_sharding", "train_step", "eval_step", "stats_step",
-    }  # fmt: skip
+        "run",
+        "mesh",
+        "model",
+        "objective",
+        "tx",
+        "init",
+        "abstract",
+        "state_shardings",
+        "batch_sharding",
+        "train_step",
+        "eval_step",
+        "stats_step",
+    }
     with pytest.raises(TypeError):
         env["train_step"]  # noqa: B018
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -240,8 +257,15 @@ def test_a_run_parses_its_config_once(tmp_path, monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    checks = ("parse", "_fp8_and_model", "_recipe_fields", "_optim", "parse_data", "parse_dpo",
-              "_comm")  # fmt: skip
+    checks = (
+        "parse",
+        "_fp8_and_model",
+        "_recipe_fields",
+        "_optim",
+        "parse_data",
+        "parse_dpo",
+        "_comm",
+    )
     env_checks = ("check_corpus", "check_environment")
     for name in checks:
         counted(spec, name)

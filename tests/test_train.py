@@ -289,8 +289,13 @@ def test_grad_accumulation_matches_one_batch(level):
 @pytest.mark.parametrize("level,share", [("O0", 0.0), ("O1", 1.0)])
 def test_coverage_of_block_linears(level, share):
     report = inspect_lib.coverage_of(spec.parse(_micro_config(level)), compile_step=False)
-    linears = [e for e in report.entries if "Fp8DotGeneral" in e.name or "/mlp/" in e.name
-               or any(f"/attn/{n}" in e.name for n in ("q", "kv", "o"))]  # fmt: skip
+    linears = [
+        e
+        for e in report.entries
+        if "Fp8DotGeneral" in e.name
+        or "/mlp/" in e.name
+        or any(f"/attn/{n}" in e.name for n in ("q", "kv", "o"))
+    ]
     linears = [e for e in linears if "dot_product_attention" not in e.name and "vmap" not in e.name]
     assert len(linears) == 3 * 5, [e.name for e in report.entries]  # 5 linears, fwd+dgrad+wgrad
     assert np.mean([e.fp8 for e in linears]) == share

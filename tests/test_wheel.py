@@ -61,8 +61,20 @@ def installed(tmp_path_factory):
         ".git", "__pycache__", "build", "dist", "*.egg-info", ".venv", "runs", ".*_cache"
     )
     shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"),
-          str(source)], tmp)  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            str(tmp / "dist"),
+            str(source),
+        ],
+        tmp,
+    )
     (wheel,) = (tmp / "dist").glob("fp8jax-*.whl")
 
     venv = tmp / "venv"
@@ -70,8 +82,9 @@ def installed(tmp_path_factory):
     python = venv / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], tmp)
     # This environment's packages (jax, flax, ...) after the venv's own site-packages.
-    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                tmp).stdout.strip()  # fmt: skip
+    site = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp
+    ).stdout.strip()
     pathlib.Path(site, "parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
     outside = tmp / "user"
@@ -81,8 +94,16 @@ def installed(tmp_path_factory):
     corpus.write_text(gzip.open(shipped, "rt").read()[:60_000])
     workdir = outside / "wd"
     overrides = [f"--config.{k}={v}" for k, v in {**TRAIN_FIELDS, "data.path": corpus}.items()]
-    _run([str(venv / "bin" / "fp8jax-train"), "--config", "tiny", f"--workdir={workdir}",
-          *overrides], outside)  # fmt: skip
+    _run(
+        [
+            str(venv / "bin" / "fp8jax-train"),
+            "--config",
+            "tiny",
+            f"--workdir={workdir}",
+            *overrides,
+        ],
+        outside,
+    )
     return python, outside, corpus, workdir
 
 
@@ -116,7 +137,11 @@ def test_the_wheel_runs_outside_the_checkout(installed):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [str(python), "-m", "fp8jax.train", "--config", "no_such_preset", "--workdir=wd"],
-        cwd=outside, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=outside,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "tiny" in proc.stderr  # the shipped configs' names, read from the wheel

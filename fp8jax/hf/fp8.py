@@ -256,11 +256,23 @@ def dequantize(
 # are read here by their documented layout: an 8-byte little-endian header length, the JSON
 # header {name: {dtype, shape, data_offsets}}, then the raw bytes; ml_dtypes gives the dtypes.
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": BF16, "F8_E4M3": E4M3,
-    "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu, "I64": np.int64,
-    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
-    "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-}  # fmt: skip
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": BF16,
+    "F8_E4M3": E4M3,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 def read_header(path: os.PathLike) -> dict[str, dict]:

@@ -48,8 +48,11 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size (5 GB)
 # Tokenizer files a HF dir carries over to its export unchanged.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -295,6 +298,11 @@ def export(
     loaded = load(src)
     tokenizer_dir = src if _kind(src) == "hf" else None
     return save_hf(
-        out_dir, loaded.model_cfg, loaded.params, loaded.tokenizer, dtype, max_shard_bytes,
+        out_dir,
+        loaded.model_cfg,
+        loaded.params,
+        loaded.tokenizer,
+        dtype,
+        max_shard_bytes,
         tokenizer_dir,
-    )  # fmt: skip
+    )

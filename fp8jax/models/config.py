@@ -83,9 +83,14 @@ REMAT_POLICIES = {
 # Positive sizes of a model.
 MODEL_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_len")
 MODEL_FLAGS = (
-    "scan_layers", "fused_qkv", "tie_block_grads", "fp8_lm_head", "tie_embeddings", "qkv_bias",
+    "scan_layers",
+    "fused_qkv",
+    "tie_block_grads",
+    "fp8_lm_head",
+    "tie_embeddings",
+    "qkv_bias",
     "recompute_elementwise",
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)

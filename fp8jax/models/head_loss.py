@@ -91,11 +91,13 @@ def _chunk_grads(x_CxD, dlogits_CxV, w_c, w_d: int, dtype):
     dx_CxD = jax.lax.dot_general(dlogits_CxV, w_c, (((1,), (1 - w_d,)), ((), ())))
     x_c = x_CxD.astype(dtype)
     if w_d == 0:  # kernel [D, V]: x^T @ dlogits
-        dw = jax.lax.dot_general(x_c, dlogits_CxV, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+        dw = jax.lax.dot_general(
+            x_c, dlogits_CxV, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
     else:  # embedding [V, D]: dlogits^T @ x
-        dw = jax.lax.dot_general(dlogits_CxV, x_c, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+        dw = jax.lax.dot_general(
+            dlogits_CxV, x_c, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
     return dx_CxD.astype(x_CxD.dtype), dw
 
 

@@ -231,9 +231,14 @@ def dot_general(
     x = x.reshape((bsz, m, k) if batched else (m, k))  # [(B,) M, K]
     w = w.reshape((bsz, k, n) if batched else (k, n))  # [(B,) K, N]
     cfg = GemmConfig(
-        jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype, batched, cast_kernel, prologue,
+        jnp.dtype(x.dtype),
+        jnp.dtype(w.dtype),
+        out_dtype,
+        batched,
+        cast_kernel,
+        prologue,
         gemm.rebuilt_operands(rebuild),
-    )  # fmt: skip
+    )
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
     with jax.named_scope(f"fp8_{meta.x.recipe.name}"):

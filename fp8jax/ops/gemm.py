@@ -141,13 +141,24 @@ def fwd_fused(cfg: GemmConfig, x, w, meta: Fp8Meta, affine=None, raw: bool = Fal
     # its amax into its state's pending slot (in place on GPUs). An operand in ``rebuild``:
     # only this GEMM's layout; the backward casts it again (``rebuilt_input``, ``rebuilt_weight``).
     xq, xq_t, hist_x = kernels.cast_transpose(
-        x, sx, formats.E4M3, cfg.cast, cfg.prologue, pending=meta.x.amax_history, affine=affine,
-        layouts="row" if "x" in cfg.rebuild else kernels.BOTH, norm=norm,
-    )  # fmt: skip
+        x,
+        sx,
+        formats.E4M3,
+        cfg.cast,
+        cfg.prologue,
+        pending=meta.x.amax_history,
+        affine=affine,
+        layouts="row" if "x" in cfg.rebuild else kernels.BOTH,
+        norm=norm,
+    )
     wq, wq_t, hist_w = kernels.cast_transpose(
-        w, sw, formats.E4M3, cfg.cast, pending=meta.w.amax_history,
+        w,
+        sw,
+        formats.E4M3,
+        cfg.cast,
+        pending=meta.w.amax_history,
         layouts="col" if "w" in cfg.rebuild else kernels.BOTH,
-    )  # fmt: skip
+    )
     # A rebuilt operand is kept as given: the forward's input, which a remat recomputes or holds.
     # A kept one is named for remat policies (ops.remat): the layout the backward GEMM reads.
     xq_t = x if "x" in cfg.rebuild else checkpoint_name(xq_t, FP8_X)
@@ -171,9 +182,15 @@ def rebuilt_input(cfg: GemmConfig, x_or_xq_t, meta: Fp8Meta, norm=None) -> jax.A
     if "x" not in cfg.rebuild:
         return x_or_xq_t
     return kernels.cast_transpose(
-        x_or_xq_t, meta.x.scale, formats.E4M3, cfg.cast, cfg.prologue, layouts="col",
-        record=False, norm=norm,
-    )[1]  # fmt: skip
+        x_or_xq_t,
+        meta.x.scale,
+        formats.E4M3,
+        cfg.cast,
+        cfg.prologue,
+        layouts="col",
+        record=False,
+        norm=norm,
+    )[1]
 
 
 def rebuilt_weight(cfg: GemmConfig, w_or_wq, meta: Fp8Meta) -> jax.Array:

@@ -201,9 +201,17 @@ def record_amax(pending_ref, block_max):
 
 
 def _kernel(
-    *refs, limit: float, dtype, cast_first, prologue, tanh, affine: bool, norm: bool, layouts,
+    *refs,
+    limit: float,
+    dtype,
+    cast_first,
+    prologue,
+    tanh,
+    affine: bool,
+    norm: bool,
+    layouts,
     record,
-):  # fmt: skip
+):
     # scale_ref: [scale(, alpha)]; bias_ref: this block's [bk] of the bias (with affine); the
     # norm's mean and rstd [bm], gamma and beta [bk] (with norm); the pending input (aliased
     # to pending_ref) only when recording.

@@ -224,12 +224,19 @@ def qkv_projection(
     w_DxC = w.reshape(d, -1)
     dtype = jnp.dtype(x.dtype)
     cfg = _Cfg(
-        GemmConfig(dtype, jnp.dtype(w.dtype), dtype, False, cast_kernel, None,
-                   gemm.rebuilt_operands(rebuild)),
+        GemmConfig(
+            dtype,
+            jnp.dtype(w.dtype),
+            dtype,
+            False,
+            cast_kernel,
+            None,
+            gemm.rebuilt_operands(rebuild),
+        ),
         heads,
         None if b is None else jnp.dtype(b.dtype),
         None if ln is None else float(ln[2]),
-    )  # fmt: skip
+    )
     aligned = all(n % dot.PAD == 0 and n > 0 for n in (*x_MxD.shape, h))
     if aligned and gemm.uses_fused_cast(cfg.gemm, meta):
         b_C = None if b is None else b.reshape(-1)

@@ -331,8 +331,9 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         clipped = []
         for ids in fp8_buckets:
             pick = lambda xs, ids=ids: [xs[i] for i in ids]
-            got, c = reduce_fp8(pick(g_leaves), pick(fsdp_dims), pick(stacks), mu, cfg,
-                                mesh_shape, wire)  # fmt: skip
+            got, c = reduce_fp8(
+                pick(g_leaves), pick(fsdp_dims), pick(stacks), mu, cfg, mesh_shape, wire
+            )
             for i, x in zip(ids, got, strict=True):
                 out[i] = x
             clipped.append(c)

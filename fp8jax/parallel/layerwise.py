@@ -101,8 +101,13 @@ def wrap_model(model: nn.Module) -> nn.Module:
     if not groups or ROOT not in groups:
         return model
     cls = nn.map_variables(type(model), "params", functools.partial(_view, groups[ROOT]))
-    return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-                  if f.init and f.name not in ("parent", "name")})  # fmt: skip
+    return cls(
+        **{
+            f.name: getattr(model, f.name)
+            for f in dataclasses.fields(model)
+            if f.init and f.name not in ("parent", "name")
+        }
+    )
 
 
 def _get(tree, path):

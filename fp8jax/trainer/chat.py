@@ -94,8 +94,9 @@ def chat_parts(tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:
     template = template_of(tokenizer)
     if template is None:
         raise ValueError(NO_TEMPLATE_FIX)
-    specials = dict(bos_token=_special(tokenizer, "bos_token"),
-                    eos_token=_special(tokenizer, "eos_token"))  # fmt: skip
+    specials = dict(
+        bos_token=_special(tokenizer, "bos_token"), eos_token=_special(tokenizer, "eos_token")
+    )
     try:
         whole = render(template, messages, **specials)
         parts, done = [], 0
@@ -133,8 +134,9 @@ def check_record(record: Any, where: str) -> str:
             if not (ok and isinstance(message.get("content"), str)):
                 raise DataError(f"{where}: each message needs a string 'role' and 'content'")
         return "messages"
-    if isinstance(record, dict) and all(isinstance(record.get(k), str)
-                                        for k in ("prompt", "completion")):  # fmt: skip
+    if isinstance(record, dict) and all(
+        isinstance(record.get(k), str) for k in ("prompt", "completion")
+    ):
         return "prompt"
     raise DataError(
         f"{where}: expected a JSON object with 'messages' (a list of {{'role', 'content'}}) or "

@@ -113,8 +113,11 @@ class Checkpointer:
             logging.info(
                 "saving checkpoint step %d to %s (finite check %.1f s, copy to host %.1f s; "
                 "written in the background)",
-                step, self.directory, t1 - t0, time.perf_counter() - t1,
-            )  # fmt: skip
+                step,
+                self.directory,
+                t1 - t0,
+                time.perf_counter() - t1,
+            )
         return saved
 
     def restore(self, abstract_state, step: int | None = None):

@@ -76,22 +76,27 @@ def check_pair(record, where: str) -> str:
         raise DataError(f"{where}: expected a JSON object with 'prompt', 'chosen', 'rejected'")
     missing = [k for k in FIELDS if k not in record]
     if missing:
-        raise DataError(f"{where}: missing {', '.join(map(repr, missing))}: each line needs "
-                        f"'prompt', 'chosen' and 'rejected'")  # fmt: skip
+        raise DataError(
+            f"{where}: missing {', '.join(map(repr, missing))}: each line needs "
+            f"'prompt', 'chosen' and 'rejected'"
+        )
     if all(isinstance(record[k], str) for k in FIELDS):
         return "text"
     if all(_is_messages(record[k]) for k in FIELDS):
         return "messages"
-    raise DataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings, or all "
-                    f"lists of {{'role', 'content'}} messages")  # fmt: skip
+    raise DataError(
+        f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings, or all "
+        f"lists of {{'role', 'content'}} messages"
+    )
 
 
 def encode_response(tokenizer, record: dict, response: str, where: str) -> Example:
     """``(ids int32 [n], trained bool [n])``: the prompt then ``record[response]``, trained on
     the response's tokens only."""
     if check_pair(record, where) == "text":
-        return chat.encode(tokenizer, dict(prompt=record["prompt"],
-                                           completion=record[response]), where)  # fmt: skip
+        return chat.encode(
+            tokenizer, dict(prompt=record["prompt"], completion=record[response]), where
+        )
     prompt, turns = record["prompt"], record[response]
     try:
         parts = chat.chat_parts(tokenizer, prompt + turns)
@@ -100,8 +105,9 @@ def encode_response(tokenizer, record: dict, response: str, where: str) -> Examp
     # The prompt's own assistant turns (earlier in the conversation) are context, not trained.
     context = sum(m["role"] == "assistant" for m in prompt)
     ids, trained, seen = [], [], 0
-    for part_ids, (_, is_turn) in zip(chat.plain_ids(tokenizer, [t for t, _ in parts]), parts,
-                                      strict=True):  # fmt: skip
+    for part_ids, (_, is_turn) in zip(
+        chat.plain_ids(tokenizer, [t for t, _ in parts]), parts, strict=True
+    ):
         seen += is_turn
         ids += part_ids
         trained += [is_turn and seen > context] * len(part_ids)
@@ -153,8 +159,10 @@ class _PairStream:
 def _pair_rows(batch_size: int, process_index, process_count) -> tuple[int, int]:
     p, _, rows = process_rows(batch_size, process_index, process_count)
     if rows % 2:
-        raise ValueError(f"batch_size={batch_size} gives each process {rows} rows: DPO needs "
-                         f"an even number (whole chosen/rejected pairs)")  # fmt: skip
+        raise ValueError(
+            f"batch_size={batch_size} gives each process {rows} rows: DPO needs "
+            f"an even number (whole chosen/rejected pairs)"
+        )
     return p, rows
 
 
@@ -170,8 +178,9 @@ class DpoDataset:
         rows 2k and 2k + 1 are one pair's chosen and rejected response."""
         p, rows = _pair_rows(self.batch_size, process_index, process_count)
         stream = _PairStream(self.train, self.seq_len, self.seed, self.batch_size, p, rows)
-        identity = dict(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed,
-                        data=self.key[:16])  # fmt: skip
+        identity = dict(
+            batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed, data=self.key[:16]
+        )
         return TrainIterator(stream, identity)
 
     def eval_batches(self, num_batches: int, *, process_index=None, process_count=None):
@@ -183,8 +192,9 @@ class DpoDataset:
         out = []
         for b in range(len(idxs) // self.batch_size):
             first = b * self.batch_size + p * rows
-            out.append(stack([make_row(self.val, r, self.seq_len)
-                              for r in idxs[first : first + rows]]))  # fmt: skip
+            out.append(
+                stack([make_row(self.val, r, self.seq_len) for r in idxs[first : first + rows]])
+            )
         return out
 
 

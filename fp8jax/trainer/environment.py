@@ -60,8 +60,9 @@ def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
     path = run.data.path
     if path and not pathlib.Path(path).expanduser().exists():
-        raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX} ('' = the "
-                          f"shipped corpus)")  # fmt: skip
+        raise ConfigError(
+            f"config.data.path={path!r} does not exist: {DATA_FIX} ('' = the shipped corpus)"
+        )
     if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
         return
     from fp8jax import tokenizer  # its BPE sets the vocabulary's floor

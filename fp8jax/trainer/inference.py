@@ -67,8 +67,9 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     errors.check_choice(dtype, ("float32", "bfloat16", "float16"), "--dtype")
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise errors.CheckpointError(f"--ckpt {str(path)!r} is not a directory: pass a work dir "
-                                     "or a Hugging Face model dir")  # fmt: skip
+        raise errors.CheckpointError(
+            f"--ckpt {str(path)!r} is not a directory: pass a work dir or a Hugging Face model dir"
+        )
     record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
@@ -82,8 +83,11 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     if level == "O1":
         recipe = dataclasses.replace(trained, history_len=stored[0]) if stored else None
         if recipe is None:
-            logging.warning("%s holds no trained FP8 scales: O1 scales every operand by its "
-                            "own amax (current scaling)", path)  # fmt: skip
+            logging.warning(
+                "%s holds no trained FP8 scales: O1 scales every operand by its "
+                "own amax (current scaling)",
+                path,
+            )
             recipe = scaling.CurrentScaling()
         cfg = dataclasses.replace(cfg, recipe=recipe)
         fp8 = stored[1] if stored else fresh_fp8_state(cfg)
@@ -179,15 +183,17 @@ def text_tokens(tokenizer, path: str, limit: int) -> np.ndarray:
     return np.asarray(ids[:limit], np.int32)
 
 
-def evaluate(inf: Inference, tokens: np.ndarray, batch_size: int, seq_len: int,
-             num_batches: int) -> dict:  # fmt: skip
+def evaluate(
+    inf: Inference, tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int
+) -> dict:
     """Mean loss and perplexity over consecutive windows of ``tokens`` (the trainer's
     validation batches: ``data.Dataset.eval_batches``), with the model at ``inf.level``."""
     errors.check_int(batch_size, "batch_size", 1)
     errors.check_int(seq_len, "seq_len", 1, inf.model.cfg.max_len)
     errors.check_int(num_batches, "num_batches", 1)
-    dataset = data_lib.Dataset(inf.tokenizer, tokens[:0], tokens, batch_size=batch_size,
-                               seq_len=seq_len)  # fmt: skip
+    dataset = data_lib.Dataset(
+        inf.tokenizer, tokens[:0], tokens, batch_size=batch_size, seq_len=seq_len
+    )
     with errors.reraise_as(errors.DataError, ValueError):
         batches = dataset.eval_batches(num_batches)
     zero = jnp.zeros((), jnp.int32)
@@ -195,5 +201,9 @@ def evaluate(inf: Inference, tokens: np.ndarray, batch_size: int, seq_len: int,
     eval_step = jax.jit(step_lib.make_eval_step(inf.model))
     losses = [float(eval_step(state, jax.tree.map(jnp.asarray, b))) for b in batches]
     loss = float(np.mean(losses))
-    return {"loss": loss, "perplexity": float(math.exp(min(loss, 50.0))), "batches": len(losses),
-            "tokens": len(losses) * batch_size * seq_len}  # fmt: skip
+    return {
+        "loss": loss,
+        "perplexity": float(math.exp(min(loss, 50.0))),
+        "batches": len(losses),
+        "tokens": len(losses) * batch_size * seq_len,
+    }

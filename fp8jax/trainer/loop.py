@@ -207,8 +207,7 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
 def keep_tokenizer(workdir: str, tok) -> None:
     """Save ``tok`` in ``workdir`` as a HF tokenizer (tokenizer.json + tokenizer_config.json
     with its EOS, BOS and chat template), so the work dir reloads with everything it had."""
-    config = dict(eos_token=tok.eos_token, bos_token=tok.bos_token,
-                  chat_template=tok.chat_template)  # fmt: skip
+    config = dict(eos_token=tok.eos_token, bos_token=tok.bos_token, chat_template=tok.chat_template)
     provenance.write_json(pathlib.Path(workdir) / "tokenizer_config.json", config)
     tok.save(pathlib.Path(workdir) / tokenizer_lib.HF_TOKENIZER)
 

@@ -202,8 +202,13 @@ class NonFiniteGuard:
         logging.warning(
             "step %d: non-finite loss, gradients or learning rate (loss=%s, grad_norm=%s, "
             "learning_rate=%s): update skipped, %d in a row, %d in total",
-            step, loss, gnorm, lr, bad, int(metrics["skipped_steps"]),
-        )  # fmt: skip
+            step,
+            loss,
+            gnorm,
+            lr,
+            bad,
+            int(metrics["skipped_steps"]),
+        )
         if bad >= self.max_bad:
             raise errors.NonFiniteLossError(
                 f"{bad} consecutive non-finite steps ({step - bad + 1}..{step}, last loss={loss}, "
@@ -228,8 +233,7 @@ class RunLog:
         # One os.write per record on an O_APPEND file: a kill leaves whole lines only.
         path = os.path.join(workdir, "metrics.jsonl")
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if main else None
-        self.bar = tqdm(total=num_steps, initial=step, desc="train", unit="step",
-                        disable=not main)  # fmt: skip
+        self.bar = tqdm(total=num_steps, initial=step, desc="train", unit="step", disable=not main)
         self._redirect = contextlib.ExitStack()
         if main:
             self._redirect.enter_context(logs_above_bar())
@@ -273,10 +277,12 @@ class RunLog:
                     "step %d: %.3g of %s's FP8 values %s (more than %.2g): its scale is off or "
                     "an outlier sets it; see fp8_stats/* in TensorBoard (fp8.margin, "
                     "fp8.history_len, fp8.recipe='current')",
-                    step, share, worst[f"fp8_max_{kind}_at"],
+                    step,
+                    share,
+                    worst[f"fp8_max_{kind}_at"],
                     "clip at the format max" if kind == "saturated" else "flush to zero",
                     HEALTH_WARN_SHARE,
-                )  # fmt: skip
+                )
         self._append({"step": step, **worst})
 
     def _emit(self, step: int, prefix: str, values: dict) -> None:

@@ -31,9 +31,19 @@ GradsFn = Callable
 
 
 def _per_device(
-    grads_fn: GradsFn, model, params, fp8, batch_N, plan, masters, scale, weighted, sum_dtypes,
-    param_specs=None, groups=None,
-):  # fmt: skip
+    grads_fn: GradsFn,
+    model,
+    params,
+    fp8,
+    batch_N,
+    plan,
+    masters,
+    scale,
+    weighted,
+    sum_dtypes,
+    param_specs=None,
+    groups=None,
+):
     """``(loss_N, fp8_N, grads)`` with one replica per device, written per device (shard_map).
 
     Each device runs the unpartitioned model on its own rows, so nothing depends on how XLA's

@@ -176,10 +176,12 @@ class SftDataset:
     def train_iter(self, *, process_index=None, process_count=None) -> TrainIterator:
         """Batches of ``KEYS`` [batch_size / processes, seq_len], resumable by step."""
         p, _, rows = process_rows(self.batch_size, process_index, process_count)
-        stream = _Stream(self.train, self.seq_len, self.packing, self.seed, self.batch_size, p,
-                         rows)  # fmt: skip
-        identity = dict(batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed,
-                        data=self.key[:16])  # fmt: skip
+        stream = _Stream(
+            self.train, self.seq_len, self.packing, self.seed, self.batch_size, p, rows
+        )
+        identity = dict(
+            batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed, data=self.key[:16]
+        )
         return TrainIterator(stream, identity)
 
     def eval_batches(self, num_batches: int, *, process_index=None, process_count=None):
@@ -193,8 +195,11 @@ class SftDataset:
         out = []
         for b in range(len(plan) // self.batch_size):
             first = b * self.batch_size + p * rows
-            out.append(stack([make_row(self.val, idxs, self.seq_len)
-                              for idxs in plan[first : first + rows]]))  # fmt: skip
+            out.append(
+                stack(
+                    [make_row(self.val, idxs, self.seq_len) for idxs in plan[first : first + rows]]
+                )
+            )
         return out
 
 

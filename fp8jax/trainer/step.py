@@ -116,9 +116,12 @@ def record_schedule(workdir: str, o: OptimSpec, step: int) -> None:
             "resuming at step %d with a changed learning-rate schedule (%s): from here the "
             "rate follows the new one (%.4g at this step, %.4g under the old), its cosine "
             "decaying until step %d",
-            step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), lr_new, lr_old,
+            step,
+            ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            lr_new,
+            lr_old,
             o.num_train_steps,
-        )  # fmt: skip
+        )
     if now != before:
         provenance.write_json(pathlib.Path(path), now)
 
@@ -477,8 +480,9 @@ def make_stats_step(model, mesh=None):
         params = optim.materialize(state.params)
         variables = {"params": params, state_collection(model): state.fp8}
         with sharding_lib.activation_sharding(mesh):
-            _, mutated = model.apply(variables, batch["inputs"], **model_kwargs(batch),
-                                     mutable=[FP8_STATS])  # fmt: skip
+            _, mutated = model.apply(
+                variables, batch["inputs"], **model_kwargs(batch), mutable=[FP8_STATS]
+            )
         return mutated.get(FP8_STATS, {})
 
     return stats_step

@@ -79,12 +79,16 @@ def novel_split(
         for out, total, lo, hi in ((train, num_train, 0, cut), (test, num_test, cut, len(words))):
             share = total // len(files) + (k < total % len(files))
             if hi - lo <= passage_words:
-                raise DataError(f"{f.name}: its part of {hi - lo} words is shorter than "
-                                f"passage_words={passage_words}; use shorter passages")  # fmt: skip
+                raise DataError(
+                    f"{f.name}: its part of {hi - lo} words is shorter than "
+                    f"passage_words={passage_words}; use shorter passages"
+                )
             for start in rng.integers(lo, hi - passage_words, share):
                 out.append(example(" ".join(words[start : start + passage_words]), title))
-    return ([train[i] for i in rng.permutation(len(train))],
-            [test[i] for i in rng.permutation(len(test))])  # fmt: skip
+    return (
+        [train[i] for i in rng.permutation(len(train))],
+        [test[i] for i in rng.permutation(len(test))],
+    )
 
 
 def title_in(record: dict) -> str:
@@ -109,8 +113,10 @@ def preference_pairs(examples: Sequence[dict], seed: int = 0) -> list[dict]:
 def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
     """The share of predictions that equal their reference once both are stripped."""
     if len(predictions) != len(references) or not references:
-        raise ValueError(f"{len(predictions)} predictions for {len(references)} references: "
-                         "give one prediction per reference (at least one)")  # fmt: skip
+        raise ValueError(
+            f"{len(predictions)} predictions for {len(references)} references: "
+            "give one prediction per reference (at least one)"
+        )
     hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True))
     return hits / len(references)
 

@@ -14,8 +14,10 @@ training side of fp8jax stores the inverse, ``q = w * scale``). Each scale comes
 tensor's or block's amax, ``s = amax / 448``, so the largest value lands on E4M3's max.
 
 Weights are E4M3, not E5M2: a trained weight's values span a few binades around its amax, so
-they need precision (3 mantissa bits) far more than E5M2's range. ``python -m fp8jax.hf.fp8``
-converts a whole HF dir, one safetensors file at a time (docs/hf.md).
+they need precision (3 mantissa bits) far more than E5M2's range.
+
+The command line converts a whole HF dir one safetensors file at a time (docs/hf.md):
+``python -m fp8jax.hf.fp8 SRC_DIR OUT_DIR [--to bf16|fp8-tensor|fp8-block] [--block 128]``.
 """
 
 from __future__ import annotations

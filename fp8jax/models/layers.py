@@ -393,8 +393,10 @@ class Block(nn.Module):
 
 def _act_dot_mlp(cfg: ModelConfig) -> bool:
     """Whether GPT's O0 MLP recomputes GELU through ``ops.act_dot`` (wo keeps h, not GELU(h)).
-    LLaMA's SwiGLU takes ``_mlp_cls``' remat: as an ``act_dot`` it measured more peak memory at
-    no more speed (docs/performance.md)."""
+
+    LLaMA's SwiGLU takes ``_mlp_cls``' remat instead: through the same op it measured more
+    peak memory at no more speed (docs/performance.md).
+    """
     return recomputes_elementwise(cfg) and cfg.recipe is None and cfg.family.mlp == "gelu"
 
 
@@ -403,7 +405,8 @@ def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
 
     GPT's fused FP8 MLP and GPT's O0 MLP (``ops.act_dot``) keep only the pre-activation
     themselves. Otherwise the policy keeps the matmuls' outputs (and, at O1+, their E4M3
-    operands: ``ops.remat``) and drops the activation's intermediates.
+    operands: ``ops.remat``) and drops the activation's intermediates, which the backward
+    pass recomputes from the first output.
     """
     if not recomputes_elementwise(cfg) or fuses_mlp(cfg) or _act_dot_mlp(cfg):
         return Mlp

@@ -334,7 +334,8 @@ def materialize(params, dtype=jnp.float32):
 
 
 def updated_value(p, u) -> jax.Array:
-    """``p + u``: in f32 for a master (non-finite sums keep the old value), else as optax."""
+    """``p + u``: a ``ScaledTensor`` in f32 (before re-quantization), non-finite sums kept at the
+    old value; a plain leaf as ``optax.apply_updates`` (in its own dtype)."""
     if not is_scaled(p):
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
     old = p.dequantize()

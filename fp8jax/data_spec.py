@@ -18,7 +18,9 @@ __all__ = [
     "parse_dpo",
 ]
 
-DATA_FORMATS = ("text", "sft", "dpo")  # corpus, prompt/completion examples, preference pairs
+# The registered data formats (fp8jax.trainer.formats; tests/test_objectives checks they agree):
+# corpus, prompt/completion examples, preference pairs.
+DATA_FORMATS = ("text", "sft", "dpo")
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 DATA_FIX = "set config.data.path to a text file, a folder of .txt files or a .jsonl file"
 

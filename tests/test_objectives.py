@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from fp8jax import errors, spec
+from fp8jax import data_spec, errors, spec
 from fp8jax.trainer import corpus, formats, loop, objectives, sft_data
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -200,8 +200,9 @@ def snapshot(workdir) -> dict:
     }
 
 
-def test_every_format_has_a_sample():
-    assert set(SAMPLES) == set(formats.names())
+def test_every_format_has_a_sample_a_config_name_and_a_registered_objective():
+    assert set(SAMPLES) == set(formats.names()) == set(data_spec.DATA_FORMATS)
+    assert {formats.get(n).objective for n in formats.names()} <= set(objectives.names())
 
 
 @pytest.mark.parametrize("name", formats.names())

@@ -34,6 +34,7 @@ from fp8jax.ops.scaling import (
     init_meta,
     make_recipe,
 )
+from fp8jax.optim.adam import fp8_adamw
 
 __version__ = "0.1.0"
 
@@ -71,6 +72,7 @@ __all__ = [
     "dequantize",
     "dot_general",
     "formats",
+    "fp8_adamw",
     "fp8_dot_general_cls",
     "fp8_einsum",
     "fp8_scan",

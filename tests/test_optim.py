@@ -629,6 +629,135 @@ def test_fused_adamw_skipped_step_keeps_every_bit():
     _assert_same_bits(out, (masters, state), "skipped")
 
 
+# (storage: a level's or explicit (m, v, master) formats, learning rate, weight decay, decay
+# mask, global-norm clip, stochastic rounding, f32 bytes updated at a time): each hyper-parameter
+# the step reads, on and off, and the levels' storage formats.
+SETTINGS = [
+    ("O2", "schedule", 0.1, True, 1.0, True, SLICE),
+    ("O3", 1e-2, 0.0, False, 0.0, False, 0),
+    ("O2", 3e-3, 0.05, False, 0.5, False, 2 * SLICE),
+    ("O3", "schedule", 0.1, True, 0.0, True, 0),
+    (("e5m2", "bfloat16", "bfloat16"), "schedule", 0.1, True, 1.0, True, SLICE),
+    (("float32", "float32", "float16"), 1e-2, "schedule", True, 1.0, False, 0),
+]
+
+
+@pytest.mark.parametrize("storage,lr,wd,masked,clip,sr,slice_bytes", SETTINGS)
+def test_fused_adamw_equals_update_then_apply_over_settings(
+    storage, lr, wd, masked, clip, sr, slice_bytes
+):
+    """The two faces of the optimizer agree bit for bit whatever the hyper-parameters: an edit
+    to one face (``FusedAdamW.apply``, or ``transform`` + ``apply_updates``) that changes a
+    result under some setting shows here. One compile per face serves every step."""
+    from fp8jax.nn.state import keep_if_finite
+    from fp8jax.optim.fused import FusedAdamW
+    from fp8jax.optim.levels import Level
+
+    if isinstance(storage, str):
+        formats = Level.parse(storage).storage()
+        m_format, v_format, master = formats.m_format, formats.v_format, formats.master_format
+    else:
+        m_format, v_format, master = storage
+    schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10)  # noqa: E731
+    mask = lambda p: jax.tree_util.tree_map_with_path(optim.is_matmul_weight, p)  # noqa: E731
+    opt = FusedAdamW(
+        schedule(1e-2) if lr == "schedule" else lr,
+        weight_decay=schedule(0.1) if wd == "schedule" else wd,
+        weight_decay_mask=mask if masked else None,
+        m_format=m_format,
+        v_format=v_format,
+        grad_clip=clip,
+        stochastic_rounding=sr,
+        seed=3,
+        slice_bytes=slice_bytes,
+    )
+    tx = opt.transform()
+    p32 = _fused_params()
+    state, masters = tx.init(p32), optim.to_master(p32, master)
+
+    def unfused(grads, state, masters, ok, seed):
+        updates, new = tx.update(grads, state, optim.materialize(masters, jnp.bfloat16))
+        params = optim.apply_updates(masters, updates, seed)
+        return keep_if_finite(params, masters, ok), keep_if_finite(new, state, ok)
+
+    def fused(grads, state, masters, ok, seed):
+        return opt.apply(grads, state, masters, ok, jnp.bfloat16, seed, STACKED)
+
+    args = (_fused_grads(0, p32), state, masters, jnp.array(True), jnp.uint32(0) if sr else None)
+    steps = [_exact_jit(fn, *args) for fn in (unfused, fused)]
+    ref = got = (masters, state)
+    for step in range(4):
+        grads = _fused_grads(step, p32)
+        if step == 2:  # a non-finite gradient: the trainer's ``ok`` is False
+            grads["head"]["kernel"] = grads["head"]["kernel"].at[0, 0].set(jnp.nan)
+        ok, seed = jnp.array(step != 2), jnp.uint32(31 * step + 5) if sr else None
+        ref = steps[0](grads, ref[1], ref[0], ok, seed)
+        got = steps[1](grads, got[1], got[0], ok, seed)
+        _assert_same_bits(ref, got, f"step {step}")
+    before = optim.materialize(masters)["head"]["kernel"]
+    assert not np.array_equal(optim.materialize(got[0])["head"]["kernel"], before)  # it moved
+    assert int(optax.tree.get(got[1], "Fp8AdamState").count) == 3  # the skipped step did not count
+
+
+def test_both_faces_run_the_one_leaf_update(monkeypatch):
+    """``transform`` + ``apply_updates`` and ``FusedAdamW.apply`` (whole and sliced leaves) both
+    step through ``update.adamw_leaf``: a change to it changes both faces, and equally."""
+    from fp8jax.optim import update
+    from fp8jax.optim.fused import FusedAdamW
+
+    opt = FusedAdamW(1e-2, weight_decay=0.1, grad_clip=1.0, slice_bytes=SLICE)
+    tx = opt.transform()
+    p32 = _fused_params()
+    state, masters = tx.init(p32), optim.to_master(p32)
+    grads = _fused_grads(1, p32)
+
+    def both():
+        updates, new = tx.update(grads, state, optim.materialize(masters, jnp.bfloat16))
+        unfused = (optim.apply_updates(masters, updates), new)
+        fused = opt.apply(grads, state, masters, jnp.array(True), jnp.bfloat16, None, STACKED)
+        return unfused, fused
+
+    plain = _exact_jit(both)()
+    leaf = update.adamw_leaf
+
+    def no_step(*args, **kwargs):
+        m, v, u = leaf(*args, **kwargs)
+        return m, v, jnp.zeros_like(u)
+
+    monkeypatch.setattr(update, "adamw_leaf", no_step)
+    unfused, fused = _exact_jit(lambda: both())()  # traced anew: a zero update, no step
+    _assert_same_bits(unfused, fused, "patched")
+    _assert_same_bits(fused[0], masters, "patched params")
+    for face in plain:
+        assert not all(
+            np.array_equal(bits(a), bits(b))
+            for a, b in zip(jax.tree.leaves(face[0]), jax.tree.leaves(masters), strict=True)
+        )
+
+
+def test_grad_clip_is_optax_clip_chained_before():
+    """``fp8_adamw(grad_clip=c)`` is ``optax.clip_by_global_norm(c)`` chained before it: the
+    same bits, a skipped step included; ``FusedAdamW.transform`` keeps that chain's state."""
+    from fp8jax.optim.fused import FusedAdamW
+
+    kw = dict(weight_decay=WD, stochastic_rounding=True)
+    chained = optax.chain(optax.clip_by_global_norm(0.5), optim.fp8_adamw(LR, **kw))
+    inside = optim.fp8_adamw(LR, grad_clip=0.5, **kw)
+    params = optim.to_master(init_params())
+    ref = (chained.init(init_params()), inside.init(init_params()))
+    for step, size in enumerate([1.0, 1e-3, jnp.nan, 10.0]):
+        grads = jax.tree.map(lambda x, s=size: s * jnp.sin(x + step), init_params())
+        p32 = optim.materialize(params)
+        u_ref, s_ref = _exact_jit(chained.update, grads, ref[0], p32)(grads, ref[0], p32)
+        u_got, s_got = _exact_jit(inside.update, grads, ref[1], p32)(grads, ref[1], p32)
+        _assert_same_bits((u_ref, s_ref[1]), (u_got, s_got), f"step {step}")
+        ref = (s_ref, s_got)
+        params = optim.apply_updates(params, u_ref)
+    assert int(ref[1][0].count) == 3  # the NaN step was skipped
+    layout = FusedAdamW(LR, weight_decay=WD, grad_clip=0.5).transform().init(init_params())
+    assert jax.tree.structure(layout) == jax.tree.structure(ref[0])
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_fused_train_step_equals_the_unfused_one(rounding):
     """The trainer's O2 step (stacked blocks, bf16 compute) with and without ``FusedAdamW``:

@@ -6,9 +6,8 @@ its global-norm clipping) that library code drives as ``tx.update`` + ``adam.app
 (``update.step_leaves``), but stores each leaf's new moments and master together, straight into
 the state, old values kept where the step is skipped (``ok`` False): nothing else needs the old
 state, so its donated buffers are updated in place. The results are the same bits, up to XLA's
-default excess
-precision, which may keep a bf16 intermediate (the update) in f32 in one program and not in
-the other; compiled with ``xla_allow_excess_precision=False`` they are equal.
+default excess precision, which may keep a bf16 intermediate (the update) in f32 in one program
+and not in the other; compiled with ``xla_allow_excess_precision=False`` they are equal.
 
 A per-tensor scale needs the amax of the whole new tensor before anything is cast, so a plain
 update materialises every f32 temporary of a leaf (m, v, the update, the new master: 16 bytes a
@@ -87,7 +86,7 @@ class FusedAdamW:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 1e-4
+    weight_decay: float | Callable[[jax.Array], jax.Array] = 1e-4  # a constant or a schedule
     weight_decay_mask: Any = None  # optax's: None decays every leaf
     m_format: str = "e4m3"
     v_format: str = "float16"
@@ -151,7 +150,7 @@ class FusedAdamW:
         def run_leaf(i: int, step: LeafStep, g: jax.Array, stores: tuple) -> tuple[list, None]:
             k = slab_layers(g.shape, self.slice_bytes) if sliced[i] and g.ndim >= 1 else 0
             if 0 < k < g.shape[0]:
-                return step_in_slabs(step, g, stores, k), None
+                return _step_in_slabs(step, g, stores, k), None
             return step.whole(g, stores)
 
         return step_leaves(
@@ -167,7 +166,7 @@ class FusedAdamW:
         )
 
 
-def step_in_slabs(step: LeafStep, g: jax.Array, stores: tuple, k: int) -> list:
+def _step_in_slabs(step: LeafStep, g: jax.Array, stores: tuple, k: int) -> list:
     """The leaf's new stores, ``k`` leading-axis slices at a time: amaxes over all slabs, then
     the writes (module docstring)."""
     n, per_slab = g.shape[0] // k, k * math.prod(g.shape[1:])

@@ -47,6 +47,7 @@ __all__ = [
     "Fp8AdamState",
     "Hparams",
     "LeafStep",
+    "RunLeaf",
     "StepScalars",
     "adamw_leaf",
     "adamw_transformation",
@@ -265,7 +266,7 @@ class LeafStep:
         mu, nu, *param = stores
         p = param[0] if param else weight
         m, v, u = adamw_leaf(g, mu, nu, p, self.hp, self.scalars, self.decay, self.decay_dtype)
-        return (m, v, *(updated_value(p, u) for p in param)), u
+        return ((m, v, updated_value(p, u)) if param else (m, v)), u
 
     def encode(self, vals, stores, scales, offset) -> list:
         """The slab's stored form (``master.encode_like``): old where not ``ok``."""

@@ -39,7 +39,7 @@ def _per_device(
     plan,
     masters,
     scale,
-    weighted,
+    adds_up,
     sum_dtypes,
     param_specs=None,
     groups=None,
@@ -58,7 +58,7 @@ def _per_device(
 
     def local(params, fp8, masters, scale, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
-        w = scale if weighted else 1.0 / n  # unweighted: the constant, as before
+        w = scale if adds_up else 1.0 / n  # a mean: the constant
         with sharding_lib.activation_sharding(None), layerwise.active(groups):
             m = layerwise.wrap_model(model)  # local arrays: nothing to constrain
             loss, fp8, g = grads_fn(m, params, fp8, b, w, masters, sum_dtypes)
@@ -95,13 +95,13 @@ def reduced_grads(
     masters=None,
     *,
     scale,
-    weighted: bool,
+    adds_up: bool,
 ):
     """``(loss dict, FP8 state, gradients summed over the replicas, clipped share)``.
 
     ``batch``: the step's per-row inputs; ``scale``: each replica's loss scale (the objective's,
-    of the global batch); ``weighted``: whether that scale is of a weighted global batch (else
-    each replica takes the constant 1/N).
+    of the global batch); ``adds_up``: whether the scaled sums are shares of the global loss
+    (``Objective.adds_up``; else each replica takes the constant 1/N).
     """
     mesh, n = plan.mesh, plan.num_replicas
     batch_size = jax.tree.leaves(batch)[0].shape[0]
@@ -127,7 +127,7 @@ def reduced_grads(
             plan,
             masters,
             scale,
-            weighted,
+            adds_up,
             dtypes,
             specs,
             groups,
@@ -140,7 +140,7 @@ def reduced_grads(
         full, w_amax = gather.gather_params(params, fp8, plan)
         if plan.per_device:
             loss_N, fp8_N, grads_N = _per_device(
-                grads_fn, model, full, fp8, batch_N, plan, masters, scale, weighted, sum_dtypes
+                grads_fn, model, full, fp8, batch_N, plan, masters, scale, adds_up, sum_dtypes
             )
         else:
 

@@ -30,7 +30,7 @@ from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import OptimSpec, RunSpec
 from fp8jax.trainer import objectives, replicas
-from fp8jax.trainer.loss import is_weighted, loss_kwargs, model_kwargs
+from fp8jax.trainer.loss import loss_kwargs, model_kwargs
 from fp8jax.trainer.objectives import Objective
 
 __all__ = [
@@ -195,11 +195,13 @@ def init_state(
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
-    aux = (objective or LANGUAGE_MODEL).init_state(params, fp8)
-    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state, aux)
+    objective_state = (objective or LANGUAGE_MODEL).init_state(params, fp8)
+    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state, objective_state)
 
 
-def _micro_grads(model, params, fp8, micro, weight=1.0, masters=None, objective=None):
+def _micro_grads(
+    model, params, fp8, micro, weight=1.0, masters=None, objective: Objective = LANGUAGE_MODEL
+):
     """Loss (``objective.micro_batch_loss``'s dict), FP8 state after the forward, grads of params
     and FP8 state. ``micro``: ``(batch, rows)``, the data and the objective's per-row inputs.
     ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
@@ -268,8 +270,8 @@ def _accumulate(
     zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
     loss0 = {k: jnp.zeros((), jnp.float32) for k in objective.loss_keys}
     (loss, grads, fp8), _ = jax.lax.scan(body, (loss0, zeros, fp8), micro)
-    # Weighted micro-batches are already scaled by the global 1/sum(w): they only add up.
-    n = 1 if is_weighted(batch) else accum
+    # Sums already scaled to the global batch (weighted: 1/sum(w); DPO: 1/pairs) only add up.
+    n = 1 if objective.adds_up(batch) else accum
     grads = jax.tree.map(lambda g, d: (g / n).astype(d), grads, sum_dtypes)
     return jax.tree.map(lambda x: x / n, loss), fp8, grads
 
@@ -399,7 +401,7 @@ def make_train_step(
                 accum,
                 masters,
                 scale=scale,
-                weighted=is_weighted(batch),
+                adds_up=objective.adds_up(batch),
             )
             comm_state = {"mu": comm.next_mu(mu, saturated, plan.cfg)}
             comm_metrics = {"comm_mu": mu, "comm_saturated": saturated}

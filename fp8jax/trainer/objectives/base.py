@@ -70,6 +70,12 @@ class Objective:
         """Each of ``replicas`` replicas' loss scale, from the global ``batch``."""
         raise NotImplementedError
 
+    def adds_up(self, batch: Batch) -> bool:
+        """Whether the micro-batch sums times :meth:`scale` are shares of the global batch's
+        loss that only add up (else means: micro-batches average and each of N replicas takes
+        1/N)."""
+        raise NotImplementedError
+
     def micro_batch_loss(self, apply: Callable, batch: Batch, rows) -> tuple[dict, Any]:
         """One micro-batch's loss sums (keys: ``loss_keys``) and what ``apply`` returned beside
         its output; ``apply(inputs, **kwargs) -> (output, aux)`` runs the model."""

@@ -158,6 +158,11 @@ class Dpo(Objective):
         del replicas
         return 1.0 / jnp.maximum(jnp.sum(pair_mask(batch[loss_lib.WEIGHTS])), 1.0)
 
+    def adds_up(self, batch) -> bool:
+        """Pair sums, each a share of the global mean over the pairs."""
+        del batch
+        return True
+
     def micro_batch_loss(self, apply, batch, rows):
         """DPO's pair sums from each row's token CEs and the reference's log-probs."""
         losses_BxL, aux = apply(batch["inputs"], **loss_lib.loss_kwargs(batch))

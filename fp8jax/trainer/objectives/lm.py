@@ -31,6 +31,10 @@ class LanguageModel(Objective):
             return 1.0 / loss_lib.weight_total(batch[loss_lib.WEIGHTS])
         return 1.0 / replicas
 
+    def adds_up(self, batch) -> bool:
+        """A weighted batch's sums are shares of the global weighted mean; else means."""
+        return loss_lib.is_weighted(batch)
+
     def micro_batch_loss(self, apply, batch, rows):
         """The model's weighted sum of the token CEs with ``loss.token_weights`` (a chunked
         head forms its gradient in the same pass)."""

@@ -42,6 +42,10 @@ class NonFiniteLossError(UserError, RuntimeError):
     """Raised after ``max_bad_steps`` consecutive non-finite steps."""
 
 
+class NonFiniteOutputError(UserError, RuntimeError):
+    """A model's output (generation logits) holds NaN/Inf: its weights or scales are bad."""
+
+
 # What train.py prints as one line (FP8JAX_DEBUG=1 shows the traceback instead).
 USER_ERRORS = (UserError,)
 

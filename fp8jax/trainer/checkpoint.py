@@ -9,12 +9,20 @@ Saves are asynchronous: ``save`` returns once orbax has copied the arrays to hos
 the caller may donate the state to the next step) and the files are written by a background
 thread; ``close`` (or ``save(wait=True)``) blocks until they are on disk. On restore, the
 directory's step, the train state's step count and the data position must agree.
+
+Every finished step gets a ``checksums.json``: the SHA-256 of each file orbax wrote, computed
+by a background thread once the step is final (the next save waits for it, ``close`` writes the
+last). Restore verifies them first, so a flipped bit on disk is a one-line error naming the step
+and the older checkpoint to fall back on, never a silent resume with different numbers.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
+import hashlib
+import json
 import logging as pylogging
 import os
 import sys
@@ -49,6 +57,9 @@ class Checkpointer:
         )
         self.every = every
         self._writing = None  # step of the newest save handed to orbax
+        self._unsummed = None  # newest saved step without checksums yet
+        self._summing = None  # the thread writing the checksums of an earlier step
+        self.refused: dict[int, list[str]] = {}  # steps not saved for NaN/Inf: their leaves
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint step, or None (a save still being written does not count)."""
@@ -72,6 +83,7 @@ class Checkpointer:
         saved = self._start_save(step, state, data_state, force)
         if wait:
             self.manager.wait_until_finished()
+            self._write_pending_checksums()
         return saved
 
     def _start_save(self, step: int, state, data_state: dict, force: bool) -> bool:
@@ -87,6 +99,7 @@ class Checkpointer:
                 "not checkpointing step %d: NaN/Inf in %s; the latest checkpoint stays step %s",
                 step, ", ".join(bad[:3]), self.latest_step(),
             )  # fmt: skip
+            self.refused[step] = bad
             return False
         # The loop step minus the data position: 0 unless a resume changed the batch size (the
         # iterator then rescales its position to keep the samples seen); restore checks it.
@@ -99,7 +112,9 @@ class Checkpointer:
             ),
             force=True,
         )
-        if saved:
+        if saved:  # orbax's save waited for the previous one: that step is final now
+            self._checksum_in_background(self._unsummed)
+            self._unsummed = step
             logging.info(
                 "saving checkpoint step %d to %s (finite check %.1f s, copy to host %.1f s; "
                 "written in the background)",
@@ -107,10 +122,37 @@ class Checkpointer:
             )  # fmt: skip
         return saved
 
+    def _checksum_in_background(self, step: int | None) -> None:
+        """Start writing ``step``'s checksums in a thread (after the previous such thread)."""
+        if self._summing is not None:
+            self._summing.join()
+            self._summing = None
+        if step is None or jax.process_index() != 0:
+            return
+        path = os.path.join(self.directory, str(step))
+        self._summing = threading.Thread(
+            target=write_checksums, args=(path,), name="fp8jax-checksums", daemon=True
+        )
+        self._summing.start()
+
+    def _write_pending_checksums(self) -> None:
+        """Finish every checksum file (call once orbax's saves are complete on disk)."""
+        self._checksum_in_background(self._unsummed)
+        self._unsummed = None
+        if self._summing is not None:
+            self._summing.join()
+            self._summing = None
+
     def restore(self, abstract_state, step: int | None = None):
         """Restore ``(state, data_state)`` of ``step`` (default latest) into the abstract target."""
         step = self.latest_step() if step is None else step
         path = os.path.join(self.directory, str(step))
+        changed = verify_checksums(path)
+        if changed:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} changed on disk since it was saved ({changed}); "
+                f"{self._fallback(step)}"
+            )
         mismatch = _mismatch(path, abstract_state)
         if mismatch:
             raise CheckpointMismatchError(
@@ -187,6 +229,7 @@ class Checkpointer:
     def close(self):
         """Block until every save is complete on disk, then stop orbax's background threads."""
         self.manager.wait_until_finished()
+        self._write_pending_checksums()
         self.manager.close()
 
 
@@ -202,6 +245,65 @@ def _remove_unfinished_writes(directory: str) -> None:
             (epath.Path(directory) / name).rmtree()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("fp8jax: checkpoint directory settled")
+
+
+CHECKSUMS = "checksums.json"  # in each step directory: SHA-256 of every file orbax wrote
+
+
+def _file_digests(step_dir: str) -> dict[str, str]:
+    """SHA-256 of every file under ``step_dir`` (but the checksum file), by relative path."""
+    paths = []
+    for root, _, files in os.walk(step_dir):
+        ours = root == step_dir  # the checksum file and its staging copies are not hashed
+        paths += [os.path.join(root, f) for f in files if not (ours and f.startswith(CHECKSUMS))]
+
+    def digest(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    # hashlib drops the GIL on large reads, so files hash in parallel.
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        digests = pool.map(digest, paths)
+        return {os.path.relpath(p, step_dir): d for p, d in zip(paths, digests, strict=True)}
+
+
+def write_checksums(step_dir: str) -> None:
+    """Write ``<step_dir>/checksums.json`` atomically (a step deleted meanwhile is skipped)."""
+    t0 = time.perf_counter()
+    try:
+        files = _file_digests(step_dir)
+        tmp = os.path.join(step_dir, f"{CHECKSUMS}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"algorithm": "sha256", "files": files}, f, indent=1, sort_keys=True)
+        os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+    except FileNotFoundError:  # the step was rotated out (keep_checkpoints) while hashing
+        return
+    logging.info("checksums of %s written in %.2f s", step_dir, time.perf_counter() - t0)
+
+
+def verify_checksums(step_dir: str) -> str | None:
+    """What differs between ``step_dir`` and its ``checksums.json``, or None if all match.
+
+    A step without checksums (saved by an older fp8jax, or by a run killed before they were
+    written) is restored unverified, with a warning.
+    """
+    try:
+        with open(os.path.join(step_dir, CHECKSUMS), encoding="utf-8") as f:
+            recorded = json.load(f)["files"]
+    except FileNotFoundError:
+        logging.warning("checkpoint %s has no %s; restoring it unverified", step_dir, CHECKSUMS)
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its {CHECKSUMS} is unreadable: {type(e).__name__}"
+    missing = [name for name in recorded if not os.path.isfile(os.path.join(step_dir, name))]
+    if missing:
+        return f"{missing[0]} is missing"
+    actual = _file_digests(step_dir)
+    changed = [name for name, digest in recorded.items() if actual.get(name) != digest]
+    if changed:
+        more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
+        return f"the SHA-256 of {changed[0]}{more} differs from the one recorded at save"
+    return None
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

@@ -405,6 +405,23 @@ def test_loop_never_checkpoints_a_corrupted_weight(corpus, tmp_path, monkeypatch
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
+def test_run_whose_state_cannot_be_saved_does_not_end_as_a_success(corpus, tmp_path, monkeypatch):
+    """Injects NaN into an FP8 kernel of the train state at step 4 with max_bad_steps above the
+    run's length, so the loop never stops on its own: every save after step 3 is refused, and
+    instead of ending as a success the run raises a one-line NonFiniteLossError naming the
+    step, the leaf and the last good checkpoint (step 3)."""
+    monkeypatch.setattr(step_lib, "make_train_step", faulty_steps([], corrupt_state_from=3))
+    c = load_config(corpus, max_bad_steps=100, num_train_steps=6, checkpoint_every_steps=1)
+    with pytest.raises(errors.NonFiniteLossError) as info:
+        train_lib.train_and_evaluate(c, str(tmp_path))
+    msg = str(info.value)
+    assert "\n" not in msg and "the train state of step 6 holds NaN/Inf in" in msg, msg
+    assert "the last good state is step 3 in" in msg, msg
+    assert checkpoint_steps(tmp_path) == [2, 3]
+    assert not (tmp_path / "summary.json").exists()
+
+
 # --- overflow --------------------------------------------------------------------------------
 
 

@@ -1,9 +1,11 @@
-"""One training process per work dir: an advisory lock on ``<workdir>/.lock``.
+"""One training process per work dir: an advisory lock on ``<workdir>/.lock``, and the work
+dir's own housekeeping (creating it, removing what killed or refused runs left).
 
 The lock is ``fcntl.flock`` on an open file, so the operating system drops it when its process
 ends, however it ends (``kill -9`` included): a lock file left by a dead run never blocks a
 resume. The holder writes who it is (pid, host, start time, command) into the file, and a second
 process is refused with a one-line ``WorkdirBusyError`` naming it, before it writes anything.
+A run refused later (a ``UserError``) puts the lock file back as it found it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def hold(workdir: str | os.PathLike) -> Iterator[None]:
     A file system without ``flock`` (some network mounts) logs a warning and runs unlocked.
     """
     path = os.path.join(workdir, LOCK_FILE)
+    created = not os.path.exists(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -71,11 +74,20 @@ def hold(workdir: str | os.PathLike) -> Iterator[None]:
                 f"work dir {os.path.abspath(workdir)} is in use by {who}; wait for it to end or "
                 f"stop it (a killed run releases it), or pass another --workdir"
             ) from None
+        before, stat = os.pread(fd, 1 << 16, 0), os.fstat(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (_describe() + "\n").encode(), 0)
-        remove_stale_staging(workdir)
+        remove_stale_staging(workdir)  # no live process of another run stages here now
         try:
             yield
+        except UserError:  # a refused run leaves the work dir as it was, lock file included
+            if created:
+                os.unlink(path)
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, before, 0)
+                os.utime(fd, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            raise
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

@@ -208,7 +208,7 @@ def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, b
     changed = _flip_a_bit(workdir, 4)
     before = snapshot(workdir)
     line = one_error_line(train(workdir, base, env, num_train_steps=6))
-    assert "checkpoints/4 changed on disk since it was saved (the SHA-256 of" in line, line
+    assert "checkpoints/4 changed on disk since it was saved (the CRC-32 of" in line, line
     assert changed.name in line and "to resume from step 2" in line, line
     assert snapshot(workdir) == before
 

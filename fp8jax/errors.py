@@ -38,6 +38,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint to import or export (Hugging Face or work dir) is unsupported or malformed."""
 
 
+class CheckpointSaveError(UserError, OSError):
+    """A checkpoint could not be written (disk full, no permission): the run stops there."""
+
+
 class NonFiniteLossError(UserError, RuntimeError):
     """Raised after ``max_bad_steps`` consecutive non-finite steps."""
 

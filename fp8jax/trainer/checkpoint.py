@@ -37,7 +37,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from fp8jax.errors import CheckpointMismatchError
+from fp8jax.errors import CheckpointMismatchError, CheckpointSaveError, UserError
 
 
 class Checkpointer:
@@ -60,6 +60,8 @@ class Checkpointer:
         self._unsummed = None  # newest saved step without checksums yet
         self._summing = None  # the thread writing the checksums of an earlier step
         self.refused: dict[int, list[str]] = {}  # steps not saved for NaN/Inf: their leaves
+        self.failed = False  # a save failed (CheckpointSaveError raised): close stays quiet
+        self._step_bytes = 0  # bytes of the newest state handed to orbax
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint step, or None (a save still being written does not count)."""
@@ -80,11 +82,36 @@ class Checkpointer:
         Returns once the arrays are copied to host memory, so ``state`` may then be donated;
         ``wait=True`` also blocks until every save so far is complete on disk.
         """
-        saved = self._start_save(step, state, data_state, force)
+        with self._failed_saves_reported():
+            saved = self._start_save(step, state, data_state, force)
+            if wait:
+                self.manager.wait_until_finished()
         if wait:
-            self.manager.wait_until_finished()
             self._write_pending_checksums()
         return saved
+
+    @contextlib.contextmanager
+    def _failed_saves_reported(self):
+        """Turn the error of a failed background save (orbax raises it at the next save or
+        wait) into a one-line CheckpointSaveError naming the step, the space and the fix."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as e:  # orbax/tensorstore raise many types for a failed write
+            self.failed = True
+            text = " ".join(str(e).split())
+            reason = "no space left on device" if "No space left" in text else text[:200]
+            _remove_unfinished_writes(self.directory)  # the partial step: free its space
+            good = self.latest_step()
+            resume = f"resume from step {good}" if good is not None else "start over"
+            raise CheckpointSaveError(
+                f"saving checkpoint step {self._writing} in {self.directory} failed "
+                f"({reason}); a step takes about {_size(self._step_bytes)} (times "
+                f"keep_checkpoints + 1 while saving): free space there, lower "
+                f"config.keep_checkpoints or pass a --workdir on a disk with room, then rerun "
+                f"to {resume}"
+            ) from e
 
     def _start_save(self, step: int, state, data_state: dict, force: bool) -> bool:
         if not force and not self.due(step):
@@ -104,7 +131,9 @@ class Checkpointer:
         # The loop step minus the data position: 0 unless a resume changed the batch size (the
         # iterator then rescales its position to keep the samples seen); restore checks it.
         data_state = {**data_state, OFFSET_KEY: step - int(data_state["step"])}
+        self.manager.wait_until_finished()  # as save would: a failed save names its own step
         self._writing = step
+        self._step_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
         saved = self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -228,9 +257,18 @@ class Checkpointer:
 
     def close(self):
         """Block until every save is complete on disk, then stop orbax's background threads."""
-        self.manager.wait_until_finished()
-        self._write_pending_checksums()
-        self.manager.close()
+        try:
+            if not self.failed:
+                with self._failed_saves_reported():
+                    self.manager.wait_until_finished()
+                self._write_pending_checksums()
+        finally:
+            with contextlib.suppress(Exception) if self.failed else contextlib.nullcontext():
+                self.manager.close()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"
 
 
 def _remove_unfinished_writes(directory: str) -> None:
@@ -276,13 +314,18 @@ def _file_digests(step_dir: str) -> dict[str, str]:
 def write_checksums(step_dir: str) -> None:
     """Write ``<step_dir>/checksums.json`` atomically (a step deleted meanwhile is skipped)."""
     t0 = time.perf_counter()
+    tmp = os.path.join(step_dir, f"{CHECKSUMS}.tmp{os.getpid()}")
     try:
         files = _file_digests(step_dir)
-        tmp = os.path.join(step_dir, f"{CHECKSUMS}.tmp{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"algorithm": _ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
         os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
     except FileNotFoundError:  # the step was rotated out (keep_checkpoints) while hashing
+        return
+    except OSError as e:  # e.g. a full disk: the step stays, restored unverified
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        logging.warning("cannot write the checksums of %s (%s)", step_dir, e.strerror or e)
         return
     logging.info("checksums of %s written in %.2f s", step_dir, time.perf_counter() - t0)
 

@@ -27,6 +27,8 @@ class _QuietLibraries:
 
     def filter(self, record) -> bool:
         noisy = any(n in record.pathname for n in ("/orbax/", "/grain/"))
+        if noisy and record.exc_info:  # a failed background write: its one-line error follows
+            record.exc_info = record.exc_text = None
         return record.levelno >= 30 or not noisy
 
 

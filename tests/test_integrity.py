@@ -213,6 +213,46 @@ def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, b
     assert snapshot(workdir) == before
 
 
+# --- a full disk -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path, trained):
+    """A tmpfs with room for the work dir's caches and logs and about 1.5 checkpoint steps."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    step_bytes = sum(p.stat().st_size for p in (trained / "checkpoints" / "2").rglob("*")
+                     if p.is_file())  # fmt: skip
+    rest = sum(p.stat().st_size for p in trained.rglob("*")
+               if p.is_file() and "checkpoints" not in p.parts)  # fmt: skip
+    size = rest + int(1.5 * step_bytes) + (256 << 10)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_stops_at_the_first_failed_save_keeping_the_last_checkpoint(
+    small_disk, base, env
+):
+    """The work dir on a disk with room for one checkpoint step (a small tmpfs): the save of
+    step 4 fails, and the run exits 2 with one line naming the step, the directory, the size of
+    a step and the fix, no traceback; step 2 stays, complete and verified, and the partial
+    step 4 is gone."""
+    workdir = small_disk / "work"
+    proc = train(workdir, base, env, num_train_steps=8)
+    line = one_error_line(proc)
+    directory = workdir / "checkpoints"
+    assert f"saving checkpoint step 4 in {directory} failed (no space left on device)" in line
+    assert "a step takes about" in line and "resume from step 2" in line, line
+    assert sorted(p.name for p in directory.iterdir()) == ["2"]
+    assert checkpoint.verify_checksums(str(directory / "2")) is None
+
+
 # --- leftovers -------------------------------------------------------------------------------
 
 

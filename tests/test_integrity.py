@@ -403,3 +403,20 @@ def test_export_refuses_non_finite_output(exported, dtype, scale, fragment, tmp_
         hf_io.save_hf(out, loaded.model_cfg, params, loaded.tokenizer, dtype=dtype)
     assert "holds" in str(info.value) and fragment in str(info.value), info.value
     assert not out.exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
+    """model.safetensors cut to half its size: ``hf.load`` raises a one-line CheckpointError
+    naming the file, and ``python -m fp8jax.hf.export`` exits 2 with that line, no output."""
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    path = copy / hf_io.SAFETENSORS
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(errors.CheckpointError, match="is not a readable safetensors file"):
+        hf_io.load(copy)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "fp8jax.hf.export", str(copy), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    line = one_error_line(proc)
+    assert f"{path} is not a readable safetensors file" in line and "re-download" in line
+    assert not out.exists()

@@ -9,6 +9,7 @@ it into place, so the output dir is either complete or absent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -136,7 +137,7 @@ def load_hf_params(directory: str | os.PathLike, model_cfg: ModelConfig) -> dict
     files = safetensors_files(directory)
     found: dict[str, Path] = {}
     for f in files:  # names and shapes first: refuse a bad checkpoint before reading data
-        with safetensors.safe_open(str(f), framework="numpy") as st:
+        with _safe_open(f) as st:
             for name in st.keys():
                 shape = tuple(st.get_slice(name).get_shape())
                 if name not in table:
@@ -159,13 +160,26 @@ def load_hf_params(directory: str | os.PathLike, model_cfg: ModelConfig) -> dict
         raise CheckpointError(f"{directory} lacks tensor {missing[0]}{more}; it is incomplete")
     buffers = weights.empty_params(model_cfg)
     for f in files:
-        with safetensors.safe_open(str(f), framework="numpy") as st:
+        with _safe_open(f) as st:
             for name in st.keys():
                 if name in table and found[name] == f:
                     tensor = st.get_tensor(name)
                     _check_finite(tensor, f"tensor {name} in {f}", _NON_FINITE_FIX)
                     weights.fill(model_cfg, buffers, table[name], tensor)
     return buffers
+
+
+@contextlib.contextmanager
+def _safe_open(f: Path):
+    """``safetensors.safe_open(f)``; a truncated or malformed file is a one-line CheckpointError."""
+    try:
+        with safetensors.safe_open(str(f), framework="numpy") as st:
+            yield st
+    except safetensors.SafetensorError as e:
+        raise CheckpointError(
+            f"{f} is not a readable safetensors file ({e}); it may be truncated: re-download "
+            f"or re-export it"
+        ) from None
 
 
 _NON_FINITE_FIX = (

@@ -21,7 +21,7 @@ import safetensors.numpy
 
 from fp8jax import errors
 from fp8jax.hf import io as hf_io
-from fp8jax.trainer import checkpoint, metrics, workdir_lock
+from fp8jax.trainer import checksums, metrics, workdir_lock
 from fp8jax.trainer import corpus as corpus_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -194,11 +194,11 @@ def _flip_a_bit(workdir, step: int) -> pathlib.Path:
 
 
 def test_every_checkpoint_records_checksums_that_verify(trained):
-    """Each kept step has a checksums.json covering every file orbax wrote; they verify."""
+    """Each kept step has a checksums.json covering every array file; they verify."""
     for step in (2, 4):
         step_dir = trained / "checkpoints" / str(step)
-        assert (step_dir / checkpoint.CHECKSUMS).is_file()
-        assert checkpoint.verify_checksums(str(step_dir)) is None
+        assert (step_dir / checksums.CHECKSUMS).is_file()
+        assert checksums.verify(str(step_dir)) is None
 
 
 def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, base, env):
@@ -250,7 +250,7 @@ def test_full_disk_stops_at_the_first_failed_save_keeping_the_last_checkpoint(
     assert f"saving checkpoint step 4 in {directory} failed (no space left on device)" in line
     assert "a step takes about" in line and "resume from step 2" in line, line
     assert sorted(p.name for p in directory.iterdir()) == ["2"]
-    assert checkpoint.verify_checksums(str(directory / "2")) is None
+    assert checksums.verify(str(directory / "2")) is None
 
 
 # --- leftovers -------------------------------------------------------------------------------

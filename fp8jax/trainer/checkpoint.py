@@ -10,7 +10,7 @@ the caller may donate the state to the next step) and the files are written by a
 thread; ``close`` (or ``save(wait=True)``) blocks until they are on disk. On restore, the
 directory's step, the train state's step count and the data position must agree.
 
-Every finished step gets a ``checksums.json``: the CRC-32 of each file orbax wrote, computed
+Every finished step gets a ``checksums.json``: the CRC-32 of each array file, computed
 by a background thread once the step is final (the next save waits for it, ``close`` writes the
 last). Restore verifies them first, so a flipped bit on disk is a one-line error naming the step
 and the older checkpoint to fall back on, never a silent resume with different numbers.
@@ -18,17 +18,14 @@ and the older checkpoint to fall back on, never a silent resume with different n
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import gc
-import json
 import logging as pylogging
 import os
 import sys
 import threading
 import time
 import traceback
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +35,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from fp8jax.errors import CheckpointMismatchError, CheckpointSaveError, UserError
+from fp8jax.trainer import checksums
 
 
 class Checkpointer:
@@ -160,7 +158,7 @@ class Checkpointer:
             return
         path = os.path.join(self.directory, str(step))
         self._summing = threading.Thread(
-            target=write_checksums, args=(path,), name="fp8jax-checksums", daemon=True
+            target=checksums.write, args=(path,), name="fp8jax-checksums", daemon=True
         )
         self._summing.start()
 
@@ -176,7 +174,7 @@ class Checkpointer:
         """Restore ``(state, data_state)`` of ``step`` (default latest) into the abstract target."""
         step = self.latest_step() if step is None else step
         path = os.path.join(self.directory, str(step))
-        changed = verify_checksums(path)
+        changed = checksums.verify(path)
         if changed:
             raise CheckpointMismatchError(
                 f"checkpoint {path} changed on disk since it was saved ({changed}); "
@@ -283,79 +281,6 @@ def _remove_unfinished_writes(directory: str) -> None:
             (epath.Path(directory) / name).rmtree()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("fp8jax: checkpoint directory settled")
-
-
-CHECKSUMS = "checksums.json"  # in each step directory: the CRC-32 of every file orbax wrote
-# CRC-32 (zlib's, as zip and gzip use) catches every flipped bit and burst of up to 32 bits,
-# and runs several times faster than SHA-256: a checksum against storage faults, not tampering.
-_ALGORITHM = "crc32"
-_READ_BYTES = 1 << 24
-
-
-def _crc32(path: str) -> str:
-    crc, buffer = 0, bytearray(_READ_BYTES)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(memoryview(buffer)[:n], crc)  # drops the GIL: files in parallel
-    return f"{crc:08x}"
-
-
-def _file_digests(step_dir: str) -> dict[str, str]:
-    """CRC-32 of every file under ``step_dir`` (but the checksum file), by relative path."""
-    paths = []
-    for root, _, files in os.walk(step_dir):
-        ours = root == step_dir  # the checksum file and its staging copies are not hashed
-        paths += [os.path.join(root, f) for f in files if not (ours and f.startswith(CHECKSUMS))]
-    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        digests = pool.map(_crc32, paths)
-        return {os.path.relpath(p, step_dir): d for p, d in zip(paths, digests, strict=True)}
-
-
-def write_checksums(step_dir: str) -> None:
-    """Write ``<step_dir>/checksums.json`` atomically (a step deleted meanwhile is skipped)."""
-    t0 = time.perf_counter()
-    tmp = os.path.join(step_dir, f"{CHECKSUMS}.tmp{os.getpid()}")
-    try:
-        files = _file_digests(step_dir)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"algorithm": _ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
-        os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
-    except FileNotFoundError:  # the step was rotated out (keep_checkpoints) while hashing
-        return
-    except OSError as e:  # e.g. a full disk: the step stays, restored unverified
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        logging.warning("cannot write the checksums of %s (%s)", step_dir, e.strerror or e)
-        return
-    logging.info("checksums of %s written in %.2f s", step_dir, time.perf_counter() - t0)
-
-
-def verify_checksums(step_dir: str) -> str | None:
-    """What differs between ``step_dir`` and its ``checksums.json``, or None if all match.
-
-    A step without checksums (saved by an older fp8jax, or by a run killed before they were
-    written) is restored unverified, with a warning.
-    """
-    try:
-        with open(os.path.join(step_dir, CHECKSUMS), encoding="utf-8") as f:
-            manifest = json.load(f)
-        recorded, algorithm = dict(manifest["files"]), manifest["algorithm"]
-    except FileNotFoundError:
-        logging.warning("checkpoint %s has no %s; restoring it unverified", step_dir, CHECKSUMS)
-        return None
-    except (ValueError, KeyError, TypeError) as e:
-        return f"its {CHECKSUMS} is unreadable: {type(e).__name__}"
-    if algorithm != _ALGORITHM:
-        return f"its {CHECKSUMS} uses {algorithm!r}, not {_ALGORITHM!r}"
-    missing = [name for name in recorded if not os.path.isfile(os.path.join(step_dir, name))]
-    if missing:
-        return f"{missing[0]} is missing"
-    actual = _file_digests(step_dir)
-    changed = [name for name, digest in recorded.items() if actual.get(name) != digest]
-    if changed:
-        more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
-        return f"the CRC-32 of {changed[0]}{more} differs from the one recorded at save"
-    return None
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

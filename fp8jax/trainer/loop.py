@@ -220,8 +220,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     ``config``: a config (parsed here, once) or a ``RunSpec``. Bad input raises a ``UserError``
     (config, data, checkpoint) before anything in ``workdir`` is overwritten; ``max_bad_steps``
     non-finite steps in a row raise ``NonFiniteLossError``. One process at a time trains in a
-    work dir (``workdir_lock``: a second is refused); a new work dir that a refused run leaves
-    empty is removed.
+    work dir (``workdir_lock``); a new one that a refused run leaves empty is removed.
     """
     new = not os.path.lexists(workdir)
     try:

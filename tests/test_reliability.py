@@ -34,10 +34,10 @@ import fp8jax
 from fp8jax import errors, models
 from fp8jax.models import layers
 from fp8jax.ops.scaling import ScaleState
+from fp8jax.trainer import checksums, spec
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
-from fp8jax.trainer import spec
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
@@ -641,6 +641,13 @@ def _corrupt_latest(workdir):
     os.truncate(biggest, biggest.stat().st_size // 2)
 
 
+def _corrupt_latest_unchecked(workdir):
+    """``_corrupt_latest`` in a step without checksums (saved by an older fp8jax, or killed
+    before they were written): orbax's read fails instead."""
+    _corrupt_latest(workdir)
+    (pathlib.Path(workdir) / "checkpoints" / "40" / checksums.CHECKSUMS).unlink()
+
+
 def _edit_data_state(workdir, old: str, new: str):
     """Replace ``old`` by ``new`` in the saved data state of checkpoint 40."""
     path = pathlib.Path(workdir) / "checkpoints" / "40" / "data" / "metadata"
@@ -675,7 +682,9 @@ BAD_INPUT = {
     "GPU-only attention on CPU": (["--config.model.attention_impl=cudnn"], None,
                                   ["attention_impl='cudnn'", "--config.model.attention_impl=xla"]),
     "corrupt checkpoint": ([], _corrupt_latest,
-                           ["is corrupt or incomplete", "to resume from step 39"]),
+                           ["changed on disk since it was saved", "to resume from step 39"]),
+    "corrupt unchecked checkpoint": ([], _corrupt_latest_unchecked,
+                                     ["is corrupt or incomplete", "to resume from step 39"]),
     "renamed checkpoint": ([], lambda w: (w / "checkpoints/40").rename(w / "checkpoints/45"),
                            ["checkpoints/45 is named step 45", "has run 40 steps",
                             "rename it to", "checkpoints/40"]),

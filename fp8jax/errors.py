@@ -15,12 +15,14 @@ import re
 from absl import flags
 
 __all__ = [
-    "USER_ERRORS",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "ConfigError",
     "DataError",
     "NonFiniteLossError",
+    "NonFiniteOutputError",
+    "USER_ERRORS",
     "UserError",
     "check_bool",
     "check_choice",
@@ -56,8 +58,16 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint to import or export (Hugging Face or work dir) is unsupported or malformed."""
 
 
+class CheckpointSaveError(UserError, OSError):
+    """A checkpoint could not be written (disk full, no permission): the run stops there."""
+
+
 class NonFiniteLossError(UserError, RuntimeError):
     """Raised after ``max_bad_steps`` consecutive non-finite steps."""
+
+
+class NonFiniteOutputError(UserError, RuntimeError):
+    """A model's output (generation logits) holds NaN/Inf: its weights or scales are bad."""
 
 
 # What train.py prints as one line (FP8JAX_DEBUG=1 shows the traceback instead).

@@ -105,6 +105,12 @@ def _api_problems(path: pathlib.Path) -> list[str]:
     if declared is None:
         return ["declares no __all__"]
     problems = [f"{n!r} twice in __all__" for n in set(declared) if declared.count(n) > 1]
+    defined = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_")
+    }
+    problems += [f"public {n!r} is missing from __all__" for n in sorted(defined - set(declared))]
     bound = _bound_names(tree.body)
     if "__getattr__" in bound:  # names imported on first use, listed in a module-level literal
         bound |= {
@@ -192,10 +198,13 @@ def test_the_api_checks_catch_what_they_look_for(tmp_path):
     missing.write_text('"""Doc."""\n\nimport os\n\n\ndef f():\n    return os\n')
     assert _api_problems(missing) == ["declares no __all__"]
     wrong = tmp_path / "wrong.py"
-    wrong.write_text('"""Doc."""\n\n__all__ = ["f", "g", "f"]\n\n\ndef f():\n    pass\n')
+    wrong.write_text(
+        '"""Doc."""\n\n__all__ = ["f", "g", "f"]\n\n\ndef f():\n    pass\n\n\nclass H:\n    pass\n'
+    )
     assert sorted(_api_problems(wrong)) == [
         "'f' twice in __all__",
         "__all__ names 'g', which it does not define or import",
+        "public 'H' is missing from __all__",
     ]
     assert _top_level_uses("import fp8jax as f8\nf8.quantize(1)\n") == {"quantize"}
     assert _top_level_uses("from fp8jax import kernels\n") == {"kernels"}

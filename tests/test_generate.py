@@ -372,3 +372,79 @@ def test_command_line_bad_input_is_one_line(workdir, module, args, message):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
     assert file_hashes(wd) == before
+
+
+def _edited(params, name: str, edit):
+    """``params`` (unboxed) with ``edit(array)`` applied to the top-level param ``name``."""
+    import flax
+
+    flat = flax.traverse_util.flatten_dict(flax.linen.unbox(params), sep="/")
+    flat[name] = edit(np.array(flat[name]))
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _poison_embedding_but(ids):
+    """NaN in the embedding rows of every id but ``ids``."""
+    others = np.setdiff1d(np.arange(VOCAB), ids)
+    return "embed/embedding", lambda e: e.__setitem__(others, np.nan) or e
+
+
+def _inf_in_head(kernel):
+    """One Inf weight of the head: that id's logit is +-Inf from the first step on."""
+    kernel[0, 7] = np.inf
+    return kernel
+
+
+NON_FINITE = {
+    # injection: (param, edit, what the error names)
+    "NaN after the prompt": (*_poison_embedding_but([0, *PROMPTS[0]]), "NaN at generated token 2"),
+    "Inf from the prompt": ("head/kernel", _inf_in_head, "Inf at generated token 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_logits_stop_generation_naming_the_step(llama, case):
+    """Injects NaN into the embedding rows of every id but the prompt's and the padding's (the
+    prompt's logits are finite, the first generated token's are not), or one Inf into the head.
+    Generation stops with a one-line NonFiniteOutputError naming the generated token and what
+    was non-finite, for greedy and sampled decoding, instead of returning text."""
+    model, variables = llama
+    name, edit, fragment = NON_FINITE[case]
+    bad = _edited(variables["params"], name, edit)
+    for s in (sampling.GREEDY, sampling.Sampling(0.8, 0, 1.0, 0)):
+        with pytest.raises(errors.NonFiniteOutputError) as info:
+            generate.generate_ids(model, bad, {}, [PROMPTS[0]], 4, s)
+        msg = str(info.value)
+        assert "\n" not in msg and f"hold {fragment}" in msg, msg
+
+
+class _PaddedTokenizer:
+    """A tokenizer of ``size`` ids whose last ``reserved`` ids are placeholders."""
+
+    def __init__(self, size: int, reserved: int):
+        self.vocab_size, self.reserved = size, reserved
+
+    def id_to_token(self, i: int) -> str:
+        return f"<|reserved_{i}|>" if i >= self.vocab_size - self.reserved else f"t{i}"
+
+
+def test_generation_never_picks_ids_past_the_tokenizer(llama):
+    """A head that prefers the ids past a tokenizer's vocabulary (a padded embedding) and its
+    ``<|reserved_*|>`` placeholders: unmasked, greedy and sampled decoding pick them; with the
+    tokenizer's ``allowed_ids`` mask, never."""
+    model, variables = llama
+    tok = _PaddedTokenizer(VOCAB - 40, reserved=10)  # ids >= VOCAB - 50 decode to nothing
+    allowed = generate.allowed_ids(tok, VOCAB)
+    assert allowed.sum() == VOCAB - 50 and allowed[: VOCAB - 50].all()
+    boost = np.zeros(VOCAB, np.float32)
+    boost[VOCAB - 50 :] = 1.0
+
+    def prefer_padding(kernel):  # a large logit for every padded id, whatever the input
+        return kernel + 10.0 * np.sign(kernel.sum(0, keepdims=True)) * boost
+
+    params = _edited(variables["params"], "head/kernel", prefer_padding)
+    for s in (sampling.GREEDY, sampling.Sampling(1.0, 0, 1.0, 3)):
+        free = generate.generate_ids(model, params, {}, PROMPTS, 6, s)
+        assert any(t >= VOCAB - 50 for row in free for t in row)
+        masked = generate.generate_ids(model, params, {}, PROMPTS, 6, s, allowed_V=allowed)
+        assert all(t < VOCAB - 50 for row in masked for t in row), masked

@@ -35,6 +35,7 @@ from fp8jax import errors, models, spec
 from fp8jax.models import layers
 from fp8jax.ops import formats
 from fp8jax.ops.scaling import ScaleState
+from fp8jax.trainer import checksums
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
@@ -413,6 +414,23 @@ def test_loop_never_checkpoints_a_corrupted_weight(corpus, tmp_path, monkeypatch
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
+def test_run_whose_state_cannot_be_saved_does_not_end_as_a_success(corpus, tmp_path, monkeypatch):
+    """Injects NaN into an FP8 kernel of the train state at step 4 with max_bad_steps above the
+    run's length, so the loop never stops on its own: every save after step 3 is refused, and
+    instead of ending as a success the run raises a one-line NonFiniteLossError naming the
+    step, the leaf and the last good checkpoint (step 3)."""
+    monkeypatch.setattr(step_lib, "make_train_step", faulty_steps([], corrupt_state_from=3))
+    c = load_config(corpus, max_bad_steps=100, num_train_steps=6, checkpoint_every_steps=1)
+    with pytest.raises(errors.NonFiniteLossError) as info:
+        train_lib.train_and_evaluate(c, str(tmp_path))
+    msg = str(info.value)
+    assert "\n" not in msg and "the train state of step 6 holds NaN/Inf in" in msg, msg
+    assert "the last good state is step 3 in" in msg, msg
+    assert checkpoint_steps(tmp_path) == [2, 3]
+    assert not (tmp_path / "summary.json").exists()
+
+
 # --- overflow --------------------------------------------------------------------------------
 
 
@@ -636,6 +654,13 @@ def _corrupt_latest(workdir):
     os.truncate(biggest, biggest.stat().st_size // 2)
 
 
+def _corrupt_latest_unchecked(workdir):
+    """``_corrupt_latest`` in a step without checksums (saved by an older fp8jax, or killed
+    before they were written): orbax's read fails instead."""
+    _corrupt_latest(workdir)
+    (pathlib.Path(workdir) / "checkpoints" / "40" / checksums.CHECKSUMS).unlink()
+
+
 def _edit_data_state(workdir, old: str, new: str):
     """Replace ``old`` by ``new`` in the saved data state of checkpoint 40."""
     path = pathlib.Path(workdir) / "checkpoints" / "40" / "data" / "metadata"
@@ -670,7 +695,9 @@ BAD_INPUT = {
     "GPU-only attention on CPU": (["--config.model.attention_impl=cudnn"], None,
                                   ["attention_impl='cudnn'", "--config.model.attention_impl=xla"]),
     "corrupt checkpoint": ([], _corrupt_latest,
-                           ["is corrupt or incomplete", "to resume from step 39"]),
+                           ["changed on disk since it was saved", "to resume from step 39"]),
+    "corrupt unchecked checkpoint": ([], _corrupt_latest_unchecked,
+                                     ["is corrupt or incomplete", "to resume from step 39"]),
     "renamed checkpoint": ([], lambda w: (w / "checkpoints/40").rename(w / "checkpoints/45"),
                            ["checkpoints/45 is named step 45", "has run 40 steps",
                             "rename it to", "checkpoints/40"]),

@@ -9,6 +9,7 @@ it into place, so the output dir is either complete or absent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -155,7 +156,7 @@ def load_hf_params(directory: str | os.PathLike, model_cfg: ModelConfig) -> dict
     files = safetensors_files(directory)
     found: dict[str, Path] = {}
     for f in files:  # names and shapes first: refuse a bad checkpoint before reading data
-        with safetensors.safe_open(str(f), framework="numpy") as st:
+        with _safe_open(f) as st:
             for name in st.keys():
                 shape = tuple(st.get_slice(name).get_shape())
                 if name not in table:
@@ -178,11 +179,51 @@ def load_hf_params(directory: str | os.PathLike, model_cfg: ModelConfig) -> dict
         raise CheckpointError(f"{directory} lacks tensor {missing[0]}{more}; it is incomplete")
     buffers = weights.empty_params(model_cfg)
     for f in files:
-        with safetensors.safe_open(str(f), framework="numpy") as st:
+        with _safe_open(f) as st:
             for name in st.keys():
                 if name in table and found[name] == f:
-                    weights.fill(model_cfg, buffers, table[name], st.get_tensor(name))
+                    tensor = st.get_tensor(name)
+                    _check_finite(tensor, f"tensor {name} in {f}", _NON_FINITE_FIX)
+                    weights.fill(model_cfg, buffers, table[name], tensor)
     return buffers
+
+
+@contextlib.contextmanager
+def _safe_open(f: Path):
+    """``safetensors.safe_open(f)``; a truncated or malformed file is a one-line CheckpointError."""
+    try:
+        with safetensors.safe_open(str(f), framework="numpy") as st:
+            yield st
+    except safetensors.SafetensorError as e:
+        raise CheckpointError(
+            f"{f} is not a readable safetensors file ({e}); it may be truncated: re-download "
+            f"or re-export it"
+        ) from None
+
+
+_NON_FINITE_FIX = (
+    "non-finite weights cannot train or serve: re-download or re-export the checkpoint"
+)
+
+
+def _export_fix(dtype: np.dtype) -> str:
+    if dtype == np.float16:
+        return "a value past float16's range: export with --dtype bfloat16 or float32"
+    return "non-finite weights cannot serve: export an earlier checkpoint of the run"
+
+
+def _check_finite(array: np.ndarray, what: str, fix: str) -> None:
+    """Raise a one-line CheckpointError naming ``what`` and ``fix`` if ``array`` holds NaN/Inf."""
+    if array.dtype.kind not in "fcV" and "float" not in array.dtype.name:
+        return
+    finite = np.isfinite(array)
+    if not finite.all():
+        count = int(finite.size - np.count_nonzero(finite))
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise CheckpointError(
+            f"{what} holds {count} NaN/Inf values (the first at index {list(first)}: "
+            f"{array[first]}); {fix}"
+        )
 
 
 def _check_empty_target(out_dir: Path) -> None:
@@ -251,6 +292,8 @@ def _write_tensors(out: Path, model_cfg: ModelConfig, flat, dtype, max_shard_byt
     weight_map, total = {}, 0
     for name, shard in zip(names, shards, strict=True):
         arrays = {t.name: weights.gather(model_cfg, flat, t, dtype) for t in shard}
+        for tensor_name, array in arrays.items():  # NaN/Inf, or a value past dtype's range
+            _check_finite(array, f"tensor {tensor_name} (in {dtype.name})", _export_fix(dtype))
         safetensors.numpy.save_file(arrays, str(out / name), metadata={"format": "pt"})
         total += sum(a.nbytes for a in arrays.values())
         weight_map.update(dict.fromkeys(arrays, name))

@@ -23,7 +23,11 @@ from fp8jax.ops import dot, formats, gemm, kernels, norm
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta
 
-__all__ = ["cast_transpose_parts", "qkv_projection"]
+__all__ = [
+    "cast_transpose_parts",
+    "pallas_cast_transpose_parts",
+    "qkv_projection",
+]
 
 DENSE = (((1,), (0,)), ((), ()))  # [M, D] . [D, C]
 

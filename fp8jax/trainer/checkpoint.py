@@ -9,6 +9,11 @@ Saves are asynchronous: ``save`` returns once orbax has copied the arrays to hos
 the caller may donate the state to the next step) and the files are written by a background
 thread; ``close`` (or ``save(wait=True)``) blocks until they are on disk. On restore, the
 directory's step, the train state's step count and the data position must agree.
+
+Every finished step gets a ``checksums.json``: the CRC-32 of each array file, computed
+by a background thread once the step is final (the next save waits for it, ``close`` writes the
+last). Restore verifies them first, so a flipped bit on disk is a one-line error naming the step
+and the older checkpoint to fall back on, never a silent resume with different numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from fp8jax.errors import CheckpointMismatchError
+from fp8jax.errors import CheckpointMismatchError, CheckpointSaveError, UserError
+from fp8jax.trainer import checksums
 
 __all__ = [
     "OFFSET_KEY",
@@ -59,6 +65,11 @@ class Checkpointer:
         )
         self.every = every
         self._writing = None  # step of the newest save handed to orbax
+        self._unsummed = None  # newest saved step without checksums yet
+        self._summing = None  # the thread writing the checksums of an earlier step
+        self.refused: dict[int, list[str]] = {}  # steps not saved for NaN/Inf: their leaves
+        self.failed = False  # a save failed (CheckpointSaveError raised): close stays quiet
+        self._step_bytes = 0  # bytes of the newest state handed to orbax
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint step, or None (a save still being written does not count)."""
@@ -79,10 +90,36 @@ class Checkpointer:
         Returns once the arrays are copied to host memory, so ``state`` may then be donated;
         ``wait=True`` also blocks until every save so far is complete on disk.
         """
-        saved = self._start_save(step, state, data_state, force)
+        with self._failed_saves_reported():
+            saved = self._start_save(step, state, data_state, force)
+            if wait:
+                self.manager.wait_until_finished()
         if wait:
-            self.manager.wait_until_finished()
+            self._write_pending_checksums()
         return saved
+
+    @contextlib.contextmanager
+    def _failed_saves_reported(self):
+        """Turn the error of a failed background save (orbax raises it at the next save or
+        wait) into a one-line CheckpointSaveError naming the step, the space and the fix."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as e:  # orbax/tensorstore raise many types for a failed write
+            self.failed = True
+            text = " ".join(str(e).split())
+            reason = "no space left on device" if "No space left" in text else text[:200]
+            _remove_unfinished_writes(self.directory)  # the partial step: free its space
+            good = self.latest_step()
+            resume = f"resume from step {good}" if good is not None else "start over"
+            raise CheckpointSaveError(
+                f"saving checkpoint step {self._writing} in {self.directory} failed "
+                f"({reason}); a step takes about {_size(self._step_bytes)} (times "
+                f"keep_checkpoints + 1 while saving): free space there, lower "
+                f"config.keep_checkpoints or pass a --workdir on a disk with room, then rerun "
+                f"to {resume}"
+            ) from e
 
     def _start_save(self, step: int, state, data_state: dict, force: bool) -> bool:
         if not force and not self.due(step):
@@ -95,13 +132,18 @@ class Checkpointer:
         if bad:
             logging.error(
                 "not checkpointing step %d: NaN/Inf in %s; the latest checkpoint stays step %s",
-                step, ", ".join(bad[:3]), self.latest_step(),
-            )  # fmt: skip
+                step,
+                ", ".join(bad[:3]),
+                self.latest_step(),
+            )
+            self.refused[step] = bad
             return False
         # The loop step minus the data position: 0 unless a resume changed the batch size (the
         # iterator then rescales its position to keep the samples seen); restore checks it.
         data_state = {**data_state, OFFSET_KEY: step - int(data_state["step"])}
+        self.manager.wait_until_finished()  # as save would: a failed save names its own step
         self._writing = step
+        self._step_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
         saved = self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -109,7 +151,9 @@ class Checkpointer:
             ),
             force=True,
         )
-        if saved:
+        if saved:  # orbax's save waited for the previous one: that step is final now
+            self._checksum_in_background(self._unsummed)
+            self._unsummed = step
             logging.info(
                 "saving checkpoint step %d to %s (finite check %.1f s, copy to host %.1f s; "
                 "written in the background)",
@@ -120,10 +164,37 @@ class Checkpointer:
             )
         return saved
 
+    def _checksum_in_background(self, step: int | None) -> None:
+        """Start writing ``step``'s checksums in a thread (after the previous such thread)."""
+        if self._summing is not None:
+            self._summing.join()
+            self._summing = None
+        if step is None or jax.process_index() != 0:
+            return
+        path = os.path.join(self.directory, str(step))
+        self._summing = threading.Thread(
+            target=checksums.write, args=(path,), name="fp8jax-checksums", daemon=True
+        )
+        self._summing.start()
+
+    def _write_pending_checksums(self) -> None:
+        """Finish every checksum file (call once orbax's saves are complete on disk)."""
+        self._checksum_in_background(self._unsummed)
+        self._unsummed = None
+        if self._summing is not None:
+            self._summing.join()
+            self._summing = None
+
     def restore(self, abstract_state, step: int | None = None):
         """Restore ``(state, data_state)`` of ``step`` (default latest) into the abstract target."""
         step = self.latest_step() if step is None else step
         path = os.path.join(self.directory, str(step))
+        changed = checksums.verify(path)
+        if changed:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} changed on disk since it was saved ({changed}); "
+                f"{self._fallback(step)}"
+            )
         target, renamed = _as_saved(path, abstract_state)
         mismatch = _mismatch(path, target)
         if mismatch:
@@ -205,8 +276,18 @@ class Checkpointer:
 
     def close(self):
         """Block until every save is complete on disk, then stop orbax's background threads."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            if not self.failed:
+                with self._failed_saves_reported():
+                    self.manager.wait_until_finished()
+                self._write_pending_checksums()
+        finally:
+            with contextlib.suppress(Exception) if self.failed else contextlib.nullcontext():
+                self.manager.close()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"
 
 
 def _remove_unfinished_writes(directory: str) -> None:

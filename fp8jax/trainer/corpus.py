@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ __all__ = [
     "TEXT_SUFFIXES",
     "check_not_empty",
     "fingerprint",
+    "not_text",
     "pieces",
     "source_files",
 ]
@@ -78,30 +80,75 @@ def _open_text(f: Path):
     return opener(f, "rt", encoding="utf-8", errors="replace")
 
 
+_SNIFF_CHARS = 1 << 16  # characters of each text file checked for being text
+_TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")  # control characters that text may hold
+
+
+def not_text(sample: str) -> str | None:
+    """Why ``sample`` (the start of a file, decoded with errors='replace') is not text, or None.
+
+    NUL characters, or more than 1% of characters that are undecodable bytes or control
+    characters, mark a binary file (an executable, an image, a compressed file named .txt).
+    """
+    if "\x00" in sample:
+        return f"it holds NUL bytes (at character {sample.index(chr(0))})"
+    if not sample:
+        return None
+    bad = sample.count("\ufffd")
+    controls = sum(1 for c in sample if c < " " and c not in _TEXT_CONTROLS)
+    if bad > len(sample) // 100:
+        return f"{bad} of its first {len(sample)} characters are not UTF-8"
+    if controls > len(sample) // 100:
+        return f"{controls} of its first {len(sample)} characters are control characters"
+    return None
+
+
 def pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
-    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one."""
+    """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
+
+    A file that is not text (``not_text``), or a .gz that is not a complete gzip file, raises a
+    one-line ValueError naming it.
+    """
     for f in files:
-        with _open_text(f) as fh:
-            if _is_jsonl(f):
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line).get("text")
-                    except (json.JSONDecodeError, AttributeError):
-                        text = None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
-                    yield text, True
-                continue
-            carry = ""
-            while chunk := fh.read(_READ_CHARS):
-                chunk = carry + chunk
-                # Cut at a line break so no word is split between two encode calls.
-                cut = chunk.rfind("\n") + 1 or len(chunk)
-                carry = chunk[cut:]
-                yield chunk[:cut], False
-            yield carry, True
+        try:
+            yield from _file_pieces(f)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise ValueError(
+                f"{f} is not a complete gzip file ({e}); re-download or re-compress it, or "
+                f"remove it from config.data.path"
+            ) from None
+
+
+def _file_pieces(f: Path) -> Iterator[tuple[str, bool]]:
+    with _open_text(f) as fh:
+        if _is_jsonl(f):
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line).get("text")
+                except (json.JSONDecodeError, AttributeError):
+                    text = None
+                if not isinstance(text, str):
+                    raise ValueError(f"{f}:{lineno}: expected a JSON object with 'text'")
+                yield text, True
+            return
+        carry, first = "", True
+        while chunk := fh.read(_READ_CHARS):
+            if first:
+                first = False
+                reason = not_text(chunk[:_SNIFF_CHARS])
+                if reason:
+                    raise ValueError(
+                        f"{f} is not a text file: {reason}; remove it from "
+                        f"config.data.path, or decompress or convert it to UTF-8 text"
+                    )
+            chunk = carry + chunk
+            # Cut at a line break so no word is split between two encode calls.
+            cut = chunk.rfind("\n") + 1 or len(chunk)
+            carry = chunk[cut:]
+            yield chunk[:cut], False
+        yield carry, True
 
 
 def check_not_empty(files: list[Path], desc: str) -> None:

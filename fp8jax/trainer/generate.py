@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,11 @@ from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.sampling import GREEDY, Sampling
 
 __all__ = [
-    "MIN_BUCKET",
     "Buckets",
     "Decoder",
+    "MIN_BUCKET",
+    "NonFinite",
+    "allowed_ids",
     "bucket",
     "buckets_for",
     "decoder_for",
@@ -96,27 +98,65 @@ class Decoder:
         self.traces = 0
         self._run = jax.jit(self._generate, static_argnames=("cache_len",))
 
-    def __call__(self, params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, s: Sampling,
-                 eos_ids: Sequence[int], cache_len: int):  # fmt: skip
-        """Tokens [B, cache_len] (prompt, then generated) and the number generated per row."""
+    def __call__(
+        self,
+        params,
+        fp8_state,
+        tokens_BxP,
+        lengths_B,
+        max_new_tokens,
+        s: Sampling,
+        eos_ids: Sequence[int],
+        cache_len: int,
+        allowed_V=None,
+    ):
+        """Tokens [B, cache_len] (prompt, then generated), the number of steps run and the
+        first step with non-finite logits (``NonFinite``). ``allowed_V``: the ids that may be
+        generated (the tokenizer's, without padding), all of them if None."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
         eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
-        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E)
+        if allowed_V is None:
+            allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
+        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E, allowed_V)
         return self._run(params, fp8_state, *args, cache_len=cache_len)
 
-    def _generate(self, params, fp8, tokens_BxP, lengths_B, max_new, key, temp, top_k, top_p,
-                  eos_E, *, cache_len):  # fmt: skip
+    def _generate(
+        self,
+        params,
+        fp8,
+        tokens_BxP,
+        lengths_B,
+        max_new,
+        key,
+        temp,
+        top_k,
+        top_p,
+        eos_E,
+        allowed_V,
+        *,
+        cache_len,
+    ):
         self.traces += 1  # runs only while tracing: one per compilation
         batch, prompt_len = tokens_BxP.shape
         variables = {"params": optim.materialize(params), self.collection: fp8}
         cache = decode.init_cache(self.model, variables, batch, cache_len)
         rows_B = jnp.arange(batch)
 
-        def pick(logits_BxV, t, done_B):
+        def pick(logits_BxV, t, done_B, bad):
             step_key = jax.random.fold_in(key, t)
-            tok_B = sampling_lib.next_tokens(logits_BxV, step_key, temp, top_k, top_p)
-            return jnp.where(done_B, eos_E[0], tok_B)
+            masked_BxV = jnp.where(allowed_V, logits_BxV, -jnp.inf)  # ids past the tokenizer
+            tok_B = sampling_lib.next_tokens(masked_BxV, step_key, temp, top_k, top_p)
+            # The first step whose live rows' logits hold NaN or Inf stops every row.
+            live_BxV = allowed_V & ~done_B[:, None]
+            nan, inf = (jnp.any(f(logits_BxV) & live_BxV) for f in (jnp.isnan, jnp.isinf))
+            first = (bad.step < 0) & (nan | inf)
+            bad = NonFinite(
+                step=jnp.where(first, t, bad.step),
+                nan=jnp.where(first, nan, bad.nan),
+                inf=jnp.where(first, inf, bad.inf),
+            )
+            return jnp.where(done_B, eos_E[0], tok_B), bad
 
         def stops(tok_B):
             return jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
@@ -124,27 +164,60 @@ class Decoder:
         positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
         done_B = lengths_B == 0  # padding rows of the batch bucket
-        tok_B = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B)
+        no = jnp.zeros((), bool)
+        bad = NonFinite(step=jnp.int32(-1), nan=no, inf=no)
+        tok_B, bad = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B, bad)
         out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
         out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
         done_B = done_B | stops(tok_B)
 
         def more(carry):
-            t, _, done_B, _, _ = carry
-            return (t < max_new) & ~jnp.all(done_B)
+            t, _, done_B, _, _, bad = carry
+            return (t < max_new) & ~jnp.all(done_B) & (bad.step < 0)
 
         def one_token(carry):
             # Token t - 1 sits at position length + t - 1; its logits give token t.
-            t, tok_B, done_B, cache, out_BxM = carry
+            t, tok_B, done_B, cache, out_BxM, bad = carry
             pos_Bx1 = (lengths_B + t - 1)[:, None]
             logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
-            tok_B = pick(logits_Bx1xV[:, 0], t, done_B)
+            tok_B, bad = pick(logits_Bx1xV[:, 0], t, done_B, bad)
             out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
-            return t + 1, tok_B, done_B | stops(tok_B), cache, out_BxM
+            return t + 1, tok_B, done_B | stops(tok_B), cache, out_BxM, bad
 
-        carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM)
-        t, _, _, _, out_BxM = jax.lax.while_loop(more, one_token, carry)
-        return out_BxM, t
+        carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM, bad)
+        t, _, _, _, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
+        return out_BxM, t, bad
+
+
+class NonFinite(NamedTuple):
+    """The first decode step whose logits held NaN/Inf (-1: none), and which of the two."""
+
+    step: jax.Array
+    nan: jax.Array
+    inf: jax.Array
+
+
+RESERVED_PREFIX = "<|reserved_"  # fp8jax's BPE pads a vocabulary it could not fill with these
+
+
+def allowed_ids(tokenizer: Any, vocab_size: int) -> np.ndarray | None:
+    """Which of the model's ``vocab_size`` ids ``tokenizer`` can produce (bool [V]), or None.
+
+    A padded embedding (a Hugging Face vocabulary rounded up, or fp8jax's BPE that learned fewer
+    tokens than ``vocab_size`` and holds ``<|reserved_*|>`` placeholders) has ids that decode to
+    nothing a user should see; generation never picks them. None: every id is allowed.
+    """
+    size = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(size, int):
+        return None
+    allowed_V = np.arange(vocab_size) < size
+    id_to_token = getattr(tokenizer, "id_to_token", None)
+    if id_to_token is not None:
+        for i in range(min(size, vocab_size) - 1, -1, -1):  # placeholders are the last ids
+            if not str(id_to_token(i)).startswith(RESERVED_PREFIX):
+                break
+            allowed_V[i] = False
+    return None if allowed_V.all() else allowed_V
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,13 +234,16 @@ def generate_ids(
     max_new_tokens: int,
     sampling: Sampling = GREEDY,
     eos_ids: Sequence[int] = (),
+    allowed_V: np.ndarray | None = None,
 ) -> list[list[int]]:
     """The token ids generated after each prompt (ids), up to ``max_new_tokens`` or EOS.
 
     Any of ``eos_ids`` stops a row when generated and is left out of its output. ``params`` and
     ``fp8_state`` are the model's (a ``TrainState``'s ``params`` and ``fp8``; O2+ masters are
     materialized inside the jitted program). A prompt with more than ``max_len -
-    max_new_tokens`` tokens raises a ConfigError naming the lengths.
+    max_new_tokens`` tokens raises a ConfigError naming the lengths. ``allowed_V`` (bool [V],
+    see ``allowed_ids``) masks the ids that may not be generated. Logits holding NaN or Inf
+    stop generation with a one-line ``NonFiniteOutputError`` naming the step.
     """
     cfg = model.cfg
     prompts = [list(p) for p in prompts]
@@ -189,10 +265,26 @@ def generate_ids(
         tokens_BxP[i, : len(p)], lengths_B[i] = p, len(p)
     eos_ids = tuple(int(e) for e in eos_ids)
     decoder = decoder_for(cfg, step_lib.state_collection(model))
-    out_BxM, _ = decoder(
-        params, fp8_state, tokens_BxP, lengths_B, max_new_tokens, sampling, eos_ids, b.cache
+    out_BxM, _, bad = decoder(
+        params,
+        fp8_state,
+        tokens_BxP,
+        lengths_B,
+        max_new_tokens,
+        sampling,
+        eos_ids,
+        b.cache,
+        allowed_V,
     )
-    out_BxM = np.asarray(jax.device_get(out_BxM))
+    out_BxM, bad = jax.device_get((out_BxM, bad))
+    if bad.step >= 0:
+        what = " and ".join(name for name, hit in (("NaN", bad.nan), ("Inf", bad.inf)) if hit)
+        raise errors.NonFiniteOutputError(
+            f"the model's logits hold {what} at generated token {int(bad.step) + 1} (from the "
+            f"{'prompt' if bad.step == 0 else 'previous token'}), so no token can be chosen; "
+            f"the checkpoint's weights or FP8 scales are not finite: use an earlier checkpoint"
+        )
+    out_BxM = np.asarray(out_BxM)
     results = []
     for i, n in enumerate(lengths):
         ids = out_BxM[i, n : n + max_new_tokens].tolist()
@@ -223,7 +315,8 @@ def generate(
     eos_id = getattr(tokenizer, "eos_id", None)
     eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
     ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
-    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids)
+    allowed_V = allowed_ids(tokenizer, model.cfg.vocab_size)
+    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids, allowed_V)
     return [tokenizer.decode(o) for o in out]
 
 

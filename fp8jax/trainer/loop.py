@@ -15,6 +15,7 @@ loss, gradient norm or learning rate is not finite and counts it. The loop aroun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -32,7 +33,7 @@ from fp8jax import configs, errors, models, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
-from fp8jax.trainer import environment, formats, generate, objectives
+from fp8jax.trainer import environment, formats, generate, objectives, workdir_lock
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -217,15 +218,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
 
     ``config``: a config (parsed here, once) or a ``RunSpec``. Bad input raises a ``UserError``
     (config, data, checkpoint) before anything in ``workdir`` is overwritten; ``max_bad_steps``
-    non-finite steps in a row raise ``NonFiniteLossError``.
+    non-finite steps in a row raise ``NonFiniteLossError``. One process at a time trains in a
+    work dir (``workdir_lock``); a new one that a refused run leaves empty is removed.
     """
+    new = not os.path.lexists(workdir)
+    try:
+        with contextlib.ExitStack() as locks:
+            return _train_and_evaluate(config, workdir, locks)
+    except errors.UserError:
+        if new:
+            workdir_lock.remove_if_unused(workdir)
+        raise
+
+
+def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> dict:
     run = config if isinstance(config, RunSpec) else spec.parse(config)
     environment.check_corpus(run)
     run, tokenizer, init_params = from_checkpoint(run, workdir)
     if run.distributed:
         sharding_lib.initialize_distributed()
     environment.check_environment(run)
-    os.makedirs(workdir, exist_ok=True)
+    workdir_lock.make_workdir(workdir)
+    if jax.process_index() == 0:  # the run's first process holds the lock until the end
+        locks.enter_context(workdir_lock.hold(workdir))
     metrics_lib.quiet_library_logs()
     use_compilation_cache(run.loop.compilation_cache_dir)
     logging.info("fp8jax: level %s, devices %s", run.fp8.level, jax.devices())
@@ -368,4 +383,12 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
         logging.warning("SIGTERM: checkpointing step %d in %s; exiting", step, ckpt.directory)
         summary["preempted_at"] = step
     ckpt.save(step, state, train_iter.get_state(), force=True)
+    if step in ckpt.refused:  # the state itself is not finite: the run has nothing to keep
+        good = ckpt.latest_step()
+        kept = f"step {good} in {ckpt.directory}" if good is not None else "no checkpoint"
+        raise errors.NonFiniteLossError(
+            f"the train state of step {step} holds NaN/Inf in {ckpt.refused[step][0]}, so it "
+            f"was not checkpointed; the last good state is {kept}. Check the initial weights "
+            f"(config.init_from) and lower the learning rate"
+        )
     return state, {**summary, "step": step}

@@ -26,6 +26,7 @@ __all__ = [
     "NonFiniteGuard",
     "RunLog",
     "Writer",
+    "drop_records_after",
     "fmt",
     "fp8_health",
     "fp8_worst",
@@ -40,6 +41,8 @@ class _QuietLibraries:
 
     def filter(self, record) -> bool:
         noisy = any(n in record.pathname for n in ("/orbax/", "/grain/"))
+        if noisy and record.exc_info:  # a failed background write: its one-line error follows
+            record.exc_info = record.exc_text = None
         return record.levelno >= 30 or not noisy
 
 
@@ -232,6 +235,8 @@ class RunLog:
         self.writer = Writer(workdir, enabled=main)
         # One os.write per record on an O_APPEND file: a kill leaves whole lines only.
         path = os.path.join(workdir, "metrics.jsonl")
+        if main:
+            drop_records_after(path, step)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if main else None
         self.bar = tqdm(total=num_steps, initial=step, desc="train", unit="step", disable=not main)
         self._redirect = contextlib.ExitStack()
@@ -302,3 +307,31 @@ class RunLog:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def drop_records_after(path: str, step: int) -> int:
+    """Remove the records of ``path`` (metrics.jsonl) past ``step``: a resume redoes those steps.
+
+    A run killed or stopped after its last checkpoint logged steps that the resume runs again;
+    without this the file would hold them twice. Rewritten atomically; returns how many went.
+    """
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+
+    def past(line: bytes) -> bool:
+        try:
+            return json.loads(line).get("step", 0) > step
+        except (ValueError, AttributeError, TypeError):  # not a record: keep it as it is
+            return False
+
+    kept = [line for line in lines if not past(line)]
+    if len(kept) < len(lines):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        logging.info("dropped %d records of %s past step %d", len(lines) - len(kept), path, step)
+    return len(lines) - len(kept)

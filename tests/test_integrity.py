@@ -1,0 +1,442 @@
+"""Work is never lost and nothing non-finite passes: the work-dir lock, checkpoint checksums,
+leftovers of killed runs, non-finite imports and exports, non-text corpora.
+
+Every train.py run here is configs/tiny.py shrunk to one 64-wide layer on a 60 kB slice of the
+shipped corpus; the runs that train resume one 4-step work dir (``trained``) shared by the
+module, copied per test. The runs refused before training take seconds.
+"""
+
+import gzip
+import hashlib
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from fp8jax import errors
+from fp8jax.hf import io as hf_io
+from fp8jax.trainer import checksums, metrics, workdir_lock
+from fp8jax.trainer import corpus as corpus_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = {
+    "model.num_layers": 1,
+    "model.d_model": 64,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 2,
+    "model.d_ff": 128,
+    "model.vocab_size": 320,
+    "model.max_len": 32,
+    "seq_len": 32,
+    "batch_size": 4,
+    "num_train_steps": 4,
+    "warmup_steps": 1,
+    "log_every_steps": 1,
+    "eval_every_steps": 1000,
+    "eval_batches": 1,
+    "fp8_stats_every_steps": 1000,
+    "sample_tokens": 0,
+    "checkpoint_every_steps": 2,
+    "keep_checkpoints": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A folder for the module: the corpus and the JAX compilation cache."""
+    root = tmp_path_factory.mktemp("integrity")
+    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
+    (root / "corpus.txt").write_text(text[:60_000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(base):
+    """Environment of train.py subprocesses: CPU, one compilation cache for all of them."""
+    e = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
+    e.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    return e
+
+
+def train(workdir, base, env, **overrides) -> subprocess.CompletedProcess:
+    """``python train.py --config configs/tiny.py --workdir=WORKDIR`` with ``SMALL``."""
+    values = {**SMALL, "data.path": str(base / "corpus.txt"), **overrides}
+    args = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.py",
+        f"--workdir={workdir}",
+        *[f"--config.{k}={v}" for k, v in values.items()],
+    ]
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def one_error_line(proc) -> str:
+    """The single 'error: ...' line of a refused run (exit 2, no traceback)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines and lines[-1].startswith("error: "), lines[-5:]
+    assert sum(line.startswith("error: ") for line in lines) == 1, lines[-5:]
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def trained(base, env):
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    workdir = base / "trained"
+    proc = train(workdir, base, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+@pytest.fixture
+def workdir(trained, tmp_path):
+    """A copy of ``trained`` for one test to change."""
+    copy = tmp_path / "work"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def snapshot(workdir) -> dict:
+    """Every file under ``workdir``: size, mtime and content hash."""
+    out = {}
+    for p in sorted(pathlib.Path(workdir).rglob("*")):
+        if p.is_file():
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[str(p.relative_to(workdir))] = (p.stat().st_size, p.stat().st_mtime_ns, digest)
+    return out
+
+
+def train_steps(workdir) -> list[int]:
+    """The steps of the training records of ``<workdir>/metrics.jsonl``, in file order."""
+    import json
+
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# --- the work-dir lock -----------------------------------------------------------------------
+
+HOLD = """import sys, time
+from fp8jax.trainer import workdir_lock
+with workdir_lock.hold(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_second_process_on_a_live_workdir_is_refused_and_a_killed_ones_lock_is_not(
+    workdir, base, env
+):
+    """A live process holds the work dir's lock (as a running train.py does): train.py on the
+    same --workdir exits 2 with one line naming that process (pid, host, start time) and
+    changes nothing there. Once the holder is killed (kill -9, so it never unlocks), train.py
+    resumes with exit 0 and the lock file names the new process."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(workdir)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(workdir)
+        line = one_error_line(train(workdir, base, env, num_train_steps=6))
+        assert f"is in use by pid {holder.pid} on host {socket.gethostname()}, started" in line
+        assert "pass another --workdir" in line
+        assert snapshot(workdir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = train(workdir, base, env, num_train_steps=6)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert workdir_lock.owner(workdir).startswith("pid ")
+    assert f"pid {holder.pid} " not in workdir_lock.owner(workdir)
+    assert train_steps(workdir) == list(range(1, 7))
+
+
+def test_lock_is_exclusive_in_process_and_released_on_exit(tmp_path):
+    """Within one process: a second ``hold`` while the first is open is refused; after the
+    first closes, a new one succeeds and records this process."""
+    with workdir_lock.hold(tmp_path):
+        assert workdir_lock.owner(tmp_path).startswith(f"pid {os.getpid()} on host")
+        with pytest.raises(workdir_lock.WorkdirBusyError, match=f"pid {os.getpid()}"):
+            with workdir_lock.hold(tmp_path):
+                pass
+    with workdir_lock.hold(tmp_path):
+        pass
+
+
+# --- checkpoint checksums --------------------------------------------------------------------
+
+
+def _flip_a_bit(workdir, step: int) -> pathlib.Path:
+    """Flip one bit in the middle of the biggest array file of ``step``, keeping its mtime."""
+    state = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
+    biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    stat = biggest.stat()
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    biggest.write_bytes(bytes(data))
+    os.utime(biggest, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return biggest
+
+
+def test_every_checkpoint_records_checksums_that_verify(trained):
+    """Each kept step has a checksums.json covering every array file; they verify."""
+    for step in (2, 4):
+        step_dir = trained / "checkpoints" / str(step)
+        assert (step_dir / checksums.CHECKSUMS).is_file()
+        assert checksums.verify(str(step_dir)) is None
+
+
+def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, base, env):
+    """Flips one bit of an array file of the latest checkpoint (same size and mtime): the
+    resume exits 2 with one line naming the step, the changed file and the fallback to step 2,
+    and changes nothing."""
+    changed = _flip_a_bit(workdir, 4)
+    before = snapshot(workdir)
+    line = one_error_line(train(workdir, base, env, num_train_steps=6))
+    assert "checkpoints/4 changed on disk since it was saved (the CRC-32 of" in line, line
+    assert changed.name in line and "to resume from step 2" in line, line
+    assert snapshot(workdir) == before
+
+
+# --- a full disk -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path, trained):
+    """A tmpfs with room for the work dir's caches and logs and about 1.5 checkpoint steps."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    step_bytes = sum(
+        p.stat().st_size for p in (trained / "checkpoints" / "2").rglob("*") if p.is_file()
+    )
+    rest = sum(
+        p.stat().st_size for p in trained.rglob("*") if p.is_file() and "checkpoints" not in p.parts
+    )
+    size = rest + int(1.5 * step_bytes) + (256 << 10)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_stops_at_the_first_failed_save_keeping_the_last_checkpoint(
+    small_disk, base, env
+):
+    """The work dir on a disk with room for one checkpoint step (a small tmpfs): the save of
+    step 4 fails, and the run exits 2 with one line naming the step, the directory, the size of
+    a step and the fix, no traceback; step 2 stays, complete and verified, and the partial
+    step 4 is gone."""
+    workdir = small_disk / "work"
+    proc = train(workdir, base, env, num_train_steps=8)
+    line = one_error_line(proc)
+    directory = workdir / "checkpoints"
+    assert f"saving checkpoint step 4 in {directory} failed (no space left on device)" in line
+    assert "a step takes about" in line and "resume from step 2" in line, line
+    assert sorted(p.name for p in directory.iterdir()) == ["2"]
+    assert checksums.verify(str(directory / "2")) is None
+
+
+# --- leftovers -------------------------------------------------------------------------------
+
+
+def test_resume_removes_dead_staging_and_repeats_no_metrics(workdir, base, env):
+    """A run killed after step 4 but before its checkpoint (checkpoint 4 removed) left
+    ``tokens.tmp<dead pid>/``: the resume from step 2 removes it (a live pid's staging stays),
+    and metrics.jsonl holds steps 1..6 once each, not 3 and 4 twice."""
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    dead = workdir / f"tokens.tmp{dead_pid()}"
+    dead.mkdir()
+    (dead / "train.bin").write_bytes(b"\0" * 1000)
+    live = workdir / f"tokens.tmp{os.getpid()}"
+    live.mkdir()
+    assert train_steps(workdir) == [1, 2, 3, 4]
+    proc = train(workdir, base, env, num_train_steps=6)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint step 2" in proc.stderr
+    assert not dead.exists() and live.is_dir()
+    assert train_steps(workdir) == list(range(1, 7))
+
+
+def test_drop_records_after_keeps_earlier_and_unparsed_lines(tmp_path):
+    """``drop_records_after`` keeps records up to the step and lines that are not records."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "val_loss": 3}\nnot json\n{"step": 3}\n')
+    assert metrics.drop_records_after(str(path), 2) == 1
+    assert path.read_text() == '{"step": 1}\n{"step": 2, "val_loss": 3}\nnot json\n'
+    assert metrics.drop_records_after(str(path), 2) == 0
+
+
+# --- input that is not what it claims --------------------------------------------------------
+
+
+def _binary(d: pathlib.Path) -> pathlib.Path:
+    shutil.copyfile("/bin/ls", d / "ls.txt")
+    return d / "ls.txt"
+
+
+def _gzip_named_txt(d: pathlib.Path) -> pathlib.Path:
+    (d / "book.txt").write_bytes(gzip.compress(b"It is a truth universally acknowledged. " * 500))
+    return d / "book.txt"
+
+
+def _truncated_gz(d: pathlib.Path) -> pathlib.Path:
+    data = gzip.compress(("It is a truth universally acknowledged. " * 5000).encode())
+    (d / "book.txt.gz").write_bytes(data[: len(data) // 2])
+    return d / "book.txt.gz"
+
+
+def _too_small(d: pathlib.Path) -> pathlib.Path:
+    (d / "tiny.txt").write_text("It is a truth.\n")
+    return d / "tiny.txt"
+
+
+BAD_CORPUS = {
+    # case: (make the corpus in a folder, fragments of the one-line error)
+    "a copy of /bin/ls": (_binary, ["ls.txt is not a text file", "NUL bytes"]),
+    "a .gz named .txt": (_gzip_named_txt, ["book.txt is not a text file"]),
+    "a truncated .txt.gz": (_truncated_gz, ["book.txt.gz is not a complete gzip file"]),
+    "too small for seq_len": (_too_small, ["fewer than seq_len+1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CORPUS))
+def test_bad_corpus_is_one_line_and_leaves_no_new_workdir(case, base, env, tmp_path):
+    """A corpus that is not text, a truncated gzip, or one too small: train.py on a new
+    --workdir exits 2 with one line naming the file, and the work dir does not exist after."""
+    make, fragments = BAD_CORPUS[case]
+    path = make(tmp_path)
+    workdir = tmp_path / "new" / "work"
+    line = one_error_line(train(workdir, base, env, **{"data.path": str(path)}))
+    for fragment in fragments:
+        assert fragment in line, line
+    assert not workdir.exists()
+
+
+def test_workdir_that_is_a_file_is_one_line(base, env, tmp_path):
+    """--workdir naming a file: exit 2, one line, the file unchanged."""
+    path = tmp_path / "file"
+    path.write_text("mine")
+    line = one_error_line(train(path, base, env))
+    assert f"--workdir {path} is a file, not a folder" in line
+    assert path.read_text() == "mine"
+
+
+# --- non-finite weights: import and export ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """``trained`` exported as a Hugging Face dir (float32)."""
+    out = tmp_path_factory.mktemp("hf") / "model"
+    hf_io.export(trained, out, dtype="float32")
+    return out
+
+
+def _poison(hf_dir: pathlib.Path, name: str, index, value) -> None:
+    path = hf_dir / hf_io.SAFETENSORS
+    tensors = safetensors.numpy.load_file(str(path))
+    tensors[name][index] = value
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _tensor_named(hf_dir: pathlib.Path, part: str) -> str:
+    names = safetensors.numpy.load_file(str(hf_dir / hf_io.SAFETENSORS)).keys()
+    return next(n for n in sorted(names) if part in n)
+
+
+@pytest.mark.parametrize("part,value", [("wte", np.inf), ("attn.c_attn.weight", np.nan)])
+def test_non_finite_weight_is_refused_at_import_naming_the_tensor(exported, part, value, tmp_path):
+    """Inf in one embedding row (or NaN in one row of the QKV projection) of a HF dir:
+    ``hf.load`` raises a one-line CheckpointError naming the tensor and its file."""
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    name = _tensor_named(copy, part)
+    _poison(copy, name, (3,), value)
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(copy)
+    msg = str(info.value)
+    assert f"tensor {name} in {copy / hf_io.SAFETENSORS} holds" in msg and "NaN/Inf" in msg, msg
+
+
+def test_train_init_from_a_non_finite_checkpoint_is_refused(exported, base, env, tmp_path):
+    """train.py --config.init_from on a HF dir with Inf in one embedding row: exit 2, one line
+    naming the tensor; no work dir is created."""
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    name = _tensor_named(copy, "wte")
+    _poison(copy, name, (5,), np.inf)
+    workdir = tmp_path / "work"
+    line = one_error_line(train(workdir, base, env, init_from=str(copy)))
+    assert f"tensor {name} in" in line and "NaN/Inf" in line, line
+    assert not workdir.exists()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize(
+    "dtype,scale,fragment",
+    [
+        ("bfloat16", np.nan, "non-finite weights cannot serve"),
+        ("float16", 1e6, "past float16's range: export with --dtype bfloat16 or float32"),
+    ],
+)
+def test_export_refuses_non_finite_output(exported, dtype, scale, fragment, tmp_path):
+    """Params holding NaN, or finite f32 values past float16's range exported as float16: the
+    export raises a one-line CheckpointError naming the tensor and leaves no output folder."""
+    loaded = hf_io.load(exported)
+    params = {**loaded.params, "embed": {"embedding": loaded.params["embed"]["embedding"] * scale}}
+    out = tmp_path / "out"
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.save_hf(out, loaded.model_cfg, params, loaded.tokenizer, dtype=dtype)
+    assert "holds" in str(info.value) and fragment in str(info.value), info.value
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
+    """model.safetensors cut to half its size: ``hf.load`` raises a one-line CheckpointError
+    naming the file, and ``python -m fp8jax.hf.export`` exits 2 with that line, no output."""
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    path = copy / hf_io.SAFETENSORS
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(errors.CheckpointError, match="is not a readable safetensors file"):
+        hf_io.load(copy)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8jax.hf.export", str(copy), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    line = one_error_line(proc)
+    assert f"{path} is not a readable safetensors file" in line and "re-download" in line
+    assert not out.exists()

@@ -6,23 +6,40 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8jax.errors import ConfigError, check_bool, check_choice, check_int, check_number
+from fp8jax.errors import ConfigError
 
 __all__ = [
     "DATA_FIX",
     "DATA_FORMATS",
+    "FORMATS",
     "OVERLONG",
     "DataSpec",
     "DpoSpec",
+    "FormatFacts",
     "parse_data",
     "parse_dpo",
 ]
 
+
+@dataclasses.dataclass(frozen=True)
+class FormatFacts:
+    """What the run spec's checks need to know of a data format (the format itself:
+    ``fp8jax.trainer.formats``; tests/test_objectives checks that they agree)."""
+
+    # Examples are (chosen, rejected) row pairs, trained whole: no packing, and each
+    # micro-batch and data-parallel replica holds an even number of rows.
+    pairs: bool = False
+
+
 # The registered data formats (fp8jax.trainer.formats; tests/test_objectives checks they agree):
 # corpus, prompt/completion examples, preference pairs.
-DATA_FORMATS = ("text", "sft", "dpo")
+FORMATS = {"text": FormatFacts(), "sft": FormatFacts(), "dpo": FormatFacts(pairs=True)}
+DATA_FORMATS = tuple(FORMATS)
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
-DATA_FIX = "set config.data.path to a text file, a folder of .txt files or a .jsonl file"
+DATA_FIX = (
+    "set config.data.path to a text file, a folder of .txt files or a .jsonl file "
+    "('' = the shipped corpus)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +54,11 @@ class DataSpec:
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
+    @property
+    def pairs(self) -> bool:
+        """Whether the format's examples are (chosen, rejected) row pairs, trained whole."""
+        return FORMATS[self.format].pairs
+
 
 @dataclasses.dataclass(frozen=True)
 class DpoSpec:
@@ -47,31 +69,22 @@ class DpoSpec:
 
 
 def parse_data(d) -> DataSpec:
-    """``config.data`` checked field by field."""
-    if not isinstance(d.path, str):
-        raise ConfigError(f"config.data.path={d.path!r}: {DATA_FIX} ('' = the shipped corpus)")
-    check_number(d.val_fraction, "data.val_fraction", "(0, 1)")  # held-out and training data
-    check_choice(d.format, DATA_FORMATS, "data.format")
-    check_bool(d.packing, "data.packing")
-    check_choice(d.overlong, OVERLONG, "data.overlong")
-    check_int(d.tokenizer_min_frequency, "data.tokenizer_min_frequency", 0)
-    check_bool(d.allow_corpus_change, "data.allow_corpus_change")
-    if d.format == "dpo" and d.packing:
+    """``config.data`` (its fields checked by ``spec.parse``) checked against its format."""
+    if FORMATS[d.format].pairs and d.packing:
         raise ConfigError(
-            "config.data.packing=True with data.format='dpo': preference pairs are one "
+            f"config.data.packing=True with data.format={d.format!r}: preference pairs are one "
             "(chosen, rejected) row pair each; set data.packing=False"
         )
     return DataSpec(**{f.name: d[f.name] for f in dataclasses.fields(DataSpec)})
 
 
 def parse_dpo(c, data: DataSpec, batch_size: int, grad_accum_steps: int) -> DpoSpec:
-    """``config.dpo`` checked, and a DPO run's batch against its pairs."""
-    check_number(c.beta, "dpo.beta", "(0, inf)")
-    check_number(c.label_smoothing, "dpo.label_smoothing", "[0, 0.5)")
-    if data.format == "dpo" and batch_size % (2 * grad_accum_steps):
+    """``config.dpo`` (its fields checked by ``spec.parse``), and a run's batch against its
+    format's pairs."""
+    if data.pairs and batch_size % (2 * grad_accum_steps):
         raise ConfigError(
-            f"batch_size={batch_size} with data.format='dpo': each micro-batch holds whole "
-            f"(chosen, rejected) pairs, so use a multiple of 2 x grad_accum_steps "
+            f"batch_size={batch_size} with data.format={data.format!r}: each micro-batch holds "
+            f"whole (chosen, rejected) pairs, so use a multiple of 2 x grad_accum_steps "
             f"({2 * grad_accum_steps})"
         )
     return DpoSpec(beta=float(c.beta), label_smoothing=float(c.label_smoothing))

@@ -314,7 +314,8 @@ def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
     state, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
     ckpt.close()
     dataset = data.build(run, str(wd))
-    trainer = generate.evaluate(env.eval_step, state, dataset.eval_batches(2), env.batch_sharding)
+    batches = dataset.eval_batches(2)
+    trainer = env.objective.evaluate(env.eval_step, state, batches, env.batch_sharding)
     inf = inference.load(str(wd))
     assert inf.level == "O1"
     assert scaling.recipe_name(inf.model.cfg.recipe) == config.fp8.recipe

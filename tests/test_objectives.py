@@ -8,6 +8,7 @@ Train states of either objective restore from checkpoints that name the objectiv
 ``ref``.
 """
 
+import ast
 import dataclasses
 import functools
 import gzip
@@ -203,6 +204,46 @@ def snapshot(workdir) -> dict:
 def test_every_format_has_a_sample_a_config_name_and_a_registered_objective():
     assert set(SAMPLES) == set(formats.names()) == set(data_spec.DATA_FORMATS)
     assert {formats.get(n).objective for n in formats.names()} <= set(objectives.names())
+    for name in formats.names():  # the run spec's checks know what the objective trains
+        trains = objectives.get(formats.get(name).objective)
+        assert data_spec.FORMATS[name].pairs == trains.pairs, name
+
+
+def format_tests(tree: ast.AST) -> list[int]:
+    """Lines of every comparison that reads a ``format`` (``x.format == ...``, ``format in``)."""
+
+    def is_format(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "format") or (
+            isinstance(node, ast.Name) and node.id == "format"
+        )
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(map(is_format, [node.left, *node.comparators]))
+    ]
+
+
+def test_no_format_tests_outside_the_format_modules():
+    """What differs between data formats is asked of the format (``data_spec.FORMATS``, the
+    registered ``DataFormat``, its objective), never read off ``data.format``'s name."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    format_modules = {type(formats.get(n)).__module__ for n in formats.names()}
+    format_modules |= {formats.__name__, formats.data_format.__name__}
+    found = {}
+    for path in sorted([*(root / "fp8jax").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        if module in format_modules:
+            continue
+        lines = format_tests(ast.parse(path.read_text(), str(path)))
+        if lines:
+            found[str(path.relative_to(root))] = lines
+    assert not found, f"ask the data format instead of testing data.format: {found}"
+
+
+def test_the_format_check_finds_each_form():
+    source = "a = d.format == 'dpo'\nb = 'x' != run.data.format\nc = format in F\nd = x.fmt == 1\n"
+    assert format_tests(ast.parse(source)) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("name", formats.names())

@@ -324,7 +324,7 @@ def test_a_field_kind_refuses_by_name():
         with pytest.raises(errors.ConfigError, match=re.escape(message)):
             decl.check(bad, "x")
     fields.Choice("a", ("a",), also=(None,)).check(None, "x")
-    fields.Field(0).check(object(), "x")  # checked by its section's own type
+    fields.Field(0).check(object(), "x")  # checked by what it configures
 
 
 def test_recipe_fields_are_checked_by_the_recipes():

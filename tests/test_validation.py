@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from fp8jax import errors, spec
+from fp8jax.parallel import comm
 from fp8jax.trainer import environment
 from fp8jax.trainer import loop as train_lib
 
@@ -209,6 +210,17 @@ def test_o3_needs_fsdp(tmp_path, no_work_after_validation):
         train_lib.train_and_evaluate(c, str(tmp_path / "work"))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "work").exists()
+
+
+COMM_CASES = [(f, v) for f, v in CASES if f.startswith("comm.")]
+
+
+@pytest.mark.parametrize("field, value", COMM_CASES, ids=[f"{f}={v!r}" for f, v in COMM_CASES])
+def test_comm_config_built_directly_refuses_what_the_config_refuses(field, value):
+    """A library user's ``CommConfig`` checks its fields as configs/base.py declares them."""
+    with pytest.raises(errors.ConfigError, match=field) as info:
+        comm.CommConfig(**{field.removeprefix("comm."): value})
+    assert "\n" not in str(info.value)
 
 
 def test_layer_gathers_need_no_tensor_parallelism():

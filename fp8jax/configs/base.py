@@ -4,18 +4,20 @@ Each line reads ``section.field = Kind(default, valid values)  # meaning, unit``
 ``fp8jax.configs.fields``). ``get_config()`` is the config of every field at its default, the
 tiny CPU run (configs/tiny.py); named configs start from it and override what differs, so a
 config file outside the package can do the same. ``fp8jax.spec.parse`` checks each
-field against its declaration here and supplies no default of its own. Fields declared as a
-plain ``Field`` are checked by their section's own type (``config.data``, ``config.dpo``:
-``fp8jax.data_spec``; ``config.comm``: ``fp8jax.parallel.comm.CommConfig``) or, for
-the scaling recipes' fields, by the recipes themselves (``fp8jax.ops.scaling``).
+field against its declaration here and supplies no default of its own. The fields declared
+as a plain ``Field``, the scaling recipes', are checked by the recipes themselves
+(``fp8jax.ops.scaling``). ``comm``'s valid values are ``fp8jax.parallel.comm``'s, which
+``CommConfig`` checks again for library users who build one directly.
 """
 
 import ml_collections
 
+from fp8jax import data_spec
 from fp8jax.configs.fields import Bool, Choice, Field, Int, Real, Text, defaults
 from fp8jax.models import config as model_lib
 from fp8jax.ops import kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level
+from fp8jax.parallel import comm as comm_lib
 
 __all__ = ["declarations", "get_config"]
 
@@ -145,32 +147,34 @@ def declarations() -> ml_collections.ConfigDict:
     # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
     # 'dpo': preference tuning on .jsonl pairs {"prompt", "chosen", "rejected"} (strings, or
     # lists of messages under the chat template), the DPO loss of section dpo below.
-    d.format = Field("text")  # what data.path holds: 'text', 'sft' or 'dpo'
+    # what data.path holds: 'text', 'sft' or 'dpo'
+    d.format = Choice("text", data_spec.DATA_FORMATS)
     # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
     # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
-    d.path = Field("")  # the data file or folder (see above)
+    d.path = Text("", data_spec.DATA_FIX)  # the data file or folder (see above)
     # share held out for validation: of tokens, examples (sft) or pairs
-    d.val_fraction = Field(0.05)
+    d.val_fraction = Real(0.05, "(0, 1)")
     # sft: True concatenates examples into rows of seq_len tokens (positions restart and
     # attention stays within each example); False puts one example per row, padded (dpo: False
     # is required, each pair a (chosen, rejected) row pair).
-    d.packing = Field(True)  # sft: pack several examples per row
+    d.packing = Bool(True)  # sft: pack several examples per row
     # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
-    d.overlong = Field("drop")  # sft: what happens to an example longer than a row
-    d.tokenizer_min_frequency = Field(2)  # BPE merges need at least this many occurrences
+    d.overlong = Choice("drop", data_spec.OVERLONG)
+    d.tokenizer_min_frequency = Int(2, 0)  # BPE merges need at least this many occurrences
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).
-    d.allow_corpus_change = Field(False)  # continue a checkpointed run on changed data (see above)
+    d.allow_corpus_change = Bool(False)  # continue a checkpointed run on changed data (see above)
 
     # --- preference tuning (data.format='dpo') ---
     # The policy starts from init_from (or a random init) and a frozen copy of it, the
     # reference, stays in the train state. Implicit reward r = beta * (log pi - log pi_ref) of a
     # response (summed over its tokens); loss -log sigmoid(r_chosen - r_rejected) per pair.
     c.dpo = dpo = ml_collections.ConfigDict()
-    dpo.beta = Field(0.1)  # reward scale: larger keeps the policy closer to the reference
+    # reward scale: larger keeps the policy closer to the reference
+    dpo.beta = Real(0.1, "(0, inf)")
     # assumed share of flipped preference labels (0 = standard DPO)
-    dpo.label_smoothing = Field(0.0)
+    dpo.label_smoothing = Real(0.0, "[0, 0.5)")
 
     # --- optimisation ---
     c.batch_size = Int(16, 1)  # sequences per optimizer step (global)
@@ -219,18 +223,22 @@ def declarations() -> ml_collections.ConfigDict:
     # --- FP8 gradient communication (O1+, more than one data-parallel replica) ---
     c.comm = cm = ml_collections.ConfigDict()
     # reduce gradients in FP8 with a shared scale (False: XLA's f32 all-reduce)
-    cm.enabled = Field(True)
-    cm.grad_format = Field("e5m2")  # FP8 format of gradients on the wire: 'e5m2' (range) or 'e4m3'
-    cm.wire = Field("auto")  # 'auto', 'fp8' (FP8-typed collectives) or 'uint8' (FP8 bit patterns)
-    cm.min_fp8_size = Field(4096)  # gradients with fewer elements are reduced in f32, elements
-    cm.mu_init = Field(1.0)  # FP8-LM auto-scaling factor mu at step 0
-    cm.mu_growth = Field(2.0 ** (1.0 / 1000))  # mu's growth per step without saturation
-    cm.saturation_limit = Field(1e-5)  # halve mu when more than this share (0.001%) of values clips
+    cm.enabled = Bool(True)
+    # FP8 format of gradients on the wire: 'e5m2' (range) or 'e4m3'
+    cm.grad_format = Choice("e5m2", comm_lib.GRAD_FORMATS)
+    # 'auto', 'fp8' (FP8-typed collectives) or 'uint8' (FP8 bit patterns)
+    cm.wire = Choice("auto", comm_lib.WIRES)
+    cm.min_fp8_size = Int(4096, 0)  # gradients with fewer elements are reduced in f32, elements
+    cm.mu_init = Real(1.0, comm_lib.INTERVALS["mu_init"])  # FP8-LM auto-scaling factor mu at step 0
+    # mu's growth per step without saturation (a factor >= 1)
+    cm.mu_growth = Real(2.0 ** (1.0 / 1000), comm_lib.INTERVALS["mu_growth"])
+    # halve mu when more than this share (0.001%) of values clips
+    cm.saturation_limit = Real(1e-5, comm_lib.INTERVALS["saturation_limit"])
     # one FP8 collective per layer (overlaps the backward) or one for all
-    cm.bucket_by_layer = Field(True)
+    cm.bucket_by_layer = Bool(True)
     # Where fsdp-sharded weights are gathered: 'layer' (just before each layer runs, again for
     # its backward; each layer's gradients reduce-scattered as soon as they exist: ZeRO-3),
     # 'upfront' (all before the forward pass, gradients reduced after the backward), 'auto'
     # ('layer' at O3, 'upfront' below).
-    cm.gather = Field("auto")
+    cm.gather = Choice("auto", comm_lib.GATHERS)
     return c

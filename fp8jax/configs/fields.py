@@ -4,8 +4,8 @@
 range)  # meaning, unit``. ``defaults`` turns those declarations into the plain ConfigDict that
 config files override; ``validate`` checks a config's value of each declared field against its
 declaration, raising the one-line ``fp8jax.errors.ConfigError`` that names the field and the fix.
-A ``Field`` declares a default only: its section's own type validates it (``config.data`` and
-``config.dpo``: ``fp8jax.data_spec``; ``config.comm``: ``CommConfig``).
+A ``Field`` declares a default only: what it configures validates it (the scaling recipes'
+fields: the recipes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["Bool", "Choice", "Field", "Int", "Real", "Text", "declared", "defaul
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-    """A field with a default; its section's own type checks its values."""
+    """A field with a default; what it configures checks its values."""
 
     default: Any
 

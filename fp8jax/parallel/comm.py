@@ -51,12 +51,21 @@ from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
 P = PartitionSpec
 
 
+# Valid values of CommConfig's fields (configs/base.py declares config.comm with these).
+GRAD_FORMATS = ("e5m2", "e4m3")  # comm.grad_format: 'e5m2' (range) or 'e4m3' (precision)
+WIRES = ("auto", "fp8", "uint8")  # comm.wire: how FP8 payloads travel
 GATHERS = ("auto", "layer", "upfront")  # comm.gather: where fsdp weights are gathered
+INTERVALS = {  # the real-valued fields
+    "mu_init": "(0, inf)",
+    "mu_growth": "[1, inf)",  # < 1 would only shrink mu
+    "saturation_limit": "[0, 1]",  # a share of the values
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
-    """Settings of FP8 gradient communication (a config's ``comm``; defaults: configs/base.py's)."""
+    """Settings of FP8 gradient communication, checked when built (a config's ``comm``; its
+    defaults are configs/base.py's)."""
 
     enabled: bool = True  # FP8 gradient reduction at O1+ (False: XLA's own f32 all-reduce)
     grad_format: str = "e5m2"  # 'e5m2' (range) or 'e4m3' (precision) for gradients on the wire
@@ -74,19 +83,18 @@ class CommConfig:
     def __post_init__(self):
         for name in ("enabled", "bucket_by_layer"):
             check_bool(getattr(self, name), f"comm.{name}")
-        if self.grad_format not in ("e5m2", "e4m3"):
+        if self.grad_format not in GRAD_FORMATS:
             raise ConfigError(
                 f"unknown FP8 format {self.grad_format!r} in comm.grad_format: use 'e5m2' "
                 f"(range) or 'e4m3' (precision)"
             )
-        if self.wire not in ("auto", "fp8", "uint8"):
+        if self.wire not in WIRES:
             raise ConfigError(f"unknown comm.wire {self.wire!r}: use 'auto', 'fp8' or 'uint8'")
         if self.gather not in GATHERS:
             raise ConfigError(f"unknown comm.gather {self.gather!r}: use one of {GATHERS}")
         check_int(self.min_fp8_size, "comm.min_fp8_size", 0)
-        check_number(self.mu_init, "comm.mu_init", "(0, inf)")
-        check_number(self.mu_growth, "comm.mu_growth", "[1, inf)")  # < 1 would only shrink mu
-        check_number(self.saturation_limit, "comm.saturation_limit", "[0, 1]")  # a share
+        for name, interval in INTERVALS.items():
+            check_number(getattr(self, name), f"comm.{name}", interval)
 
 
 def init_state(level: int, cfg: CommConfig) -> dict:
@@ -353,6 +361,10 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
 
 
 __all__ = [
+    "GATHERS",
+    "GRAD_FORMATS",
+    "INTERVALS",
+    "WIRES",
     "CommConfig",
     "Plan",
     "amax_stacked",

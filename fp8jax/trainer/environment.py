@@ -46,11 +46,11 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
         )
     o = run.optim
     replicas = mesh.shape["data"] * mesh.shape["fsdp"] * o.grad_accum_steps
-    replicas *= 2 if run.data.format == "dpo" else 1  # DPO: whole (chosen, rejected) row pairs
+    replicas *= 2 if run.data.pairs else 1  # DPO: whole (chosen, rejected) row pairs
     if o.batch_size % replicas:
         raise ConfigError(
             f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps"
-            f"{' x 2 (DPO pairs)' if run.data.format == 'dpo' else ''} = {replicas}: use a "
+            f"{' x 2 (DPO pairs)' if run.data.pairs else ''} = {replicas}: use a "
             f"multiple of {replicas} or change config.mesh"
         )
     return mesh
@@ -60,9 +60,7 @@ def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
     path = run.data.path
     if path and not pathlib.Path(path).expanduser().exists():
-        raise ConfigError(
-            f"config.data.path={path!r} does not exist: {DATA_FIX} ('' = the shipped corpus)"
-        )
+        raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX}")
     if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
         return
     from fp8jax import tokenizer  # its BPE sets the vocabulary's floor

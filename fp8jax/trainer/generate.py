@@ -1,4 +1,4 @@
-"""Using a trained model: validation loss over fixed batches, and text generation (KV cache).
+"""Using a trained model: text generation (KV cache).
 
 Generation prefills the prompt batch once and then decodes one token per step against the key/
 value cache (``fp8jax.models.decode``), all inside one jitted function whose decode loop is a
@@ -24,7 +24,6 @@ from absl import logging
 from fp8jax import errors, models
 from fp8jax.models import decode
 from fp8jax.optim import adam as optim
-from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.sampling import GREEDY, Sampling
@@ -39,21 +38,11 @@ __all__ = [
     "buckets_for",
     "decoder_for",
     "end_sample",
-    "evaluate",
     "generate",
     "generate_ids",
 ]
 
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
-
-
-def evaluate(eval_step, state, batches, sharding) -> dict:
-    """Mean validation loss and perplexity over fixed batches (weighted: per loss token)."""
-    losses = [eval_step(state, sharding_lib.put_batch(b, sharding)) for b in batches]
-    # A weighted batch's loss is its mean over its loss tokens: batches count by those.
-    weights = [float(np.sum(b["weights"])) for b in batches] if "weights" in batches[0] else None
-    loss = float(np.average(jax.device_get(losses), weights=weights))
-    return {"val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50.0)))}
 
 
 def bucket(n: int, cap: int) -> int:

@@ -43,6 +43,9 @@ class Objective:
 
     name: ClassVar[str]  # the registry's key
     loss_keys: ClassVar[tuple[str, ...]] = ("loss",)  # what micro_batch_loss returns
+    # Trains (chosen, rejected) row pairs, each whole in a micro-batch and replica (its data
+    # formats' ``data_spec.FORMATS`` entry says so too: tests/test_objectives).
+    pairs: ClassVar[bool] = False
 
     @classmethod
     def from_run(cls, run) -> Objective:

@@ -123,6 +123,7 @@ class Dpo(Objective):
 
     name = "dpo"
     loss_keys = ("loss", *PAIR_STATS)
+    pairs = True
 
     beta: float = 0.1  # scale of the implicit reward beta * (log pi - log pi_ref)
     label_smoothing: float = 0.0  # share of pairs assumed mislabelled (0: standard DPO)

@@ -380,7 +380,7 @@ def test_o2_masters_dequantized_inside_layers_match_outside(scan):
             params, masters = optim.carry_masters(state.params, state.fp8, jnp.bfloat16)
         else:
             params, masters = optim.materialize(state.params, dtype=jnp.bfloat16), None
-        return step_lib._accumulate(model, params, state.fp8, batch, 1, masters=masters)
+        return step_lib._accumulate(model, params, state.fp8, (batch, {}), 1, masters=masters)
 
     carried = jax.jit(lambda: grads(True))
     # Every block kernel (q, kv, o, wi, wo; per layer unless scan stacks them) crosses as its
@@ -410,7 +410,7 @@ def test_o2_sums_bf16_micro_batch_gradients_in_f32(monkeypatch):
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
     def accumulate(batch, accum, wide):
-        return step_lib._accumulate(model, params, state.fp8, batch, accum, wide=wide)[2]
+        return step_lib._accumulate(model, params, state.fp8, (batch, {}), accum, wide=wide)[2]
 
     # The scales are the state's (delayed scaling), so each micro-batch's gradient is the same
     # alone as inside the sum: the float64 mean of the eight is the reference.

@@ -359,7 +359,16 @@ def make_train_step(
 
     def grads_fn(model, params, fp8, micro, weight, masters, sum_dtypes):
         return _accumulate(
-            model, params, fp8, micro, accum, weight, masters, sum_dtypes, wide, objective
+            model,
+            params,
+            fp8,
+            micro,
+            accum,
+            weight,
+            masters,
+            sum_dtypes,
+            wide=wide,
+            objective=objective,
         )
 
     def master_seed(step):

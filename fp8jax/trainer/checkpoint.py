@@ -98,6 +98,12 @@ class Checkpointer:
             self._write_pending_checksums()
         return saved
 
+    def wait(self) -> None:
+        """Block until every save so far is complete on disk (and its checksums written)."""
+        with self._failed_saves_reported():
+            self.manager.wait_until_finished()
+        self._write_pending_checksums()
+
     @contextlib.contextmanager
     def _failed_saves_reported(self):
         """Turn the error of a failed background save (orbax raises it at the next save or

@@ -384,6 +384,7 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
         summary["preempted_at"] = step
     ckpt.save(step, state, train_iter.get_state(), force=True)
     if step in ckpt.refused:  # the state itself is not finite: the run has nothing to keep
+        ckpt.wait()  # the saves in flight finish first: the message names the newest complete one
         good = ckpt.latest_step()
         kept = f"step {good} in {ckpt.directory}" if good is not None else "no checkpoint"
         raise errors.NonFiniteLossError(

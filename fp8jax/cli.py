@@ -54,7 +54,7 @@ def fail(message) -> NoReturn:
 @contextlib.contextmanager
 def user_errors():
     """Report a ``UserError`` raised inside as one stderr line, exit 2 (FP8JAX_DEBUG=1:
-    the traceback instead)."""
+    the traceback instead); nothing the failed work leaves behind reports after it."""
     from fp8jax import errors
 
     try:
@@ -62,6 +62,9 @@ def user_errors():
     except errors.USER_ERRORS as e:
         if os.environ.get("FP8JAX_DEBUG"):
             raise
+        # The failed work's leftovers (orbax's reads of an unreadable checkpoint, still in
+        # flight) report the same failure as unraisable errors when collected at exit.
+        sys.unraisablehook = lambda args: None
         fail(e)
 
 

@@ -14,6 +14,9 @@ them in the compute dtype and sends them over the wire in FP8 (fp8jax.parallel.c
 Optimizer-state leaves are attributed to a parameter when the end of their tree path is that
 parameter's path (optax states mirror the params tree); leaves that match nothing (step counts,
 schedule state) count towards the overall figures only.
+
+``compiled_memory`` reads XLA's account of a compiled program; ``check_fits`` refuses one whose
+peak exceeds the device's memory (``device_memory_limit``), before it runs.
 """
 
 from __future__ import annotations

@@ -30,19 +30,34 @@ def drop_closed_event_loop_errors() -> None:
 
     A failed checkpoint restore leaves orbax's reads in flight; when they finish, at any time
     up to interpreter exit, each reports that error from orbax's closed event loop, after the
-    command line's one-line error. Every other unraisable error still reaches the previous hook.
+    command line's one-line error; its read coroutines and tasks, collected unfinished, report
+    the read's failure that the error line already names (an unraisable error, asyncio's 'Task
+    exception was never retrieved'). Every other unraisable error still reaches the previous
+    hook, every other asyncio record its logger.
     """
     previous = sys.unraisablehook
     if getattr(previous, "drops_closed_loop", False):
         return
+    logging.getLogger("asyncio").addFilter(_not_an_orbax_task)
 
     def hook(args):
         exc = args.exc_value
-        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-            previous(args)
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        code = getattr(getattr(args, "object", None), "cr_code", None)  # a coroutine's
+        if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+            return
+        previous(args)
 
     hook.drops_closed_loop = True
     sys.unraisablehook = hook
+
+
+def _not_an_orbax_task(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an orbax task's exception that nothing retrieved."""
+    text = str(record.msg)
+    orbax = f"{os.sep}orbax{os.sep}" in text
+    return not (text.startswith("Task exception was never retrieved") and orbax)
 
 
 def fail(message) -> NoReturn:

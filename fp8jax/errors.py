@@ -67,7 +67,7 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 
 class NonFiniteOutputError(UserError, RuntimeError):
-    """A model's output (generation logits) holds NaN/Inf: its weights or scales are bad."""
+    """A model's output (generation logits, evaluation loss) holds NaN/Inf: bad weights."""
 
 
 # What train.py prints as one line (FP8JAX_DEBUG=1 shows the traceback instead).
@@ -98,13 +98,17 @@ def check_choice(value, choices, field: str) -> None:
 
 
 def check_int(value, field: str, low: int, high: int | None = None, also=()) -> None:
-    """Raise a one-line ConfigError unless ``value`` is an int in [low, high] or in ``also``."""
+    """Raise a one-line ConfigError unless ``value`` is an int in [low, high] or in ``also``.
+
+    ``field`` names a config field ('seq_len': ``config.seq_len``) or a flag ('--seq_len').
+    """
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if is_int and (value in also or (value >= low and (high is None or value <= high))):
         return
     span = f">= {low}" if high is None else f"in [{low}, {high}]"
     extra = "".join(f" (or {a})" for a in also)
-    raise ConfigError(f"config.{field}={value!r}: use an integer {span}{extra}")
+    name = field if field.startswith("-") else f"config.{field}"
+    raise ConfigError(f"{name}={value!r}: use an integer {span}{extra}")
 
 
 def check_number(value, field: str, interval: str) -> None:

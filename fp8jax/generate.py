@@ -25,7 +25,11 @@ __all__ = [
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for a batch).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file of prompts, one a line.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt, at most.")
+_MAX_NEW = flags.DEFINE_integer(
+    "max_new_tokens",
+    64,
+    "Tokens to generate per prompt, at most (left unset: also at most what the context leaves).",
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the nucleus of this probability (1 = all).")
@@ -59,13 +63,17 @@ def main(argv):
 
         texts = prompts()
         inf = inference.load(_CKPT.value, _LEVEL.value, _DTYPE.value)
+        max_new = _MAX_NEW.value
+        if not flags.FLAGS["max_new_tokens"].present:  # the default fits the model's context
+            longest = max(len(inf.tokenizer.encode(t)) or 1 for t in texts)
+            max_new = max(min(max_new, inf.model.cfg.max_len - longest), 1)
         out = generate.generate(
             inf.model,
             inf.params,
             inf.fp8_state,
             inf.tokenizer,
             texts,
-            _MAX_NEW.value,
+            max_new,
             temperature=_TEMPERATURE.value,
             top_k=_TOP_K.value,
             top_p=_TOP_P.value,

@@ -239,9 +239,16 @@ def test_prompt_longer_than_the_context_is_one_line(llama):
     model, variables = llama
     with pytest.raises(
         errors.ConfigError,
-        match=r"prompt 1 has 30 tokens and max_new_tokens is 5.*context of 32.*at most 27",
+        match=r"prompt 1 has 30 tokens and --max_new_tokens is 5.*context of 32.*at most 27",
     ):
         generate.generate_ids(model, variables["params"], {}, [[1], [2] * 30], 5)
+    # No room for the prompt at all: lower --max_new_tokens (never "at most -N tokens").
+    with pytest.raises(
+        errors.ConfigError, match=r"32 tokens; lower --max_new_tokens to at most 29"
+    ):
+        generate.generate_ids(model, variables["params"], {}, [[1, 2, 3]], 40)
+    with pytest.raises(errors.ConfigError, match=r"shorten the prompt below 32 tokens and lower"):
+        generate.generate_ids(model, variables["params"], {}, [[1] * 32], 32)
     with pytest.raises(errors.ConfigError, match="top_p=1.5"):
         sampling.Sampling(temperature=1.0, top_k=0, top_p=1.5, seed=0)
     with pytest.raises(errors.ConfigError, match="outside"):
@@ -326,15 +333,14 @@ def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
     assert file_hashes(wd) == before
 
 
-def run_cli(module, *args):
+def run_cli(module, *args, cwd=None):
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, timeout=600
-    )
+    command = [sys.executable, "-m", module, *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -364,6 +370,9 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.generate", ["--prompt=a", "--top_p=2"], "top_p=2.0"),
         ("fp8jax.generate", ["--prompt=a", "--level=O7"], "--level"),
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt"], "does not exist"),
+        ("fp8jax.evaluate", ["--data=/nonexistent/x.txt", "--seq_len=0"], "--seq_len=0: use"),
+        ("fp8jax.generate", ["--prompt=It is", "--max_new_tokens=0"], "--max_new_tokens=0: use"),
+        ("fp8jax.generate", ["--prompt=a", "--max_new_tokens=40"], "--max_new_tokens to at most"),
     ],
 )
 def test_command_line_bad_input_is_one_line(workdir, module, args, message):
@@ -372,6 +381,7 @@ def test_command_line_bad_input_is_one_line(workdir, module, args, message):
     out = run_cli(module, f"--ckpt={wd}", *args)
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert "config." not in out.stderr and "at most -" not in out.stderr, out.stderr
     assert file_hashes(wd) == before
 
 
@@ -449,3 +459,91 @@ def test_generation_never_picks_ids_past_the_tokenizer(llama):
         assert any(t >= VOCAB - 50 for row in free for t in row)
         masked = generate.generate_ids(model, params, {}, PROMPTS, 6, s, allowed_V=allowed)
         assert all(t < VOCAB - 50 for row in masked for t in row), masked
+
+
+def test_evaluate_names_its_own_flags_and_takes_relative_paths(workdir, tmp_path):
+    """``evaluate`` on a text shorter than one batch advises its own flags, not the trainer's
+    ``config.data.val_fraction``; ``evaluate`` and ``generate`` take a work dir relative to
+    the current directory (orbax restores absolute paths only)."""
+    wd, corpus, _ = workdir
+    short = tmp_path / "short.txt"
+    short.write_text("It is a truth universally acknowledged.")
+    out = run_cli("fp8jax.evaluate", f"--ckpt={wd}", f"--data={short}")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and "--batch_size" in line and "--seq_len" in line, line
+    assert "val_fraction" not in line and "config." not in line, line
+    ev = run_cli("fp8jax.evaluate", f"--ckpt={wd.name}", f"--data={corpus}", cwd=wd.parent)
+    assert ev.returncode == 0, ev.stderr
+    gen = run_cli("fp8jax.generate", f"--ckpt={wd.name}", "--prompt=It is", cwd=wd.parent)
+    assert gen.returncode == 0 and gen.stdout.startswith("It is"), gen.stderr
+
+
+def test_generate_on_a_corrupt_checkpoint_is_one_line(workdir, tmp_path):
+    """Every array data file of the latest checkpoint (``ocdbt.process_*/d/``; its metadata
+    intact) cut to 100 bytes: ``generate`` exits 2 with one line naming the checkpoint: the
+    checksums saved with it differ; without them, orbax cannot read the arrays, and its
+    unfinished reads report nothing after that line."""
+    import shutil
+
+    from fp8jax.hf import workdir as workdir_lib
+    from fp8jax.trainer import checksums
+
+    wd, _, _ = workdir
+    copy = tmp_path / "wd"
+    shutil.copytree(wd, copy)
+    step_dir = workdir_lib.latest_step_dir(copy)
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.parent.parent.name.startswith("ocdbt"):
+            f.write_bytes(f.read_bytes()[:100])
+    args = (f"--ckpt={copy}", "--prompt=It is", "--max_new_tokens=2")
+    for problem in ("changed on disk since it was saved", "is unreadable"):
+        out = run_cli("fp8jax.generate", *args)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert lines[-1].startswith("error: ") and str(step_dir) in lines[-1], lines[-3:]
+        assert problem in lines[-1] and "tensorstore_spec" not in lines[-1], lines[-1]
+        assert sum(line.startswith("error: ") for line in lines) == 1, lines[-3:]
+        (step_dir / checksums.CHECKSUMS).unlink(missing_ok=True)
+
+
+def test_evaluate_refuses_a_non_finite_loss_and_a_step_that_cannot_fit(workdir, monkeypatch):
+    """A NaN weight makes the evaluated loss NaN: a one-line NonFiniteOutputError, not a
+    result. With the device's memory reported as 1 KiB, evaluation stops after the compile
+    with one line naming --batch_size and --seq_len."""
+    import dataclasses
+
+    from fp8jax.diagnostics import memory
+    from fp8jax.trainer import inference
+
+    wd, corpus, _ = workdir
+    inf = inference.load(str(wd))
+    tokens = inference.text_tokens(inf.tokenizer, str(corpus), 4 * 33)
+    assert np.isfinite(inference.evaluate(inf, tokens, 4, 32, 1)["loss"])
+    bad = dataclasses.replace(inf, params=_edited(inf.params, "embed/embedding", _all_nan))
+    with pytest.raises(errors.NonFiniteOutputError, match=r"the loss is nan \(first at batch 0"):
+        inference.evaluate(bad, tokens, 4, 32, 1)
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: 2**10)
+    with pytest.raises(errors.ConfigError) as info:
+        inference.evaluate(inf, tokens, 4, 32, 1)
+    msg = str(info.value)
+    assert msg.startswith("evaluating --batch_size 4 x --seq_len 32 needs"), msg
+    assert "pass a smaller --batch_size or --seq_len" in msg, msg
+
+
+def _all_nan(e):
+    e[...] = np.nan
+    return e
+
+
+def test_evaluate_defaults_to_the_trained_seq_len(workdir, tmp_path):
+    """Without --seq_len, evaluation runs at the seq_len the work dir's latest checkpoint
+    trained with (here config.seq_len), else at DEFAULT_SEQ_LEN, never past the context."""
+    from fp8jax.trainer import inference
+
+    wd, _, config = workdir
+    assert inference.default_seq_len(str(wd), 131_072) == config.seq_len
+    assert inference.default_seq_len(str(wd), 8) == 8
+    assert inference.default_seq_len(str(tmp_path), 131_072) == inference.DEFAULT_SEQ_LEN
+    assert inference.default_seq_len(str(tmp_path), 64) == 64

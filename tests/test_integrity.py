@@ -440,3 +440,100 @@ def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
     line = one_error_line(proc)
     assert f"{path} is not a readable safetensors file" in line and "re-download" in line
     assert not out.exists()
+
+
+def test_truncated_safetensors_in_hf_fp8_is_one_line(exported, tmp_path, capsys):
+    """``python -m fp8jax.hf.fp8`` on a model.safetensors cut short of the data its header
+    names: exit 2 with one line naming the file and both sizes, no output folder."""
+    from fp8jax.hf import fp8
+
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    path = copy / hf_io.SAFETENSORS
+    os.truncate(path, path.stat().st_size - 100)
+    out = tmp_path / "out"
+    assert fp8.main([str(copy), str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"error: {path} is truncated" in lines[0], lines
+    assert not out.exists()
+
+
+# --- memory: a run that cannot fit is refused before its first step --------------------------
+
+
+def test_run_that_cannot_fit_in_memory_is_refused_before_the_first_step(
+    base, tmp_path, monkeypatch
+):
+    """With the device's memory reported as 1 KiB (less than the compiled tiny step's peak),
+    training stops after the compile with one line naming the step's and the device's GiB and
+    the usual fixes; no step runs."""
+    from fp8jax.diagnostics import memory
+    from fp8jax.trainer import loop
+
+    from fp8_testing import with_overrides
+
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: 2**10)
+    config = with_overrides(
+        loop.load_config("tiny"), {**SMALL, "data.path": str(base / "corpus.txt")}
+    )
+    config.compilation_cache_dir = ""
+    workdir = tmp_path / "work"
+    with pytest.raises(errors.ConfigError) as info:
+        loop.train_and_evaluate(config, str(workdir))
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("the train step needs"), msg
+    for fragment in ("GiB per device", "more than the 0.00 GiB", "config.batch_size"):
+        assert fragment in msg, msg
+    assert "config.model.remat_policy" in msg and "config.mesh.fsdp" in msg, msg
+    metrics_file = workdir / "metrics.jsonl"
+    assert not metrics_file.exists() or not train_steps(workdir)
+    assert not list((workdir / "checkpoints").glob("[0-9]*"))
+
+
+def test_compiled_peak_within_the_device_passes(monkeypatch):
+    """``check_fits`` passes a peak at the limit and where either figure is unknown."""
+    from fp8jax.diagnostics import memory
+
+    stats = {"argument": 10, "output": 5, "alias": 5, "temp": 90, "generated_code": 0}
+    stats["peak"] = 100
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: 100)
+    memory.check_fits(stats, "x", "fix")
+    memory.check_fits(None, "x", "fix")
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: 99)
+    with pytest.raises(errors.ConfigError, match="x needs .* GiB per device"):
+        memory.check_fits(stats, "x", "fix")
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: None)
+    memory.check_fits(stats, "x", "fix")
+
+
+# --- Hugging Face edges: relative paths, fp8jax's own FP8 export -----------------------------
+
+
+def test_relative_work_dir_paths_load_and_export(trained, tmp_path, monkeypatch):
+    """``hf.load`` and ``hf.export`` take a work dir relative to the current directory."""
+    monkeypatch.chdir(trained.parent)
+    loaded = hf_io.load(trained.name)
+    assert loaded.model_cfg.d_model == SMALL["model.d_model"]
+    out = tmp_path / "out"
+    hf_io.export(trained.name, out, dtype="float32")
+    assert (out / hf_io.SAFETENSORS).is_file()
+
+
+def test_fp8_serving_export_says_how_to_convert_it_back(exported, tmp_path, capsys):
+    """Loading fp8jax's own FP8 serving export (``hf.fp8``) is refused in one line naming the
+    command that converts it back; that command, run as printed, gives a dir that loads."""
+    import shlex
+
+    from fp8jax.hf import fp8
+
+    served = tmp_path / "served"
+    fp8.convert(exported, served, "fp8-block")
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(served)
+    msg = str(info.value)
+    assert "FP8 serving export" in msg and "python -m fp8jax.hf.fp8" in msg, msg
+    command = shlex.split(msg.split("convert it back first: ")[1])
+    assert command[:3] == ["python", "-m", "fp8jax.hf.fp8"] and "--to" in command, command
+    assert fp8.main(command[3:]) == 0, capsys.readouterr().err
+    back = hf_io.load(command[4])
+    assert back.model_cfg.d_model == SMALL["model.d_model"]

@@ -14,6 +14,9 @@ them in the compute dtype and sends them over the wire in FP8 (fp8jax.parallel.c
 Optimizer-state leaves are attributed to a parameter when the end of their tree path is that
 parameter's path (optax states mirror the params tree); leaves that match nothing (step counts,
 schedule state) count towards the overall figures only.
+
+``compiled_memory`` reads XLA's account of a compiled program; ``check_fits`` refuses one whose
+peak exceeds the device's memory (``device_memory_limit``), before it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp8jax import errors
 from fp8jax._tree import path_key
 from fp8jax.optim.levels import Level, Storage
 from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_dtype
@@ -31,7 +35,9 @@ from fp8jax.optim.master import ScaledTensor, is_scaled, resolve_mask, storage_d
 __all__ = [
     "account",
     "bytes_per_param",
+    "check_fits",
     "compiled_memory",
+    "device_memory_limit",
     "format_compiled_memory",
     "memory_table",
     "state_bytes",
@@ -231,3 +237,32 @@ def format_compiled_memory(stats: dict[str, int] | None) -> str:
     if stats is None:
         return "compiled memory: not reported by this backend"
     return "compiled memory (MiB): " + ", ".join(f"{k} {v / _MIB:,.1f}" for k, v in stats.items())
+
+
+_GIB = 2.0**30
+
+
+def device_memory_limit() -> int | None:
+    """Bytes a program may use on the first local device (``memory_stats()['bytes_limit']``);
+    None where the backend does not report it (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def check_fits(stats: dict[str, int] | None, what: str, fixes: str) -> None:
+    """Raise a one-line ConfigError when the compiled peak in ``stats`` (``compiled_memory``,
+    per device) exceeds ``device_memory_limit``; ``fixes`` says what lowers it. Nothing to
+    check where either figure is unknown."""
+    limit = device_memory_limit()
+    if stats is None or limit is None or stats["peak"] <= limit:
+        return
+    gib = lambda key: f"{stats[key] / _GIB:,.2f}"  # noqa: E731
+    raise errors.ConfigError(
+        f"{what} needs {stats['peak'] / _GIB:,.2f} GiB per device (arguments {gib('argument')} "
+        f"+ outputs {gib('output')} - aliased {gib('alias')} + temporaries {gib('temp')} GiB), "
+        f"more than the {limit / _GIB:,.2f} GiB of {jax.local_devices()[0].device_kind}; {fixes}"
+    )

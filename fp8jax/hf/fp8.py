@@ -286,8 +286,17 @@ def read_header(path: os.PathLike) -> dict[str, dict]:
     except (OSError, ValueError, struct.error) as e:
         raise errors.CheckpointMismatchError(f"{path} is not a safetensors file: {e}") from e
     header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["offset"] = 8 + size
+    try:
+        for entry in header.values():
+            entry["offset"] = 8 + size
+        end = 8 + size + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise errors.CheckpointMismatchError(f"{path} has a malformed safetensors header") from e
+    if os.path.getsize(path) < end:
+        raise errors.CheckpointMismatchError(
+            f"{path} is truncated: {os.path.getsize(path)} bytes where its header needs {end}; "
+            f"re-download or re-export it"
+        )
     return header
 
 

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,27 @@ def architecture(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if _kind(path) == "hf":
         config_path = path / architectures.CONFIG
-        return architectures.from_hf_config(architectures.read_json(config_path), str(config_path))
+        config = architectures.read_json(config_path)
+        _check_unquantized(config, path)
+        return architectures.from_hf_config(config, str(config_path))
     return workdir.architecture(path)
+
+
+def _check_unquantized(config: dict, path: Path) -> None:
+    """Refuse a quantized HF dir (an FP8 serving export among them) in one line."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "fp8":
+        raise CheckpointError(
+            f"{path} is an FP8 serving export (quantization_config 'fp8'), which fp8jax does not "
+            f"load; convert it back first: python -m fp8jax.hf.fp8 {shlex.quote(str(path))} "
+            f"{shlex.quote(f'{path}-bf16')} --to bf16"
+        )
+    raise CheckpointError(
+        f"{path} is quantized with {method!r}; fp8jax loads unquantized checkpoints only"
+    )
 
 
 def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> Loaded:
@@ -103,7 +123,7 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     remat, FP8 recipe) from ``model_cfg_base`` (default :func:`default_model_cfg`). A work dir
     without ``model.json`` takes its architecture from ``model_cfg_base``.
     """
-    path = Path(path)
+    path = Path(path).expanduser().absolute()  # orbax restores work dirs from absolute paths
     kind = _kind(path)
     base = model_cfg_base or default_model_cfg()
     recorded = kind == "hf" or (path / provenance.MODEL_RECORD).is_file()

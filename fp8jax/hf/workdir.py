@@ -30,6 +30,7 @@ __all__ = [
     "latest_step_dir",
     "layout",
     "restore_params",
+    "storage_error",
     "tokenizer",
 ]
 
@@ -78,6 +79,14 @@ def _is_scaled_dict(x) -> bool:
     return isinstance(x, dict) and set(x) == {"data", "scale"}
 
 
+def storage_error(e: Exception) -> str:
+    """An orbax/tensorstore error in brief: its first line, without the TensorStore spec."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    for tail in (" See full TensorStore", " [tensorstore_spec="):
+        first = first.split(tail)[0]
+    return first[:300]
+
+
 def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
     """The latest checkpoint's params as a flat dict of host arrays in ``param_dtype``."""
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
@@ -87,7 +96,10 @@ def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
     try:
         saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree["params"]
     except Exception as e:  # orbax raises many types for unreadable metadata
-        raise CheckpointError(f"cannot read the checkpoint metadata in {state_dir} ({e})") from e
+        raise CheckpointError(
+            f"cannot read the checkpoint metadata in {state_dir} ({storage_error(e)}); move that "
+            "step aside to use the one before it"
+        ) from e
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
     restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), target)
@@ -96,8 +108,10 @@ def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(epath.Path(state_dir), args=args)["params"]
     except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-        reason = (str(e).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(f"checkpoint {state_dir} is unreadable ({reason})") from e
+        raise CheckpointError(
+            f"checkpoint {state_dir} is unreadable ({storage_error(e)}); move that step "
+            "aside to use the one before it"
+        ) from e
     # O2/O3 masters: FP16 data with one f32 scale, dequantized as the train step does.
     restored = jax.tree.map(
         lambda x: master.ScaledTensor(**x) if _is_scaled_dict(x) else x,

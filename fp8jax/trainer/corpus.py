@@ -103,23 +103,23 @@ def not_text(sample: str) -> str | None:
     return None
 
 
-def pieces(files: list[Path]) -> Iterator[tuple[str, bool]]:
+def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tuple[str, bool]]:
     """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
 
     A file that is not text (``not_text``), or a .gz that is not a complete gzip file, raises a
-    one-line ValueError naming it.
+    one-line ValueError naming it and ``source``, the setting that named the files.
     """
     for f in files:
         try:
-            yield from _file_pieces(f)
+            yield from _file_pieces(f, source)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise ValueError(
                 f"{f} is not a complete gzip file ({e}); re-download or re-compress it, or "
-                f"remove it from config.data.path"
+                f"remove it from {source}"
             ) from None
 
 
-def _file_pieces(f: Path) -> Iterator[tuple[str, bool]]:
+def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
     with _open_text(f) as fh:
         if _is_jsonl(f):
             for lineno, line in enumerate(fh, 1):
@@ -141,7 +141,7 @@ def _file_pieces(f: Path) -> Iterator[tuple[str, bool]]:
                 if reason:
                     raise ValueError(
                         f"{f} is not a text file: {reason}; remove it from "
-                        f"config.data.path, or decompress or convert it to UTF-8 text"
+                        f"{source}, or decompress or convert it to UTF-8 text"
                     )
             chunk = carry + chunk
             # Cut at a line break so no word is split between two encode calls.

@@ -61,14 +61,21 @@ class Buckets:
 
 def buckets_for(lengths: Sequence[int], max_new_tokens: int, max_len: int) -> Buckets:
     """The buckets for prompts of ``lengths`` tokens; a ConfigError if one does not fit."""
-    errors.check_int(max_new_tokens, "max_new_tokens", 1)
+    errors.check_int(max_new_tokens, "--max_new_tokens", 1)
     longest = max(lengths)
     if longest + max_new_tokens > max_len:
         i = int(np.argmax(lengths))
+        room = max_len - max_new_tokens
+        fix = (
+            f"shorten the prompt to at most {room} tokens or lower --max_new_tokens"
+            if room >= 1
+            else f"lower --max_new_tokens to at most {max_len - longest}"
+            if longest < max_len
+            else f"shorten the prompt below {max_len} tokens and lower --max_new_tokens"
+        )
         raise errors.ConfigError(
-            f"prompt {i} has {longest} tokens and max_new_tokens is {max_new_tokens}: together "
-            f"over the model's context of {max_len} tokens; shorten the prompt to at most "
-            f"{max_len - max_new_tokens} tokens or lower max_new_tokens"
+            f"prompt {i} has {longest} tokens and --max_new_tokens is {max_new_tokens}: "
+            f"together over the model's context of {max_len} tokens; {fix}"
         )
     return Buckets(
         batch=bucket(len(lengths), 1 << 30) if len(lengths) > 1 else 1,

@@ -18,16 +18,20 @@ import numpy as np
 from absl import logging
 
 from fp8jax import errors, models, provenance
+from fp8jax.diagnostics import memory
 from fp8jax.nn.state import FP8
 from fp8jax.ops import scaling
+from fp8jax.trainer import checksums
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import step as step_lib
 
 __all__ = [
+    "DEFAULT_SEQ_LEN",
     "LAYOUT_FIELDS",
     "LEVELS",
     "Inference",
+    "default_seq_len",
     "evaluate",
     "fine_recipe",
     "fresh_fp8_state",
@@ -39,6 +43,9 @@ __all__ = [
 LEVELS = ("O0", "O1")  # O2/O3 differ from O1 only in what training stores
 # Training fields the params and FP8 state layout depend on, taken from a work dir's record.
 LAYOUT_FIELDS = ("scan_layers", "fused_qkv", "fp8_lm_head")
+# Evaluation's sequence length where the checkpoint records none it trained with.
+DEFAULT_SEQ_LEN = 1024
+_DATA_FIX = "pass --data a text file, a folder of .txt files or a .jsonl file with a 'text' field"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +72,13 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     if level is not None:
         errors.check_choice(level, LEVELS, "--level")
     errors.check_choice(dtype, ("float32", "bfloat16", "float16"), "--dtype")
-    path = Path(path).expanduser()
+    path = Path(path).expanduser().absolute()  # orbax takes absolute paths only
     if not path.is_dir():
         raise errors.CheckpointError(
             f"--ckpt {str(path)!r} is not a directory: pass a work dir or a Hugging Face model dir"
         )
+    if (path / "checkpoints").is_dir():
+        _verify_latest(path)
     record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
@@ -93,6 +102,19 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
         fp8 = stored[1] if stored else fresh_fp8_state(cfg)
     params = jax.tree.map(jnp.asarray, loaded.params)
     return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level)
+
+
+def _verify_latest(workdir: Path) -> None:
+    """Refuse a work dir whose latest checkpoint differs from the checksums saved with it."""
+    from fp8jax.hf import workdir as workdir_lib
+
+    step_dir = workdir_lib.latest_step_dir(workdir)
+    changed = checksums.verify(str(step_dir))
+    if changed:
+        raise errors.CheckpointError(
+            f"checkpoint {step_dir} changed on disk since it was saved ({changed}); move that "
+            f"step aside to use the one before it"
+        )
 
 
 def fine_recipe(record: dict) -> scaling.Recipe | None:
@@ -127,7 +149,10 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
     try:
         saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree.get("fp8")
     except Exception as e:  # orbax raises many types for unreadable metadata
-        raise errors.CheckpointError(f"cannot read the checkpoint in {state_dir} ({e})") from e
+        raise errors.CheckpointError(
+            f"cannot read the checkpoint metadata in {state_dir} "
+            f"({workdir_lib.storage_error(e)}); move that step aside to use the one before it"
+        ) from e
     if not saved:
         return None
     histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
@@ -144,8 +169,10 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(epath.Path(state_dir), args=args)["fp8"]
     except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-        reason = (str(e).strip().splitlines() or [""])[0][:160]
-        raise errors.CheckpointError(f"checkpoint {state_dir} is unreadable ({reason})") from e
+        raise errors.CheckpointError(
+            f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
+            "that step aside to use the one before it"
+        ) from e
 
     def take(key_path, like):
         node = restored
@@ -162,14 +189,32 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
     return history_len, jax.tree_util.tree_map_with_path(take, target)
 
 
+def default_seq_len(path: str, max_len: int) -> int:
+    """The sequence length evaluation defaults to: the training ``seq_len`` a work dir's latest
+    checkpoint records (its data position), else ``DEFAULT_SEQ_LEN``; at most ``max_len``."""
+    from fp8jax.hf import workdir as workdir_lib
+
+    path = Path(path).expanduser()
+    trained = None
+    if (path / "checkpoints").is_dir():
+        try:
+            data = workdir_lib.latest_step_dir(path) / "data" / "metadata"
+        except errors.CheckpointError:
+            data = None
+        trained = (provenance.read_json(data) or {}).get("seq_len") if data else None
+    if not isinstance(trained, int) or isinstance(trained, bool) or trained < 1:
+        trained = DEFAULT_SEQ_LEN
+    return min(max_len, trained)
+
+
 def text_tokens(tokenizer, path: str, limit: int) -> np.ndarray:
     """The first ``limit`` token ids of the text at ``path`` (a file, a folder of .txt, a
     .jsonl with 'text'), encoded as the trainer encodes its corpus: EOS after each document."""
     with errors.reraise_as(errors.DataError, ValueError, OSError):
-        files, desc = corpus_lib.source_files(path)
+        files, desc = corpus_lib.source_files(path, fix=_DATA_FIX)
         ids: list[int] = []
         doc_tokens = 0
-        for text, ends_doc in corpus_lib.pieces(files):
+        for text, ends_doc in corpus_lib.pieces(files, "--data"):
             (piece,) = tokenizer.encode_batch([text])  # as the trainer's encoder calls it
             ids.extend(piece)
             doc_tokens += len(piece)
@@ -188,9 +233,15 @@ def evaluate(
 ) -> dict:
     """Mean loss and perplexity over consecutive windows of ``tokens`` (the trainer's
     validation batches: ``data.Dataset.eval_batches``), with the model at ``inf.level``."""
-    errors.check_int(batch_size, "batch_size", 1)
-    errors.check_int(seq_len, "seq_len", 1, inf.model.cfg.max_len)
-    errors.check_int(num_batches, "num_batches", 1)
+    errors.check_int(batch_size, "--batch_size", 1)
+    errors.check_int(seq_len, "--seq_len", 1, inf.model.cfg.max_len)
+    errors.check_int(num_batches, "--num_batches", 1)
+    if len(tokens) // (seq_len + 1) // batch_size == 0:
+        raise errors.DataError(
+            f"the text holds {len(tokens)} tokens, less than one batch of --batch_size "
+            f"{batch_size} x (--seq_len {seq_len} + 1); pass a smaller --batch_size or --seq_len, "
+            f"or more text"
+        )
     dataset = data_lib.Dataset(
         inf.tokenizer, tokens[:0], tokens, batch_size=batch_size, seq_len=seq_len
     )
@@ -198,9 +249,21 @@ def evaluate(
         batches = dataset.eval_batches(num_batches)
     zero = jnp.zeros((), jnp.int32)
     state = step_lib.TrainState(zero, inf.params, None, inf.fp8_state, zero, zero)
-    eval_step = jax.jit(step_lib.make_eval_step(inf.model))
-    losses = [float(eval_step(state, jax.tree.map(jnp.asarray, b))) for b in batches]
+    batches = [jax.tree.map(jnp.asarray, b) for b in batches]
+    eval_step = jax.jit(step_lib.make_eval_step(inf.model)).lower(state, batches[0]).compile()
+    memory.check_fits(
+        memory.compiled_memory(eval_step),
+        f"evaluating --batch_size {batch_size} x --seq_len {seq_len}",
+        "pass a smaller --batch_size or --seq_len",
+    )
+    losses = [float(eval_step(state, b)) for b in batches]
     loss = float(np.mean(losses))
+    if not math.isfinite(loss):
+        bad = next(i for i, x in enumerate(losses) if not math.isfinite(x))
+        raise errors.NonFiniteOutputError(
+            f"the loss is {loss} (first at batch {bad}): the checkpoint's weights or FP8 scales "
+            f"are not finite (or overflow --dtype); use an earlier checkpoint or --dtype float32"
+        )
     return {
         "loss": loss,
         "perplexity": float(math.exp(min(loss, 50.0))),

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from fp8jax import configs, errors, models, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
+from fp8jax.diagnostics import memory
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
 from fp8jax.trainer import environment, formats, generate, objectives, workdir_lock
@@ -50,6 +51,13 @@ __all__ = [
     "train_and_evaluate",
     "use_compilation_cache",
 ]
+
+# What lowers a train step's memory, for a run that does not fit its devices.
+_MEMORY_FIXES = (
+    "lower config.batch_size (or raise config.grad_accum_steps), set config.model.remat_policy="
+    "'full', config.model.loss_chunk (e.g. 4096), a higher config.fp8.level, or spread the "
+    "model over more devices (config.mesh.fsdp)"
+)
 
 
 class _Preempted:
@@ -323,7 +331,7 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
     t0 = time.perf_counter()
     compiled = env.train_step.lower(state, abstract_batch(run)).compile()
     logging.info("train step compiled in %.1f s", time.perf_counter() - t0)
-    metrics_lib.log_memory(compiled)
+    memory.check_fits(metrics_lib.log_memory(compiled), "the train step", _MEMORY_FIXES)
     tokens_per_step = run.optim.batch_size * run.optim.seq_len
     log = metrics_lib.RunLog(os.path.dirname(ckpt.directory), num_steps, tokens_per_step, step)
     guard = metrics_lib.NonFiniteGuard(loop.max_bad_steps)

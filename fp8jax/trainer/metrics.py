@@ -125,12 +125,13 @@ def fmt(values: dict) -> str:
     return " ".join(parts)
 
 
-def log_memory(compiled):
-    """Log the compiled train step's memory analysis before step 0."""
+def log_memory(compiled) -> dict[str, int] | None:
+    """Log the compiled train step's memory analysis before step 0; return it (or None)."""
     mem = memory.compiled_memory(compiled)
     if mem:
         parts = ", ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in mem.items())
         logging.info("train step memory: %s", parts)
+    return mem
 
 
 def _stat_leaves(stats):

@@ -99,9 +99,9 @@ def architecture(path: str | os.PathLike) -> dict[str, Any]:
     return workdir.architecture(path)
 
 
-def _check_unquantized(config: dict, path: Path) -> None:
+def _check_unquantized(hf_config: dict, path: Path) -> None:
     """Refuse a quantized HF dir (an FP8 serving export among them) in one line."""
-    quant = config.get("quantization_config")
+    quant = hf_config.get("quantization_config")
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None

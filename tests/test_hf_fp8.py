@@ -78,8 +78,8 @@ def test_round_trip_within_e4m3_rounding(scheme, shape):
 def test_each_block_saturates_at_its_own_max():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((300, 200)).astype(np.float32) * rng.uniform(0.1, 10, (300, 1))
-    out, _ = fp8.quantize({"h.0.mlp.c_fc.weight": w}, "block")
-    q_f32 = out["h.0.mlp.c_fc.weight"].astype(np.float32)
+    out, _ = fp8.quantize({"model.layers.0.mlp.up_proj.weight": w}, "block")
+    q_f32 = out["model.layers.0.mlp.up_proj.weight"].astype(np.float32)
     for i in range(3):
         for j in range(2):
             assert np.abs(q_f32[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]).max() == 448
@@ -167,8 +167,10 @@ def test_layout(scheme):
 def test_default_predicate_and_a_custom_one():
     gpt2 = {n: np.ones((8, 24), BF16) for n in GPT2_LINEARS + ["wte.weight", "wpe.weight"]}
     gpt2["h.0.attn.c_attn.bias"] = np.ones(24, BF16)
-    out, _ = fp8.quantize(gpt2, "block")
-    assert {n for n, t in out.items() if t.dtype == E4M3} == set(GPT2_LINEARS)
+    out, config = fp8.quantize(gpt2, "block")  # Conv1D: no FP8 loader swaps it, so BF16
+    assert not any(t.dtype == E4M3 for t in out.values())
+    listed = {n.removesuffix(".weight") for n in GPT2_LINEARS + ["wte.weight", "wpe.weight"]}
+    assert config["modules_to_not_convert"] == sorted(listed | {"lm_head"})  # tied head too
     out, config = fp8.quantize(tiny_state(), "tensor", predicate=lambda n: "mlp" in n)
     assert {n for n, t in out.items() if t.dtype == E4M3} == {
         f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")
@@ -431,3 +433,66 @@ def test_transformers_loads_the_block_export_on_cpu(tmp_path):
     assert torch.equal(logits, want)
     rel = float((logits - bf16).norm() / bf16.norm())
     assert 1e-3 < rel < 0.1, rel  # quantized (not the BF16 weights), and still the same model
+
+
+TINY_HF = {  # config.json sizes of a one-block model; GPT2Config maps these names to its own
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "n_inner": 256,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def hf_architectures():
+    """(model_type, architecture) of every HF architecture a registered family exports."""
+    from fp8jax.models.families import FAMILIES
+
+    return [(t, a) for f in FAMILIES.values() for t, a in f.hf_model_types.items()]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("model_type,architecture", hf_architectures())
+def test_block_export_matches_what_transformers_swaps(tmp_path, model_type, architecture, tied):
+    """The 'block' export of every family's HF architecture, as transformers' FP8 loader sees it
+    (no GPU needed): its quantizer swaps the model's modules on the meta device, and then every
+    stored scale belongs to a swapped FP8Linear, every FP8Linear has an E4M3 weight and its
+    scale in the file (a tied head has none: it must be listed), and every linear weight (or
+    GPT-2 Conv1D, which the loader never swaps) left in BF16 is in modules_to_not_convert."""
+    import torch
+    import transformers
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    config = transformers.AutoConfig.for_model(model_type, tie_word_embeddings=tied, **TINY_HF)
+    config.architectures = [architecture]
+    model = getattr(transformers, architecture)(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    assert fp8.main([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--to", "fp8-block"]) == 0
+    stored = fp8.load_tensors(tmp_path / "fp8/model.safetensors")
+    qconfig = json.loads((tmp_path / "fp8/config.json").read_text())["quantization_config"]
+    quantizer = AutoHfQuantizer.from_config(qconfig, pre_quantized=True)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    quantizer.preprocess_model(meta)  # the module swap of a GPU load (validate_environment skipped)
+    swapped = {n for n, m in meta.named_modules() if isinstance(m, FP8Linear)}
+    scaled = {
+        fp8.weight_of_scale(n).removesuffix(".weight") for n in stored if fp8.weight_of_scale(n)
+    }
+    assert scaled == swapped, (sorted(scaled ^ swapped), qconfig)
+    for name in swapped:
+        assert stored[name + ".weight"].dtype == E4M3, name
+        assert stored[name + ".weight_scale_inv"].dtype == np.float32, name
+    skip = qconfig.get("modules_to_not_convert", [])
+    linears = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    for name in linears - swapped:
+        weight = stored.get(name + ".weight")  # None: a tied head, no tensor of its own
+        assert weight is None or weight.dtype != E4M3, name
+        assert not should_convert_module(name, skip), (name, skip)
+    if model_type != "gpt2":  # LLaMA-style blocks are nn.Linear: all seven are quantized
+        assert len(swapped) == 7 * config.num_hidden_layers, sorted(swapped)

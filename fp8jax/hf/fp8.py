@@ -74,13 +74,16 @@ INDEX = "model.safetensors.index.json"
 # Activation scales of statically quantized checkpoints: meaningless once weights are BF16.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
-_LINEAR = re.compile(
-    r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$"
-)
+# The decoder linears FP8 loaders swap for their FP8 layer: transformers' swaps ``nn.Linear``
+# only, so GPT-2's c_attn/c_proj/c_fc (``Conv1D``, weights stored ``[in, out]``) stay BF16.
+_LINEAR = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+# The output head: left in BF16 and listed even when it is tied (no tensor of its own), since a
+# loader given a skip list swaps every ``nn.Linear`` not on it, the head included.
+_HEAD = "lm_head"
 
 
 def is_decoder_linear(name: str) -> bool:
-    """Whether ``name`` is the weight of a decoder block's linear (LLaMA-style or GPT-2)."""
+    """Whether ``name`` is the weight of a decoder block's ``nn.Linear`` (LLaMA-style names)."""
     return _LINEAR.search(name) is not None
 
 
@@ -100,9 +103,9 @@ def quantization_config(scheme: str, block: int = 128, skipped=()) -> dict:
         check_block(block)
         qconfig.update(fmt="e4m3", weight_block_size=[block, block])
         if skipped:  # transformers' FineGrainedFP8Config key
-            qconfig["modules_to_not_convert"] = sorted(skipped)
+            qconfig["modules_to_not_convert"] = sorted(set(skipped))
     elif skipped:  # vLLM's Fp8Config key
-        qconfig["ignored_layers"] = sorted(skipped)
+        qconfig["ignored_layers"] = sorted(set(skipped))
     return qconfig
 
 
@@ -157,12 +160,14 @@ def quantize(
 ) -> tuple[dict[str, np.ndarray], dict]:
     """E4M3 copies (+ scales) of the weights ``predicate`` picks; the rest as they are.
 
-    Returns the new state dict and its ``quantization_config``. Embeddings, norms, biases and
-    ``lm_head`` are not picked by the default predicate and keep their dtype.
+    Returns the new state dict and its ``quantization_config``. Embeddings, norms, biases,
+    GPT-2's ``Conv1D`` linears and ``lm_head`` are not picked by the default predicate and keep
+    their dtype; every 2-D weight not picked, and ``lm_head`` (tied or not), is listed in the
+    config as not converted.
     """
     errors.check_choice(scheme, SCHEMES, "FP8 scheme")
     check_block(block)
-    out, skipped = {}, []
+    out, skipped = {}, ([] if predicate(f"{_HEAD}.weight") else [_HEAD])
     for name, w in tensors.items():
         if not predicate(name):
             out[name] = w

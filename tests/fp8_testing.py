@@ -19,6 +19,25 @@ GRAD_TOL = 0.08  # E5M2 x E4M3 (dgrad) and E4M3 x E5M2 (wgrad)
 MIN_ERR = 0.01  # quantization really happened (a silent f32 fallback would be ~1e-7)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# A 1-layer, 64-wide run of the tiny config that logs every step and evaluates, samples and
+# checks FP8 health as little as possible: the end-to-end reliability tests' base overrides.
+TINY_RUN = {
+    "model.num_layers": 1,
+    "model.d_model": 64,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 2,
+    "model.d_ff": 128,
+    "model.vocab_size": 320,
+    "model.max_len": 32,
+    "seq_len": 32,
+    "batch_size": 4,
+    "log_every_steps": 1,
+    "eval_every_steps": 1000,
+    "eval_batches": 1,
+    "fp8_stats_every_steps": 1000,
+    "sample_tokens": 0,
+    "keep_checkpoints": 2,
+}
 
 
 def rel_err(a, b) -> float:

@@ -410,7 +410,7 @@ NON_FINITE = {
     # injection: (param, edit, what the error names)
     "NaN after the prompt": (*_poison_embedding_but([0, *PROMPTS[0]]), "NaN at generated token 2"),
     "Inf from the prompt": ("head/kernel", _inf_in_head, "Inf at generated token 1"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(NON_FINITE))

@@ -24,26 +24,14 @@ from fp8jax.hf import io as hf_io
 from fp8jax.trainer import checksums, metrics, workdir_lock
 from fp8jax.trainer import corpus as corpus_lib
 
+from fp8_testing import TINY_RUN
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = {
-    "model.num_layers": 1,
-    "model.d_model": 64,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.d_ff": 128,
-    "model.vocab_size": 320,
-    "model.max_len": 32,
-    "seq_len": 32,
-    "batch_size": 4,
+    **TINY_RUN,
     "num_train_steps": 4,
     "warmup_steps": 1,
-    "log_every_steps": 1,
-    "eval_every_steps": 1000,
-    "eval_batches": 1,
-    "fp8_stats_every_steps": 1000,
-    "sample_tokens": 0,
     "checkpoint_every_steps": 2,
-    "keep_checkpoints": 2,
 }
 
 

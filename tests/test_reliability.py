@@ -42,31 +42,12 @@ from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
-from fp8_testing import with_overrides
+from fp8_testing import TINY_RUN, with_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
 STEPS = 40  # length of every run compared with the baseline (the LR schedule depends on it)
-SMALL = {
-    "model.num_layers": 1,
-    "model.d_model": 64,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.d_ff": 128,
-    "model.vocab_size": 320,
-    "model.max_len": 32,
-    "seq_len": 32,
-    "batch_size": 4,
-    "num_train_steps": STEPS,
-    "warmup_steps": 5,
-    "log_every_steps": 1,
-    "eval_every_steps": 1000,
-    "eval_batches": 1,
-    "fp8_stats_every_steps": 1000,
-    "sample_tokens": 0,
-    "checkpoint_every_steps": 1,
-    "keep_checkpoints": 2,
-}
+SMALL = {**TINY_RUN, "num_train_steps": STEPS, "warmup_steps": 5, "checkpoint_every_steps": 1}
 
 
 # --- shared fixtures: corpus, compilation cache, reference run ------------------------------

@@ -92,10 +92,8 @@ class Checkpointer:
         """
         with self._failed_saves_reported():
             saved = self._start_save(step, state, data_state, force)
-            if wait:
-                self.manager.wait_until_finished()
         if wait:
-            self._write_pending_checksums()
+            self.wait()
         return saved
 
     def wait(self) -> None:

@@ -75,7 +75,7 @@ def record_model(workdir: str | os.PathLike, model_cfg) -> None:
     value = {}
     for field in dataclasses.fields(model_cfg):
         x = getattr(model_cfg, field.name)
-        if dataclasses.is_dataclass(x) and field.name == "rope_scaling":
+        if dataclasses.is_dataclass(x) and field.name in ("rope_scaling", "moe"):
             x = dataclasses.asdict(x)
         elif field.name == "recipe":
             x = None if x is None else {"name": scaling.recipe_name(x), **dataclasses.asdict(x)}

@@ -213,8 +213,23 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         rope_theta=m.rope_theta,
         rope_scaling=None,  # only an imported checkpoint brings Llama 3's scaling
         loss_chunk=m.loss_chunk,
+        qk_norm=m.qk_norm,
+        sliding_window=m.sliding_window,
+        moe=_moe(m.moe),
     )
     return fp8, model
+
+
+def _moe(e) -> model_lib.MoeSpec | None:
+    """``config.model.moe`` as a ``MoeSpec``, or None for a dense MLP (num_experts 0)."""
+    if not e.num_experts:
+        return None
+    if e.top_k > e.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: "
+            f"route each token to at most num_experts experts"
+        )
+    return model_lib.MoeSpec(**{f.name: e[f.name] for f in dataclasses.fields(model_lib.MoeSpec)})
 
 
 def _recipe_fields(f) -> dict:

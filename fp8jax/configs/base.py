@@ -87,6 +87,31 @@ def declarations() -> ml_collections.ConfigDict:
     # PyTorch"): GPT's at no measured cost, LLaMA's for ~2% of the step's speed. GPT's fused FP8
     # MLP also rebuilds wo's E4M3 input (the wgrad operand) in the backward.
     m.recompute_elementwise = Bool(False)  # recompute the MLP activation in the backward
+    # RMSNorm on q and k before RoPE: '' none, 'head' over each head (Qwen3, Qwen3-MoE),
+    # 'full' over all heads' width (OLMoE)
+    m.qk_norm = Choice("", model_lib.QK_NORMS)
+    # Sliding-window attention (Mistral): each token attends to the last this-many positions,
+    # itself included; 0 = the whole causal prefix. Tokens
+    m.sliding_window = Int(0, 0)
+    # --- Mixture of Experts (the 'moe' family): routed SwiGLU experts in place of the MLP ---
+    m.moe = e = ml_collections.ConfigDict()
+    e.num_experts = Int(0, 0)  # routed experts per block (0: a dense MLP)
+    e.top_k = Int(2, 1)  # experts each token is routed to (at most num_experts)
+    e.d_ff = Int(128, 1)  # hidden width of each routed expert
+    e.shared_d_ff = Int(0, 0)  # hidden width of an always-on shared expert (Qwen2-MoE), 0 = none
+    e.shared_gate = Bool(False)  # the shared expert's output scaled by a sigmoid gate (Qwen2-MoE)
+    # router scores: 'softmax' (Mixtral, Qwen-MoE, OLMoE) or 'sigmoid' (DeepSeek-V3)
+    e.router = Choice("softmax", model_lib.ROUTERS)
+    e.normalize_top_k = Bool(True)  # top-k weights renormalised to sum to 1 (OLMoE: False)
+    # 'dropless': every token reaches its top_k experts (grouped GEMM over sorted tokens);
+    # 'capacity': each expert takes at most capacity_factor x its even share, the rest dropped
+    e.dispatch = Choice("dropless", model_lib.MOE_DISPATCH)
+    e.capacity_factor = Real(1.25, "(0, inf)")  # 'capacity': slots per expert / even share
+    e.aux_loss_coef = Real(0.01, "[0, inf)")  # load-balancing auxiliary loss weight
+    e.z_loss_coef = Real(0.0, "[0, inf)")  # router z-loss weight
+    # 'sigmoid' router: step of DeepSeek-V3's auxiliary-loss-free balancing bias, 0 = off
+    e.bias_update_rate = Real(0.0, "[0, inf)")
+    e.fp8_dispatch = Bool(False)  # expert parallelism: tokens cross shards as E4M3
 
     # --- FP8 (FP8-LM levels) ---
     c.fp8 = f = ml_collections.ConfigDict()

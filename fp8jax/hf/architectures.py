@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8jax.errors import CheckpointError
-from fp8jax.models.config import Architecture, ModelConfig, RopeScaling
+from fp8jax.models.config import Architecture, ModelConfig, MoeSpec, RopeScaling
 from fp8jax.models.families import FAMILIES, Family
 
 __all__ = [
@@ -40,6 +40,9 @@ SUPPORTED = tuple(a for family in FAMILIES.values() for a in family.hf_architect
 MODEL_TYPES = {k: a for family in FAMILIES.values() for k, a in family.hf_model_types.items()}
 # The ModelConfig fields a checkpoint determines.
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(Architecture))
+# What the architecture fields added after the first work-dir records mean where a record
+# lacks them: the architecture those records could only describe.
+_DEFAULTS = {"qk_norm": "", "sliding_window": 0, "moe": None}
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
@@ -103,19 +106,22 @@ def hf_config(model_cfg: ModelConfig, eos_id: int | None = None, bos_id: int | N
 def to_json(fields: dict[str, Any]) -> dict[str, Any]:
     """Architecture fields as JSON values (RopeScaling as a dict)."""
     out = dict(fields)
-    if out.get("rope_scaling") is not None:
-        out["rope_scaling"] = dataclasses.asdict(out["rope_scaling"])
+    for key in ("rope_scaling", "moe"):
+        if out.get(key) is not None:
+            out[key] = dataclasses.asdict(out[key])
     return out
 
 
 def from_json(value: dict[str, Any], where: str) -> dict[str, Any]:
     """Architecture fields from :func:`to_json`'s form; CheckpointError if any is missing."""
-    missing = [k for k in ARCHITECTURE_FIELDS if k not in value]
+    missing = [k for k in ARCHITECTURE_FIELDS if k not in value and k not in _DEFAULTS]
     if missing:
         raise CheckpointError(f"{where} lacks the model fields {missing}; it is incomplete")
-    out = {k: value[k] for k in ARCHITECTURE_FIELDS}
+    out = {k: value.get(k, _DEFAULTS.get(k)) for k in ARCHITECTURE_FIELDS}
     if out["rope_scaling"] is not None:
         out["rope_scaling"] = RopeScaling(**out["rope_scaling"])
+    if out["moe"] is not None:
+        out["moe"] = MoeSpec(**out["moe"])
     if not all(isinstance(out[k], int) for k in ("vocab_size", "d_model", "max_len")):
         raise CheckpointError(f"{where} holds non-integer model sizes")
     if not math.isfinite(float(out["norm_eps"])):

@@ -31,9 +31,13 @@ __all__ = [
     "MLP_MATRICES",
     "MODEL_FLAGS",
     "MODEL_SIZES",
+    "MOE_DISPATCH",
+    "MoeSpec",
     "NORMS",
     "POSITIONS",
+    "QK_NORMS",
     "REMAT_POLICIES",
+    "ROUTERS",
     "STYLES",
     "Architecture",
     "Execution",
@@ -107,6 +111,39 @@ class RopeScaling:
     original_max_len: int  # the context length the frequencies were trained at, tokens
 
 
+QK_NORMS = ("", "head", "full")  # RMSNorm on q and k: none, per head (Qwen3), whole width (OLMoE)
+ROUTERS = (
+    "softmax",
+    "sigmoid",
+)  # MoE router scores: softmax (Mixtral, Qwen, OLMoE), sigmoid (DeepSeek-V3)
+MOE_DISPATCH = ("dropless", "capacity")  # every token to its experts, or at most a capacity each
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A Mixture-of-Experts feed-forward layer: routed SwiGLU experts (and optional shared ones).
+
+    Each token goes to its ``top_k`` highest-scoring experts; their outputs are summed with
+    the router's weights. The router runs in f32 (never FP8). ``dispatch`` 'dropless' groups
+    tokens by expert with none dropped; 'capacity' gives each expert at most
+    ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens and drops the rest.
+    """
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts each token is routed to
+    d_ff: int  # hidden width of each routed expert
+    shared_d_ff: int = 0  # hidden width of the always-on shared expert (Qwen2-MoE), 0 = none
+    shared_gate: bool = False  # shared expert's output scaled by sigmoid(x . w_gate) (Qwen2-MoE)
+    router: str = "softmax"  # ROUTERS
+    normalize_top_k: bool = True  # top-k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    dispatch: str = "dropless"  # MOE_DISPATCH
+    capacity_factor: float = 1.25  # 'capacity' dispatch: slots per expert over the even share
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch/Mixtral form)
+    z_loss_coef: float = 0.0  # router z-loss weight (mean squared logsumexp of the logits)
+    bias_update_rate: float = 0.0  # sigmoid router: DeepSeek-V3's balancing bias step, 0 = off
+    fp8_dispatch: bool = False  # expert parallelism: tokens sent to other shards as E4M3
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """What the network is: the fields a checkpoint determines (a Hugging Face config.json, a
@@ -125,6 +162,10 @@ class Architecture:
     rope_theta: float  # RoPE base (LLaMA style)
     rope_scaling: RopeScaling | None  # Llama 3's frequency scaling, or None
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2) even where other linears don't
+    qk_norm: str  # RMSNorm on q and k before RoPE (QK_NORMS): '', 'head' or 'full'
+    # attention sees the last this-many positions, the token's own included (Mistral); 0 = all
+    sliding_window: int
+    moe: MoeSpec | None  # the routed-expert feed-forward layer; None: a dense MLP
 
     @property
     def head_dim(self) -> int:

@@ -64,6 +64,9 @@ class Gpt(Family):
             rope_theta=DEFAULT_ROPE_THETA,  # unused by the GPT style
             rope_scaling=None,
             qkv_bias=False,  # GPT's linears all carry biases (ModelConfig.use_bias)
+            qk_norm="",
+            sliding_window=0,
+            moe=None,
         )
 
     def hf_export_name(self, cfg: ModelConfig) -> str:

@@ -88,6 +88,9 @@ class Llama(Family):
             rope_theta=float(hfc.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))),
             rope_scaling=rope_scaling,
             qkv_bias=name == QWEN2,  # Qwen2: biases on q, k and v only
+            qk_norm="",
+            sliding_window=0,
+            moe=None,
         )
 
     def hf_export_name(self, cfg: ModelConfig) -> str:

@@ -272,6 +272,12 @@ def save_hf(
         raise CheckpointError(f"export dtype {dtype!r}: use one of {list(EXPORT_DTYPES)}")
     _check_empty_target(out_dir)
     model_cfg.family.check_hf_export(model_cfg)  # e.g. GPT-2 has no grouped-query attention
+    window = model_cfg.sliding_window
+    if window and "sliding_window" not in model_cfg.family.to_hf_config(model_cfg):
+        raise CheckpointError(
+            f"{architectures.export_name(model_cfg)} has no sliding-window attention: a model "
+            f"with model.sliding_window={window} has no Hugging Face form to export as"
+        )
     flat = weights.flatten(params)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,9 @@ the cached path when that collection is mutable, so training and evaluation neve
 Each row of the batch has its own positions: a call writes the new keys and values at
 ``positions_BxL`` and each query attends to the slots at or before its own position. Prompts of
 different lengths are right-padded; a pad's slot lies after its row's last prompt token, so it
-is never attended to before the row's decoded token overwrites it.
+is never attended to before the row's decoded token overwrites it. With a sliding window
+(``KVCache.window``), a query also skips the slots more than ``window - 1`` positions before its
+own: the cache keeps every slot (no rolling buffer), the mask narrows what each query reads.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ CACHE = "cache"  # the variable collection of the key/value cache
 class KVCache(nn.Module):
     """Writes a call's keys/values into the cache; attends its queries to the cached ones."""
 
+    window: int = 0  # a query sees the slots of its last ``window`` positions; 0 = all before it
+
     @nn.compact
     def __call__(
         self,
@@ -49,7 +53,10 @@ class KVCache(nn.Module):
         cache_k.value = cache_k.value.at[rows_Bx1, positions_BxL].set(k_BxLxKxH, mode="drop")
         cache_v.value = cache_v.value.at[rows_Bx1, positions_BxL].set(v_BxLxKxH, mode="drop")
         slots_M = jnp.arange(cache_k.value.shape[1])
-        mask_Bx1xLxM = (slots_M[None, None, :] <= positions_BxL[:, :, None])[:, None]
+        mask_BxLxM = slots_M[None, None, :] <= positions_BxL[:, :, None]
+        if self.window:  # the model's sliding window: the token itself and window - 1 before
+            mask_BxLxM &= slots_M[None, None, :] > positions_BxL[:, :, None] - self.window
+        mask_Bx1xLxM = mask_BxLxM[:, None]
         # XLA's attention: it takes an explicit mask and grouped-query heads on every platform.
         return jax.nn.dot_product_attention(
             q_BxLxNxH, cache_k.value, cache_v.value, mask=mask_Bx1xLxM, implementation="xla"

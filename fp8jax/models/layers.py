@@ -240,10 +240,11 @@ class Attention(nn.Module):
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
         # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on Hopper.
         if decode.decoding(self):  # generation: this call's keys/values join the cache
-            o_BxLxNxH = decode.KVCache(name="cache")(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_BxL)
-        else:
+            cache = decode.KVCache(window=c.sliding_window, name="cache")
+            o_BxLxNxH = cache(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_BxL)
+        else:  # over the last c.sliding_window positions where that is set (Mistral)
             o_BxLxNxH = fp8_attention.causal_attention(
-                q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_Bx1xLxL, c.attention_impl
+                q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_Bx1xLxL, c.attention_impl, c.sliding_window
             )
         o_BxLxNxH = constrain(o_BxLxNxH, ("batch", "length", "heads", None))
         out = dense(

@@ -2,8 +2,9 @@
 
 Hugging Face: LLaMA (2/3), Mistral and Qwen2 import as this family (torch ``Linear`` weights
 ``[out, in]``; fp8jax's ``wi [D, 2, F]`` holds gate then up; HF's q/k weights are already in
-rotate-half order, as fp8jax's RoPE). An fp8jax model exports as Qwen2 with q/k/v biases, else
-as LLaMA.
+rotate-half order, as fp8jax's RoPE). Mistral's ``sliding_window`` (and Qwen2's, where
+``use_sliding_window`` applies it to every layer) imports as ``sliding_window``. An fp8jax model
+exports as Qwen2 with q/k/v biases, else as Mistral with a sliding window, else as LLaMA.
 """
 
 from __future__ import annotations
@@ -67,13 +68,6 @@ class Llama(Family):
                 original_max_len=int(scaling["original_max_position_embeddings"]),
             )
         max_len = int(require(hfc, "max_position_embeddings", where))
-        window = hfc.get("sliding_window")
-        if name == QWEN2 and not hfc.get("use_sliding_window"):
-            window = None  # Qwen2 records a window it does not use
-        if window:
-            # Sliding-window attention equals full causal attention on sequences no longer than
-            # the window, so the model is exact up to max_len = the window.
-            max_len = min(max_len, int(window))
         return dict(
             style=self.name,
             vocab_size=int(require(hfc, "vocab_size", where)),
@@ -89,13 +83,15 @@ class Llama(Family):
             rope_scaling=rope_scaling,
             qkv_bias=name == QWEN2,  # Qwen2: biases on q, k and v only
             qk_norm="",
-            sliding_window=0,
+            sliding_window=_window(hfc, name, where),
             moe=None,
         )
 
     def hf_export_name(self, cfg: ModelConfig) -> str:
-        """Qwen2 where q, k and v carry biases, else LLaMA."""
-        return QWEN2 if cfg.qkv_bias else LLAMA
+        """Qwen2 where q, k and v carry biases, else Mistral with a sliding window, else LLaMA."""
+        if cfg.qkv_bias:
+            return QWEN2
+        return MISTRAL if cfg.sliding_window else LLAMA
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         """LLaMA's (or Qwen2's) config.json keys of ``cfg``."""
@@ -116,7 +112,7 @@ class Llama(Family):
                 original_max_position_embeddings=s.original_max_len,
             )
         out = dict(
-            model_type="qwen2" if name == QWEN2 else "llama",
+            model_type={QWEN2: "qwen2", MISTRAL: "mistral"}.get(name, "llama"),
             hidden_size=m.d_model,
             num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_heads,
@@ -131,6 +127,12 @@ class Llama(Family):
         )
         if name == LLAMA:
             out.update(attention_bias=False, mlp_bias=False)
+        if m.sliding_window and name == QWEN2:  # Qwen2 windows the layers from max_window_layers
+            out.update(
+                use_sliding_window=True, sliding_window=m.sliding_window, max_window_layers=0
+            )
+        elif name == MISTRAL:
+            out.update(sliding_window=m.sliding_window)
         return out
 
     def hf_tensors(self, cfg: ModelConfig) -> list[HfTensor]:
@@ -179,3 +181,31 @@ class Llama(Family):
         if not m.tie_embeddings:
             out.append(one("lm_head.weight", (v, d), None, ("head", "kernel"), (), transpose))
         return out
+
+
+def _window(hfc: dict[str, Any], name: str, where: str) -> int:
+    """The sliding window every layer of a LLaMA, Mistral or Qwen2 config.json applies; 0: none.
+
+    Mistral windows every layer by ``sliding_window`` (null: none). Qwen2 windows only with
+    ``use_sliding_window``, and then the layers its ``layer_types`` mark ``sliding_attention``
+    (without them: the layers from ``max_window_layers`` on); fp8jax has one window for all.
+    """
+    if name == LLAMA or (name == QWEN2 and not hfc.get("use_sliding_window")):
+        return 0  # LLaMA has none; Qwen2 may record a window it does not use
+    window = int(hfc.get("sliding_window") or 0)
+    if name == MISTRAL or not window:
+        return window
+    num_layers = int(require(hfc, "num_hidden_layers", where))
+    first = int(hfc.get("max_window_layers", 28))  # transformers' Qwen2 default
+    types = hfc.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+    ]
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if windowed and len(windowed) < len(types):
+        reject(
+            where,
+            name,
+            f"a sliding window on layers {windowed} of {len(types)} only (fp8jax windows every "
+            "layer or none)",
+        )
+    return window if windowed else 0

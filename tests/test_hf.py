@@ -81,8 +81,9 @@ def test_architecture_fields(ckpts):
         5e5,
     )
     assert llama3["rope_scaling"].factor == 8.0 and llama3["rope_scaling"].original_max_len == 16
-    # Mistral's window (64) caps max_len below max_position_embeddings (128).
-    assert hf.architecture(ckpts["mistral"][0])["max_len"] == MAX_POS
+    # Mistral: max_len is max_position_embeddings (128), the window (64) is sliding_window.
+    mistral = hf.architecture(ckpts["mistral"][0])
+    assert (mistral["max_len"], mistral["sliding_window"]) == (128, MAX_POS)
     assert hf.architecture(ckpts["qwen2"][0])["qkv_bias"] is True
     assert hf.architecture(ckpts["gpt2"][0])["d_ff"] == 96
     assert (ckpts["llama3"][0] / io.SAFETENSORS_INDEX).is_file()  # the sharded import path

@@ -253,6 +253,81 @@ def test_full_disk_stops_at_the_first_failed_save_keeping_the_last_checkpoint(
     assert checksums.verify(str(directory / "2")) is None
 
 
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 16 kB tmpfs: room for a work dir's lock, not for the corpus' token cache (~50 kB)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_while_encoding_the_token_cache_is_one_line(tiny_disk, base, env):
+    """The token cache does not fit on the work dir's disk: exit 2 with one line naming the
+    work dir, the space the cache needs and the fix; no staging folder (nor new work dir)."""
+    workdir = tiny_disk / "work"
+    line = one_error_line(train(workdir, base, env))
+    assert f"no space left on the device of {workdir} while writing the token cache" in line
+    assert "it needs about" in line and "pass a --workdir on a disk with room" in line, line
+    assert list(tiny_disk.iterdir()) == []
+
+
+def test_token_cache_disk_full_estimates_the_space_and_leaves_nothing(
+    base, tmp_path, monkeypatch, capsys
+):
+    """In-process, the cache's writes fail with ENOSPC after 8 kB: one line (exit 2) naming the
+    work dir and the cache's size, estimated within 20% of the cache a full build writes; the
+    staging folder ``tokens.tmp<pid>`` is removed and no ``tokens/`` is left."""
+    import errno
+    import re
+
+    from fp8jax import cli
+    from fp8jax.trainer import data
+
+    from fp8_testing import data_run
+
+    run = data_run(base / "corpus.txt", 512, batch_size=2, seq_len=32)
+    full = data.build(run, tmp_path / "room")
+    cache = sum(p.stat().st_size for p in (tmp_path / "room" / "tokens").glob("*.bin"))
+    assert cache == full.num_train_tokens * 2 + len(full.val_tokens) * 2  # uint16 ids
+
+    class FullDisk:
+        """A file whose writes fail once 8 kB are written, as on a full disk."""
+
+        def __init__(self, fh):
+            self.fh, self.written = fh, 0
+
+        def write(self, b):
+            if self.written + len(b) > 8192:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(b)
+            return self.fh.write(b)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    monkeypatch.setattr(data, "open", lambda *a, **k: FullDisk(open(*a, **k)), raising=False)
+    workdir = tmp_path / "full"
+    with pytest.raises(SystemExit) as exit_info, cli.user_errors():
+        data.build(run, workdir)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no space left on the device"), lines
+    assert f"of {workdir} while writing the token cache (tokens.tmp{os.getpid()}" in lines[0]
+    needed = float(re.search(r"needs about ([0-9.]+) MB", lines[0]).group(1)) * 1e6
+    assert 0.8 * cache <= needed <= 1.2 * cache, (needed, cache)
+    assert not list(workdir.glob("tokens*")), list(workdir.iterdir())
+
+
 # --- leftovers -------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "not_text",
     "pieces",
     "source_files",
+    "text_size",
 ]
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -73,6 +74,20 @@ def fingerprint(files: list[Path]) -> str:
                 inner.update(chunk)
         outer.update(f"{'jsonl' if _is_jsonl(f) else 'text'} {inner.hexdigest()}\n".encode())
     return outer.hexdigest()
+
+
+def text_size(files: list[Path]) -> int:
+    """The bytes of text ``files`` hold: a file's size, a .gz file's uncompressed size (its
+    gzip trailer's, which counts modulo 4 GiB: at least the compressed size)."""
+    total = 0
+    for f in files:
+        size = f.stat().st_size
+        if f.name.endswith(".gz") and size >= 4:
+            with open(f, "rb") as fh:
+                fh.seek(-4, 2)
+                size = max(size, int.from_bytes(fh.read(4), "little"))
+        total += size
+    return total
 
 
 def _open_text(f: Path):

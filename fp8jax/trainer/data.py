@@ -10,11 +10,13 @@ setting that shapes them, and are written only once the build has succeeded
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,8 +97,11 @@ class _Splitter:
             self._emit(np.concatenate(self.pending))
 
 
-def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype):
-    """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val)."""
+def _encode_corpus(
+    files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype, done: dict
+):
+    """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val).
+    ``done`` counts the characters and tokens encoded so far (``chars``, ``tokens``)."""
     with open(out_dir / "train.bin", "wb") as train_fh, open(out_dir / "val.bin", "wb") as val_fh:
         splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
         batch: list[tuple[str, bool]] = []
@@ -105,6 +110,8 @@ def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fractio
         def flush() -> None:
             nonlocal doc_tokens
             encoded = tok.encode_batch([text for text, _ in batch])
+            done["chars"] += sum(len(text) for text, _ in batch)
+            done["tokens"] += sum(len(ids) for ids in encoded)
             for ids, (_, ends_doc) in zip(encoded, batch, strict=True):
                 splitter.add(ids)
                 doc_tokens += len(ids)
@@ -123,6 +130,35 @@ def _encode_corpus(files: list[Path], tok: Tokenizer, out_dir: Path, val_fractio
         flush()
         splitter.close()
     return tuple(splitter.counts)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+_BYTES_PER_TOKEN = 4  # a BPE's usual text bytes per token: the estimate before any is encoded
+
+
+def _cache_bytes(files: list[Path], done: dict, itemsize: int) -> int:
+    """The token cache's estimated size: the corpus' text size times the tokens per character
+    encoded so far (before any: ``_BYTES_PER_TOKEN``), times the bytes of an id."""
+    per_char = done["tokens"] / done["chars"] if done["chars"] else 1 / _BYTES_PER_TOKEN
+    return int(corpus_lib.text_size(files) * per_char * itemsize)
+
+
+@contextlib.contextmanager
+def _space_for_cache(stage: Path, needed: Callable[[], int]):
+    """A full disk (or quota) while writing the staged token cache ``stage``: a one-line
+    DataError naming the work dir, ``needed()`` bytes and the fix (the caller removes ``stage``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            raise
+        n = needed()
+        size = f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+        raise DataError(
+            f"no space left on the device of {stage.parent} while writing the token cache "
+            f"({stage.name}, removed): it needs about {size}; free that much space there or pass "
+            f"a --workdir on a disk with room (the token cache lives in the work dir), then rerun"
+        ) from e
 
 
 def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
@@ -157,12 +193,16 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
         return meta, False
     logging.info("encoding %s -> %s", desc, out_dir)
     t0 = time.perf_counter()
-    stage.mkdir()
-    num_train, num_val = _encode_corpus(files, tok, stage, identity["val_fraction"], dtype)
-    if num_train + num_val == 0:
-        raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
-    meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
-    provenance.write_json(stage / "meta.json", meta)
+    done = dict(chars=0, tokens=0)
+    with _space_for_cache(stage, lambda: _cache_bytes(files, done, itemsize)):
+        stage.mkdir()
+        num_train, num_val = _encode_corpus(
+            files, tok, stage, identity["val_fraction"], dtype, done
+        )
+        if num_train + num_val == 0:
+            raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
+        meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
+        provenance.write_json(stage / "meta.json", meta)
     secs = time.perf_counter() - t0
     logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
     return meta, True

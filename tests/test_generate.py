@@ -486,8 +486,8 @@ def test_generate_on_a_corrupt_checkpoint_is_one_line(workdir, tmp_path):
     unfinished reads report nothing after that line."""
     import shutil
 
+    from fp8jax import checksums
     from fp8jax.hf import workdir as workdir_lib
-    from fp8jax.trainer import checksums
 
     wd, _, _ = workdir
     copy = tmp_path / "wd"

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from fp8jax import errors
+from fp8jax import checksums, errors
 from fp8jax.hf import io as hf_io
-from fp8jax.trainer import checksums, metrics, workdir_lock
 from fp8jax.trainer import corpus as corpus_lib
+from fp8jax.trainer import metrics, workdir_lock
 
 from fp8_testing import TINY_RUN
 
@@ -206,6 +206,30 @@ def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, b
     assert "checkpoints/4 changed on disk since it was saved (the CRC-32 of" in line, line
     assert changed.name in line and "to resume from step 2" in line, line
     assert snapshot(workdir) == before
+
+
+def test_hf_load_and_export_of_a_changed_work_dir_are_refused_naming_the_file(
+    workdir, tmp_path, capsys
+):
+    """``hf.load`` of a work dir, ``hf.export`` and ``python -m fp8jax.hf.export`` verify the
+    latest step's checksums: after one flipped bit each refuses in one line naming the step
+    and the changed file, and no output folder is made."""
+    from fp8jax.hf.export import main as export_main
+
+    hf_io.load(workdir)  # intact: it loads
+    changed = _flip_a_bit(workdir, 4)
+    step = workdir / "checkpoints" / "4"
+    expected = f"checkpoint {step} changed on disk since it was saved (the CRC-32 of state/"
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(workdir)
+    assert expected in str(info.value) and changed.name in str(info.value), info.value
+    out = tmp_path / "out"
+    with pytest.raises(errors.CheckpointError, match=changed.name):
+        hf_io.export(workdir, out)
+    assert export_main([str(workdir), str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), lines
+    assert changed.name in lines[0] and not out.exists()
 
 
 # --- a full disk -----------------------------------------------------------------------------

@@ -33,7 +33,7 @@ LAYERS = (
     ("models",),  # the transformer
     ("diagnostics",),  # coverage, memory, HLO of a program
     ("tokenizer",),
-    ("provenance", "data_spec"),  # work-dir records; the run spec's data sections
+    ("provenance", "data_spec", "checksums"),  # work-dir records; data sections; checksums
     ("configs",),  # the shipped config files and their field declarations
     ("spec",),  # the run spec: config files -> typed dataclasses
     ("hf",),  # Hugging Face and work-dir checkpoints in and out

@@ -31,11 +31,10 @@ import pytest
 from flax import linen as nn
 
 import fp8jax
-from fp8jax import errors, models, spec
+from fp8jax import checksums, errors, models, spec
 from fp8jax.models import layers
 from fp8jax.ops import formats
 from fp8jax.ops.scaling import ScaleState
-from fp8jax.trainer import checksums
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib

@@ -3,7 +3,8 @@
 The params come from the newest finished step under ``<workdir>/checkpoints`` at any level:
 only the ``params`` subtree is read (orbax partial restore: no optimizer state, no train
 config), and O2/O3's FP16 masters (``ScaledTensor`` data + scale) are dequantized with
-``optim.master.materialize``.
+``optim.master.materialize``. The step's array files are first checked against the CRC-32s
+saved with it (``fp8jax.checksums``): a changed file is refused, never read as weights.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fp8jax import errors, provenance
+from fp8jax import checksums, errors, provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError, CheckpointMismatchError
 from fp8jax.hf import architectures, weights
@@ -32,6 +33,7 @@ __all__ = [
     "restore_params",
     "storage_error",
     "tokenizer",
+    "verify_step",
 ]
 
 TOKENIZER = "tokenizer.json"
@@ -52,6 +54,17 @@ def latest_step_dir(workdir: Path) -> Path:
             "or point at a work dir that has one"
         )
     return folder / str(max(steps))
+
+
+def verify_step(step_dir: Path) -> None:
+    """Refuse (one-line CheckpointError naming the file) a checkpoint step whose array files
+    differ from the checksums saved with it; a step saved without checksums passes, warned."""
+    changed = checksums.verify(str(step_dir))
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {step_dir} changed on disk since it was saved ({changed}); move that "
+            "step aside to use the one before it"
+        )
 
 
 def architecture(workdir: Path) -> dict[str, Any]:
@@ -92,7 +105,9 @@ def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
-    state_dir = latest_step_dir(workdir) / "state"
+    step_dir = latest_step_dir(workdir)
+    verify_step(step_dir)  # before orbax reads a changed file as weights
+    state_dir = step_dir / "state"
     try:
         saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree["params"]
     except Exception as e:  # orbax raises many types for unreadable metadata

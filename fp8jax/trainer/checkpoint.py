@@ -35,8 +35,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from fp8jax import checksums
 from fp8jax.errors import CheckpointMismatchError, CheckpointSaveError, UserError
-from fp8jax.trainer import checksums
 
 __all__ = [
     "OFFSET_KEY",

@@ -21,7 +21,6 @@ from fp8jax import errors, models, provenance
 from fp8jax.diagnostics import memory
 from fp8jax.nn.state import FP8
 from fp8jax.ops import scaling
-from fp8jax.trainer import checksums
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import step as step_lib
@@ -77,8 +76,6 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
         raise errors.CheckpointError(
             f"--ckpt {str(path)!r} is not a directory: pass a work dir or a Hugging Face model dir"
         )
-    if (path / "checkpoints").is_dir():
-        _verify_latest(path)
     record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
@@ -102,19 +99,6 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
         fp8 = stored[1] if stored else fresh_fp8_state(cfg)
     params = jax.tree.map(jnp.asarray, loaded.params)
     return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level)
-
-
-def _verify_latest(workdir: Path) -> None:
-    """Refuse a work dir whose latest checkpoint differs from the checksums saved with it."""
-    from fp8jax.hf import workdir as workdir_lib
-
-    step_dir = workdir_lib.latest_step_dir(workdir)
-    changed = checksums.verify(str(step_dir))
-    if changed:
-        raise errors.CheckpointError(
-            f"checkpoint {step_dir} changed on disk since it was saved ({changed}); move that "
-            f"step aside to use the one before it"
-        )
 
 
 def fine_recipe(record: dict) -> scaling.Recipe | None:

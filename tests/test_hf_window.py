@@ -79,7 +79,7 @@ def test_greedy_generation_past_the_window_equals_transformers(mistral):
         assert got == out[0, len(prompt) :].tolist()
 
 
-def test_qwen2_sliding_window_imports_only_where_every_layer_has_it(tmp_path):
+def test_sliding_window_imports_only_where_every_layer_has_it(tmp_path):
     model = windowed(
         "qwen2",
         tmp_path / "all",
@@ -91,12 +91,14 @@ def test_qwen2_sliding_window_imports_only_where_every_layer_has_it(tmp_path):
     assert loaded.model_cfg.sliding_window == WINDOW
     theirs = torch_logits(model, TOKENS)
     assert rel_max(apply(loaded.model_cfg, loaded.params, TOKENS), theirs) <= F32_TOL
-    # A window recorded but unused (use_sliding_window=False, or no layer past
+    # A window recorded but unused (Qwen2: use_sliding_window=False, or no layer past
     # max_window_layers) is no window; a window on some layers only has no fp8jax form.
     windowed("qwen2", tmp_path / "off", sliding_window=WINDOW)
     assert hf.architecture(tmp_path / "off")["sliding_window"] == 0
     windowed("qwen2", tmp_path / "none", use_sliding_window=True, sliding_window=WINDOW)
     assert hf.architecture(tmp_path / "none")["sliding_window"] == 0  # 2 layers < 28
+    windowed("mistral", tmp_path / "null", sliding_window=None)  # Mistral 7B v0.2 and later
+    assert hf.architecture(tmp_path / "null")["sliding_window"] == 0
     windowed(
         "qwen2",
         tmp_path / "some",

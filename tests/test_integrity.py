@@ -307,7 +307,8 @@ def test_token_cache_disk_full_estimates_the_space_and_leaves_nothing(
 ):
     """In-process, the cache's writes fail with ENOSPC after 8 kB: one line (exit 2) naming the
     work dir and the cache's size, estimated within 20% of the cache a full build writes; the
-    staging folder ``tokens.tmp<pid>`` is removed and no ``tokens/`` is left."""
+    staging folder ``tokens.tmp<pid>`` is removed and no ``tokens/`` is left. The same where the
+    tokenizer, written after the cache is encoded, finds no space."""
     import errno
     import re
 
@@ -349,6 +350,18 @@ def test_token_cache_disk_full_estimates_the_space_and_leaves_nothing(
     assert f"of {workdir} while writing the token cache (tokens.tmp{os.getpid()}" in lines[0]
     needed = float(re.search(r"needs about ([0-9.]+) MB", lines[0]).group(1)) * 1e6
     assert 0.8 * cache <= needed <= 1.2 * cache, (needed, cache)
+    assert not list(workdir.glob("tokens*")), list(workdir.iterdir())
+
+    # The cache fits, the tokenizer written after it does not: one line too, nothing committed.
+    from fp8jax import tokenizer as tokenizer_lib
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenizer_lib, "save_cached", no_room)
+    with pytest.raises(errors.DataError, match="while writing the tokenizer and the data record"):
+        data.build(run, workdir)
     assert not list(workdir.glob("tokens*")), list(workdir.iterdir())
 
 

@@ -10,13 +10,11 @@ setting that shapes them, and are written only once the build has succeeded
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,7 +130,6 @@ def _encode_corpus(
     return tuple(splitter.counts)
 
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
 _BYTES_PER_TOKEN = 4  # a BPE's usual text bytes per token: the estimate before any is encoded
 
 
@@ -141,24 +138,6 @@ def _cache_bytes(files: list[Path], done: dict, itemsize: int) -> int:
     encoded so far (before any: ``_BYTES_PER_TOKEN``), times the bytes of an id."""
     per_char = done["tokens"] / done["chars"] if done["chars"] else 1 / _BYTES_PER_TOKEN
     return int(corpus_lib.text_size(files) * per_char * itemsize)
-
-
-@contextlib.contextmanager
-def _space_for_cache(stage: Path, needed: Callable[[], int]):
-    """A full disk (or quota) while writing the staged token cache ``stage``: a one-line
-    DataError naming the work dir, ``needed()`` bytes and the fix (the caller removes ``stage``)."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in _NO_SPACE:
-            raise
-        n = needed()
-        size = f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
-        raise DataError(
-            f"no space left on the device of {stage.parent} while writing the token cache "
-            f"({stage.name}, removed): it needs about {size}; free that much space there or pass "
-            f"a --workdir on a disk with room (the token cache lives in the work dir), then rerun"
-        ) from e
 
 
 def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
@@ -194,7 +173,8 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
     logging.info("encoding %s -> %s", desc, out_dir)
     t0 = time.perf_counter()
     done = dict(chars=0, tokens=0)
-    with _space_for_cache(stage, lambda: _cache_bytes(files, done, itemsize)):
+    what = f"the token cache ({stage.name}, removed)"  # Text.encode removes the stage
+    with data_format.disk_space(stage.parent, what, lambda: _cache_bytes(files, done, itemsize)):
         stage.mkdir()
         num_train, num_val = _encode_corpus(
             files, tok, stage, identity["val_fraction"], dtype, done

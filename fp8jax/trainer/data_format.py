@@ -24,7 +24,9 @@ picks a run's by ``config.data.format``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import gzip
 import hashlib
 import json
@@ -121,6 +123,28 @@ def cache_key(**fields) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # the errors of a full disk, of a full quota
+
+
+@contextlib.contextmanager
+def disk_space(workdir: Path, what: str, needed: Callable[[], int]):
+    """A full disk (or quota) while writing ``what`` into ``workdir``: a one-line DataError
+    naming the work dir, the space ``what`` needs (``needed()`` bytes, an estimate) and the
+    fix. The caller removes what it staged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            raise
+        n = needed()
+        size = f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+        raise DataError(
+            f"no space left on the device of {workdir} while writing {what}: it needs about "
+            f"{size}; free that much space there or pass a --workdir on a disk with room, then "
+            "rerun"
+        ) from e
+
+
 def build(fmt: DataFormat, run: RunSpec, workdir: str | os.PathLike, tokenizer=None):
     """The dataset of ``run`` in format ``fmt`` (``tokenizer``: an init_from checkpoint's;
     None: learn a BPE into ``<workdir>/tokenizer.json``). DataError on bad data, before anything
@@ -142,13 +166,19 @@ def build(fmt: DataFormat, run: RunSpec, workdir: str | os.PathLike, tokenizer=N
             tok_path, built_from, lambda: fmt.texts(source), resumed
         )
     encoded = fmt.encode(run, source, tokenizer, workdir)
+    records = "the tokenizer and the data record" if new_tok else "the data record"
+
+    def records_bytes() -> int:
+        return len(tokenizer.to_str()) * new_tok + len(json.dumps(identity))
+
     try:
-        workdir.mkdir(parents=True, exist_ok=True)  # every check passed: now the work dir changes
-        if new_tok:
-            tokenizer_lib.save_cached(tokenizer, tok_path, built_from)
-        encoded.commit(workdir)
-        if record_data:
-            provenance.write_json(workdir / provenance.MANIFEST, identity)
+        with disk_space(workdir, records, records_bytes):
+            workdir.mkdir(parents=True, exist_ok=True)  # every check passed: the work dir changes
+            if new_tok:
+                tokenizer_lib.save_cached(tokenizer, tok_path, built_from)
+            encoded.commit(workdir)
+            if record_data:
+                provenance.write_json(workdir / provenance.MANIFEST, identity)
     finally:
         encoded.discard()
     return encoded.dataset
@@ -215,6 +245,7 @@ __all__ = [
     "Source",
     "build",
     "cache_key",
+    "disk_space",
     "get",
     "jsonl_source",
     "names",

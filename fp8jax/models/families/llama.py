@@ -94,7 +94,7 @@ class Llama(Family):
         return MISTRAL if cfg.sliding_window else LLAMA
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        """LLaMA's (or Qwen2's) config.json keys of ``cfg``."""
+        """LLaMA's (or Qwen2's, or Mistral's) config.json keys of ``cfg``."""
         m, name = cfg, self.hf_export_name(cfg)
         if m.num_heads % m.num_kv_heads or m.d_model % m.num_heads:
             raise CheckpointError(

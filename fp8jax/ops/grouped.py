@@ -44,6 +44,7 @@ __all__ = [
     "DGRAD",
     "FORWARD",
     "GEMMS",
+    "SCOPE",
     "WGRAD",
     "check_shapes",
     "fp8_grouped_gemm",
@@ -58,6 +59,7 @@ FORWARD = "forward"  # x [M, K] . w[g] [K, N] -> [M, N], M ragged
 DGRAD = "dgrad"  # dy [M, N] . w[g]^T [N, K] -> [M, K], M ragged
 WGRAD = "wgrad"  # x_g^T [K, M_g] . dy_g [M_g, N] -> [G, K, N], M ragged and contracted
 GEMMS = (FORWARD, DGRAD, WGRAD)
+SCOPE = "grouped_gemm"  # the named scope around every grouped GEMM, O0 included
 
 _DIMS = {  # (contracting dims, lhs ragged dims, rhs group dims) of lax.ragged_dot_general
     FORWARD: (((1,), (1,)), (0,), (0,)),
@@ -278,11 +280,12 @@ def grouped_matmul(
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x_MxK.dtype, w_GxKxN.dtype))
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     m, k = x_MxK.shape
-    if recipe is None or 0 in (m, k, *w_GxKxN.shape):
-        # O0; or nothing to quantize (an empty tensor's amax is 0: the state stays as it is).
-        return ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
-    dot.check_operand("x", x_MxK)
-    dot.check_operand("w", w_GxKxN)
-    # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
-    with jax.named_scope(f"fp8_grouped_{recipe.name}"):
-        return recipe.grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype)
+    # The scopes name the grouped GEMM and its recipe in the program (diagnostics.coverage).
+    with jax.named_scope(SCOPE):
+        if recipe is None or 0 in (m, k, *w_GxKxN.shape):
+            # O0; or nothing to quantize (an empty tensor's amax is 0: the state stays as it is).
+            return ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
+        dot.check_operand("x", x_MxK)
+        dot.check_operand("w", w_GxKxN)
+        with jax.named_scope(f"fp8_{recipe.name}"):
+            return recipe.grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype)

@@ -446,6 +446,13 @@ def test_bad_operands_are_one_line_with_the_fix():
     with pytest.raises(TypeError, match="int32"):
         grouped.grouped_matmul(x, w, gs.astype(np.float32), None, None)
 
+    class NoGrouped(scaling.RECIPES["delayed"]):  # a recipe without a grouped GEMM
+        grouped_matmul = scaling.Recipe.grouped_matmul
+
+    recipe = NoGrouped()
+    with pytest.raises(NotImplementedError, match=r"no grouped GEMM: use one of \['block'"):
+        grouped.grouped_matmul(x, w, gs, recipe, fp8jax.init_meta(recipe))
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_coverage_lists_the_expert_gemms_with_their_formats(name):

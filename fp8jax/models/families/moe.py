@@ -64,4 +64,3 @@ class Moe(Family):
     def hf_tensors(self, cfg: ModelConfig) -> list[HfTensor]:
         """No Hugging Face form yet."""
         raise CheckpointError(f"model.style={self.name!r} has no Hugging Face form yet")
-

@@ -9,7 +9,8 @@ import numpy as np
 VOCAB, MAX_POS = 300, 64
 
 # name -> (transformers config class, its kwargs). Each family's switches are exercised:
-# GQA, Llama 3 rope scaling, tied and untied heads, Mistral's window, Qwen2's q/k/v biases.
+# GQA, Llama 3 rope scaling, tied and untied heads, Mistral's window, Qwen2's q/k/v biases,
+# Qwen3's q/k norms per head.
 FAMILIES = {
     "llama3": (
         "LlamaConfig",
@@ -69,6 +70,21 @@ FAMILIES = {
             num_key_value_heads=2,
             max_position_embeddings=MAX_POS,
             rope_theta=1e6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=MAX_POS,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
             tie_word_embeddings=True,
         ),
     ),

@@ -61,6 +61,8 @@ LAYOUTS = [  # (family, scan_layers, fused_qkv): every family, both layouts of a
     ("mistral", False, False),
     ("qwen2", True, False),
     ("qwen2", False, True),
+    ("qwen3", True, False),
+    ("qwen3", False, True),
     ("gpt2", True, False),
     ("gpt2", False, True),
 ]
@@ -84,6 +86,7 @@ def test_architecture_fields(ckpts):
     # Mistral's window (64) caps max_len below max_position_embeddings (128).
     assert hf.architecture(ckpts["mistral"][0])["max_len"] == MAX_POS
     assert hf.architecture(ckpts["qwen2"][0])["qkv_bias"] is True
+    assert hf.architecture(ckpts["qwen3"][0])["qk_norm"] == "head"
     assert hf.architecture(ckpts["gpt2"][0])["d_ff"] == 96
     assert (ckpts["llama3"][0] / io.SAFETENSORS_INDEX).is_file()  # the sharded import path
 
@@ -108,7 +111,7 @@ def read_tensors(directory):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gpt2"])
 def test_hf_round_trip_is_bit_identical_in_bf16(tmp_path, family):
     src = tmp_path / "src"
     build(family, src, dtype="bfloat16")
@@ -143,6 +146,9 @@ def logits(model_cfg, params):
 FP8JAX_MODELS = {  # style and switches exported as each HF family
     "llama": dict(style="llama", num_kv_heads=2, qkv_bias=False, tie_embeddings=False),
     "qwen2": dict(style="llama", num_kv_heads=2, qkv_bias=True, tie_embeddings=True),
+    "qwen3": dict(
+        style="llama", num_kv_heads=2, qkv_bias=False, qk_norm="head", tie_embeddings=False
+    ),
     "gpt2": dict(style="gpt", num_kv_heads=4, qkv_bias=False, tie_embeddings=True),
 }
 
@@ -169,10 +175,27 @@ def test_fp8jax_to_transformers_logits(tmp_path, kind):
     tok = tokenizer_lib.train(TEXTS * 4, VOCAB, min_frequency=1)
     hf.save_hf(tmp_path / "out", m, params, tok)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
+    assert model.config.model_type == kind
     ours = logits(m, params)
     assert rel_max(ours, torch_logits(model.eval(), TOKENS)) <= F32_TOL
     fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert fast(TEXTS[2])["input_ids"] == tok.encode(TEXTS[2]) and fast.eos_token_id == tok.eos_id
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        (dict(style="llama", qk_norm="full"), "style has qk_norm 'full'"),
+        (dict(style="llama", qk_norm="head", qkv_bias=True), "set model.qkv_bias=False"),
+        (dict(style="gpt", qk_norm="head"), "GPT-2 has no q/k norms"),
+    ],
+)
+def test_export_refuses_what_the_hf_architecture_lacks(tmp_path, changes, words):
+    m = dataclasses.replace(hf.default_model_cfg(), num_kv_heads=4, **changes)
+    tok = tokenizer_lib.train(TEXTS * 4, VOCAB, min_frequency=1)
+    with pytest.raises(errors.CheckpointError, match=words):
+        hf.save_hf(tmp_path / "out", m, None, tok)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("bos", [False, True])

@@ -31,6 +31,8 @@ def model_cfg(style: str, **model) -> models.ModelConfig:
     config.fp8.level = "O0"
     config.model.update({**dict(d_model=64, num_heads=4, num_kv_heads=4, d_ff=96), **model})
     config.model.style = style
+    if families.get_family(style).mlp == "moe":  # routed experts as wide as the dense MLP
+        config.model.moe.update(num_experts=4, top_k=2, d_ff=config.model.d_ff)
     return spec.parse(config).model
 
 

@@ -130,9 +130,8 @@ class Moe(Family):
         if spec.top_k > spec.num_experts:
             reject(where, name, f"num_experts_per_tok {spec.top_k} > {spec.num_experts} experts")
         return dict(
-            fields,
+            fields,  # d_ff: intermediate_size, Qwen's dense width (unused), else the experts'
             style=self.name,
-            d_ff=spec.d_ff,
             qkv_bias=name == QWEN2_MOE and bool(hfc.get("qkv_bias", True)),
             qk_norm=_LAYOUTS[name][3],
             moe=spec,

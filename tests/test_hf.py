@@ -109,6 +109,25 @@ def test_architecture_fields(ckpts):
     assert (ckpts["llama3"][0] / io.SAFETENSORS_INDEX).is_file()  # the sharded import path
 
 
+def test_greedy_generation_from_an_moe_import_equals_transformers(ckpts):
+    """Qwen3-MoE through the KV-cache decoder (q/k norms before the cache, experts per token)
+    generates transformers' greedy tokens."""
+    import torch
+
+    from fp8jax.trainer import generate
+
+    d, model = ckpts["qwen3_moe"]
+    loaded = hf.load(d)
+    prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :2].tolist()]
+    ours = generate.generate_ids(build_model(loaded.model_cfg), loaded.params, {}, prompts, 8)
+    for p, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        assert got == out[0, len(p) :].tolist()
+
+
 def test_bf16_logits_within_bf16_rounding(ckpts):
     """bf16 params and compute: fp8jax's logits stray from the f32 reference no further than
     transformers' own bf16 model does (both round every activation to 8 mantissa bits, in

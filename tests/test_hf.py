@@ -128,6 +128,19 @@ def test_greedy_generation_from_an_moe_import_equals_transformers(ckpts):
         assert got == out[0, len(p) :].tolist()
 
 
+def test_moe_import_keeps_the_base_configs_run_settings(ckpts):
+    """The checkpoint says what the experts are; a base config with experts says how they run."""
+    spec = MoeSpec(8, 1, 16, dispatch="capacity", capacity_factor=2.0, aux_loss_coef=0.05)
+    base = dataclasses.replace(hf.default_model_cfg(), style="moe", moe=spec)
+    got = hf.load(ckpts["qwen2_moe"][0], base).model_cfg.moe
+    want = hf.architecture(ckpts["qwen2_moe"][0])["moe"]
+    assert got == dataclasses.replace(
+        want, dispatch="capacity", capacity_factor=2.0, aux_loss_coef=0.05
+    )
+    assert (got.num_experts, got.top_k, got.d_ff, got.shared_d_ff) == (4, 2, 32, 48)
+    assert hf.load(ckpts["qwen2_moe"][0]).model_cfg.moe == want  # no experts in the base
+
+
 def test_bf16_logits_within_bf16_rounding(ckpts):
     """bf16 params and compute: fp8jax's logits stray from the f32 reference no further than
     transformers' own bf16 model does (both round every activation to 8 mantissa bits, in

@@ -246,21 +246,20 @@ def layer_metrics(tree, scanned: bool) -> dict[str, jax.Array]:
     return {name: jnp.concatenate(values) for name, values in out.items()}
 
 
-def update_bias(moe_state, loads, rate: float):
+def update_bias(moe_state, loads_LxE: jax.Array, rate: float, scanned: bool):
     """DeepSeek-V3's balancing step: each bias += rate * sign(mean load - its expert's load).
 
-    ``moe_state``: the ``MOE_STATE`` tree (``.../router/bias``); ``loads``: the ``MOE_METRICS``
-    tree of the same model, whose ``.../router``'s layer holds the expert loads (``LOAD``).
+    ``moe_state``: the ``MOE_STATE`` tree (each MoE layer's ``router/bias``); ``loads_LxE``:
+    the layers' expert loads in layer order (``layer_metrics``' ``LOAD``); ``scanned`` as there.
     """
-    flat_loads = traverse_util.flatten_dict(dict(loads))
-
-    def step(path, bias):
-        keys = tuple(k.key for k in path)
-        ((load,),) = [v for p, v in flat_loads.items() if p == (*keys[:-2], LOAD)]
-        load = load.reshape(bias.shape)
-        return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-
-    return jax.tree_util.tree_map_with_path(step, moe_state)
+    flat = traverse_util.flatten_dict(dict(moe_state))
+    paths = sorted(flat, key=_layer_order)
+    bias_LxE = jnp.concatenate([flat[p] if scanned else flat[p][None] for p in paths])
+    loads_LxE = loads_LxE.astype(jnp.float32)
+    mean_Lx1 = jnp.mean(loads_LxE, axis=-1, keepdims=True)
+    bias_LxE = bias_LxE + rate * jnp.sign(mean_Lx1 - loads_LxE)
+    new = {paths[0]: bias_LxE} if scanned else {p: bias_LxE[i] for i, p in enumerate(paths)}
+    return traverse_util.unflatten_dict(new)
 
 
 layers.MLP_MODULES["moe"] = MoeMlp  # the block kind 'moe' (models.config.MLPS)

@@ -9,7 +9,8 @@ import numpy as np
 VOCAB, MAX_POS = 300, 64
 
 # name -> (transformers config class, its kwargs). Each family's switches are exercised:
-# GQA, Llama 3 rope scaling, tied and untied heads, Mistral's window, Qwen2's q/k/v biases.
+# GQA, Llama 3 rope scaling, tied and untied heads, Mistral's window, Qwen2's q/k/v biases,
+# Qwen3's q/k norms per head.
 FAMILIES = {
     "llama3": (
         "LlamaConfig",
@@ -70,6 +71,87 @@ FAMILIES = {
             max_position_embeddings=MAX_POS,
             rope_theta=1e6,
             tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=MAX_POS,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # MoE: 4 experts, 2 per token; Qwen2-MoE's shared expert, each router's top-k weighting
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=MAX_POS,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            max_position_embeddings=MAX_POS,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=MAX_POS,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            max_position_embeddings=MAX_POS,
+            eos_token_id=1,
+            tie_word_embeddings=False,
         ),
     ),
     "gpt2": (

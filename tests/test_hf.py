@@ -27,6 +27,7 @@ from fp8jax import errors, hf
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.hf import io, weights
 from fp8jax.models import build_model
+from fp8jax.models.config import MoeSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
@@ -61,6 +62,12 @@ LAYOUTS = [  # (family, scan_layers, fused_qkv): every family, both layouts of a
     ("mistral", False, False),
     ("qwen2", True, False),
     ("qwen2", False, True),
+    ("qwen3", True, False),
+    ("qwen3", False, True),
+    ("mixtral", True, False),
+    ("qwen2_moe", False, True),
+    ("qwen3_moe", True, True),
+    ("olmoe", False, False),
     ("gpt2", True, False),
     ("gpt2", False, True),
 ]
@@ -85,8 +92,54 @@ def test_architecture_fields(ckpts):
     mistral = hf.architecture(ckpts["mistral"][0])
     assert (mistral["max_len"], mistral["sliding_window"]) == (128, MAX_POS)
     assert hf.architecture(ckpts["qwen2"][0])["qkv_bias"] is True
+    assert hf.architecture(ckpts["qwen3"][0])["qk_norm"] == "head"
+    moe = {k: hf.architecture(ckpts[k][0]) for k in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}
+    assert [moe[k]["style"] for k in moe] == ["moe"] * 4
+    assert [moe[k]["qk_norm"] for k in moe] == ["", "", "head", "full"]
+    assert [moe[k]["moe"].normalize_top_k for k in moe] == [True, False, True, False]
+    assert [moe[k]["moe"].d_ff for k in moe] == [48, 32, 32, 32]
+    qwen2_moe = moe["qwen2_moe"]["moe"]
+    assert (qwen2_moe.shared_d_ff, qwen2_moe.shared_gate, moe["qwen2_moe"]["qkv_bias"]) == (
+        48,
+        True,
+        True,
+    )
+    # transformers' router_aux_loss_coef defaults: Mixtral and Qwen 0.001, OLMoE 0.01
+    assert [moe[k]["moe"].aux_loss_coef for k in moe] == [0.001, 0.001, 0.001, 0.01]
     assert hf.architecture(ckpts["gpt2"][0])["d_ff"] == 96
     assert (ckpts["llama3"][0] / io.SAFETENSORS_INDEX).is_file()  # the sharded import path
+
+
+def test_greedy_generation_from_an_moe_import_equals_transformers(ckpts):
+    """Qwen3-MoE through the KV-cache decoder (q/k norms before the cache, experts per token)
+    generates transformers' greedy tokens."""
+    import torch
+
+    from fp8jax.trainer import generate
+
+    d, model = ckpts["qwen3_moe"]
+    loaded = hf.load(d)
+    prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :2].tolist()]
+    ours = generate.generate_ids(build_model(loaded.model_cfg), loaded.params, {}, prompts, 8)
+    for p, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        assert got == out[0, len(p) :].tolist()
+
+
+def test_moe_import_keeps_the_base_configs_run_settings(ckpts):
+    """The checkpoint says what the experts are; a base config with experts says how they run."""
+    spec = MoeSpec(8, 1, 16, dispatch="capacity", capacity_factor=2.0, aux_loss_coef=0.05)
+    base = dataclasses.replace(hf.default_model_cfg(), style="moe", moe=spec)
+    got = hf.load(ckpts["qwen2_moe"][0], base).model_cfg.moe
+    want = hf.architecture(ckpts["qwen2_moe"][0])["moe"]
+    assert got == dataclasses.replace(
+        want, dispatch="capacity", capacity_factor=2.0, aux_loss_coef=0.05
+    )
+    assert (got.num_experts, got.top_k, got.d_ff, got.shared_d_ff) == (4, 2, 32, 48)
+    assert hf.load(ckpts["qwen2_moe"][0]).model_cfg.moe == want  # no experts in the base
 
 
 def test_bf16_logits_within_bf16_rounding(ckpts):
@@ -109,7 +162,9 @@ def read_tensors(directory):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "gpt2"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2"]
+)
 def test_hf_round_trip_is_bit_identical_in_bf16(tmp_path, family):
     src = tmp_path / "src"
     build(family, src, dtype="bfloat16")
@@ -144,6 +199,27 @@ def logits(model_cfg, params):
 FP8JAX_MODELS = {  # style and switches exported as each HF family
     "llama": dict(style="llama", num_kv_heads=2, qkv_bias=False, tie_embeddings=False),
     "qwen2": dict(style="llama", num_kv_heads=2, qkv_bias=True, tie_embeddings=True),
+    "qwen3": dict(
+        style="llama", num_kv_heads=2, qkv_bias=False, qk_norm="head", tie_embeddings=False
+    ),
+    "mixtral": dict(style="moe", num_kv_heads=2, tie_embeddings=False, moe=MoeSpec(4, 2, 32)),
+    "qwen2_moe": dict(
+        style="moe",
+        num_kv_heads=2,
+        qkv_bias=True,
+        tie_embeddings=True,
+        moe=MoeSpec(4, 2, 32, shared_d_ff=48, shared_gate=True, normalize_top_k=False),
+    ),
+    "qwen3_moe": dict(
+        style="moe",
+        num_kv_heads=2,
+        qk_norm="head",
+        tie_embeddings=False,
+        moe=MoeSpec(4, 2, 32, normalize_top_k=False),
+    ),
+    "olmoe": dict(
+        style="moe", num_kv_heads=4, qk_norm="full", tie_embeddings=False, moe=MoeSpec(4, 2, 32)
+    ),
     "gpt2": dict(style="gpt", num_kv_heads=4, qkv_bias=False, tie_embeddings=True),
 }
 
@@ -170,10 +246,33 @@ def test_fp8jax_to_transformers_logits(tmp_path, kind):
     tok = tokenizer_lib.train(TEXTS * 4, VOCAB, min_frequency=1)
     hf.save_hf(tmp_path / "out", m, params, tok)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="float32")
+    assert model.config.model_type == kind
     ours = logits(m, params)
     assert rel_max(ours, torch_logits(model.eval(), TOKENS)) <= F32_TOL
     fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert fast(TEXTS[2])["input_ids"] == tok.encode(TEXTS[2]) and fast.eos_token_id == tok.eos_id
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        (dict(style="llama", qk_norm="full"), "style has qk_norm 'full'"),
+        (dict(style="llama", qk_norm="head", qkv_bias=True), "set model.qkv_bias=False"),
+        (dict(style="gpt", qk_norm="head"), "GPT-2 has no q/k norms"),
+        (dict(style="moe", moe=MoeSpec(4, 2, 32, router="sigmoid")), "router 'sigmoid'"),
+        (
+            dict(style="moe", moe=MoeSpec(4, 2, 32, normalize_top_k=False)),
+            r"\(MixtralForCausalLM\).*normalize_top_k=True",
+        ),
+        (dict(style="moe", qkv_bias=True, moe=MoeSpec(4, 2, 32)), "set model.qkv_bias=False"),
+    ],
+)
+def test_export_refuses_what_the_hf_architecture_lacks(tmp_path, changes, words):
+    m = dataclasses.replace(hf.default_model_cfg(), num_kv_heads=4, **changes)
+    tok = tokenizer_lib.train(TEXTS * 4, VOCAB, min_frequency=1)
+    with pytest.raises(errors.CheckpointError, match=words):
+        hf.save_hf(tmp_path / "out", m, None, tok)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("bos", [False, True])
@@ -239,6 +338,50 @@ def test_bad_inputs_name_the_problem(ckpts, tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(errors.CheckpointError, match="tokenizer.json is missing.*save_pretrained"):
         hf.load(d)
+
+
+@pytest.mark.parametrize(
+    "family,change,words",
+    [
+        ("qwen2_moe", dict(decoder_sparse_step=2), "dense blocks among the MoE ones"),
+        ("qwen3_moe", dict(mlp_only_layers=[1]), "dense blocks among the MoE ones"),
+        ("qwen2_moe", dict(shared_expert_intermediate_size=0), "no shared expert"),
+        ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+        ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok 5 > 4 experts"),
+    ],
+)
+def test_moe_configs_fp8jax_cannot_import(ckpts, tmp_path, family, change, words):
+    import shutil
+
+    shutil.copyfile(ckpts[family][0] / "config.json", tmp_path / "config.json")
+    edit_json(tmp_path / "config.json", **change)
+    with pytest.raises(errors.CheckpointError, match=words):
+        hf.architecture(tmp_path)
+
+
+def test_missing_expert_tensor_is_one_line_exit_2(ckpts, tmp_path):
+    """A checkpoint without one expert's tensor: one line naming it (library and CLI)."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(ckpts["qwen3_moe"][0], d)
+    tensors = safetensors.numpy.load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    del tensors[name]
+    safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(errors.CheckpointError, match=f"lacks tensor {name}; it is incomplete"):
+        hf.load(d)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8jax.hf.export", str(d), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"lacks tensor {name}" in lines[0] and not out.exists()
 
 
 def test_export_refuses_a_non_empty_output(ckpts, tmp_path):

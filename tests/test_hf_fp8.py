@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fp8jax import errors
-from fp8jax.hf import fp8
+from fp8jax.hf import architectures, fp8
 
 BF16, E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -444,6 +444,12 @@ TINY_HF = {  # config.json sizes of a one-block model; GPT2Config maps these nam
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
+    # MoE architectures: 4 experts of width 128 (Qwen's key), 2 per token; dense ones ignore these
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256,
 }
 
 
@@ -459,12 +465,13 @@ def hf_architectures():
 def test_block_export_matches_what_transformers_swaps(tmp_path, model_type, architecture, tied):
     """The 'block' export of every family's HF architecture, as transformers' FP8 loader sees it
     (no GPU needed): its quantizer swaps the model's modules on the meta device, and then every
-    stored scale belongs to a swapped FP8Linear, every FP8Linear has an E4M3 weight and its
+    stored scale belongs to a swapped FP8Linear or to one expert of a swapped FP8Experts (each
+    expert's projections stored E4M3 with scales), every FP8Linear has an E4M3 weight and its
     scale in the file (a tied head has none: it must be listed), and every linear weight (or
     GPT-2 Conv1D, which the loader never swaps) left in BF16 is in modules_to_not_convert."""
     import torch
     import transformers
-    from transformers.integrations.finegrained_fp8 import FP8Linear
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers import AutoHfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
@@ -481,10 +488,19 @@ def test_block_export_matches_what_transformers_swaps(tmp_path, model_type, arch
         meta = transformers.AutoModelForCausalLM.from_config(config)
     quantizer.preprocess_model(meta)  # the module swap of a GPU load (validate_environment skipped)
     swapped = {n for n, m in meta.named_modules() if isinstance(m, FP8Linear)}
+    experts = {n for n, m in meta.named_modules() if isinstance(m, FP8Experts)}
     scaled = {
         fp8.weight_of_scale(n).removesuffix(".weight") for n in stored if fp8.weight_of_scale(n)
     }
-    assert scaled == swapped, (sorted(scaled ^ swapped), qconfig)
+    per_expert = {n for n in scaled if re.search(r"\.experts\.\d+\.", n)}
+    assert scaled - per_expert == swapped, (sorted((scaled - per_expert) ^ swapped), qconfig)
+    # Each FP8Experts module (Mixtral's block_sparse_moe is transformers' mlp): its 4 experts'
+    # gate, up and down projections, stored one by one
+    renamed = {re.sub(r"\.block_sparse_moe\.", ".mlp.", n) for n in per_expert}
+    assert {re.sub(r"\.\d+\.\w+$", "", n) for n in renamed} == experts
+    assert len(per_expert) == 3 * 4 * len(experts)
+    for name in per_expert:
+        assert stored[name + ".weight"].dtype == E4M3, name
     for name in swapped:
         assert stored[name + ".weight"].dtype == E4M3, name
         assert stored[name + ".weight_scale_inv"].dtype == np.float32, name
@@ -495,4 +511,40 @@ def test_block_export_matches_what_transformers_swaps(tmp_path, model_type, arch
         assert weight is None or weight.dtype != E4M3, name
         assert not should_convert_module(name, skip), (name, skip)
     if model_type != "gpt2":  # LLaMA-style blocks are nn.Linear: all seven are quantized
-        assert len(swapped) == 7 * config.num_hidden_layers, sorted(swapped)
+        moe = architectures.family_of(architecture).mlp == "moe"
+        shared = 3 if model_type == "qwen2_moe" else 0  # its shared expert is a dense MLP
+        linears_per_block = 4 + shared if moe else 7
+        assert len(swapped) == linears_per_block * config.num_hidden_layers, sorted(swapped)
+        assert len(experts) == (config.num_hidden_layers if moe else 0)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_transformers_loads_an_moe_block_export_on_cpu(tmp_path, model_type):
+    """The 'block' export of an MoE checkpoint (one tensor per expert and projection, Mixtral's
+    w1/w3/w2 names too) loads in transformers, which stacks the experts: its logits equal those
+    of the BF16 model whose every quantized tensor is torch's block quantization of it."""
+    import safetensors.torch
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **TINY_HF)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    assert fp8.main([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--to", "fp8-block"]) == 0
+    state = safetensors.torch.load_file(str(tmp_path / "bf16/model.safetensors"))
+    quantized = [name for name in state if fp8.is_decoder_linear(name)]
+    assert sum(".experts." in name for name in quantized) == 3 * 4  # 4 experts, 3 projections
+    for name in quantized:
+        state[name] = torch_block_fp8(state[name])
+    (tmp_path / "ref").mkdir()
+    safetensors.torch.save_file(state, str(tmp_path / "ref/model.safetensors"), {"format": "pt"})
+    (tmp_path / "ref/config.json").write_text((tmp_path / "bf16/config.json").read_text())
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    loaded, reference = (load(tmp_path / d).eval() for d in ("fp8", "ref"))
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        logits, want, bf16 = (m(ids).logits.float() for m in (loaded, reference, model.eval()))
+    assert torch.equal(logits, want)
+    rel = float((logits - bf16).norm() / bf16.norm())
+    assert 1e-3 < rel < 0.1, rel  # quantized (not the BF16 weights), and still the same model

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: LLaMA (2/3), Mistral, Qwen2 and GPT-2, BF16 safetensors.
+"""Hugging Face checkpoints in and out, BF16 safetensors: LLaMA (2/3), Mistral, Qwen2, Qwen3,
+GPT-2 and the MoE architectures Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 ``load(path)`` reads a HF model dir or an fp8jax work dir into ``Loaded(model_cfg, params,
 tokenizer)``; ``export(src, out_dir)`` writes either as a HF dir; ``architecture(path)`` gives

@@ -85,7 +85,8 @@ def from_hf_config(hfc: dict[str, Any], where: str = CONFIG) -> dict[str, Any]:
 
 
 def export_name(model_cfg: ModelConfig) -> str:
-    """The HF architecture an fp8jax model exports as (its family's: GPT-2, Qwen2 or LLaMA)."""
+    """The HF architecture an fp8jax model exports as (its family's choice, e.g. Qwen2 or
+    LLaMA)."""
     return model_cfg.family.hf_export_name(model_cfg)
 
 

@@ -75,15 +75,23 @@ INDEX = "model.safetensors.index.json"
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
 # The decoder linears FP8 loaders swap for their FP8 layer: transformers' swaps ``nn.Linear``
-# only, so GPT-2's c_attn/c_proj/c_fc (``Conv1D``, weights stored ``[in, out]``) stay BF16.
-_LINEAR = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+# only, so GPT-2's c_attn/c_proj/c_fc (``Conv1D``, weights stored ``[in, out]``) stay BF16. An
+# MoE block's experts (``experts.{j}.gate_proj``, Mixtral's ``experts.{j}.w1``/``w3``/``w2``)
+# are stored one tensor per expert, each with its scales; transformers stacks them into its
+# FP8 experts module on load. Routers (``gate``: transformers' router modules, no
+# ``nn.Linear``) and Qwen2-MoE's ``shared_expert_gate`` stay BF16, as fp8jax's router is f32.
+_LINEAR = re.compile(
+    r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts\.\d+\.w[123])"
+    r"\.weight$"
+)
 # The output head: left in BF16 and listed even when it is tied (no tensor of its own), since a
 # loader given a skip list swaps every ``nn.Linear`` not on it, the head included.
 _HEAD = "lm_head"
 
 
 def is_decoder_linear(name: str) -> bool:
-    """Whether ``name`` is the weight of a decoder block's ``nn.Linear`` (LLaMA-style names)."""
+    """Whether ``name`` is the weight of a decoder block's ``nn.Linear`` or of one routed expert
+    (LLaMA-style names)."""
     return _LINEAR.search(name) is not None
 
 

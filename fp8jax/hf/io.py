@@ -32,6 +32,7 @@ from fp8jax.tokenizer import Tokenizer
 __all__ = [
     "EXPORT_DTYPES",
     "MAX_SHARD_BYTES",
+    "MOE_RUN_FIELDS",
     "SAFETENSORS",
     "SAFETENSORS_INDEX",
     "TOKENIZER_FILES",
@@ -56,6 +57,17 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+# The MoeSpec fields that say how the experts are trained and run, not what they are: a base
+# config that declares experts keeps its own (a checkpoint's are its run's, or for a HF dir the
+# router loss coefficients of its config.json and fp8jax's defaults).
+MOE_RUN_FIELDS = (
+    "dispatch",
+    "capacity_factor",
+    "aux_loss_coef",
+    "z_loss_coef",
+    "bias_update_rate",
+    "fp8_dispatch",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +132,9 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     """Model config, params and tokenizer of a HF dir or an fp8jax work dir.
 
     The architecture comes from the checkpoint, the training fields (dtypes, scan, fused QKV,
-    remat, FP8 recipe) from ``model_cfg_base`` (default :func:`default_model_cfg`). A work dir
-    without ``model.json`` takes its architecture from ``model_cfg_base``.
+    remat, FP8 recipe) from ``model_cfg_base`` (default :func:`default_model_cfg`); where both
+    have experts, ``model_cfg_base``'s MOE_RUN_FIELDS too. A work dir without ``model.json``
+    takes its architecture from ``model_cfg_base``.
     """
     path = Path(path).expanduser().absolute()  # orbax restores work dirs from absolute paths
     kind = _kind(path)
@@ -129,6 +142,9 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     recorded = kind == "hf" or (path / provenance.MODEL_RECORD).is_file()
     # A work dir without a model record: the caller's base config is its architecture.
     fields = architecture(path) if recorded or model_cfg_base is None else {}
+    if base.moe is not None and fields.get("moe") is not None:
+        kept = {k: getattr(base.moe, k) for k in MOE_RUN_FIELDS}
+        fields = dict(fields, moe=dataclasses.replace(fields["moe"], **kept))
     model_cfg = dataclasses.replace(base, **fields)
     if kind == "workdir":
         saved_cfg = dataclasses.replace(model_cfg, **workdir.layout(path))

@@ -71,9 +71,9 @@ def param_shapes(model_cfg: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtype
 
 
 def empty_params(model_cfg: ModelConfig) -> dict[tuple[str, ...], np.ndarray]:
-    """Uninitialised host buffers of every params leaf, in ``param_dtype``."""
-    dtype = np.dtype(model_cfg.param_dtype)
-    return {k: np.empty(s.shape, dtype) for k, s in param_shapes(model_cfg).items()}
+    """Uninitialised host buffers of every params leaf, each in its own dtype (``param_dtype``;
+    an MoE router's kernel f32 whatever it)."""
+    return {k: np.empty(s.shape, s.dtype) for k, s in param_shapes(model_cfg).items()}
 
 
 def check_coverage(model_cfg: ModelConfig, tensors: list[HfTensor]) -> None:

@@ -233,6 +233,9 @@ class Attention(nn.Module):
             kv_names = ("embed", None, "kv_heads", "head_dim")
             kv_BxLx2xKxH = dense(c, (2, k, h), kv_names, name="kv", use_bias=bias)(x_BxLxD)
             k_BxLxKxH, v_BxLxKxH = kv_BxLx2xKxH[:, :, 0], kv_BxLx2xKxH[:, :, 1]
+        if c.qk_norm:  # before RoPE, so the KV cache holds normed keys as attention reads them
+            q_BxLxNxH = _qk_norm(c, q_BxLxNxH, "q_norm")
+            k_BxLxKxH = _qk_norm(c, k_BxLxKxH, "k_norm")
         if c.family.positions == "rope":
             q_BxLxNxH = rope(q_BxLxNxH, positions_BxL, c.rope_theta, c.rope_scaling)
             k_BxLxKxH = rope(k_BxLxKxH, positions_BxL, c.rope_theta, c.rope_scaling)
@@ -422,6 +425,23 @@ def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
     if cfg.recipe is None:
         return nn.remat(Mlp, policy=jax.checkpoint_policies.dots_saveable)
     return nn.remat(Mlp, policy=fp8_remat.fp8_dots_and_inputs_saveable)
+
+
+def _qk_norm(cfg: ModelConfig, x_BxLxHeadsxH: jax.Array, name: str) -> jax.Array:
+    """RMSNorm of queries or keys (``cfg.qk_norm``): over each head's H values with a scale
+    [H] shared by the heads ('head', Qwen3), or over all heads' values with a scale [heads * H]
+    ('full', OLMoE). Statistics in f32, as the block's norms."""
+    rms = nn.RMSNorm(
+        epsilon=cfg.norm_eps,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        scale_init=norm_scale_init(),
+        name=name,
+    )
+    if cfg.qk_norm == "head":
+        return rms(x_BxLxHeadsxH)
+    batch, length, heads, h = x_BxLxHeadsxH.shape
+    return rms(x_BxLxHeadsxH.reshape(batch, length, heads * h)).reshape(x_BxLxHeadsxH.shape)
 
 
 def _residual_std(cfg: ModelConfig) -> float:

@@ -74,10 +74,14 @@ class Gpt(Family):
         return GPT2
 
     def check_hf_export(self, cfg: ModelConfig) -> None:
-        """GPT-2 has one key/value head per query head."""
+        """GPT-2 has one key/value head per query head and no q/k norms."""
         if cfg.num_kv_heads != cfg.num_heads:
             raise CheckpointError(
                 "GPT-2 has no grouped-query attention: num_kv_heads must equal num_heads"
+            )
+        if cfg.qk_norm:
+            raise CheckpointError(
+                f"GPT-2 has no q/k norms: qk_norm must be '', not {cfg.qk_norm!r}"
             )
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:

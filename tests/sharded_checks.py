@@ -92,7 +92,7 @@ def initial_state(config):
     key = json.dumps([config.model.to_dict(), config.fp8.to_dict()], sort_keys=True)
     if key not in _INITIAL:
         one = copy.deepcopy(config)
-        one.mesh.data, one.mesh.fsdp, one.mesh.tensor = -1, 1, 1
+        one.mesh.data, one.mesh.fsdp, one.mesh.tensor, one.mesh.expert = -1, 1, 1, 1
         _, init, _, _, _ = build(one, jax.devices()[:1])
         _INITIAL[key] = jax.device_get(init(jax.random.PRNGKey(config.seed)))
     return _INITIAL[key]
@@ -227,7 +227,7 @@ def block_gather_check(devices) -> dict:
     from fp8jax.ops import block_cast, scaling
     from fp8jax.parallel import layerwise
 
-    mesh = Mesh(np.array(devices).reshape(2, 4, 1), sharding.MESH_AXES)
+    mesh = Mesh(np.array(devices).reshape(2, 1, 4, 1), sharding.MESH_AXES)
     recipe = scaling.BlockScaling(block_size=16)
     out = {}
     for name, shape, dim in (("first", (256, 8, 64), 0), ("last", (8, 64, 256), 2)):

@@ -44,10 +44,12 @@ __all__ = [
     "Family",
     "ModelConfig",
     "RopeScaling",
+    "active_matmul_params",
     "count_params",
     "flops_per_token",
     "get_family",
     "matmul_params",
+    "num_experts",
     "register",
 ]
 
@@ -241,8 +243,10 @@ def _fields(value: Any, part: type) -> dict[str, Any]:
 # The block pieces a family picks, by kind (models.layers and models.transformer build them).
 NORMS = ("layernorm", "rmsnorm")  # LayerNorm: scale and bias; RMSNorm: scale only
 POSITIONS = ("learned", "rope")  # a learned table added to the embedding, or RoPE on q and k
-MLPS = ("gelu", "swiglu")  # GPT-2's tanh-GELU MLP, or LLaMA's gated SiLU (SwiGLU)
-MLP_MATRICES = {"gelu": 2, "swiglu": 3}  # weight matrices: GELU in/out, SwiGLU gate/up/out
+# GPT-2's tanh-GELU MLP, LLaMA's gated SiLU (SwiGLU), or routed SwiGLU experts (models.moe)
+MLPS = ("gelu", "swiglu", "moe")
+# weight matrices: GELU in/out, SwiGLU gate/up/out, per expert (MoE: each routed expert's)
+MLP_MATRICES = {"gelu": 2, "swiglu": 3, "moe": 3}
 
 
 class Family:
@@ -268,9 +272,19 @@ class Family:
         attn = cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
         return attn + MLP_MATRICES[self.mlp] * cfg.d_model * cfg.d_ff
 
+    def active_matmul_params_per_layer(self, cfg: ModelConfig) -> int:
+        """The weights of one block that a token's matmuls read (its FLOPs): all of them in a
+        dense block; a routed-expert block's router, its top_k experts and its shared one."""
+        return self.matmul_params_per_layer(cfg)
+
     def check(self, cfg: Architecture | Any) -> None:
         """Raise a one-line ConfigError where ``cfg``'s sizes do not fit the family's block
         (``cfg``: an Architecture or ModelConfig, or a config file's ``model`` section)."""
+        if self.mlp != "moe" and num_experts(cfg):
+            raise ConfigError(
+                f"model.style={self.name!r} has a dense MLP, not model.moe.num_experts="
+                f"{num_experts(cfg)} experts: set model.style='moe' or model.moe.num_experts=0"
+            )
         head_dim = cfg.d_model // cfg.num_heads
         if self.positions == "rope" and head_dim % 2:
             raise ConfigError(
@@ -297,6 +311,13 @@ class Family:
     def hf_tensors(self, cfg: ModelConfig) -> list[HfTensor]:
         """Every tensor of ``cfg``'s HF state dict, in HF's order."""
         raise NotImplementedError
+
+
+def num_experts(cfg: Architecture | Any) -> int:
+    """Routed experts per block of ``cfg`` (an Architecture, ModelConfig or config ``model``
+    section); 0 for a dense MLP."""
+    moe = getattr(cfg, "moe", None)
+    return 0 if moe is None else int(moe.num_experts)
 
 
 FAMILIES: dict[str, Family] = {}  # name -> the registered family
@@ -332,8 +353,15 @@ def matmul_params(model_cfg: ModelConfig) -> int:
     return m.num_layers * m.family.matmul_params_per_layer(m) + m.d_model * m.vocab_size
 
 
+def active_matmul_params(model_cfg: ModelConfig) -> int:
+    """The matmul weights one token's forward pass reads (``matmul_params`` less the routed
+    experts it does not go to)."""
+    m = model_cfg
+    return m.num_layers * m.family.active_matmul_params_per_layer(m) + m.d_model * m.vocab_size
+
+
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N (N = matmul params) + attention, PaLM convention.
+    """Training FLOPs per token: 6N (N = active matmul params) + attention, PaLM convention.
 
     Attention counts QK^T and AV over the full sequence (12 * layers * d_model * seq_len for
     forward + backward), not halved for the causal mask, so MFU stays comparable with PaLM,
@@ -341,4 +369,4 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """
     m = model_cfg
     attn = 12 * m.num_layers * m.d_model * seq_len
-    return 6.0 * matmul_params(m) + attn
+    return 6.0 * active_matmul_params(m) + attn

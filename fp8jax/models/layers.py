@@ -44,6 +44,7 @@ from fp8jax.parallel.sharding import constrain  # inert unless a step binds a me
 
 __all__ = [
     "FLAX_FP8",
+    "MLP_MODULES",
     "Attention",
     "Block",
     "Mlp",
@@ -400,16 +401,23 @@ def _act_dot_mlp(cfg: ModelConfig) -> bool:
     return recomputes_elementwise(cfg) and cfg.recipe is None and cfg.family.mlp == "gelu"
 
 
+# Block kind (MLPS) -> the module at the block's ``mlp`` scope, called ``(x_BxLxD, ln=None)``;
+# a kind's own module registers itself here (``models.moe``: 'moe').
+MLP_MODULES: dict[str, type[nn.Module]] = {"gelu": Mlp, "swiglu": Mlp}
+
+
 def _mlp_cls(cfg: ModelConfig) -> type[nn.Module]:
-    """``Mlp``, or ``Mlp`` recomputing its activation in the backward pass under ``nn.remat``.
+    """The family's MLP module (``MLP_MODULES``); ``Mlp`` recomputing its activation in the
+    backward pass under ``nn.remat`` where ``recomputes_elementwise``.
 
     GPT's fused FP8 MLP and GPT's O0 MLP (``ops.act_dot``) keep only the pre-activation
     themselves. Otherwise the policy keeps the matmuls' outputs (and, at O1+, their E4M3
     operands: ``ops.remat``) and drops the activation's intermediates, which the backward
     pass recomputes from the first output.
     """
-    if not recomputes_elementwise(cfg) or fuses_mlp(cfg) or _act_dot_mlp(cfg):
-        return Mlp
+    module = MLP_MODULES[cfg.family.mlp]
+    if module is not Mlp or not recomputes_elementwise(cfg) or fuses_mlp(cfg) or _act_dot_mlp(cfg):
+        return module
     if cfg.recipe is None:
         return nn.remat(Mlp, policy=jax.checkpoint_policies.dots_saveable)
     return nn.remat(Mlp, policy=fp8_remat.fp8_dots_and_inputs_saveable)

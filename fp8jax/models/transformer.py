@@ -25,6 +25,7 @@ from fp8jax.models.layers import (
     promote_for,
     segment_mask,
 )
+from fp8jax.models.moe import MOE_LOSSES, MOE_METRICS, MOE_STATE
 from fp8jax.models.params import normal_init
 from fp8jax.nn.state import FP8, FP8_STATS
 from fp8jax.parallel import layerwise
@@ -144,11 +145,14 @@ class Transformer(nn.Module):
     def _blocks(self, x_BxLxD: jax.Array, positions_BxL, mask_Bx1xLxL) -> jax.Array:
         c = self.cfg
         if c.scan_layers:
-            # One compiled block; params, FP8 scale state and the FP8 health stats sown by each
-            # layer get a leading layer axis.
+            # One compiled block; params, FP8 scale state, the FP8 health stats and the MoE
+            # losses, metrics and balancing bias of each layer get a leading layer axis.
             stack = nn.scan(
                 self._block_cls("blocks"),
-                variable_axes={"params": 0, FP8: 0, FP8_STATS: 0, FLAX_FP8: 0, CACHE: 0},
+                variable_axes={
+                    **dict.fromkeys(("params", FP8, FP8_STATS, FLAX_FP8, CACHE), 0),
+                    **dict.fromkeys((MOE_LOSSES, MOE_METRICS, MOE_STATE), 0),
+                },
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=c.num_layers,

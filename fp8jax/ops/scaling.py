@@ -116,6 +116,21 @@ class Recipe(abc.ABC):
     ) -> tuple[jax.Array, Fp8Meta, Fp8Meta]:
         """``(gelu(x . w1 + b1) . w2 [M, D], meta1, meta2)``: ``ops.mlp.gelu_mlp`` on 2-D x."""
 
+    def grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w_GxKxN: jax.Array,
+        group_sizes_G: jax.Array,
+        meta: Fp8Meta,
+        out_dtype,
+    ) -> tuple[jax.Array, Fp8Meta]:
+        """``(y [M, N], meta with this call's amaxes)``: ``ops.grouped.grouped_matmul``'s FP8
+        grouped GEMM (rows of x sorted by group, w [G, K, N] stacked), with its custom VJP."""
+        raise NotImplementedError(
+            f"the FP8 recipe {self.name!r} has no grouped GEMM: use recipe 'delayed', 'current', "
+            f"'rowwise' or 'block' for expert layers"
+        )
+
 
 RECIPES: dict[str, type[Recipe]] = {}  # name -> recipe class, filled by ``register``
 

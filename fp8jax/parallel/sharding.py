@@ -326,4 +326,5 @@ def state_shardings(model, abstract_state, mesh: Mesh):
         # The objective's state (DPO's frozen reference): leaves at a param's path sharded like
         # it, the others (the reference's FP8 state) replicated.
         objective=_shard_like_params(getattr(abstract_state, "objective", {}), spec_by_path, mesh),
+        moe_state=jax.tree.map(lambda _: rep, getattr(abstract_state, "moe_state", {})),
     )

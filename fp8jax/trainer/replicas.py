@@ -169,7 +169,8 @@ def reduced_grads(
     # Amaxes are maxima over every replica's data (the global amax); scales are identical.
     fp8 = fp8_state.max_over_replicas(fp8_N, fp8)
     fp8 = gather.set_weight_amax(fp8, w_amax)
-    return jax.tree.map(jnp.sum, loss_N), fp8, grads, saturated
+    # Summed over the replicas (axis 0); an MoE model's per-layer metrics keep their layers.
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), loss_N), fp8, grads, saturated
 
 
 __all__ = ["reduced_grads"]

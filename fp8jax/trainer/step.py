@@ -21,6 +21,7 @@ from absl import logging
 from flax import struct
 
 from fp8jax import provenance
+from fp8jax.models import moe
 from fp8jax.models.layers import FLAX_FP8
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8, FP8_STATS
@@ -44,6 +45,7 @@ __all__ = [
     "make_optimizer",
     "make_stats_step",
     "make_train_step",
+    "model_variables",
     "record_schedule",
     "splits_pallas_casts",
     "stacked_leaves",
@@ -65,6 +67,9 @@ class TrainState:
     # The objective's own state (``Objective.init_state``): {} for the language-model loss,
     # DPO's frozen reference {'params', 'fp8'}.
     objective: Any = struct.field(default_factory=dict)
+    # The model's MOE_STATE collection (a sigmoid router's balancing bias per MoE layer), {}
+    # for others; updated by the step from the expert loads (``moe.update_bias``).
+    moe_state: Any = struct.field(default_factory=dict)
 
 
 LANGUAGE_MODEL = objectives.lm.LanguageModel()  # the objective of a step built without one
@@ -196,28 +201,83 @@ def init_state(
     comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
     objective_state = (objective or LANGUAGE_MODEL).init_state(params, fp8)
-    return TrainState(zero, params, opt_state, fp8, zero, zero, comm_state, objective_state)
+    moe_state = variables.get(moe.MOE_STATE, {})
+    return TrainState(
+        zero, params, opt_state, fp8, zero, zero, comm_state, objective_state, moe_state
+    )
+
+
+def model_variables(model, params, state: TrainState) -> dict:
+    """The variables ``model.apply`` takes beside the step's: params, FP8 state, MoE state."""
+    variables = {"params": params, state_collection(model): state.fp8}
+    if state.moe_state:
+        variables[moe.MOE_STATE] = state.moe_state
+    return variables
+
+
+def _moe_sums(model, mutated: dict, weight) -> tuple[jax.Array, dict]:
+    """``(weighted auxiliary loss, {'moe/<metric>': [layers, ...]})`` that an MoE model sowed
+    (0 and {} for a dense one), each times ``weight``."""
+    scanned = bool(getattr(getattr(model, "cfg", None), "scan_layers", False))
+    losses = mutated.get(moe.MOE_LOSSES, {})
+    aux = sum((jnp.sum(v) for v in jax.tree.leaves(losses)), jnp.zeros((), jnp.float32))
+    metrics = moe.layer_metrics(mutated.get(moe.MOE_METRICS, {}), scanned)
+    return weight * aux, {f"moe/{k}": weight * v for k, v in metrics.items()}
+
+
+def _moe_report(model, run: RunSpec, metrics: dict, moe_state, ok):
+    """``(metrics, moe_state)``: the per-layer ``moe/<metric>`` arrays as scalars (``moe_<metric>``
+    the layers' mean, ``moe_<metric>_<layer>`` each layer's), the expert loads dropped; the
+    balancing bias stepped from those loads (kept as it was where not ``ok``)."""
+    layer = {k.removeprefix("moe/"): v for k, v in metrics.items() if k.startswith("moe/")}
+    out = {k: v for k, v in metrics.items() if not k.startswith("moe/")}
+    loads = layer.pop(moe.LOAD, None)
+    if moe_state and loads is not None:
+        rate = run.model.moe.bias_update_rate
+        scanned = bool(getattr(getattr(model, "cfg", None), "scan_layers", False))
+        stepped = moe.update_bias(moe_state, loads, rate, scanned)
+        moe_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), stepped, moe_state)
+    for name, values in layer.items():
+        out[f"moe_{name}"] = jnp.mean(values)
+        out.update({f"moe_{name}_{i}": v for i, v in enumerate(values)})
+    return out, moe_state
 
 
 def _micro_grads(
-    model, params, fp8, micro, weight=1.0, masters=None, objective: Objective = LANGUAGE_MODEL
+    model,
+    params,
+    fp8,
+    micro,
+    weight=1.0,
+    masters=None,
+    objective: Objective = LANGUAGE_MODEL,
+    moe_weight=1.0,
+    moe_state=None,
 ):
-    """Loss (``objective.micro_batch_loss``'s dict), FP8 state after the forward, grads of params
-    and FP8 state. ``micro``: ``(batch, rows)``, the data and the objective's per-row inputs.
-    ``masters``: what ``master.carry_masters`` returns beside the params (O2+), if any.
+    """Loss (``objective.micro_batch_loss``'s dict, with an MoE model's ``moe/<metric>``
+    per-layer sums), FP8 state after the forward, grads of params and FP8 state. ``micro``:
+    ``(batch, rows)``, the data and the objective's per-row inputs. ``masters``: what
+    ``master.carry_masters`` returns beside the params (O2+), if any.
     """
     # ``weight`` scales the loss: 1/N for one of N replicas (their gradients sum to the global
     # batch's; dy's FP8 amax equals the unsharded one); weighted: 1/sum(w) of the global batch.
+    # ``moe_weight`` scales the MoE auxiliary losses and metrics (means over this micro-batch's
+    # tokens) so that they sum, or average as the objective's sums do, to the batch's mean.
     coll = state_collection(model)
     batch, rows = micro
 
     def loss_fn(p, s):
         variables = {"params": p, coll: s}
-        apply = functools.partial(model.apply, variables, mutable=[FP8])
+        if moe_state:
+            variables[moe.MOE_STATE] = moe_state
+        sown = [FP8, moe.MOE_LOSSES, moe.MOE_METRICS]
+        apply = functools.partial(model.apply, variables, mutable=sown)
         with optim.dequantize_carried(masters):
             sums, mutated = objective.micro_batch_loss(apply, batch, rows)
         sums = {k: weight * v for k, v in sums.items()}
-        return sums["loss"], (sums, mutated.get(FP8, {}))
+        aux, moe_metrics = _moe_sums(model, mutated, moe_weight)
+        # The auxiliary losses train the router; the logged loss stays the objective's.
+        return sums["loss"] + aux, ({**sums, **moe_metrics}, mutated.get(FP8, {}))
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
     (_, (loss, fp8_fwd)), (g_params, g_fp8) = grad_fn(params, fp8)
@@ -237,6 +297,8 @@ def _accumulate(
     sum_dtypes=None,
     wide=None,
     objective: Objective = LANGUAGE_MODEL,
+    replicas: int = 1,
+    moe_state=None,
 ):
     """(loss dict, fp8 state, grads) of one batch, summed over ``accum`` micro-batches.
 
@@ -247,9 +309,17 @@ def _accumulate(
     the stored params' dtype (f32 at O1). ``wide`` (e.g. float32): the running sum's dtype
     where it is wider (config.grad_accum_dtype); the result is cast back to ``sum_dtypes``.
     """
-    if accum == 1:
-        return _micro_grads(model, params, fp8, micro, weight, masters, objective)
     batch = micro[0]
+    # MoE auxiliary losses and metrics, each a mean over a micro-batch: 1/N of each replica's
+    # (the replicas' sums add up), and 1/accum of each micro-batch's where the objective's sums
+    # add up (else the micro-batches' sums are averaged below, these with them).
+    adds_up = objective.adds_up(batch)
+    moe_weight = 1.0 / (replicas * (accum if adds_up else 1))
+    micro_grads = functools.partial(
+        _micro_grads, objective=objective, moe_weight=moe_weight, moe_state=moe_state
+    )
+    if accum == 1:
+        return micro_grads(model, params, fp8, micro, weight, masters)
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), micro)
     if sum_dtypes is None:
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
@@ -263,15 +333,20 @@ def _accumulate(
 
     def body(carry, mb):
         loss_sum, g_sum, fp8 = carry
-        loss, fp8, g = _micro_grads(model, params, fp8, mb, weight, masters, objective)
+        loss, fp8, g = micro_grads(model, params, fp8, mb, weight, masters)
         g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
         return (jax.tree.map(jnp.add, loss_sum, loss), g_sum, fp8), None
 
     zeros = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), params, carry_dtypes)
     loss0 = {k: jnp.zeros((), jnp.float32) for k in objective.loss_keys}
+    if getattr(getattr(model, "cfg", None), "moe", None) is not None:
+        # An MoE model's loss dict holds its per-layer metrics too: shapes from a trace.
+        first = jax.tree.map(lambda x: x[0], micro)
+        grads_of = lambda f: micro_grads(model, params, f, first, weight, masters)[0]
+        loss0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grads_of, fp8))
     (loss, grads, fp8), _ = jax.lax.scan(body, (loss0, zeros, fp8), micro)
     # Sums already scaled to the global batch (weighted: 1/sum(w); DPO: 1/pairs) only add up.
-    n = 1 if objective.adds_up(batch) else accum
+    n = 1 if adds_up else accum
     grads = jax.tree.map(lambda g, d: (g / n).astype(d), grads, sum_dtypes)
     return jax.tree.map(lambda x: x / n, loss), fp8, grads
 
@@ -357,7 +432,9 @@ def make_train_step(
     objective = objective or LANGUAGE_MODEL
     prepare = objective.make_prepare(model, mesh)
 
-    def grads_fn(model, params, fp8, micro, weight, masters, sum_dtypes):
+    replica_count = 1 if plan is None else plan.num_replicas
+
+    def grads_fn(model, params, fp8, micro, weight, masters, sum_dtypes, moe_state=None):
         return _accumulate(
             model,
             params,
@@ -369,6 +446,8 @@ def make_train_step(
             sum_dtypes,
             wide=wide,
             objective=objective,
+            replicas=replica_count,
+            moe_state=moe_state,
         )
 
     def master_seed(step):
@@ -393,9 +472,10 @@ def make_train_step(
         if carry and (plan is None or int(plan.mesh.shape["fsdp"]) == 1):
             params, masters = optim.carry_masters(state.params, state.fp8, dtype)
         comm_state, comm_metrics = state.comm, {}
+        step_grads = functools.partial(grads_fn, moe_state=state.moe_state)
         if plan is None:
             scale = objective.scale(batch, 1)
-            loss, fp8, grads = grads_fn(model, params, state.fp8, micro, scale, masters, None)
+            loss, fp8, grads = step_grads(model, params, state.fp8, micro, scale, masters, None)
         else:
             mu = state.comm["mu"]
             scale = objective.scale(batch, plan.num_replicas)  # of the global batch
@@ -406,7 +486,7 @@ def make_train_step(
                 micro,
                 plan,
                 mu,
-                grads_fn,
+                step_grads,
                 accum,
                 masters,
                 scale=scale,
@@ -425,6 +505,7 @@ def make_train_step(
         # FP16/FP8 masters guard their own re-quantization (optim.apply_updates).
         lr = schedule(state.step)
         ok = jnp.isfinite(loss["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(lr)
+        loss, moe_state = _moe_report(model, run, loss, state.moe_state, ok)
         keep = lambda new, old: fp8_state.keep_if_finite(new, old, ok)
         rounding_seed = master_seed(state.step)
         if adamw is not None:
@@ -450,11 +531,14 @@ def make_train_step(
             fp8=keep(fp8, state.fp8),
             comm=keep(comm_state, state.comm),
             objective=objective.keep(objective_state, state.objective, ok),
+            moe_state=moe_state,
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
             skipped=state.skipped + jnp.where(ok, 0, 1),
         )
         metrics = {
-            **loss,  # 'loss' (DPO: also its pair statistics, means over the pairs)
+            # 'loss' (DPO: also its pair statistics, means over the pairs); an MoE model's
+            # routing metrics, per layer and their mean (moe_<metric>[_<layer>])
+            **loss,
             "grad_norm": grad_norm,
             "learning_rate": lr,
             "skipped_steps": new_state.skipped,
@@ -474,11 +558,9 @@ def make_eval_step(model, mesh=None, objective: Objective | None = None):
 
     def eval_step(state: TrainState, batch):
         params = optim.materialize(state.params)
-        coll = state_collection(model)
+        variables = model_variables(model, params, state)
         with sharding_lib.activation_sharding(mesh):
-            losses = model.apply(
-                {"params": params, coll: state.fp8}, batch["inputs"], **loss_kwargs(batch)
-            )
+            losses = model.apply(variables, batch["inputs"], **loss_kwargs(batch))
             return metrics(state.objective, batch, losses)
 
     return eval_step
@@ -489,7 +571,7 @@ def make_stats_step(model, mesh=None):
 
     def stats_step(state: TrainState, batch):
         params = optim.materialize(state.params)
-        variables = {"params": params, state_collection(model): state.fp8}
+        variables = model_variables(model, params, state)
         with sharding_lib.activation_sharding(mesh):
             _, mutated = model.apply(
                 variables, batch["inputs"], **model_kwargs(batch), mutable=[FP8_STATS]

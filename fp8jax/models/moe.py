@@ -1,0 +1,265 @@
+"""The Mixture-of-Experts feed-forward layer (``MoeMlp``): a router and routed SwiGLU experts.
+
+Shape suffixes: T tokens (batch x length, flattened), D d_model, E experts, k experts per token
+(top_k), N = T * k token-expert pairs, F an expert's hidden width, 2 SwiGLU's gate/up pair.
+
+Routing (``route``) runs in f32 and never in FP8: softmax scores (Mixtral, Qwen-MoE, OLMoE) or
+sigmoid scores (DeepSeek-V3) whose selection adds a balancing bias. The N pairs are sorted by
+expert (stable, so each expert sees its tokens in token order) and the experts run as two
+grouped GEMMs (``fp8jax.nn.grouped.GroupedLinear``: gate/up, then down; FP8 at O1+) over the
+sorted rows; their outputs are unsorted and summed with the router's weights. 'capacity'
+dispatch moves each expert's pairs past its capacity behind the last group, where the grouped
+GEMM gives 0.
+
+Besides its output the layer sows, per call, the weighted auxiliary losses into ``MOE_LOSSES``
+(the train step adds them to the objective's loss) and its routing metrics into ``MOE_METRICS``
+(``layer_metrics`` stacks them per layer); a sigmoid router with ``bias_update_rate`` > 0 keeps
+its bias in ``MOE_STATE``, which ``update_bias`` steps from the expert loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import traverse_util
+
+from fp8jax.models import layers
+from fp8jax.models.config import ModelConfig, MoeSpec
+from fp8jax.models.params import INIT_STD, normal_init
+from fp8jax.nn.grouped import GroupedLinear
+
+__all__ = [
+    "LOAD",
+    "MOE_LOSSES",
+    "MOE_METRICS",
+    "MOE_STATE",
+    "MoeMlp",
+    "Router",
+    "Routing",
+    "aux_losses",
+    "dispatch_keys",
+    "layer_metrics",
+    "route",
+    "update_bias",
+]
+
+MOE_LOSSES = "moe_losses"  # sown: each layer's weighted auxiliary loss (added to the loss)
+MOE_METRICS = "moe_metrics"  # sown: each layer's routing metrics (logged)
+MOE_STATE = "moe_state"  # variables: the sigmoid router's balancing bias (updated by the step)
+LOAD = "load"  # the metric holding each expert's share of the assignments [E]
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which experts each token goes to and with what weight, and the scores behind it."""
+
+    idx_Txk: jax.Array  # int32 experts of each token, best first
+    weights_Txk: jax.Array  # f32 weights of their outputs
+    probs_TxE: jax.Array  # f32 router probabilities (sigmoid: scores over their sum)
+
+
+def route(logits_TxE: jax.Array, spec: MoeSpec, bias_E: jax.Array | None = None) -> Routing:
+    """Top-k routing of f32 logits: softmax, or sigmoid scores selected with ``bias_E`` added.
+
+    The bias only picks the experts (DeepSeek-V3's auxiliary-loss-free balancing); the weights
+    are the scores themselves, renormalised over the k where ``spec.normalize_top_k``.
+    """
+    logits_TxE = logits_TxE.astype(jnp.float32)
+    if spec.router == "softmax":
+        scores_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+        weights_Txk, idx_Txk = jax.lax.top_k(scores_TxE, spec.top_k)
+        probs_TxE = scores_TxE
+    else:
+        scores_TxE = jax.nn.sigmoid(logits_TxE)
+        select_TxE = scores_TxE if bias_E is None else scores_TxE + bias_E
+        _, idx_Txk = jax.lax.top_k(select_TxE, spec.top_k)
+        weights_Txk = jnp.take_along_axis(scores_TxE, idx_Txk, axis=-1)
+        probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+    if spec.normalize_top_k:
+        weights_Txk = weights_Txk / jnp.sum(weights_Txk, axis=-1, keepdims=True)
+    return Routing(idx_Txk.astype(jnp.int32), weights_Txk, probs_TxE)
+
+
+def aux_losses(logits_TxE: jax.Array, r: Routing, num_experts: int) -> dict[str, jax.Array]:
+    """Unweighted auxiliary losses and routing metrics of one layer (f32 scalars, load [E]).
+
+    ``balance``: E * sum_e f_e * P_e (Switch/Mixtral), f_e the share of the T*k assignments
+    that go to e, P_e the mean router probability of e; 1 when perfectly balanced. ``z``: the
+    mean over tokens of logsumexp(logits)^2. ``load`` is f [E]; ``load_max_over_mean`` its
+    max over its mean; ``router_entropy`` the mean entropy of the tokens' probabilities (nats).
+    """
+    onehot_NxE = jax.nn.one_hot(r.idx_Txk.reshape(-1), num_experts, dtype=jnp.float32)
+    load_E = jnp.mean(onehot_NxE, axis=0)  # f_e: sums to 1 over the experts
+    mean_prob_E = jnp.mean(r.probs_TxE, axis=0)
+    lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
+    p_TxE = r.probs_TxE
+    entropy_T = -jnp.sum(jnp.where(p_TxE > 0, p_TxE * jnp.log(p_TxE), 0.0), axis=-1)
+    return {
+        "balance_loss": num_experts * jnp.sum(jax.lax.stop_gradient(load_E) * mean_prob_E),
+        "z_loss": jnp.mean(lse_T**2),
+        LOAD: load_E,
+        "load_max_over_mean": jnp.max(load_E) * num_experts,  # the mean share is 1/E
+        "router_entropy": jnp.mean(entropy_T),
+    }
+
+
+def dispatch_keys(idx_Txk: jax.Array, spec: MoeSpec) -> tuple[jax.Array, jax.Array]:
+    """``(key_N, kept_N)``: each pair's group for the sort and whether it reaches its expert.
+
+    Pair n = t * k + j (token t's j-th expert). Dropless: the key is the expert and every pair
+    is kept. Capacity: an expert keeps its first C = ceil(capacity_factor * T * k / E) pairs in
+    token order; the others get key E, sorted behind every group (the grouped GEMM gives 0).
+    """
+    e = spec.num_experts
+    expert_N = idx_Txk.reshape(-1)
+    if spec.dispatch == "dropless":
+        return expert_N, jnp.ones(expert_N.shape, bool)
+    capacity = math.ceil(spec.capacity_factor * expert_N.shape[0] / e)
+    onehot_NxE = jax.nn.one_hot(expert_N, e, dtype=jnp.int32)
+    # Each pair's place among its expert's pairs, in token order (0-based).
+    rank_N = jnp.sum(jnp.cumsum(onehot_NxE, axis=0) * onehot_NxE, axis=-1) - 1
+    kept_N = rank_N < capacity
+    return jnp.where(kept_N, expert_N, e), kept_N
+
+
+class Router(nn.Module):
+    """The router's f32 kernel [D, E] (no FP8 ever) and, for the balancing bias, its bias [E]."""
+
+    spec: MoeSpec
+    d_model: int
+
+    @nn.compact
+    def __call__(self, x_TxD: jax.Array) -> tuple[jax.Array, Routing]:
+        """``(logits_TxE, routing)`` of ``x_TxD``, in f32."""
+        e = self.spec.num_experts
+        init = normal_init(("embed", None))
+        kernel_DxE = self.param("kernel", init, (self.d_model, e), jnp.float32)
+        # HIGHEST: a full f32 product on GPUs too, which would otherwise take TF32 inputs.
+        logits_TxE = jnp.dot(
+            x_TxD.astype(jnp.float32), kernel_DxE, precision=jax.lax.Precision.HIGHEST
+        )
+        bias_E = None
+        if self.spec.router == "sigmoid" and self.spec.bias_update_rate > 0:
+            bias_E = self.variable(MOE_STATE, "bias", jnp.zeros, (e,), jnp.float32).value
+        return logits_TxE, route(logits_TxE, self.spec, bias_E)
+
+
+class MoeMlp(nn.Module):
+    """Routed SwiGLU experts (and an optional shared expert) in place of the block's MLP.
+
+    Params at ``mlp/``: ``router/kernel`` [D, E] f32, ``experts_wi/kernel`` [E, D, 2, F] (gate
+    then up), ``experts_wo/kernel`` [E, F, D]; with ``shared_d_ff`` > 0 the dense SwiGLU
+    ``shared`` (``layers.Mlp`` of that width) and with ``shared_gate`` its f32 gate
+    ``shared_gate/kernel`` [D, 1].
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array, ln=None) -> jax.Array:
+        """The layer's output for ``x``; ``ln`` must be None (no norm folds into it)."""
+        del ln  # only GPT's fused LayerNorm folds, and no MoE family runs LayerNorm
+        c, spec = self.cfg, self.cfg.moe
+        e, k, f = spec.num_experts, spec.top_k, spec.d_ff
+        b, length, d = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(b * length, d).astype(c.dtype)
+        logits_TxE, r = Router(spec, d, name="router")(x_TxD)
+        stats = aux_losses(logits_TxE, r, e)
+
+        key_N, kept_N = dispatch_keys(r.idx_Txk, spec)
+        order_N = jnp.argsort(key_N, stable=True)  # pairs grouped by expert, in token order
+        sizes_E = jnp.bincount(key_N, length=e + 1)[:e].astype(jnp.int32)  # without dropped
+        xs_NxD = x_TxD[order_N // k]
+        common = dict(recipe=c.recipe, dtype=c.dtype, param_dtype=c.param_dtype)
+        wi = GroupedLinear(
+            e,
+            d,
+            (2, f),
+            names=("expert", "embed", None, "mlp"),
+            cast_kernel=c.cast_kernel,
+            name="experts_wi",
+            **common,
+        )
+        gu_Nx2xF = wi(xs_NxD, sizes_E)
+        h_NxF = nn.silu(gu_Nx2xF[:, 0]) * gu_Nx2xF[:, 1]
+        wo = GroupedLinear(
+            e,
+            f,
+            (d,),
+            names=("expert", "mlp", "embed"),
+            std=INIT_STD / math.sqrt(2 * c.num_layers),  # as the dense MLP's wo
+            cast_kernel=c.cast_kernel,
+            name="experts_wo",
+            **common,
+        )
+        ys_NxD = wo(h_NxF, sizes_E)
+        # Unsort: pair n's output back at n (dropped pairs' rows are the GEMM's zeros).
+        y_TxkxD = ys_NxD[jnp.argsort(order_N)].reshape(b * length, k, d)
+        y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
+        if spec.shared_d_ff:
+            shared_cfg = dataclasses.replace(c, d_ff=spec.shared_d_ff)
+            s_TxD = layers.Mlp(shared_cfg, name="shared")(x_TxD[None])[0].astype(jnp.float32)
+            if spec.shared_gate:
+                gate = nn.Dense(
+                    1,
+                    use_bias=False,
+                    dtype=jnp.float32,
+                    param_dtype=jnp.float32,
+                    kernel_init=normal_init(("embed", None)),
+                    precision=jax.lax.Precision.HIGHEST,
+                    name="shared_gate",
+                )
+                s_TxD = s_TxD * jax.nn.sigmoid(gate(x_TxD.astype(jnp.float32)))
+            y_TxD = y_TxD + s_TxD
+
+        aux = spec.aux_loss_coef * stats["balance_loss"] + spec.z_loss_coef * stats["z_loss"]
+        self.sow(MOE_LOSSES, "aux_loss", aux)
+        metrics = {name: jax.lax.stop_gradient(v) for name, v in stats.items()}
+        if spec.dispatch == "capacity":
+            metrics["dropped"] = 1.0 - jnp.mean(kept_N.astype(jnp.float32))  # share of pairs
+        for name, value in metrics.items():
+            self.sow(MOE_METRICS, name, value)
+        return y_TxD.astype(c.dtype).reshape(b, length, d)
+
+
+def _layer_order(path: tuple[str, ...]) -> tuple:
+    """Sort key of a flattened path: block_2 before block_10."""
+    return tuple(int(p) if p.isdigit() else p for k in path for p in re.split(r"(\d+)", k))
+
+
+def layer_metrics(tree, scanned: bool) -> dict[str, jax.Array]:
+    """A sown ``MOE_METRICS`` (or ``MOE_LOSSES``) tree as ``{name: [layers, ...]}``.
+
+    ``scanned``: the layers are stacked by ``nn.scan`` (each value already has the layer axis);
+    otherwise each block's value is one layer, in block order.
+    """
+    flat = traverse_util.flatten_dict(dict(tree))
+    out: dict[str, list] = {}
+    for path in sorted(flat, key=_layer_order):
+        (value,) = flat[path]  # sow's one-element tuple
+        out.setdefault(path[-1], []).append(value if scanned else value[None])
+    return {name: jnp.concatenate(values) for name, values in out.items()}
+
+
+def update_bias(moe_state, loads_LxE: jax.Array, rate: float, scanned: bool):
+    """DeepSeek-V3's balancing step: each bias += rate * sign(mean load - its expert's load).
+
+    ``moe_state``: the ``MOE_STATE`` tree (each MoE layer's ``router/bias``); ``loads_LxE``:
+    the layers' expert loads in layer order (``layer_metrics``' ``LOAD``); ``scanned`` as there.
+    """
+    flat = traverse_util.flatten_dict(dict(moe_state))
+    paths = sorted(flat, key=_layer_order)
+    bias_LxE = jnp.concatenate([flat[p] if scanned else flat[p][None] for p in paths])
+    loads_LxE = loads_LxE.astype(jnp.float32)
+    mean_Lx1 = jnp.mean(loads_LxE, axis=-1, keepdims=True)
+    bias_LxE = bias_LxE + rate * jnp.sign(mean_Lx1 - loads_LxE)
+    new = {paths[0]: bias_LxE} if scanned else {p: bias_LxE[i] for i, p in enumerate(paths)}
+    return traverse_util.unflatten_dict(new)
+
+
+layers.MLP_MODULES["moe"] = MoeMlp  # the block kind 'moe' (models.config.MLPS)

@@ -6,6 +6,10 @@ and counts the GEMM kernels XLA picked: ``__cublas$lt$matmul$f8`` is an FP8 GEMM
 else (``__cublas$lt$matmul``, ``__cublas$gemm``, Triton GEMM fusions) is not. The StableHLO view
 says what the program asks for; the compiled view says what XLA delivered (it silently
 upcasts E5M2 x E5M2 and layouts cuBLASLt cannot take).
+
+The expert layers' grouped GEMMs (``ops.grouped``) are listed with the rest: a ``chlo.ragged_dot``
+(GPU and TPU lowerings; its decomposition is not counted again) or, on CPU, the dense
+``dot_general`` ``ragged_dot`` expands to; ``DotEntry.grouped`` marks them, under their scope.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import Counter
 
 import jax
 
-from fp8jax.ops import cublaslt, scaling
+from fp8jax.ops import cublaslt, grouped, scaling
 
 __all__ = [
     "BLOCK_GEMM",
@@ -25,6 +29,7 @@ __all__ = [
     "FP8_KERNELS",
     "FP8_TYPES",
     "MOSAIC",
+    "RAGGED_DOT",
     "SCALED_GEMM",
     "TRITON",
     "CoverageReport",
@@ -50,6 +55,7 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu"  # Pallas' Mosaic GPU kernels' custom calls (mosaic_gpu, mosaic_gpu_v2)
 SCALED_GEMM = cublaslt.TARGET  # cuBLASLt's rowwise- and block-scaled FP8 GEMMs (ops.cublaslt)
 FP8_KERNELS = (CUBLAS_FP8, BLOCK_GEMM, SCALED_GEMM)  # compiled GEMM kernels that run in FP8
+RAGGED_DOT = "ragged_dot"  # a grouped GEMM's chlo.ragged_dot (a composite op on GPU)
 # The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>', a name in
 # scaling.RECIPES (in the backward pass inside transpose(jvp(...))).
 _RECIPE = re.compile(r"(?:^|[/(])fp8_(\w+?)(?=[/)]|$)")
@@ -58,6 +64,16 @@ _OPERANDS = re.compile(r":\s*\(((?:tensor<[^>]*>,?\s*)+)\)\s*->\s*\(?(tensor<[^>
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@\"?([^\s(\"]+)")
 _CALL = re.compile(r"\bcall\s+@\"?([^\s(\"]+)")
 _DOT = re.compile(r"stablehlo\.dot(?:_general)?(?!\w)")
+_RAGGED = re.compile(r'(?:"chlo\.ragged_dot"|\bchlo\.ragged_dot\b)')
+_DECOMPOSITION = re.compile(r"decomposition\s*=\s*@\"?([^\s,}\"]+)")
+# A composite's ragged_dot_dimension_numbers: lhs, rhs batching; lhs, rhs contracting; lhs
+# ragged; rhs group dims, each a dense<...> constant.
+_RAGGED_DIMS = re.compile(r"ragged_dot_dimension_numbers\s*=\s*\[(.*?)\]\s*[,}]")
+_DENSE = re.compile(r"dense<([^>]*)>")
+# The chlo op's own attribute syntax: #chlo.ragged_dot<lhs_ragged_dimensions = [0], ...>
+_RAGGED_GENERIC = re.compile(
+    r"(lhs|rhs)_(batching|contracting|ragged|group)_dimensions\s*=\s*\[([\d,\s]*)\]"
+)
 _SIG = re.compile(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)")
 _DIMS = re.compile(r"(contracting_dims|batching_dims)\s*=\s*\[([\d,\s]*)\]\s*x\s*\[([\d,\s]*)\]")
 # Generic (quoted-op) syntax: #stablehlo.dot<lhs_contracting_dimensions = [1], ...>
@@ -94,7 +110,14 @@ class DotEntry:
     function: str  # the StableHLO function holding it ('main' or a private helper)
     count: int  # how many times the program reaches it (a loop body counts once)
     name: str  # JAX name stack, e.g. 'jit(step)/transpose(jvp(Dense_0))/Fp8DotGeneral_0'
-    kernel: str = "dot_general"  # 'dot_general' (XLA picks), BLOCK_GEMM or SCALED_GEMM
+    kernel: str = "dot_general"  # 'dot_general' (XLA picks), BLOCK_GEMM, SCALED_GEMM, RAGGED_DOT
+    ragged: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # a ragged dot's lhs ragged and
+    # rhs group dims (its group axis leads the output when the ragged dim is contracted)
+
+    @property
+    def grouped(self) -> bool:
+        """A grouped (expert) GEMM: a ragged dot, or a dot under ``ops.grouped``'s scope."""
+        return bool(self.ragged[0]) or grouped.SCOPE in self.name
 
     @property
     def recipe(self) -> str:
@@ -116,7 +139,10 @@ class DotEntry:
     def flops(self) -> int:
         """2 * output elements * contracted size, per execution (0 if a dim is dynamic)."""
         k_dims = [self.lhs_shape[d] for d in self.contracting[0]]
-        sizes = [*self.out_shape, *k_dims]
+        out = self.out_shape
+        if set(self.ragged[0]) & set(self.contracting[0]):
+            out = out[1:]  # [G, ...]: each contracted row enters one group's product only
+        sizes = [*out, *k_dims]
         return 0 if None in sizes else 2 * math.prod(sizes)
 
 
@@ -150,6 +176,11 @@ class CoverageReport:
         return fp8 / total if total else 0.0
 
     @property
+    def grouped(self) -> tuple[DotEntry, ...]:
+        """The grouped (expert) GEMMs, with their operand formats in ``lhs_dtype``/``rhs_dtype``."""
+        return tuple(e for e in self.entries if e.grouped)
+
+    @property
     def num_fp8_gemms(self) -> int | None:
         """Compiled FP8 GEMMs: ``__cublas$lt$matmul$f8`` calls and fp8jax's block-scaled GEMM
         kernels (None when not compiled for GPU)."""
@@ -170,15 +201,23 @@ class CoverageReport:
 
         lines = [
             f"FP8 coverage: {self.num_fp8}/{self.num_total} dot_generals in FP8 "
-            f"({100 * self.fp8_share:.1f}%), {100 * self.fp8_flop_share:.1f}% of dot FLOPs",
+            f"({100 * self.fp8_share:.1f}%), {100 * self.fp8_flop_share:.1f}% of dot FLOPs"
+            + (
+                f"; grouped (expert) GEMMs: {sum(e.is_fp8 for e in self.grouped)}/"
+                f"{len(self.grouped)} in FP8"
+                if self.grouped
+                else ""
+            ),
             f"{'#':>3} {'n':>3} {'fp8':<4} {'recipe':<8} {'kernel':<20} {'lhs':<22} "
             f"{'rhs':<22} {'out':<18} name",
         ]
         for i, e in enumerate(self.entries):
             name = e.name if len(e.name) <= 70 else "..." + e.name[-67:]
+            # A grouped GEMM lowered as a dense dot (CPU's ragged_dot) says so.
+            kernel = f"dense {RAGGED_DOT}" if e.grouped and e.kernel != RAGGED_DOT else e.kernel
             lines.append(
                 f"{i:>3} {e.count:>3} {'yes' if e.is_fp8 else 'NO':<4} {e.recipe or '-':<8} "
-                f"{e.kernel:<20} {fmt(e.lhs_dtype, e.lhs_shape):<22} "
+                f"{kernel:<20} {fmt(e.lhs_dtype, e.lhs_shape):<22} "
                 f"{fmt(e.rhs_dtype, e.rhs_shape):<22} {fmt(e.out_dtype, e.out_shape):<18} {name}"
             )
         if self.gemm_counts is not None:
@@ -235,6 +274,8 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
     dots: list[tuple[str, str]] = []  # (function, line)
     calls: Counter[tuple[str, str]] = Counter()  # (caller, callee) -> call sites
     call_site: dict[str, tuple[str, str]] = {}  # callee -> (its first caller, that call's name)
+    # A composite's decomposition (chlo.ragged_dot's per-group dots) is not run beside it.
+    decompositions = set(_DECOMPOSITION.findall(text))
     func = "main"
     for line in text.splitlines():
         m = _FUNC.search(line)
@@ -244,7 +285,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         for callee in _CALL.findall(line):
             calls[(func, callee)] += 1
             call_site.setdefault(callee, (func, _loc_name(line, locs)))
-        if _DOT.search(line) or _kernel_call(line, locs):
+        if func in decompositions:
+            continue
+        if _DOT.search(line) or _RAGGED.search(line) or _kernel_call(line, locs):
             dots.append((func, line))
 
     memo: dict[str, int] = {}
@@ -274,6 +317,9 @@ def parse_stablehlo(text: str) -> tuple[DotEntry, ...]:
         if kernel:
             entries.append(_kernel_entry(line, kernel, (f, reach(f), name)))
             continue
+        if _RAGGED.search(line):
+            entries.append(_ragged_entry(line, (f, reach(f), name)))
+            continue
         sig = _SIG.search(line)
         if not sig:
             continue
@@ -297,6 +343,25 @@ def _entry(lhs, rhs, out, dims, where, kernel: str = "dot_general") -> DotEntry:
     (ld, ls), (rd, rs), (od, os_), (lc, rc, lb, rb) = lhs, rhs, out, dims
     function, count, name = where
     return DotEntry(ld, rd, od, ls, rs, os_, (lc, rc), (lb, rb), function, count, name, kernel)
+
+
+def _ragged_entry(line: str, where) -> DotEntry:
+    """A ``chlo.ragged_dot`` (its operands lhs, rhs, group sizes) as a dot with its ragged dims."""
+    operands, out = _OPERANDS.search(line).groups()
+    lhs, rhs = (_tensor(t) for t in re.findall(r"tensor<[^>]*>", operands)[:2])
+    dims = {k: [(), ()] for k in ("batching", "contracting", "ragged")}
+    listed = _RAGGED_DIMS.search(line)
+    if listed:
+        values = [_ints(v.replace("[", "").replace("]", "")) for v in _DENSE.findall(listed[1])]
+        if len(values) == 6:
+            dims["batching"], dims["contracting"], dims["ragged"] = map(
+                list, (values[0:2], values[2:4], values[4:6])
+            )
+    for side, kind, a in _RAGGED_GENERIC.findall(line):
+        kind = "ragged" if kind == "group" else kind
+        dims[kind][side == "rhs"] = _ints(a)
+    entry = _entry(lhs, rhs, _tensor(out), (*dims["contracting"], *dims["batching"]), where)
+    return dataclasses.replace(entry, kernel=RAGGED_DOT, ragged=tuple(dims["ragged"]))
 
 
 def _kernel_entry(line: str, kernel: str, where) -> DotEntry:

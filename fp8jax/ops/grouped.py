@@ -1,30 +1,101 @@
 """Grouped GEMM for expert layers: ``y[rows of group g] = x[rows of group g] . w[g]``.
 
 x [M, K] holds the rows of every group back to back, sorted by group: group g is rows
-``[sum(sizes[:g]), sum(sizes[:g + 1]))``; rows past ``sum(sizes)`` give 0 in y (a dropless
-dispatch pads M to a static size). w [G, K, N] stacks the groups' weights.
+``[sum(sizes[:g]), sum(sizes[:g + 1]))``; rows past ``sum(sizes)`` give 0 in y and get 0 in dx
+(a dropless dispatch pads M to a static size), and enter no amax. w [G, K, N] stacks the
+groups' weights.
 
-With no recipe (level O0) the GEMM is ``jax.lax.ragged_dot``, accumulating in f32. With one, the
-recipe runs it (``Recipe.grouped_matmul``): the FP8 GEMM with its custom VJP, returning the
-``Fp8Meta`` with this call's amaxes, as ``ops.dot.dot_general`` does for a dense GEMM.
+With no recipe (level O0) the GEMM is ``jax.lax.ragged_dot``, accumulating in f32. With one,
+the recipe runs it (``Recipe.grouped_matmul``) as one of the two custom VJPs here, which return
+the ``Fp8Meta`` with this call's amaxes as ``ops.dot.dot_general`` does for a dense GEMM (x's and
+w's recorded in the forward pass, dy's sent back as the meta's cotangent, all merged by max):
+
+========  ===========================  ====================================================
+GEMM      per-tensor (``tensor_*``)     tiled (``tiled_*``; T = the recipe's tile width)
+========  ===========================  ====================================================
+fwd       x E4M3, w E4M3 (one scale     x 1 x T along K; w T x T blocks per group (block) or
+          over all G groups)            per column along K (rowwise); E4M3
+dgrad     dy E5M2 (``dy_format``), w    dy 1 x T along N in ``dy_format``; w T x T (block)
+          as in the forward             or per row along N (rowwise)
+wgrad     x, dy as in the fwd, dgrad    x and dy T x 1 along M (the tiles cross group edges)
+========  ===========================  ====================================================
+
+Each amax is one f32 scalar, the max over all groups (and, under expert parallelism, merged
+across shards by max like any other pending amax). The three GEMMs go through one function,
+``fp8_grouped_gemm``, where a Hopper FP8 grouped kernel plugs in; today it is XLA's
+``ragged_dot_general`` on the FP8 values (f32 accumulation), the bit-faithful reference.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import dot, scaling
+from fp8jax.ops import block_cast, dot, formats, gemm, scaling
+from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
-__all__ = ["check_shapes", "grouped_matmul", "ragged_dot"]
+__all__ = [
+    "DGRAD",
+    "FORWARD",
+    "GEMMS",
+    "SCOPE",
+    "WGRAD",
+    "check_shapes",
+    "fp8_grouped_gemm",
+    "grouped_matmul",
+    "ragged_dot",
+    "tensor_grouped_matmul",
+    "tiled_grouped_matmul",
+    "valid_rows",
+]
+
+FORWARD = "forward"  # x [M, K] . w[g] [K, N] -> [M, N], M ragged
+DGRAD = "dgrad"  # dy [M, N] . w[g]^T [N, K] -> [M, K], M ragged
+WGRAD = "wgrad"  # x_g^T [K, M_g] . dy_g [M_g, N] -> [G, K, N], M ragged and contracted
+GEMMS = (FORWARD, DGRAD, WGRAD)
+SCOPE = "grouped_gemm"  # the named scope around every grouped GEMM, O0 included
+
+_DIMS = {  # (contracting dims, lhs ragged dims, rhs group dims) of lax.ragged_dot_general
+    FORWARD: (((1,), (1,)), (0,), (0,)),
+    DGRAD: (((1,), (2,)), (0,), (0,)),
+    WGRAD: (((0,), (0,)), (0,), ()),
+}
 
 
 def ragged_dot(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype):
     """``jax.lax.ragged_dot`` accumulating in f32, the result in ``out_dtype``: the O0 GEMM."""
     y = lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+def fp8_grouped_gemm(kind: str, a: jax.Array, b: jax.Array, group_sizes_G: jax.Array):
+    """One grouped GEMM of an FP8 layer (``kind``: ``FORWARD``, ``DGRAD`` or ``WGRAD``), f32.
+
+    The per-tensor path passes the FP8 operands themselves (E4M3, E5M2), the tiled path their
+    tile-dequantized f32 values. This is the one place a Hopper FP8 grouped kernel (Mosaic GPU
+    WGMMA, or cuBLASLt's grouped GEMM through the FFI handler) replaces the reference; today it
+    is ``lax.ragged_dot_general``, which multiplies the FP8 values exactly and accumulates in
+    f32, so the result is the one an FP8 GEMM with f32 accumulation gives, up to summation order.
+    """
+    (contract, ragged, group) = _DIMS[kind]
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(contract, ((), ())),
+        lhs_ragged_dimensions=list(ragged),
+        rhs_group_dimensions=list(group),
+    )
+    return lax.ragged_dot_general(a, b, group_sizes_G, dims, preferred_element_type=jnp.float32)
+
+
+def valid_rows(x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``x`` with the rows past ``sum(group_sizes)`` set to 0: they enter no GEMM and no amax."""
+    keep_M = jnp.arange(x_MxK.shape[0]) < jnp.sum(group_sizes_G)
+    return jnp.where(keep_M[:, None], x_MxK, jnp.zeros((), x_MxK.dtype))
 
 
 def check_shapes(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> None:
@@ -48,6 +119,148 @@ def check_shapes(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array)
         )
 
 
+def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
+    """The state cotangent: dy's amax max-merged into what later uses sent back."""
+    return gemm.dy_cotangent(meta, ct_meta, scaling.record(ct_meta.dy, amax_g).amax_history)
+
+
+# Per-tensor recipes: one scale for x, one for all of w, one for dy.
+
+
+def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
+    x = valid_rows(x, gs)
+    amax_x, amax_w = formats.amax(x), formats.amax(w)  # w's over all G groups: one scale
+    sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
+    # E4M3 for both forward operands: activations and weights need precision more than range.
+    xq = formats.quantize(x, sx, formats.E4M3)
+    wq = formats.quantize(w, sw, formats.E4M3)
+    # Residuals named for remat policies (ops.remat); the GEMM reads the unnamed copies, as in
+    # ops.dot (a saved residual read through reduce_precision would turn |q| >= 256 into NaN).
+    xq_saved, sx_saved = checkpoint_name((xq, sx), FP8_X)
+    wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
+    y = fp8_grouped_gemm(FORWARD, xq, wq, gs)  # [M, N] f32
+    y = checkpoint_name(gemm.unscale(y, 1.0 / (sx * sw), cfg.out_dtype), FP8_OUT)
+    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tensor_grouped_matmul(cfg: GemmConfig, x_MxK, w_GxKxN, group_sizes_G, meta: Fp8Meta):
+    """``(y [M, N], meta with x's and w's amax)``: the grouped GEMM under per-tensor scales."""
+    y, new_meta, _ = _tensor_fwd_impl(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
+    return y, new_meta
+
+
+def _tensor_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
+    y, new_meta, res = _tensor_fwd_impl(cfg, x, w, gs, meta)
+    return (y, new_meta), (*res, gs, meta)
+
+
+def _tensor_bwd(cfg: GemmConfig, res, cts):
+    xq, wq, sx, sw, gs, meta = res
+    g, ct_meta = cts  # g [M, N] in the output dtype
+    g = valid_rows(g, gs)
+    amax_g = formats.amax(g)
+    sg = scaling.use_scale(meta.dy, amax_g)
+    # The recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
+    # mantissa).
+    gq = formats.quantize(g, sg, meta.dy.fmt)
+    dx = fp8_grouped_gemm(DGRAD, gq, wq, gs)  # [M, K]: each row times its group's w^T
+    dw = fp8_grouped_gemm(WGRAD, xq, gq, gs)  # [G, K, N]: x_g^T . dy_g, 0 for an empty group
+    dx = gemm.unscale(dx, 1.0 / (sg * sw), cfg.x_dtype)
+    dw = gemm.unscale(dw, 1.0 / (sx * sg), cfg.w_dtype)
+    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
+
+
+tensor_grouped_matmul.defvjp(_tensor_fwd, _tensor_bwd)
+
+
+# Tiled recipes (rowwise, block): scales per row or tile from each call's values; the state keeps
+# per-tensor amaxes for health reporting only.
+
+
+def _qdq_tiles(a_MxK: jax.Array, fmt, tile: int, recipe) -> tuple[jax.Array, jax.Array]:
+    """``(a quantized in 1 x tile tiles along its last axis and dequantized, f32; amax)``."""
+    q, inv, amax = block_cast.quantize_tiles(a_MxK, fmt, tile, recipe)
+    return block_cast.dequantize_tiles(q, inv, tile), amax
+
+
+def _qdq_cols(a_MxK: jax.Array, fmt, tile: int, recipe) -> tuple[jax.Array, jax.Array]:
+    """``_qdq_tiles`` of ``a.T``, transposed back: tiles of ``tile`` x 1 along the first axis."""
+    a, amax = _qdq_tiles(a_MxK.T, fmt, tile, recipe)
+    return a.T, amax
+
+
+def _tiled_weights(w_GxKxN: jax.Array, recipe) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(w for the forward GEMM, w for dgrad, amax)``, E4M3 dequantized to f32, per group.
+
+    T x T blocks (the recipe's ``weight_tile``) serve both GEMMs; without one, the forward's
+    w is scaled per column along K and dgrad's per row along N (each along its contraction).
+    """
+    _, k, n = w_GxKxN.shape
+    t = recipe.weight_tile
+    if t is not None:
+
+        def blocks(w_KxN):
+            q, inv, amax = block_cast.quantize_blocks(w_KxN, formats.E4M3, t, recipe)
+            return block_cast.dequantize_blocks(q, inv, t), amax
+
+        w, amax_G = jax.vmap(blocks)(w_GxKxN)
+        return w, w, jnp.max(amax_G)
+    fwd, amax_G = jax.vmap(lambda w: _qdq_cols(w, formats.E4M3, recipe.tile_width(k), recipe))(
+        w_GxKxN
+    )
+    dgrad, _ = jax.vmap(lambda w: _qdq_tiles(w, formats.E4M3, recipe.tile_width(n), recipe))(
+        w_GxKxN
+    )
+    return fwd, dgrad, jnp.max(amax_G)
+
+
+def _tiled_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
+    recipe = meta.x.recipe
+    x = valid_rows(x, gs)
+    # E4M3 for x, in 1 x T tiles along K (its contraction here).
+    xd, amax_x = _qdq_tiles(x, formats.E4M3, recipe.tile_width(x.shape[1]), recipe)
+    wd, _, amax_w = _tiled_weights(w, recipe)
+    y = fp8_grouped_gemm(FORWARD, xd, wd, gs).astype(cfg.out_dtype)
+    new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
+    return y, new_meta
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tiled_grouped_matmul(cfg: GemmConfig, x_MxK, w_GxKxN, group_sizes_G, meta: Fp8Meta):
+    """``(y [M, N], meta with x's and w's amax)``: the grouped GEMM under a tiled recipe.
+
+    The reference on tile-dequantized values; the backward quantizes x and w again from the
+    kept inputs (the same scales: each tile's come from its own values).
+    """
+    return _tiled_fwd_impl(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
+
+
+def _tiled_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
+    return _tiled_fwd_impl(cfg, x, w, gs, meta), (x, w, gs, meta)
+
+
+def _tiled_bwd(cfg: GemmConfig, res, cts):
+    x, w, gs, meta = res
+    g, ct_meta = cts  # g [M, N] in the output dtype
+    recipe = meta.x.recipe
+    x, g = valid_rows(x, gs), valid_rows(g, gs)
+    m, n = g.shape
+    fmt = meta.dy.fmt  # the recipe's dy format (E4M3 by default: its scales follow each tile)
+    _, wd, _ = _tiled_weights(w, recipe)
+    gd, amax_g = _qdq_tiles(g, fmt, recipe.tile_width(n), recipe)  # 1 x T along N, for dgrad
+    dx = fp8_grouped_gemm(DGRAD, gd, wd, gs).astype(cfg.x_dtype)
+    # wgrad contracts M: x (E4M3) and dy in T x 1 tiles along M, across the groups' edges.
+    xd_t, _ = _qdq_cols(x, formats.E4M3, recipe.tile_width(m), recipe)
+    gd_t, _ = _qdq_cols(g, fmt, recipe.tile_width(m), recipe)
+    dw = fp8_grouped_gemm(WGRAD, xd_t, gd_t, gs).astype(cfg.w_dtype)
+    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
+
+
+tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+
+
 def grouped_matmul(
     x_MxK: jax.Array,
     w_GxKxN: jax.Array,
@@ -66,10 +279,13 @@ def grouped_matmul(
     check_shapes(x_MxK, w_GxKxN, group_sizes_G)
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x_MxK.dtype, w_GxKxN.dtype))
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if recipe is None:
-        return ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
-    dot.check_operand("x", x_MxK)
-    dot.check_operand("w", w_GxKxN)
-    # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
-    with jax.named_scope(f"fp8_grouped_{recipe.name}"):
-        return recipe.grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype)
+    m, k = x_MxK.shape
+    # The scopes name the grouped GEMM and its recipe in the program (diagnostics.coverage).
+    with jax.named_scope(SCOPE):
+        if recipe is None or 0 in (m, k, *w_GxKxN.shape):
+            # O0; or nothing to quantize (an empty tensor's amax is 0: the state stays as it is).
+            return ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
+        dot.check_operand("x", x_MxK)
+        dot.check_operand("w", w_GxKxN)
+        with jax.named_scope(f"fp8_{recipe.name}"):
+            return recipe.grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype)

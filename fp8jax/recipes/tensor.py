@@ -1,15 +1,18 @@
 """What the per-tensor recipes (delayed, current) share: one scale per tensor.
 
-Their matmul is ``ops.dot.tensor_matmul`` (E4M3 x and w, E5M2 dy, one scale each) and their MLP
-``ops.mlp.tensor_gelu_mlp``; the scale is kept in the ``ScaleState``, so checkpoints serve with it
-and O3 gathers kernels as E4M3 under it.
+Their matmul is ``ops.dot.tensor_matmul`` (E4M3 x and w, E5M2 dy, one scale each), their MLP
+``ops.mlp.tensor_gelu_mlp`` and their expert GEMM ``ops.grouped.tensor_grouped_matmul``; the
+scale is kept in the ``ScaleState``, so checkpoints serve with it and O3 gathers kernels as E4M3
+under it.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from fp8jax.ops import dot, formats, mlp, scaling
+from fp8jax.ops import dot, formats, grouped, mlp, scaling
+from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta, ScaleState
 
 __all__ = ["TensorRecipe"]
@@ -36,6 +39,18 @@ class TensorRecipe(scaling.Recipe):
     def matmul(self, cfg, x: jax.Array, w: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
         """``ops.dot.tensor_matmul``: batched or not, one scale per operand."""
         return dot.tensor_matmul(cfg, x, w, meta)
+
+    def grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w_GxKxN: jax.Array,
+        group_sizes_G: jax.Array,
+        meta: Fp8Meta,
+        out_dtype,
+    ) -> tuple[jax.Array, Fp8Meta]:
+        """``ops.grouped.tensor_grouped_matmul``: one scale for x, one for all G weights."""
+        cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
+        return grouped.tensor_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
 
     def gelu_mlp(
         self,

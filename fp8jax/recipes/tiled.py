@@ -1,7 +1,9 @@
 """What the fine-grained recipes (rowwise, block) share: scales per row or tile, from each call.
 
 Their matmul is ``ops.fine.fine_matmul`` and their MLP ``ops.fine_mlp.gelu_mlp``, whose custom
-VJPs call the recipe's ``cast_x``, ``forward`` and ``backward`` for each GEMM's casts and kernels.
+VJPs call the recipe's ``cast_x``, ``forward`` and ``backward`` for each GEMM's casts and kernels;
+their expert GEMM is ``ops.grouped.tiled_grouped_matmul``, tiled by ``tile_width`` and
+``weight_tile``.
 The ``ScaleState`` keeps per-tensor amaxes for health reporting only; no scale is stored.
 """
 
@@ -10,8 +12,9 @@ from __future__ import annotations
 import abc
 
 import jax
+import jax.numpy as jnp
 
-from fp8jax.ops import fine, fine_mlp, formats, norm, scaling
+from fp8jax.ops import fine, fine_mlp, formats, grouped, norm, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.scaling import Fp8Meta, ScaleState
 
@@ -96,6 +99,19 @@ class TiledRecipe(scaling.Recipe):
         """``ops.fine.fine_matmul``: one plain GEMM per call (a batched one is an error)."""
         fine.check_unbatched(self, cfg.batched)
         return fine.fine_matmul(cfg, x, w, meta)
+
+    def grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w_GxKxN: jax.Array,
+        group_sizes_G: jax.Array,
+        meta: Fp8Meta,
+        out_dtype,
+    ) -> tuple[jax.Array, Fp8Meta]:
+        """``ops.grouped.tiled_grouped_matmul``: x and dy per tile, w per tile of each group."""
+        fine.check_recipes(meta)
+        cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
+        return grouped.tiled_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
 
     def gelu_mlp(
         self,

@@ -23,6 +23,7 @@ if __name__ == "__main__":
 
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -171,6 +172,7 @@ def fp8_dispatch_case(data) -> dict:
     axes = ("data", "expert")
     rows = NamedSharding(mesh, P(axes))
     keep = keep_mask(np.asarray(data["idx"]), None)
+    w_ExDxD = data["w1"][:, :, :D]  # square: the output meets the cotangent
 
     def run(fp8):
         def f(x, p, w):
@@ -188,12 +190,13 @@ def fp8_dispatch_case(data) -> dict:
             return jnp.sum(y * data["ct"]), y
 
         g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
-        w = jax.device_put(data["w1"], NamedSharding(mesh, P("expert")))
+        w = jax.device_put(w_ExDxD, NamedSharding(mesh, P("expert")))
         return g(jax.device_put(data["x"], rows), jax.device_put(data["p"], rows), w)
 
     (_, y8), (gx8, _) = run(True)
     (_, y), (gx, _) = run(False)
-    x, idx, p, w = (np.asarray(data[k], np.float64) for k in ("x", "idx", "p", "w1"))
+    x, idx, p = (np.asarray(data[k], np.float64) for k in ("x", "idx", "p"))
+    w = np.asarray(w_ExDxD, np.float64)
     # E4M3 with the row's amax on 448: |x' - x| <= eps/2 |x| (normals) + half the smallest
     # subnormal step in the row's scale (values near zero); through expert e's weights and the
     # router weight, elementwise.
@@ -204,7 +207,7 @@ def fp8_dispatch_case(data) -> dict:
         np.abs(p[:, j : j + 1]) * np.einsum("td,tdf->tf", dx, np.abs(w[idx[:, j].astype(int)]))
         for j in range(K)
     )
-    y_ref = np.asarray(reference(data["x"], data["idx"], data["p"], data["w1"], None, keep, True))
+    y_ref = np.asarray(reference(data["x"], data["idx"], data["p"], w_ExDxD, None, keep, True))
     err = np.abs(np.asarray(y8, np.float64) - y_ref)
     slack = 1e-6 * np.max(np.abs(y_ref))  # f32 GEMM rounding
     return dict(
@@ -228,6 +231,53 @@ def step_case() -> dict:
     return sc.compare(base, other)
 
 
+def moe_config(dispatch: str, data=1, expert=1, fsdp=1):
+    """configs/moe_tiny.py at O1, shrunk as sharded_checks' tiny config (16 tokens a row).
+
+    No load-balancing loss: E * sum_e f_e P_e over one replica's tokens is not that replica's
+    share of the global batch's, so replicas change it by design; the z-loss (a mean over
+    tokens) and everything else add up.
+    """
+    c = sc.train_lib.load_config("moe_tiny")
+    c.fp8.level = "O1"
+    c.model.update(vocab_size=256, max_len=16)
+    c.model.moe.update(dispatch=dispatch, aux_loss_coef=0.0)
+    c.seq_len, c.batch_size, c.warmup_steps = 16, 16, 1
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = data, fsdp, 1, expert
+    return c
+
+
+# name -> (dispatch, data, expert, fsdp) of the sharded MoE steps
+MOE_STEPS = {
+    "data2 x ep4": ("dropless", 2, 4, 1),
+    "data2 x ep2 x fsdp2": ("dropless", 2, 2, 2),
+    "data2 x ep4 capacity": ("capacity", 2, 4, 1),
+}
+
+
+def moe_step_cases() -> dict:
+    """Two MoE train steps with the experts split over 'expert' against one device."""
+    base, out = {}, {}
+    for name, (dispatch, *sizes) in MOE_STEPS.items():
+        if dispatch not in base:
+            base[dispatch] = sc.run(sc.prepare(moe_config(dispatch), jax.devices()[:1]))
+        prepared = sc.prepare(moe_config(dispatch, *sizes), jax.devices())
+        out[name] = sc.compare(base[dispatch], sc.run(prepared))
+        # The dispatch's all-to-alls, told from the gradient reduction's (FP8 bytes) by the
+        # expert ids they carry (s32) and the tokens (f32 at O1).
+        out[name]["all_to_all_dtypes"] = sorted(
+            {
+                m.group(1)
+                for line in prepared["step"].as_text().splitlines()
+                if " all-to-all(" in line and (m := re.search(r"= \(?(\w+)\[", line))
+            }
+        )
+        out[name]["experts_sharded"] = str(
+            prepared["state_sharding"].params["blocks"]["mlp"]["experts_wi"]["kernel"].spec
+        )
+    return out
+
+
 def main() -> None:
     data = inputs()
     out = {"dispatch": {}}
@@ -236,6 +286,7 @@ def main() -> None:
             out["dispatch"][f"{name} {mode}"] = dispatch_case(sizes, cf, data)
     out["fp8_dispatch"] = fp8_dispatch_case(data)
     out["step"] = step_case()
+    out["moe_steps"] = moe_step_cases()
     print(json.dumps(out))
 
 

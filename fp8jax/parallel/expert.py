@@ -12,8 +12,8 @@ shard, with its T tokens ``x_TxD``, their experts ``idx_Txk`` and router weights
    and runs its experts' grouped GEMMs (``experts_fn(x_MxD, group_sizes_G)``, G = E/ep: the
    FP8 ``GroupedLinear`` or any ``ragged_dot``); padding rows sort last and count in no group.
 3. The reverse ``all_to_all`` (the same permutation: block j of shard i goes to block i of
-   shard j) brings each pair's result back to its token's shard, where the pairs are summed
-   with their router weights in the experts' output dtype.
+   shard j) brings each pair's result back to its token's shard (in the experts' output
+   dtype), where the pairs are summed with their router weights in f32.
 
 Capacity mode keeps, per expert, the first C = ceil(capacity_factor * T_all * k / E) pairs in
 token order over all ``token_axes`` shards (T_all their tokens): each shard learns from an
@@ -118,7 +118,7 @@ def dispatch_combine(
     token_axes: tuple[str, ...] | None = None,
     wire: str = "uint8",
 ) -> jax.Array:
-    """``y_TxD = sum_j p_Txk[:, j] * expert_{idx_Txk[:, j]}(x_TxD)`` for this shard's tokens.
+    """``y_TxD = sum_j p_Txk[:, j] * expert_{idx_Txk[:, j]}(x_TxD)`` (f32) for this shard's tokens.
 
     Runs per shard inside a manual region (shard_map, or the train step's per-device replicas)
     where ``axis_name`` is bound: this shard holds experts ``[i * G, (i + 1) * G)`` (G =
@@ -177,7 +177,7 @@ def dispatch_combine(
     y_SxD = jnp.where(keep_S[:, None], back_NxD[jnp.minimum(slot_S, ep * rows - 1)], 0)
     y_PxD = jnp.zeros_like(y_SxD).at[order_P].set(y_SxD)
     y_TxkxD = y_PxD.reshape(t, k, -1)
-    return jnp.sum(y_TxkxD * p_Txk.astype(y_TxkxD.dtype)[..., None], axis=1)
+    return jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), p_Txk.astype(jnp.float32))
 
 
 def routed(

@@ -23,7 +23,7 @@ E4M3 with one f32 scale per row (DeepSeek-V3's dispatch); their gradients return
 dtype, and the combine never leaves it. Everything is differentiable: the backward of an
 ``all_to_all`` is the reverse one. FP8 amaxes the experts record inside a shard are that
 shard's: the train step merges the replicas' FP8 states by max over every data-parallel axis,
-``expert`` included (``nn.state.max_over_replicas``); ``merge_amax`` does it within a region.
+``expert`` included (``nn.state.max_over_replicas``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from fp8jax.ops import formats
-from fp8jax.ops.scaling import ScaleState
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 
@@ -48,7 +47,6 @@ __all__ = [
     "capacity",
     "dispatch_combine",
     "expert_parallel",
-    "merge_amax",
     "routed",
 ]
 
@@ -258,16 +256,3 @@ def expert_parallel(
         body, mesh=mesh, in_specs=(rows, rows, rows, experts), out_specs=rows, check_vma=False
     )
     return fn(x_TxD, idx_Txk, p_Txk, expert_params)
-
-
-def merge_amax(fp8_state, axes: tuple[str, ...] = sharding_lib.DP_AXES):
-    """Inside a manual region: every FP8 amax history's pending slot (slot 0) maxed over
-    ``axes``, so the replicated scale state sees the amax of every shard's data."""
-
-    def one(leaf):
-        if isinstance(leaf, ScaleState):
-            pending = lax.pmax(leaf.amax_history[..., 0], axes)
-            return leaf.replace(amax_history=leaf.amax_history.at[..., 0].set(pending))
-        return leaf
-
-    return jax.tree.map(one, fp8_state, is_leaf=lambda x: isinstance(x, ScaleState))

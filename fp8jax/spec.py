@@ -100,7 +100,7 @@ class MeshSpec:
     data: int
     fsdp: int
     tensor: int
-    expert: int = 1  # expert-parallel shards (MoE: the routed experts split, tokens by all-to-all)
+    expert: int  # expert-parallel shards (MoE: the routed experts split, tokens by all-to-all)
 
 
 @dataclasses.dataclass(frozen=True)

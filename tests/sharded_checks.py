@@ -262,7 +262,7 @@ def block_gather_check(devices) -> dict:
 
 def overflow_check() -> dict:
     """Gradients whose FP8 sum overflows naively: FP8 psum vs ``comm.reduce_gradients``."""
-    mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1))
+    mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1, expert=1))
     specs, stacks = {"w": P()}, {"w": 0}
     plan = comm.Plan(mesh, comm.CommConfig(), 1, specs, stacks, jnp.float32)
     fmt = formats.E5M2

@@ -57,7 +57,7 @@ BYTES_RATIO_MAX = 0.3  # O1's gradient bytes over O0's f32 all-reduce
 
 
 def mesh_config(data=-1, fsdp=1, tensor=1):
-    return spec.MeshSpec(data=data, fsdp=fsdp, tensor=tensor)
+    return spec.MeshSpec(data=data, fsdp=fsdp, tensor=tensor, expert=1)
 
 
 def tiny_run(level, **kwargs) -> spec.RunSpec:

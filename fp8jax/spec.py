@@ -100,6 +100,7 @@ class MeshSpec:
     data: int
     fsdp: int
     tensor: int
+    expert: int  # expert-parallel shards (MoE: the routed experts split, tokens by all-to-all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,7 @@ def parse(config) -> RunSpec:
             if not config.init_from:  # else the checkpoint's max_len, checked on import
                 _check_shapes(model, optim)
             mesh = MeshSpec(**{f.name: config.mesh[f.name] for f in dataclasses.fields(MeshSpec)})
+            _check_experts(model, mesh)
             return RunSpec(
                 seed=config.seed,
                 init_from=config.init_from,
@@ -232,6 +234,15 @@ def _moe(e) -> model_lib.MoeSpec | None:
     return model_lib.MoeSpec(**{f.name: e[f.name] for f in dataclasses.fields(model_lib.MoeSpec)})
 
 
+def _check_experts(model: ModelConfig, mesh: MeshSpec) -> None:
+    """The routed experts split evenly over the mesh's 'expert' axis."""
+    if model.moe is not None and model.moe.num_experts % mesh.expert:
+        raise ConfigError(
+            f"mesh.expert={mesh.expert} does not divide model.moe.num_experts="
+            f"{model.moe.num_experts}: use an expert axis size that divides the expert count"
+        )
+
+
 def _recipe_fields(f) -> dict:
     """The recipes' fields of ``config.fp8``, each checked by every recipe that has it.
 
@@ -273,6 +284,12 @@ def _comm(raw, mesh: MeshSpec) -> CommSpec:
     if unknown:
         raise ConfigError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
     spec = CommSpec(**{name: raw[name] for name in sorted(fields)})
+    if spec.gather == "layer" and mesh.expert != 1:
+        raise ConfigError(
+            f"comm.gather='layer' with mesh.expert={mesh.expert}: per-layer gathers hand each "
+            f"layer its fsdp shards only, not the expert-sharded weights; set mesh.expert=1 or "
+            f"comm.gather='upfront'"
+        )
     if spec.gather == "layer" and mesh.tensor != 1:
         raise ConfigError(
             f"comm.gather='layer' with mesh.tensor={mesh.tensor}: per-layer gathers run the "

@@ -92,7 +92,7 @@ def initial_state(config):
     key = json.dumps([config.model.to_dict(), config.fp8.to_dict()], sort_keys=True)
     if key not in _INITIAL:
         one = copy.deepcopy(config)
-        one.mesh.data, one.mesh.fsdp, one.mesh.tensor = -1, 1, 1
+        one.mesh.data, one.mesh.fsdp, one.mesh.tensor, one.mesh.expert = -1, 1, 1, 1
         _, init, _, _, _ = build(one, jax.devices()[:1])
         _INITIAL[key] = jax.device_get(init(jax.random.PRNGKey(config.seed)))
     return _INITIAL[key]
@@ -227,7 +227,7 @@ def block_gather_check(devices) -> dict:
     from fp8jax.ops import block_cast, scaling
     from fp8jax.parallel import layerwise
 
-    mesh = Mesh(np.array(devices).reshape(2, 4, 1), sharding.MESH_AXES)
+    mesh = Mesh(np.array(devices).reshape(2, 1, 4, 1), sharding.MESH_AXES)
     recipe = scaling.BlockScaling(block_size=16)
     out = {}
     for name, shape, dim in (("first", (256, 8, 64), 0), ("last", (8, 64, 256), 2)):
@@ -262,7 +262,7 @@ def block_gather_check(devices) -> dict:
 
 def overflow_check() -> dict:
     """Gradients whose FP8 sum overflows naively: FP8 psum vs ``comm.reduce_gradients``."""
-    mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1))
+    mesh = sharding.make_mesh(spec.MeshSpec(data=8, fsdp=1, tensor=1, expert=1))
     specs, stacks = {"w": P()}, {"w": 0}
     plan = comm.Plan(mesh, comm.CommConfig(), 1, specs, stacks, jnp.float32)
     fmt = formats.E5M2

@@ -57,7 +57,7 @@ BYTES_RATIO_MAX = 0.3  # O1's gradient bytes over O0's f32 all-reduce
 
 
 def mesh_config(data=-1, fsdp=1, tensor=1):
-    return spec.MeshSpec(data=data, fsdp=fsdp, tensor=tensor)
+    return spec.MeshSpec(data=data, fsdp=fsdp, tensor=tensor, expert=1)
 
 
 def tiny_run(level, **kwargs) -> spec.RunSpec:
@@ -113,7 +113,7 @@ def test_step_rejects_pallas_casts_that_spmd_would_split(monkeypatch):
 def test_make_mesh_resolves_rest_and_rejects_bad_sizes():
     devices = [object()] * 8
     mesh = sharding.make_mesh(mesh_config(data=-1, fsdp=2, tensor=2), devices=devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "expert": 1, "fsdp": 2, "tensor": 2}
     with pytest.raises(ValueError, match="at most one"):
         sharding.make_mesh(mesh_config(data=-1, fsdp=-1), devices=devices)
     with pytest.raises(ValueError, match="does not divide"):
@@ -123,7 +123,7 @@ def test_make_mesh_resolves_rest_and_rejects_bad_sizes():
 
 
 def test_fit_spec_drops_axes_that_do_not_divide():
-    mesh = AbstractMesh((2, 2, 4), sharding.MESH_AXES)
+    mesh = AbstractMesh((2, 1, 2, 4), sharding.MESH_AXES)
     # 2 key/value heads cannot split 4 ways: replicated; 'embed' 128 splits over fsdp.
     assert sharding.fit_spec(P("fsdp", None, "tensor"), (128, 2, 2), mesh) == P("fsdp")
     assert sharding.fit_spec(P("fsdp", "tensor"), (128, 8), mesh) == P("fsdp", "tensor")
@@ -135,7 +135,7 @@ def test_fit_spec_drops_axes_that_do_not_divide():
 
 def test_rules_put_megatron_splits_on_tensor():
     model = models.build_model(tiny_run("O1").model)
-    specs = sharding.param_specs(model, AbstractMesh((1, 2, 2), sharding.MESH_AXES))
+    specs = sharding.param_specs(model, AbstractMesh((1, 1, 2, 2), sharding.MESH_AXES))
     attn, mlp = specs["blocks"]["attn"], specs["blocks"]["mlp"]
     # [layers, embed, heads, head_dim]: column-parallel over heads, ZeRO-3 over embed.
     assert attn["q"]["kernel"] == P(None, "fsdp", "tensor")
@@ -152,7 +152,7 @@ def test_state_shardings_cover_scaled_states(level):
     model = models.build_model(run.model)
     tx = step.make_optimizer(run)
     abstract = jax.eval_shape(lambda r: step.init_state(model, tx, run, r), jax.random.key(0))
-    mesh = AbstractMesh((1, 2, 2), sharding.MESH_AXES)
+    mesh = AbstractMesh((1, 1, 2, 2), sharding.MESH_AXES)
     sh = sharding.state_shardings(model, abstract, mesh)
     q_spec = P(None, "fsdp", "tensor")
     q = sh.params["blocks"]["attn"]["q"]["kernel"]

@@ -124,6 +124,7 @@ CHANGES = {
     "mesh.data": (2, {"mesh"}),
     "mesh.fsdp": (2, {"mesh"}),
     "mesh.tensor": (2, {"mesh"}),
+    "mesh.expert": (2, {"mesh"}),
     "distributed": (True, {"distributed"}),
     "comm.enabled": (False, {"comm"}),
     "comm.grad_format": ("e4m3", {"comm"}),

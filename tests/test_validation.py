@@ -119,6 +119,7 @@ BAD = {
     "mesh.data": [0, -2],
     "mesh.fsdp": [0, 1.5],
     "mesh.tensor": [0, "1"],
+    "mesh.expert": [0, -1],
     "distributed": ["yes", 1],
     "comm.enabled": ["yes"],
     "comm.grad_format": ["float16"],

@@ -243,6 +243,10 @@ def declarations() -> ml_collections.ConfigDict:
     c.mesh.data = Int(-1, 1, also=(-1,))  # data-parallel axis size (-1 = all remaining devices)
     c.mesh.fsdp = Int(1, 1, also=(-1,))  # fully-sharded axis size
     c.mesh.tensor = Int(1, 1, also=(-1,))  # tensor-parallel axis size
+    # MoE expert parallelism: the routed experts split over this many devices (it must divide
+    # model.moe.num_experts), which also split the batch; tokens reach their experts by
+    # all-to-all (model.moe.fp8_dispatch: as E4M3). A dense model uses it as data parallelism.
+    c.mesh.expert = Int(1, 1)  # expert-parallel axis size
     c.distributed = Bool(False)  # call jax.distributed.initialize() (multi-host)
 
     # --- FP8 gradient communication (O1+, more than one data-parallel replica) ---

@@ -32,6 +32,7 @@ from fp8jax.models import layers
 from fp8jax.models.config import ModelConfig, MoeSpec
 from fp8jax.models.params import INIT_STD, normal_init
 from fp8jax.nn.grouped import GroupedLinear
+from fp8jax.parallel import expert
 
 __all__ = [
     "LOAD",
@@ -185,8 +186,6 @@ class MoeMlp(nn.Module):
             name="experts_wi",
             **common,
         )
-        gu_Nx2xF = wi(xs_NxD, sizes_E)
-        h_NxF = nn.silu(gu_Nx2xF[:, 0]) * gu_Nx2xF[:, 1]
         wo = GroupedLinear(
             e,
             f,
@@ -197,10 +196,27 @@ class MoeMlp(nn.Module):
             name="experts_wo",
             **common,
         )
-        ys_NxD = wo(h_NxF, sizes_E)
-        # Unsort: pair n's output back at n (dropped pairs' rows are the GEMM's zeros).
-        y_TxkxD = ys_NxD[jnp.argsort(order_N)].reshape(b * length, k, d)
-        y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
+
+        def experts(xs_NxD, sizes_E):
+            gu_Nx2xF = wi(xs_NxD, sizes_E)
+            return wo(nn.silu(gu_Nx2xF[:, 0]) * gu_Nx2xF[:, 1], sizes_E)
+
+        # Expert parallelism (an 'expert' mesh axis the step runs this layer over): the pairs
+        # go to their experts' devices by all-to-all and come back weighted and summed.
+        y_TxD = expert.routed(
+            x_TxD,
+            r.idx_Txk,
+            r.weights_Txk,
+            experts,
+            num_experts=e,
+            capacity_factor=spec.capacity_factor if spec.dispatch == "capacity" else None,
+            fp8_dispatch=spec.fp8_dispatch,
+        )
+        if y_TxD is None:
+            ys_NxD = experts(xs_NxD, sizes_E)
+            # Unsort: pair n's output back at n (dropped pairs' rows are the GEMM's zeros).
+            y_TxkxD = ys_NxD[jnp.argsort(order_N)].reshape(b * length, k, d)
+            y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
         if spec.shared_d_ff:
             shared_cfg = dataclasses.replace(c, d_ff=spec.shared_d_ff)
             s_TxD = layers.Mlp(shared_cfg, name="shared")(x_TxD[None])[0].astype(jnp.float32)

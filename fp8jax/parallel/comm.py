@@ -1,6 +1,7 @@
 """FP8 data-parallel communication (FP8-LM): gradient reduction (weight gathers: gather.py).
 
-Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (N replicas):
+Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``expert`` x ``fsdp`` (N
+replicas):
 
 1. Each replica holds its own gradient ``g_i`` (its loss carries a 1/N weight, so the reduced
    gradient is the sum ``sum_i g_i``).
@@ -11,9 +12,10 @@ Gradient reduction (O1+), over the data-parallel mesh axes ``data`` x ``fsdp`` (
    ``bucket_by_layer``; one for all otherwise): replica r receives every replica's r-th chunk
    and adds them in f32. An FP8 sum of N full-range values could overflow; the f32 sum
    cannot, and ``sum / N`` is again within the format's range.
-4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data``
-   only for parameters sharded over ``fsdp``, which keep just their shard: a reduce-scatter).
-   The N goes back into the inverse scale: ``g = q * (N / s)``.
+4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data`` x
+   ``expert`` only for parameters sharded over ``fsdp``, which keep just their shard: a
+   reduce-scatter). The N goes back into the inverse scale: ``g = q * (N / s)``. Experts split
+   over ``expert`` keep their own experts' slice of the sum.
 
 So each device sends about 2 bytes per gradient element (all-to-all + all-gather) where an f32
 ring all-reduce sends 8. Gradients smaller than ``min_fp8_size`` elements (norms, biases) are
@@ -46,7 +48,7 @@ from fp8jax._tree import path_key
 from fp8jax.errors import ConfigError, check_bool, check_int, check_number
 from fp8jax.ops import formats
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.parallel.sharding import DP_AXES, MESH_AXES
+from fp8jax.parallel.sharding import DP_AXES, MESH_AXES, REPLICA_AXES
 
 P = PartitionSpec
 
@@ -153,13 +155,16 @@ class Plan:
         return sharding_lib.dp_size(self.mesh)
 
     def replica_spec(self, spec: PartitionSpec) -> PartitionSpec:
-        """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp, split over N)."""
-        return P(DP_AXES, *sharding_lib.drop_axis(spec, "fsdp"))
+        """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp and expert, split
+        over N)."""
+        return P(DP_AXES, *sharding_lib.drop_axis(sharding_lib.drop_axis(spec, "fsdp"), "expert"))
 
     @property
     def layerwise(self) -> bool:
         """Whether fsdp weights are gathered per layer inside the model (``comm.gather``)."""
         if int(self.mesh.shape["fsdp"]) == 1 or not self.per_device:
+            return False
+        if int(self.mesh.shape["expert"]) > 1:  # the layers would get expert-sharded weights
             return False
         return self.cfg.gather == "layer" or (self.cfg.gather == "auto" and self.level >= 3)
 
@@ -199,7 +204,8 @@ def make_plan(model, cfg: CommConfig, mesh: Mesh, level: int) -> Plan | None:
 
 
 def _arrange(y: jax.Array, fsdp_dim: int | None, a: int, f: int) -> tuple[jax.Array, int]:
-    """(``[N, k]`` rows for replica ``a*F + b`` = (data a, fsdp b), unpadded length covered)."""
+    """(``[N, k]`` rows for replica ``a*F + b`` = (data x expert a, fsdp b), unpadded length
+    covered)."""
     # Sharded over fsdp: row (a, b) is the a-th piece of fsdp-slice b, so replica (a, b) ends up
     # owning a piece of its own slice. Replicated: the flat tensor cut into N chunks.
     n = a * f
@@ -238,7 +244,7 @@ def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh
 
     ``fsdp_dims``: each leaf's dimension sharded over fsdp (None: replicated), whose result is
     only this device's shard; ``stacks``: its leading layer axes (one scale per layer);
-    ``mesh_shape``: (data, fsdp) sizes.
+    ``mesh_shape``: (data x expert, fsdp) sizes.
     """
     a, f = mesh_shape
     n = a * f
@@ -281,7 +287,7 @@ def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh
     if n_sharded:
         part = q_C[:c_sharded]
         if a > 1:
-            got = lax.all_gather(to_wire(part, wire), "data", axis=0, tiled=False)
+            got = lax.all_gather(to_wire(part, wire), REPLICA_AXES, axis=0, tiled=False)
             parts["sharded"] = from_wire(got, fmt, wire)  # [A, c_sharded]
         else:
             parts["sharded"] = part[None]
@@ -312,7 +318,15 @@ def reduce_f32(g: jax.Array, fsdp_dim: int | None) -> jax.Array:
     if fsdp_dim is None:
         return lax.psum(g, DP_AXES)
     g = lax.psum_scatter(g, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
-    return lax.psum(g, "data")
+    return lax.psum(g, REPLICA_AXES)
+
+
+def expert_slice(g: jax.Array, expert_dim: int | None, shards: int) -> jax.Array:
+    """This device's experts of a reduced gradient whose ``expert_dim`` is split over 'expert'."""
+    if expert_dim is None or shards == 1:
+        return g
+    size = g.shape[expert_dim] // shards
+    return lax.dynamic_slice_in_dim(g, lax.axis_index("expert") * size, size, expert_dim)
 
 
 def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
@@ -320,12 +334,14 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     # fsdp-sharded parameters get only their shard back (a reduce-scatter). A non-finite
     # gradient anywhere stays non-finite (NaN), so the train step skips the update as usual.
     mesh, cfg = plan.mesh, plan.cfg
-    mesh_shape = (int(mesh.shape["data"]), int(mesh.shape["fsdp"]))
+    mesh_shape = (int(mesh.shape["data"] * mesh.shape["expert"]), int(mesh.shape["fsdp"]))
     wire = wire_format(mesh, cfg)
     leaves, treedef = jax.tree.flatten(grads_N)
     specs = treedef.flatten_up_to(plan.specs)
     stacks = treedef.flatten_up_to(plan.stack_ndims)
     fsdp_dims = [sharding_lib.axis_dim(s, "fsdp") for s in specs]
+    expert_dims = [sharding_lib.axis_dim(s, "expert") for s in specs]
+    shards = int(mesh.shape["expert"])
     # Full (global) element counts decide FP8 vs f32 identically on every device.
     use_fp8 = [math.prod(x.shape[1:]) >= cfg.min_fp8_size for x in leaves]
     groups = _layer_groups(grads_N) if cfg.bucket_by_layer else [list(range(len(leaves)))]
@@ -350,6 +366,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         for i, g in enumerate(g_leaves):  # small gradients (norms, biases) in f32
             if not use_fp8[i]:
                 out[i] = reduce_f32(g, fsdp_dims[i])
+        out = [expert_slice(x, d, shards) for x, d in zip(out, expert_dims, strict=True)]
         saturated = lax.psum(saturated, MESH_AXES) / jnp.maximum(lax.psum(count, MESH_AXES), 1.0)
         return saturated, *out
 
@@ -368,6 +385,7 @@ __all__ = [
     "CommConfig",
     "Plan",
     "amax_stacked",
+    "expert_slice",
     "from_wire",
     "has_replicas",
     "init_state",

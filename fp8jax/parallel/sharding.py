@@ -1,9 +1,11 @@
 """Device mesh, the one rules table mapping logical axis names to mesh axes, state shardings.
 
-Mesh axes: ``data`` (pure data parallel: params replicated), ``fsdp`` (data parallel with params,
-master weights and optimizer state sharded, ZeRO-3 style) and ``tensor`` (Megatron tensor
-parallel). The batch is split over ``data`` x ``fsdp``; both are the data-parallel axes over
-which gradients are reduced (in FP8 at O1+, see ``fp8jax.parallel.comm``).
+Mesh axes: ``data`` (pure data parallel: params replicated), ``expert`` (expert parallel: the
+routed experts of MoE layers split over it, tokens sent to their experts' shard by all-to-all,
+``fp8jax.parallel.expert``), ``fsdp`` (data parallel with params, master weights and optimizer
+state sharded, ZeRO-3 style) and ``tensor`` (Megatron tensor parallel). The batch is split over
+``data`` x ``expert`` x ``fsdp`` (the expert axis carries tokens too, as in GShard); these are the
+data-parallel axes over which gradients are reduced (in FP8 at O1+, see ``fp8jax.parallel.comm``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ACTIVATION_RULES",
     "DP_AXES",
     "MESH_AXES",
+    "REPLICA_AXES",
     "RULES",
     "activation_sharding",
     "axis_dim",
@@ -34,6 +37,8 @@ __all__ = [
     "constrain",
     "dp_size",
     "drop_axis",
+    "expert_axis_size",
+    "expert_shards",
     "fit_spec",
     "initialize_distributed",
     "logical_shardings",
@@ -46,13 +51,17 @@ __all__ = [
     "within_replica",
 ]
 
-MESH_AXES = ("data", "fsdp", "tensor")
-DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
+MESH_AXES = ("data", "expert", "fsdp", "tensor")
+DP_AXES = ("data", "expert", "fsdp")  # the batch is split over these; gradients reduced over them
+# The data-parallel axes that hold parameters whole (but for the experts, see RULES): replica
+# r = (data, expert) index a, fsdp index b, in the order a * fsdp + b of DP_AXES.
+REPLICA_AXES = ("data", "expert")
 
 # Logical axis -> mesh axis (None = replicated). Parameters: 'embed' is sharded over fsdp
 # (ZeRO-3 style), 'mlp'/'heads'/'kv_heads'/'vocab' over tensor: column-parallel q/kv/wi split
 # their output features, row-parallel o/wo their input features (Megatron), so each shard runs
-# its own FP8 GEMM and only the row-parallel outputs are summed across 'tensor'.
+# its own FP8 GEMM and only the row-parallel outputs are summed across 'tensor'. 'expert' (the
+# stacked routed experts of an MoE layer) over expert.
 RULES = (
     ("batch", DP_AXES),
     ("length", None),
@@ -64,7 +73,7 @@ RULES = (
     ("vocab", "tensor"),
     ("layers", None),
     ("norm", None),
-    ("expert", None),  # MoE: the stacked experts' axis, replicated
+    ("expert", "expert"),
 )
 
 
@@ -85,6 +94,27 @@ def activation_sharding(mesh: Mesh | None, rules=ACTIVATION_RULES):
         yield
     finally:
         _ACTIVATIONS.reset(token)
+
+
+# The size of the mesh's 'expert' axis while the model runs per device inside a manual region
+# (the train step's per-device replicas) whose collectives may name that axis; 1 elsewhere.
+_EXPERT_SHARDS: contextvars.ContextVar = contextvars.ContextVar("fp8jax_expert", default=1)
+
+
+@contextlib.contextmanager
+def expert_shards(mesh: Mesh | None):
+    """Let MoE layers dispatch over ``mesh``'s 'expert' axis (inside a fully manual region)."""
+    size = 1 if mesh is None else int(dict(mesh.shape).get("expert", 1))
+    token = _EXPERT_SHARDS.set(size)
+    try:
+        yield
+    finally:
+        _EXPERT_SHARDS.reset(token)
+
+
+def expert_axis_size() -> int:
+    """Shards of the 'expert' axis the model's MoE layers dispatch over here (1: none)."""
+    return _EXPERT_SHARDS.get()
 
 
 def within_replica(rules=ACTIVATION_RULES):
@@ -108,13 +138,13 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
 
 
 def make_mesh(mesh_spec, devices=None) -> Mesh:
-    """Mesh ('data', 'fsdp', 'tensor') from axis sizes (a ``spec.MeshSpec``: ``.data``,
-    ``.fsdp``, ``.tensor``); -1 takes the remaining devices."""
+    """Mesh ('data', 'expert', 'fsdp', 'tensor') from axis sizes (a ``spec.MeshSpec``:
+    ``.data``, ``.expert``, ``.fsdp``, ``.tensor``); -1 takes the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [int(mesh_spec.data), int(mesh_spec.fsdp), int(mesh_spec.tensor)]
+    sizes = [int(getattr(mesh_spec, axis)) for axis in MESH_AXES]
     named = dict(zip(MESH_AXES, sizes, strict=True))
     if sizes.count(-1) > 1:
-        raise ValueError(f"mesh sizes {sizes}: at most one of data/fsdp/tensor may be -1")
+        raise ValueError(f"mesh sizes {named}: at most one of data/fsdp/tensor may be -1")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if known <= 0 or len(devices) % known:
@@ -148,8 +178,8 @@ def initialize_distributed() -> None:
 
 
 def dp_size(mesh: Mesh) -> int:
-    """Number of data-parallel replicas (data x fsdp)."""
-    return int(mesh.shape["data"] * mesh.shape["fsdp"])
+    """Number of data-parallel replicas (data x expert x fsdp)."""
+    return int(np.prod([mesh.shape[a] for a in DP_AXES]))
 
 
 def logical_shardings(abstract_boxed, mesh: Mesh, rules=RULES):
@@ -164,7 +194,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch dimension split over the data-parallel axes (data x fsdp)."""
+    """Batch dimension split over the data-parallel axes (data x expert x fsdp)."""
     return NamedSharding(mesh, PartitionSpec(DP_AXES))
 
 

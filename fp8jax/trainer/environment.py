@@ -45,11 +45,11 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
             f"({dict(mesh.shape)}): use fp8.level='O2', or set mesh.fsdp > 1 (and as many devices)"
         )
     o = run.optim
-    replicas = mesh.shape["data"] * mesh.shape["fsdp"] * o.grad_accum_steps
+    replicas = sharding_lib.dp_size(mesh) * o.grad_accum_steps
     replicas *= 2 if run.data.pairs else 1  # DPO: whole (chosen, rejected) row pairs
     if o.batch_size % replicas:
         raise ConfigError(
-            f"batch_size={o.batch_size} does not split over data x fsdp x grad_accum_steps"
+            f"batch_size={o.batch_size} does not split over data x expert x fsdp x grad_accum_steps"
             f"{' x 2 (DPO pairs)' if run.data.pairs else ''} = {replicas}: use a "
             f"multiple of {replicas} or change config.mesh"
         )

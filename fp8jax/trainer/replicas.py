@@ -1,6 +1,6 @@
 """The train step's data-parallel replicas and their gradient reduction (FP8 at O1+).
 
-The batch is viewed as ``[N, B/N, ...]`` with N split over data x fsdp, and each replica
+The batch is viewed as ``[N, B/N, ...]`` with N split over data x expert x fsdp, and each replica
 computes its own gradients. Without tensor parallelism they run one per device under shard_map;
 with it they are vmapped under XLA's SPMD partitioner. Two ways to move fsdp weights
 (``comm.gather``):
@@ -59,8 +59,14 @@ def _per_device(
     def local(params, fp8, masters, scale, b_1xBxL):
         b = jax.tree.map(lambda x: x[0], b_1xBxL)  # this device's rows
         w = scale if adds_up else 1.0 / n  # a mean: the constant
-        with sharding_lib.activation_sharding(None), layerwise.active(groups):
-            m = layerwise.wrap_model(model)  # local arrays: nothing to constrain
+        # Local arrays: nothing to constrain; MoE layers send tokens to their experts' devices
+        # over the 'expert' axis (parallel.expert).
+        with (
+            sharding_lib.activation_sharding(None),
+            sharding_lib.expert_shards(plan.mesh),
+            layerwise.active(groups),
+        ):
+            m = layerwise.wrap_model(model)
             loss, fp8, g = grads_fn(m, params, fp8, b, w, masters, sum_dtypes)
         if groups:
             return jax.tree.map(lambda x: x[None], (loss, fp8)) + (g,)

@@ -1,0 +1,294 @@
+"""Expert-parallel checks on 8 simulated CPU devices, run once in a subprocess.
+
+``tests/test_expert_parallel.py`` runs this file (the 8-device XLA flag never reaches the main
+pytest process) and asserts on the JSON it prints last:
+
+- the sharded dispatch + experts + combine (``parallel.expert.expert_parallel``) against a
+  plain per-token reference (each token through its k experts, weighted and summed), forward
+  and gradients, for expert axes of 2, 4 and 8 and with data and fsdp axes carrying tokens too,
+  dropless and with a capacity; E4M3 dispatch against its error bound;
+- a train step with tokens over data x expert against the one-device step (the expert axis as
+  a data-parallel axis: gradients reduced and FP8 amaxes merged over it).
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import sharded_checks as sc  # noqa: E402
+
+from fp8jax import spec  # noqa: E402
+from fp8jax.ops import formats  # noqa: E402
+from fp8jax.parallel import expert, sharding  # noqa: E402
+
+TOKENS, D, F, E, K = 64, 16, 32, 8, 2  # global tokens, width, expert width, experts, top-k
+CAPACITY_FACTOR = 1.0  # with the skewed router below, some experts overflow
+
+# name -> (data, expert, fsdp): the mesh; tokens split over all three, experts over 'expert'
+MESHES = {
+    "ep2": (1, 2, 1),
+    "ep4": (1, 4, 1),
+    "ep8": (1, 8, 1),
+    "data2 x ep4": (2, 4, 1),
+    "data2 x ep2 x fsdp2": (2, 2, 2),
+}
+
+
+def inputs(seed: int = 0) -> dict:
+    """Tokens, a top-k routing skewed towards low expert ids, weights, an output cotangent."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((TOKENS, E)) - 0.4 * np.arange(E)
+    idx = np.argsort(-logits, axis=1)[:, :K].astype(np.int32)
+    p = np.exp(np.take_along_axis(logits, idx, 1))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    return dict(
+        x=f32(rng.standard_normal((TOKENS, D))),
+        idx=jnp.asarray(idx),
+        p=f32(p / p.sum(1, keepdims=True)),
+        w1=f32(rng.standard_normal((E, D, F)) / np.sqrt(D)),
+        w2=f32(rng.standard_normal((E, F, D)) / np.sqrt(F)),
+        ct=f32(rng.standard_normal((TOKENS, D))),
+    )
+
+
+def swiglu_free_experts(params, x_MxD, sizes_G):
+    """Two grouped GEMMs with a SiLU between (rows past sum(sizes) give 0)."""
+    w1, w2 = params
+    h = jax.nn.silu(jax.lax.ragged_dot(x_MxD, w1, sizes_G))
+    return jax.lax.ragged_dot(h, w2, sizes_G)
+
+
+def linear_experts(params, x_MxD, sizes_G):
+    """One grouped GEMM: its error is linear in the input's (the E4M3 dispatch bound)."""
+    return jax.lax.ragged_dot(x_MxD, params[0], sizes_G)
+
+
+def keep_mask(idx: np.ndarray, capacity_factor: float | None) -> np.ndarray:
+    """[T, k]: which pairs an expert keeps (its first C pairs in token order)."""
+    keep = np.ones(idx.shape, bool)
+    if capacity_factor is None:
+        return keep
+    c = expert.capacity(capacity_factor, idx.shape[0], idx.shape[1], E)
+    seen = np.zeros(E, int)
+    for t in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            keep[t, j] = seen[idx[t, j]] < c
+            seen[idx[t, j]] += 1
+    return keep
+
+
+def reference(x, idx, p, w1, w2, keep, linear=False):
+    """Each token through its k experts (one at a time), weighted by its router weights."""
+    y = jnp.zeros_like(x)
+    for j in range(idx.shape[1]):
+        e = idx[:, j]
+        if linear:
+            out = jnp.einsum("td,tdf->tf", x, w1[e])
+        else:
+            h = jax.nn.silu(jnp.einsum("td,tdf->tf", x, w1[e]))
+            out = jnp.einsum("tf,tfd->td", h, w2[e])
+        y = y + jnp.where(keep[:, j], p[:, j], 0.0)[:, None] * out
+    return y
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def dispatch_case(sizes, capacity_factor, data) -> dict:
+    """Sharded forward and gradients (x, p, both expert weights) against the reference."""
+    mesh = sharding.make_mesh(
+        spec.MeshSpec(data=sizes[0], fsdp=sizes[2], tensor=1, expert=sizes[1]),
+        jax.devices()[: int(np.prod(sizes))],
+    )
+    axes = tuple(a for a, n in zip(("data", "expert", "fsdp"), sizes, strict=True) if n > 1)
+    rows = NamedSharding(mesh, P(axes))
+    by_expert = NamedSharding(mesh, P("expert"))
+    keep = keep_mask(np.asarray(data["idx"]), capacity_factor)
+
+    def sharded(x, p, w1, w2):
+        y = expert.expert_parallel(
+            mesh,
+            x,
+            data["idx"],
+            p,
+            (w1, w2),
+            swiglu_free_experts,
+            num_experts=E,
+            capacity_factor=capacity_factor,
+            token_axes=axes,
+        )
+        return jnp.sum(y * data["ct"]), y
+
+    def ref(x, p, w1, w2):
+        y = reference(x, data["idx"], p, w1, w2, keep)
+        return jnp.sum(y * data["ct"]), y
+
+    args = (
+        jax.device_put(data["x"], rows),
+        jax.device_put(data["p"], rows),
+        jax.device_put(data["w1"], by_expert),
+        jax.device_put(data["w2"], by_expert),
+    )
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
+    (_, y), g = grad(sharded)(*args)
+    (_, y_ref), g_ref = grad(ref)(data["x"], data["p"], data["w1"], data["w2"])
+    out = {"fwd": _rel(y, y_ref), "dropped": int((~keep).sum())}
+    for name, a, b in zip(("x", "p", "w1", "w2"), g, g_ref, strict=True):
+        out[f"grad_{name}"] = _rel(a, b)
+    out["w1_grad_sharded"] = g[2].sharding.spec == P("expert")
+    if capacity_factor is not None:  # the capacity changed the result (pairs were dropped)
+        every = np.ones_like(keep)
+        dropless = reference(data["x"], data["idx"], data["p"], data["w1"], data["w2"], every)
+        out["capacity_changes_output"] = _rel(y_ref, dropless) > 1e-3
+    return out
+
+
+def fp8_dispatch_case(data) -> dict:
+    """E4M3 dispatch (data2 x ep4, linear experts): error against its elementwise bound."""
+    mesh = sharding.make_mesh(spec.MeshSpec(data=2, fsdp=1, tensor=1, expert=4))
+    axes = ("data", "expert")
+    rows = NamedSharding(mesh, P(axes))
+    keep = keep_mask(np.asarray(data["idx"]), None)
+    w_ExDxD = data["w1"][:, :, :D]  # square: the output meets the cotangent
+
+    def run(fp8):
+        def f(x, p, w):
+            y = expert.expert_parallel(
+                mesh,
+                x,
+                data["idx"],
+                p,
+                (w,),
+                linear_experts,
+                num_experts=E,
+                fp8_dispatch=fp8,
+                token_axes=axes,
+            )
+            return jnp.sum(y * data["ct"]), y
+
+        g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+        w = jax.device_put(w_ExDxD, NamedSharding(mesh, P("expert")))
+        return g(jax.device_put(data["x"], rows), jax.device_put(data["p"], rows), w)
+
+    (_, y8), (gx8, _) = run(True)
+    (_, y), (gx, _) = run(False)
+    x, idx, p = (np.asarray(data[k], np.float64) for k in ("x", "idx", "p"))
+    w = np.asarray(w_ExDxD, np.float64)
+    # E4M3 with the row's amax on 448: |x' - x| <= eps/2 |x| (normals) + half the smallest
+    # subnormal step in the row's scale (values near zero); through expert e's weights and the
+    # router weight, elementwise.
+    fi = jnp.finfo(formats.E4M3)
+    amax_T = np.max(np.abs(x), axis=1, keepdims=True)
+    dx = float(fi.eps) / 2 * np.abs(x) + float(fi.smallest_subnormal) / 2 * amax_T / float(fi.max)
+    bound = sum(
+        np.abs(p[:, j : j + 1]) * np.einsum("td,tdf->tf", dx, np.abs(w[idx[:, j].astype(int)]))
+        for j in range(K)
+    )
+    y_ref = np.asarray(reference(data["x"], data["idx"], data["p"], w_ExDxD, None, keep, True))
+    err = np.abs(np.asarray(y8, np.float64) - y_ref)
+    slack = 1e-6 * np.max(np.abs(y_ref))  # f32 GEMM rounding
+    return dict(
+        within_bound=bool(np.all(err <= bound + slack)),
+        max_err_over_bound=float(np.max(err / (bound + slack))),
+        fp8_err=float(np.max(err)),
+        exact_err=_rel(y, y_ref),
+        # The gradient goes back in the compute dtype, straight through the quantization: for
+        # linear experts dx does not depend on x, so it equals the exact dispatch's.
+        grad_x=_rel(gx8, gx),
+    )
+
+
+def step_case() -> dict:
+    """A dense tiny O1 step on data2 x expert4 against one device (sharded_checks' compare)."""
+    one = sc.tiny_config("O1", data=1)
+    cfg = sc.tiny_config("O1", data=2)
+    cfg.mesh.expert = 4
+    base = sc.run(sc.prepare(one, jax.devices()[:1]))
+    other = sc.run(sc.prepare(cfg, jax.devices()))
+    return sc.compare(base, other)
+
+
+def moe_config(dispatch: str, data=1, expert=1, fsdp=1):
+    """configs/moe_tiny.py at O1, shrunk as sharded_checks' tiny config (16 tokens a row).
+
+    No load-balancing loss: E * sum_e f_e P_e over one replica's tokens is not that replica's
+    share of the global batch's, so replicas change it by design; the z-loss (a mean over
+    tokens) and everything else add up.
+    """
+    c = sc.train_lib.load_config("moe_tiny")
+    c.fp8.level = "O1"
+    c.model.update(vocab_size=256, max_len=16)
+    c.model.moe.update(dispatch=dispatch, aux_loss_coef=0.0)
+    c.seq_len, c.batch_size, c.warmup_steps = 16, 16, 1
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = data, fsdp, 1, expert
+    return c
+
+
+# name -> (dispatch, data, expert, fsdp) of the sharded MoE steps
+MOE_STEPS = {
+    "data2 x ep4": ("dropless", 2, 4, 1),
+    "data2 x ep2 x fsdp2": ("dropless", 2, 2, 2),
+    "data2 x ep4 capacity": ("capacity", 2, 4, 1),
+}
+
+
+def moe_step_cases() -> dict:
+    """Two MoE train steps with the experts split over 'expert' against one device."""
+    base, out = {}, {}
+    for name, (dispatch, *sizes) in MOE_STEPS.items():
+        if dispatch not in base:
+            base[dispatch] = sc.run(sc.prepare(moe_config(dispatch), jax.devices()[:1]))
+        prepared = sc.prepare(moe_config(dispatch, *sizes), jax.devices())
+        out[name] = sc.compare(base[dispatch], sc.run(prepared))
+        # The dispatch's all-to-alls, told from the gradient reduction's (FP8 bytes) by the
+        # expert ids they carry (s32) and the tokens (f32 at O1).
+        out[name]["all_to_all_dtypes"] = sorted(
+            {
+                m.group(1)
+                for line in prepared["step"].as_text().splitlines()
+                if " all-to-all(" in line and (m := re.search(r"= \(?(\w+)\[", line))
+            }
+        )
+        out[name]["experts_sharded"] = str(
+            prepared["state_sharding"].params["blocks"]["mlp"]["experts_wi"]["kernel"].spec
+        )
+    return out
+
+
+def main() -> None:
+    data = inputs()
+    out = {"dispatch": {}}
+    for name, sizes in MESHES.items():
+        for mode, cf in (("dropless", None), ("capacity", CAPACITY_FACTOR)):
+            out["dispatch"][f"{name} {mode}"] = dispatch_case(sizes, cf, data)
+    out["fp8_dispatch"] = fp8_dispatch_case(data)
+    out["step"] = step_case()
+    out["moe_steps"] = moe_step_cases()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -169,6 +169,7 @@ def _mlp_tensors(cfg: ModelConfig, prefix: str, i: int) -> list[HfTensor]:
         one(f"{prefix}mlp.down_proj.weight", (d, f), i, ("mlp", "wo", "kernel"), (), transpose),
     ]
 
+
 def _window(hfc: dict[str, Any], name: str, where: str) -> int:
     """The sliding window every layer of a LLaMA, Mistral, Qwen2 or Qwen3 config.json applies;
     0: none.

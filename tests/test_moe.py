@@ -337,3 +337,19 @@ def test_layer_metrics_and_bias_update_keep_block_order_without_scan():
     new = moe.update_bias(state, loads, 0.1, scanned=False)
     np.testing.assert_allclose(new["block_11"]["mlp"]["router"]["bias"], [0.1, 0.1, -0.1])
     np.testing.assert_allclose(new["block_2"]["mlp"]["router"]["bias"], [-0.1, 0.1, 0.1])
+
+
+def test_routing_metrics_do_not_depend_on_how_the_batch_is_split():
+    """Micro-batches average the per-token metrics and sum the loads: the step reports those of
+    the whole batch whatever grad_accum_steps."""
+    got = []
+    for accum in (1, 2):
+        c = tiny_run(grad_accum_steps=accum)
+        env = train_lib.setup(spec.parse(c), donate=False)
+        state = env.init(jax.random.PRNGKey(0))
+        got.append(jax.device_get(env.train_step(state, lm_batch(c))[1]))
+    one, two = got
+    for name in ("load_max_over_mean", "router_entropy", "z_loss"):
+        for key in (f"moe_{name}", f"moe_{name}_0", f"moe_{name}_1"):
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-5, err_msg=key)
+    assert one["moe_load_max_over_mean_0"] > 1.0  # not balanced by construction

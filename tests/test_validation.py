@@ -61,6 +61,8 @@ BAD = {
     "model.moe.z_loss_coef": [-1e-3],
     "model.moe.bias_update_rate": [-1e-3],
     "model.moe.fp8_dispatch": ["yes"],
+    "model.qk_norm": ["both"],
+    "model.sliding_window": [-1, 1.5],
     "init_from": [None, 3],
     "data.format": ["csv", ""],
     "data.packing": ["yes"],

@@ -230,8 +230,14 @@ class Checkpointer:
             raise error
         state = restored["state"]
         if renamed:
+            # A field the checkpoint lacks (renamed None) is the target's own, empty, value.
             state = abstract_state.replace(
-                **{k: state[renamed.get(k, k)] for k in _fields(abstract_state)}
+                **{
+                    k: getattr(abstract_state, k)
+                    if renamed.get(k, k) is None
+                    else state[renamed.get(k, k)]
+                    for k in _fields(abstract_state)
+                }
             )
         bad = non_finite_leaves(state)
         if bad:
@@ -309,7 +315,9 @@ def _remove_unfinished_writes(directory: str) -> None:
 
 
 # Train-state fields a checkpoint may hold under another name: the objective's state was 'ref'
-# (DPO's frozen reference; {} in every other run), so those checkpoints restore unchanged.
+# (DPO's frozen reference; {} in every other run), so those checkpoints restore unchanged. A
+# field a checkpoint lacks whose value holds no arrays (``moe_state`` of a dense model, written
+# before the field existed) restores as that empty value.
 SAVED_AS = {"objective": "ref"}
 
 
@@ -322,8 +330,8 @@ def _fields(state) -> list[str]:
 
 def _as_saved(path: str, abstract_state):
     """``(target, renamed)``: the restore target named as the checkpoint in ``path`` names the
-    fields (a dict of the fields, ``renamed``: field -> saved name), or ``abstract_state`` and
-    {} when the names agree."""
+    fields (a dict of the fields, ``renamed``: field -> saved name, None for an empty field the
+    checkpoint lacks), or ``abstract_state`` and {} when the names agree."""
     try:
         saved = set(ocp.StandardCheckpointHandler().metadata(epath.Path(path) / "state").tree)
     except Exception:  # unreadable metadata: restore reports the checkpoint as corrupt
@@ -336,9 +344,13 @@ def _as_saved(path: str, abstract_state):
         for new, old in SAVED_AS.items()
         if new in names and new not in saved and old in saved
     }
+    for k in names:
+        if k not in saved and k not in renamed and not jax.tree.leaves(getattr(abstract_state, k)):
+            renamed[k] = None
     if not renamed:
         return abstract_state, {}
-    return {renamed.get(k, k): getattr(abstract_state, k) for k in names}, renamed
+    target = {renamed.get(k, k): getattr(abstract_state, k) for k in names}
+    return {k: v for k, v in target.items() if k is not None}, renamed
 
 
 OFFSET_KEY = "loop_step_offset"  # added to the saved data state: loop step - data position

@@ -232,6 +232,10 @@ def _moe_report(model, run: RunSpec, metrics: dict, moe_state, ok):
     layer = {k.removeprefix("moe/"): v for k, v in metrics.items() if k.startswith("moe/")}
     out = {k: v for k, v in metrics.items() if not k.startswith("moe/")}
     loads = layer.pop(moe.LOAD, None)
+    if loads is not None:
+        # From the batch's loads (each a mean over micro-batches and replicas), not the mean of
+        # each micro-batch's maximum: the same value however the batch is split.
+        layer["load_max_over_mean"] = jnp.max(loads, axis=-1) / jnp.mean(loads, axis=-1)
     if moe_state and loads is not None:
         rate = run.model.moe.bias_update_rate
         scanned = bool(getattr(getattr(model, "cfg", None), "scan_layers", False))

@@ -325,3 +325,15 @@ def test_bad_moe_settings_are_one_line(overrides, fragment):
     with pytest.raises(errors.ConfigError) as e:
         spec.parse(c)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layer_metrics_and_bias_update_keep_block_order_without_scan():
+    """Unscanned blocks are layers in block order (block_2 before block_10), both ways."""
+    names = [f"block_{i}" for i in range(12)]
+    sown = {n: {"mlp": {"z_loss": (jnp.float32(i),)}} for i, n in enumerate(names)}
+    np.testing.assert_array_equal(moe.layer_metrics(sown, scanned=False)["z_loss"], range(12))
+    state = {n: {"mlp": {"router": {"bias": jnp.zeros(3)}}} for n in names}
+    loads = jnp.asarray([[0.5, 0.25, 0.25]] * 11 + [[0.2, 0.2, 0.6]])  # the last layer differs
+    new = moe.update_bias(state, loads, 0.1, scanned=False)
+    np.testing.assert_allclose(new["block_11"]["mlp"]["router"]["bias"], [0.1, 0.1, -0.1])
+    np.testing.assert_allclose(new["block_2"]["mlp"]["router"]["bias"], [-0.1, 0.1, 0.1])

@@ -93,6 +93,7 @@ def test_architecture_fields(ckpts):
     assert (mistral["max_len"], mistral["sliding_window"]) == (128, MAX_POS)
     assert hf.architecture(ckpts["qwen2"][0])["qkv_bias"] is True
     assert hf.architecture(ckpts["qwen3"][0])["qk_norm"] == "head"
+    assert hf.architecture(ckpts["mixtral"][0])["sliding_window"] == 0  # null: none
     moe = {k: hf.architecture(ckpts[k][0]) for k in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}
     assert [moe[k]["style"] for k in moe] == ["moe"] * 4
     assert [moe[k]["qk_norm"] for k in moe] == ["", "", "head", "full"]
@@ -259,6 +260,11 @@ def test_fp8jax_to_transformers_logits(tmp_path, kind):
         (dict(style="llama", qk_norm="full"), "style has qk_norm 'full'"),
         (dict(style="llama", qk_norm="head", qkv_bias=True), "set model.qkv_bias=False"),
         (dict(style="gpt", qk_norm="head"), "GPT-2 has no q/k norms"),
+        (dict(style="llama", qk_norm="head", sliding_window=8), "set model.sliding_window=0"),
+        (
+            dict(style="moe", qk_norm="full", sliding_window=8, moe=MoeSpec(4, 2, 32)),
+            "only Mixtral's attention has one",
+        ),
         (dict(style="moe", moe=MoeSpec(4, 2, 32, router="sigmoid")), "router 'sigmoid'"),
         (
             dict(style="moe", moe=MoeSpec(4, 2, 32, normalize_top_k=False)),
@@ -347,6 +353,7 @@ def test_bad_inputs_name_the_problem(ckpts, tmp_path):
         ("qwen3_moe", dict(mlp_only_layers=[1]), "dense blocks among the MoE ones"),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "no shared expert"),
         ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
         ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok 5 > 4 experts"),
     ],
 )

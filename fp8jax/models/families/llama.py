@@ -106,8 +106,13 @@ class Llama(Family):
         return MISTRAL if cfg.sliding_window else LLAMA
 
     def check_hf_export(self, cfg: ModelConfig) -> None:
-        """LLaMA, Qwen2 and Qwen3 have no norm over all heads of q and k; Qwen3 no q/k/v bias."""
+        """LLaMA, Qwen2 and Qwen3 have no norm over all heads of q and k; Qwen3 (as exported
+        here) no q/k/v bias and no sliding window."""
         check_qk_export(cfg, self.hf_export_name(cfg), ("", "head"))
+        if cfg.qk_norm == "head" and cfg.sliding_window:
+            raise CheckpointError(
+                f"{QWEN3} is exported without a sliding window: set model.sliding_window=0"
+            )
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         """LLaMA's (or Qwen2's, or Mistral's) config.json keys of ``cfg``."""

@@ -102,12 +102,14 @@ class Moe(Family):
                     name,
                     "dense blocks among the MoE ones (decoder_sparse_step != 1 or mlp_only_layers)",
                 )
-            if not hfc.get("use_sliding_window"):
-                hfc = dict(hfc, sliding_window=None)  # Qwen records a window it does not use
+            if hfc.get("use_sliding_window"):
+                reject(where, name, "use_sliding_window=True")
         if name == OLMOE and hfc.get("clip_qkv") is not None:
             reject(where, name, f"clip_qkv={hfc['clip_qkv']}")
-        # LLaMA's reading of attention, norms and RoPE (attention_bias=True refused)
-        fields = llama.Llama().from_hf_config(hfc, name, where)
+        # LLaMA's reading of attention, norms and RoPE (attention_bias=True refused); the
+        # window is Mixtral's alone (every layer; null: none), Qwen's recorded ones unused
+        fields = llama.Llama().from_hf_config(dict(hfc, sliding_window=None), name, where)
+        fields["sliding_window"] = int(hfc.get("sliding_window") or 0) if name == MIXTRAL else 0
         experts_key = "num_local_experts" if name == MIXTRAL else "num_experts"
         experts = hfc.get(experts_key) or hfc.get("num_local_experts")
         width_key = (

@@ -23,6 +23,8 @@ from fp8_testing import base_config, flat_fields, set_field
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+MOE = {"model.style": "moe", "model.moe.num_experts": 4}  # a routed-expert model's settings
+
 # Every field of configs/base.py: another valid value, and the RunSpec fields it must change
 # (a third element: the settings it applies under, set on both sides of the comparison).
 # A field renamed or dropped in base.py, or one parse() ignores, fails
@@ -54,20 +56,20 @@ CHANGES = {
     "model.recompute_elementwise": (True, {"model"}),
     "model.qk_norm": ("head", {"model"}),
     "model.sliding_window": (16, {"model"}),
-    # A routed-expert layer needs experts: each MoE field with num_experts set.
-    "model.moe.num_experts": (4, {"model"}),
-    "model.moe.top_k": (1, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.d_ff": (64, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.shared_d_ff": (64, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.shared_gate": (True, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.router": ("sigmoid", {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.normalize_top_k": (False, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.dispatch": ("capacity", {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.capacity_factor": (2.0, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.aux_loss_coef": (0.1, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.z_loss_coef": (1e-3, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.bias_update_rate": (1e-3, {"model"}, {"model.moe.num_experts": 4}),
-    "model.moe.fp8_dispatch": (True, {"model"}, {"model.moe.num_experts": 4}),
+    # A routed-expert layer needs experts (and the 'moe' style): each MoE field with them set.
+    "model.moe.num_experts": (8, {"model"}, MOE),
+    "model.moe.top_k": (1, {"model"}, MOE),
+    "model.moe.d_ff": (64, {"model"}, MOE),
+    "model.moe.shared_d_ff": (64, {"model"}, MOE),
+    "model.moe.shared_gate": (True, {"model"}, MOE),
+    "model.moe.router": ("sigmoid", {"model"}, MOE),
+    "model.moe.normalize_top_k": (False, {"model"}, MOE),
+    "model.moe.dispatch": ("capacity", {"model"}, MOE),
+    "model.moe.capacity_factor": (2.0, {"model"}, MOE),
+    "model.moe.aux_loss_coef": (0.1, {"model"}, MOE),
+    "model.moe.z_loss_coef": (1e-3, {"model"}, MOE),
+    "model.moe.bias_update_rate": (1e-3, {"model"}, MOE),
+    "model.moe.fp8_dispatch": (True, {"model"}, MOE),
     "fp8.level": ("O2", {"fp8"}),
     "fp8.recipe": ("current", {"fp8", "model"}),  # the model's matmuls use the recipe
     "fp8.history_len": (4, {"fp8", "model"}),

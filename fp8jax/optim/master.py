@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct, traverse_util
 
-from fp8jax._tree import leaf_name
+from fp8jax._tree import leaf_name, path_key
 from fp8jax.ops import formats
 
 __all__ = [
+    "F32_LAYERS",
     "STORAGE_FORMATS",
     "ScaledTensor",
     "apply_updates",
@@ -292,9 +293,17 @@ def write(values, stores, seeds, ok=None) -> list:
     return rebuild(encode_like(values, stores, scales, seeds, ok), stores, scales, ok)
 
 
+# Layers whose kernels stay plain f32 params at every level (no FP16 master, no FP8 moments):
+# an MoE block's router and its shared expert's gate, whose f32 scores pick the experts.
+F32_LAYERS = ("router", "shared_gate")
+
+
 def is_matmul_weight(path, leaf) -> bool:
-    """Default selection: leaves named 'kernel' of rank >= 2 (not embeddings, norms, biases)."""
-    return leaf_name(path) == "kernel" and getattr(leaf, "ndim", 0) >= 2
+    """Default selection: leaves named 'kernel' of rank >= 2 (not embeddings, norms, biases),
+    but not those of ``F32_LAYERS``; stacked expert kernels ([E, ...]) count."""
+    if leaf_name(path) != "kernel" or getattr(leaf, "ndim", 0) < 2:
+        return False
+    return not set(path_key(path)) & set(F32_LAYERS)
 
 
 def resolve_mask(params, mask=None, cover_all: bool = False):

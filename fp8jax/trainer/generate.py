@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 
 from fp8jax import errors, models
-from fp8jax.models import decode
+from fp8jax.models import decode, moe
 from fp8jax.optim import adam as optim
 from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
@@ -105,22 +105,25 @@ class Decoder:
         eos_ids: Sequence[int],
         cache_len: int,
         allowed_V=None,
+        moe_state=None,
     ):
         """Tokens [B, cache_len] (prompt, then generated), the number of steps run and the
         first step with non-finite logits (``NonFinite``). ``allowed_V``: the ids that may be
-        generated (the tokenizer's, without padding), all of them if None."""
+        generated (the tokenizer's, without padding), all of them if None. ``moe_state``: an
+        MoE model's router biases (``TrainState.moe_state``), if it has any."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
         eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
         if allowed_V is None:
             allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
         args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E, allowed_V)
-        return self._run(params, fp8_state, *args, cache_len=cache_len)
+        return self._run(params, fp8_state, moe_state or {}, *args, cache_len=cache_len)
 
     def _generate(
         self,
         params,
         fp8,
+        moe_state,
         tokens_BxP,
         lengths_B,
         max_new,
@@ -136,6 +139,8 @@ class Decoder:
         self.traces += 1  # runs only while tracing: one per compilation
         batch, prompt_len = tokens_BxP.shape
         variables = {"params": optim.materialize(params), self.collection: fp8}
+        if moe_state:
+            variables[moe.MOE_STATE] = moe_state
         cache = decode.init_cache(self.model, variables, batch, cache_len)
         rows_B = jnp.arange(batch)
 
@@ -231,6 +236,7 @@ def generate_ids(
     sampling: Sampling = GREEDY,
     eos_ids: Sequence[int] = (),
     allowed_V: np.ndarray | None = None,
+    moe_state=None,
 ) -> list[list[int]]:
     """The token ids generated after each prompt (ids), up to ``max_new_tokens`` or EOS.
 
@@ -239,7 +245,8 @@ def generate_ids(
     materialized inside the jitted program). A prompt with more than ``max_len -
     max_new_tokens`` tokens raises a ConfigError naming the lengths. ``allowed_V`` (bool [V],
     see ``allowed_ids``) masks the ids that may not be generated. Logits holding NaN or Inf
-    stop generation with a one-line ``NonFiniteOutputError`` naming the step.
+    stop generation with a one-line ``NonFiniteOutputError`` naming the step. ``moe_state``: an
+    MoE model's router biases (a ``TrainState``'s ``moe_state``), if it has any.
     """
     cfg = model.cfg
     prompts = [list(p) for p in prompts]
@@ -271,6 +278,7 @@ def generate_ids(
         eos_ids,
         b.cache,
         allowed_V,
+        moe_state,
     )
     out_BxM, bad = jax.device_get((out_BxM, bad))
     if bad.step >= 0:
@@ -300,19 +308,22 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    moe_state=None,
 ) -> list[str]:
     """The text generated after each prompt (the prompt not repeated); greedy by default.
 
     ``tokenizer`` has ``encode(str) -> ids``, ``decode(ids) -> str``, ``eos_id`` (int or None)
     and optionally ``eos_ids`` (every id that ends a turn). An empty prompt starts from EOS, the
-    document separator the model was trained with.
+    document separator the model was trained with. ``moe_state``: as ``generate_ids``'.
     """
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eos_id = getattr(tokenizer, "eos_id", None)
     eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
     ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
     allowed_V = allowed_ids(tokenizer, model.cfg.vocab_size)
-    out = generate_ids(model, params, fp8_state, ids, max_new_tokens, s, eos_ids, allowed_V)
+    out = generate_ids(
+        model, params, fp8_state, ids, max_new_tokens, s, eos_ids, allowed_V, moe_state
+    )
     return [tokenizer.decode(o) for o in out]
 
 
@@ -321,6 +332,15 @@ def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = 
     its time: the text a training run ends with."""
     n = min(max_new_tokens, model.cfg.max_len - len(tokenizer.encode(prompt)))
     t0 = time.perf_counter()
-    (text,) = generate(model, state.params, state.fp8, tokenizer, [prompt], n, temperature=0.8)
+    (text,) = generate(
+        model,
+        state.params,
+        state.fp8,
+        tokenizer,
+        [prompt],
+        n,
+        temperature=0.8,
+        moe_state=state.moe_state,
+    )
     logging.info("sample (%.1f s): %s", time.perf_counter() - t0, prompt + text)
     return prompt + text

@@ -315,7 +315,6 @@ def test_bad_inputs_name_the_problem(ckpts, tmp_path):
         hf.architecture(d)
     for change, words in [
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(head_dim=8), "head_dim 8"),
         (dict(rope_scaling=dict(rope_type="yarn", factor=2.0)), "rope type 'yarn'"),
     ]:
         edit_json(d / "config.json", architectures=["LlamaForCausalLM"], **change)

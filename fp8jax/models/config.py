@@ -157,6 +157,7 @@ class Architecture:
     num_layers: int  # transformer blocks
     num_heads: int  # attention heads
     num_kv_heads: int  # key/value heads (grouped-query if < num_heads)
+    head_dim: int  # width of each attention head (d_model / num_heads in most families)
     d_ff: int  # MLP hidden width
     max_len: int  # longest sequence, tokens
     tie_embeddings: bool  # the token embedding doubles as the LM head
@@ -168,10 +169,6 @@ class Architecture:
     # attention sees the last this-many positions, the token's own included (Mistral); 0 = all
     sliding_window: int
     moe: MoeSpec | None  # the routed-expert feed-forward layer; None: a dense MLP
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
 
     @property
     def family(self) -> Family:
@@ -268,7 +265,7 @@ class Family:
 
     def matmul_params_per_layer(self, cfg: ModelConfig) -> int:
         """Weights of one block that take part in matmuls: attention's and the MLP's."""
-        h = cfg.d_model // cfg.num_heads
+        h = cfg.head_dim
         attn = cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
         return attn + MLP_MATRICES[self.mlp] * cfg.d_model * cfg.d_ff
 
@@ -285,11 +282,11 @@ class Family:
                 f"model.style={self.name!r} has a dense MLP, not model.moe.num_experts="
                 f"{num_experts(cfg)} experts: set model.style='moe' or model.moe.num_experts=0"
             )
-        head_dim = cfg.d_model // cfg.num_heads
+        head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
         if self.positions == "rope" and head_dim % 2:
             raise ConfigError(
-                f"RoPE needs an even head dim, got d_model/num_heads={head_dim}: "
-                f"change model.d_model or model.num_heads"
+                f"RoPE needs an even head dim, got {head_dim}: change model.head_dim (or "
+                f"model.d_model or model.num_heads)"
             )
 
     def from_hf_config(self, hfc: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
@@ -363,10 +360,10 @@ def active_matmul_params(model_cfg: ModelConfig) -> int:
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N (N = active matmul params) + attention, PaLM convention.
 
-    Attention counts QK^T and AV over the full sequence (12 * layers * d_model * seq_len for
-    forward + backward), not halved for the causal mask, so MFU stays comparable with PaLM,
-    MaxText and torchtitan numbers.
+    Attention counts QK^T and AV over the full sequence (12 * layers * heads * head_dim *
+    seq_len for forward + backward), not halved for the causal mask, so MFU stays comparable
+    with PaLM, MaxText and torchtitan numbers.
     """
     m = model_cfg
-    attn = 12 * m.num_layers * m.d_model * seq_len
+    attn = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
     return 6.0 * active_matmul_params(m) + attn

@@ -57,6 +57,7 @@ class Gpt(Family):
             num_layers=int(require(hfc, "n_layer", where)),
             num_heads=heads,
             num_kv_heads=heads,
+            head_dim=d_model // heads,
             d_ff=int(hfc.get("n_inner") or 4 * d_model),
             max_len=int(require(hfc, "n_positions", where)),
             tie_embeddings=bool(hfc.get("tie_word_embeddings", True)),
@@ -74,7 +75,8 @@ class Gpt(Family):
         return GPT2
 
     def check_hf_export(self, cfg: ModelConfig) -> None:
-        """GPT-2 has one key/value head per query head and no q/k norms."""
+        """GPT-2 has one key/value head per query head, no q/k norms, and heads that split
+        d_model."""
         if cfg.num_kv_heads != cfg.num_heads:
             raise CheckpointError(
                 "GPT-2 has no grouped-query attention: num_kv_heads must equal num_heads"
@@ -82,6 +84,11 @@ class Gpt(Family):
         if cfg.qk_norm:
             raise CheckpointError(
                 f"GPT-2 has no q/k norms: qk_norm must be '', not {cfg.qk_norm!r}"
+            )
+        if cfg.head_dim * cfg.num_heads != cfg.d_model:
+            raise CheckpointError(
+                f"GPT-2's heads split d_model: head_dim {cfg.head_dim} x {cfg.num_heads} heads "
+                f"must equal d_model {cfg.d_model} (set model.head_dim=0)"
             )
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:

@@ -52,9 +52,7 @@ class Llama(Family):
         name = architecture
         d_model = int(require(hfc, "hidden_size", where))
         heads = int(require(hfc, "num_attention_heads", where))
-        head_dim = hfc.get("head_dim") or d_model // heads
-        if head_dim * heads != d_model:
-            reject(where, name, f"head_dim {head_dim} x {heads} heads != hidden_size {d_model}")
+        head_dim = int(hfc.get("head_dim") or d_model // heads)  # Qwen3's may not split it
         if hfc.get("hidden_act", "silu") != "silu":
             reject(where, name, f"hidden_act {hfc.get('hidden_act')!r} (not 'silu')")
         for key in ("attention_bias", "mlp_bias"):
@@ -81,6 +79,7 @@ class Llama(Family):
             num_layers=int(require(hfc, "num_hidden_layers", where)),
             num_heads=heads,
             num_kv_heads=int(hfc.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
             d_ff=int(require(hfc, "intermediate_size", where)),
             max_len=max_len,
             tie_embeddings=bool(hfc.get("tie_word_embeddings", False)),
@@ -117,10 +116,10 @@ class Llama(Family):
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         """LLaMA's (or Qwen2's, or Mistral's) config.json keys of ``cfg``."""
         m, name = cfg, self.hf_export_name(cfg)
-        if m.num_heads % m.num_kv_heads or m.d_model % m.num_heads:
+        if m.num_heads % m.num_kv_heads:
             raise CheckpointError(
-                f"num_heads {m.num_heads} must divide d_model {m.d_model} and be a multiple of "
-                f"num_kv_heads {m.num_kv_heads} for a {name} export"
+                f"num_heads {m.num_heads} must be a multiple of num_kv_heads {m.num_kv_heads} "
+                f"for a {name} export"
             )
         scaling = None
         if m.rope_scaling is not None:

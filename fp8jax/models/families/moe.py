@@ -74,7 +74,7 @@ class Moe(Family):
 
     @staticmethod
     def _attention(cfg: ModelConfig) -> int:
-        h = cfg.d_model // cfg.num_heads
+        h = cfg.head_dim
         return cfg.d_model * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, k, v, out
 
     @staticmethod

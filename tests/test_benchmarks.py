@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import block_gemm, cast_transpose, common, parity, runner, step
+from benchmarks import block_gemm, cast_transpose, common, grouped_gemm, parity, runner, step
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 
@@ -36,6 +36,7 @@ KEPT = [
     "finetune_step",
     "block_gemm",
     "memory_sim",
+    "grouped_gemm",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -623,6 +624,22 @@ def test_block_gemm_measures_a_layout_and_checks_the_kernel():
     (res,) = block_gemm.check((16, 256, 32), True, block_gemm.CHECK_CASES[2:])  # E5M2 x E4M3
     assert (res["layout"], res["b"], res["max_rel_diff"]) == ("dgrad", "float8_e5m2", 0.0), res
     assert 0 < res["kernel_vs_f64"] < 1e-6, res
+
+
+def test_grouped_gemm_times_each_variant_of_the_expert_pair():
+    """The tiny shape's rows: O0 and an FP8 recipe timed, FLOPs of the pair's fwd + bwd, dx
+    against O0's; the routed rows per expert sum to tokens * k."""
+    args = argparse.Namespace(tokens=8, routing="random", reps=1, min_rep_s=0.0, max_iters=1)
+    (d, e, k, f) = grouped_gemm.QUICK_SHAPES["tiny"]
+    assert grouped_gemm.group_sizes(8, e, k, "random").sum() == 8 * k
+    assert list(grouped_gemm.group_sizes(5, 4, 2, "balanced")) == [3, 3, 2, 2]
+    rows = grouped_gemm.measure("tiny", (d, e, k, f), ["bf16", "delayed"], args)
+    bf16, fp8 = rows
+    assert "error" not in bf16 and "error" not in fp8, rows
+    assert bf16["M"] == 8 * k and bf16["over_bf16"] == 1.0 and fp8["tflops"] > 0
+    assert bf16["tflops"] == pytest.approx(18 * bf16["M"] * d * f / (bf16["ms"] / 1e3) / 1e12)
+    assert 0.001 < fp8["dx_rel_err"] < 0.1  # E4M3 / E5M2 rounding, not a different product
+    assert "variant" in runner.table(rows, grouped_gemm.COLUMNS, "variant")
 
 
 def test_power_samples_parse_and_summarize():

@@ -302,6 +302,57 @@ def test_tiled_recipes_scale_each_expert_apart(name):
     assert not np.array_equal(y_big[_rows(0)], y[_rows(0)])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_expert_shards_amaxes_merge_by_max_into_the_whole_stacks(name):
+    """Each expert shard's GEMM on its own rows records plain per-tensor maxima: merged by max
+    over the shards (``max_over_replicas``, what expert parallelism all-reduces) they are the
+    whole stack's."""
+    meta, (_, whole, *_) = _run(name)
+    x, w, _, gs = _inputs()
+    fwd = jax.jit(lambda x, w, gs, m: grouped.grouped_matmul(x, w, gs, m.x.recipe, m)[1])
+    shards = [  # experts [0, 1] with their rows, then expert [2] with its rows and the padding
+        fwd(x[: sum(SIZES[:2])], w[:2], gs[:2], meta),
+        fwd(x[sum(SIZES[:2]) :], w[2:], np.asarray(SIZES[2:], np.int32), meta),
+    ]
+    assert shards[0].w.amax_history[0] < whole.w.amax_history[0]  # expert 2 holds w's max
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *shards)
+    merged = jax.device_get(fp8jax.nn.state.max_over_replicas(stacked, meta))
+    for got, want in ((merged.x, whole.x), (merged.w, whole.w)):
+        np.testing.assert_array_equal(got.amax_history, want.amax_history)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_uses_of_one_layer_merge_their_amaxes_by_max(name):
+    """A GroupedLinear called twice in a step (shared weights): x's pending amax is the larger
+    of its two inputs', dy's the larger of the two output gradients'."""
+    x, _, g, gs = _inputs()
+    x, g = _valid(x), _valid(g)[:, :8]
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x1, x2):
+            shared = GroupedLinear(G, K, (8,), _recipe(name), name="experts")
+            return shared(x1, gs), shared(x2, gs)
+
+    # The larger amax where a chain that kept only the last record would lose it: x's in the
+    # first use (the forward records first, then second), dy's in the second (the backward
+    # records the second use's first).
+    x2, g2 = x[::-1] / 3.0, 2.0 * g
+    x2[sum(SIZES) :] = 0  # the reversed padding rows back past the groups
+    variables = nn.unbox(jax.jit(Twice().init)(jax.random.key(0), x, x2))
+
+    def loss(fp8):
+        (y1, y2), mutated = Twice().apply(
+            {"params": variables["params"], fp8jax.FP8: fp8}, x, x2, mutable=[fp8jax.FP8]
+        )
+        return jnp.sum(y1 * g) + jnp.sum(y2 * g2), mutated[fp8jax.FP8]
+
+    dfp8, fp8 = jax.jit(jax.grad(loss, has_aux=True))(variables[fp8jax.FP8])
+    meta, dmeta = fp8["experts"]["fp8"]["meta"], dfp8["experts"]["fp8"]["meta"]
+    assert meta.x.amax_history[0] == np.abs(x).max() > np.abs(x2).max()
+    assert dmeta.dy.amax_history[0] == np.abs(g2).max() > np.abs(g).max()
+
+
 class _Layer(nn.Module):
     """One grouped linear layer [K -> K], its input as the scan's output."""
 
@@ -394,6 +445,13 @@ def test_bad_operands_are_one_line_with_the_fix():
         grouped.grouped_matmul(x[None], w, gs, None, None)
     with pytest.raises(TypeError, match="int32"):
         grouped.grouped_matmul(x, w, gs.astype(np.float32), None, None)
+
+    class NoGrouped(scaling.RECIPES["delayed"]):  # a recipe without a grouped GEMM
+        grouped_matmul = scaling.Recipe.grouped_matmul
+
+    recipe = NoGrouped()
+    with pytest.raises(NotImplementedError, match=r"no grouped GEMM: use one of \['block'"):
+        grouped.grouped_matmul(x, w, gs, recipe, fp8jax.init_meta(recipe))
 
 
 @pytest.mark.parametrize("name", NAMES)

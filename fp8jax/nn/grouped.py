@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.nn.linen import Fp8Meta
-from fp8jax.ops import grouped, kernels, scaling
+from fp8jax.ops import grouped, scaling
 
 __all__ = ["GroupedLinear"]
 
@@ -39,7 +39,6 @@ class GroupedLinear(nn.Module):
     std: float = INIT_STD  # normal initialiser's standard deviation
     dtype: Any = None  # compute dtype (None: x's)
     param_dtype: Any = jnp.float32
-    cast_kernel: str = kernels.AUTO  # kept in the FP8 state module as nn.Dense's is
 
     @nn.compact
     def __call__(self, x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
@@ -63,8 +62,9 @@ class GroupedLinear(nn.Module):
             )
         else:
             # The kernel reaches the FP8 cast as stored (an f32 master is read once, no bf16 copy).
-            state = Fp8Meta(self.recipe, cast_kernel=self.cast_kernel, name="fp8")
-            w_GxKxN, meta = state(x_MxK, w_GxKxN)
+            state = Fp8Meta(self.recipe, name="fp8")
+            # Health stats (fp8_stats) of the grouped rows only: the padding enters no GEMM.
+            w_GxKxN, meta = state(grouped.valid_rows(x_MxK, group_sizes_G), w_GxKxN)
             y, new_meta = grouped.grouped_matmul(
                 x_MxK, w_GxKxN, group_sizes_G, self.recipe, meta, out_dtype=dtype
             )

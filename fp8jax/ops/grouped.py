@@ -192,7 +192,8 @@ def _qdq_cols(a_MxK: jax.Array, fmt, tile: int, recipe) -> tuple[jax.Array, jax.
 
 
 def _tiled_weights(w_GxKxN: jax.Array, recipe) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(w for the forward GEMM, w for dgrad, amax)``, E4M3 dequantized to f32, per group.
+    """``(w for the forward GEMM, w for dgrad, amax)``, E4M3 (weights: precision before range)
+    dequantized to f32, per group.
 
     T x T blocks (the recipe's ``weight_tile``) serve both GEMMs; without one, the forward's
     w is scaled per column along K and dgrad's per row along N (each along its contraction).
@@ -219,7 +220,8 @@ def _tiled_weights(w_GxKxN: jax.Array, recipe) -> tuple[jax.Array, jax.Array, ja
 def _tiled_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     recipe = meta.x.recipe
     x = valid_rows(x, gs)
-    # E4M3 for x, in 1 x T tiles along K (its contraction here).
+    # E4M3 for x (activations need precision more than range; each tile's scale gives the
+    # range), in 1 x T tiles along K, its contraction here.
     xd, amax_x = _qdq_tiles(x, formats.E4M3, recipe.tile_width(x.shape[1]), recipe)
     wd, _, amax_w = _tiled_weights(w, recipe)
     y = fp8_grouped_gemm(FORWARD, xd, wd, gs).astype(cfg.out_dtype)
@@ -251,7 +253,8 @@ def _tiled_bwd(cfg: GemmConfig, res, cts):
     _, wd, _ = _tiled_weights(w, recipe)
     gd, amax_g = _qdq_tiles(g, fmt, recipe.tile_width(n), recipe)  # 1 x T along N, for dgrad
     dx = fp8_grouped_gemm(DGRAD, gd, wd, gs).astype(cfg.x_dtype)
-    # wgrad contracts M: x (E4M3) and dy in T x 1 tiles along M, across the groups' edges.
+    # wgrad contracts M: x (E4M3) and dy (dy_format) in T x 1 tiles along M, across the
+    # groups' edges (a kernel that scales each group's rows apart needs groups padded to T).
     xd_t, _ = _qdq_cols(x, formats.E4M3, recipe.tile_width(m), recipe)
     gd_t, _ = _qdq_cols(g, fmt, recipe.tile_width(m), recipe)
     dw = fp8_grouped_gemm(WGRAD, xd_t, gd_t, gs).astype(cfg.w_dtype)

@@ -126,9 +126,9 @@ class Recipe(abc.ABC):
     ) -> tuple[jax.Array, Fp8Meta]:
         """``(y [M, N], meta with this call's amaxes)``: ``ops.grouped.grouped_matmul``'s FP8
         grouped GEMM (rows of x sorted by group, w [G, K, N] stacked), with its custom VJP."""
+        has = sorted(n for n, c in RECIPES.items() if c.grouped_matmul is not Recipe.grouped_matmul)
         raise NotImplementedError(
-            f"the FP8 recipe {self.name!r} has no grouped GEMM: use recipe 'delayed', 'current', "
-            f"'rowwise' or 'block' for expert layers"
+            f"the FP8 recipe {self.name!r} has no grouped GEMM: use one of {has} for expert layers"
         )
 
 

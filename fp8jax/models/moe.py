@@ -182,7 +182,6 @@ class MoeMlp(nn.Module):
             d,
             (2, f),
             names=("expert", "embed", None, "mlp"),
-            cast_kernel=c.cast_kernel,
             name="experts_wi",
             **common,
         )
@@ -192,7 +191,6 @@ class MoeMlp(nn.Module):
             (d,),
             names=("expert", "mlp", "embed"),
             std=INIT_STD / math.sqrt(2 * c.num_layers),  # as the dense MLP's wo
-            cast_kernel=c.cast_kernel,
             name="experts_wo",
             **common,
         )

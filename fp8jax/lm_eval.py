@@ -182,14 +182,17 @@ def _batch_size(value: Any) -> int:
 def model_class() -> type:
     """lm-eval's model class of fp8jax checkpoints, registered as ``fp8jax`` (needs lm-eval)."""
     try:
+        from lm_eval.api import registry
         from lm_eval.api.model import TemplateLM
-        from lm_eval.api.registry import register_model
         from lm_eval.models import utils as model_utils
     except ImportError:
         raise errors.ConfigError(f"lm-eval is not installed: {INSTALL_FIX}") from None
+    registered = registry.model_registry.get("fp8jax", None)
+    if registered is not None and not isinstance(registered, str):
+        return registered  # registered by an earlier import of this module
     from fp8jax.trainer import chat
 
-    @register_model("fp8jax")
+    @registry.register_model("fp8jax")
     class FP8JaxLM(TemplateLM):
         """An fp8jax work dir or Hugging Face model dir under lm-evaluation-harness."""
 

@@ -106,8 +106,8 @@ def encoded(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[str]]:
         return [list(tokenizer.encode(t)) for t in texts], stop
     if chat.template_of(tokenizer) is None:
         raise errors.ConfigError(
-            f"--chat: {_CKPT.value} has no chat template (tokenizer_config.json's chat_template "
-            f"or chat_template.jinja); drop --chat and write the prompt as the model expects"
+            f"--chat: the tokenizer of {_CKPT.value} has no chat template; drop --chat and "
+            f"write the prompt as the model expects"
         )
     try:
         rendered = [chat.generation_prompt(tokenizer, t, _SYSTEM.value) for t in texts]

@@ -591,10 +591,10 @@ def hf_with_template(workdir, tmp_path, template):
     return out
 
 
-CHAT = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+CHAT = (  # short role tags: the work dir's context is 32 tokens of a 320-token vocabulary
+    "{% for m in messages %}{{ m.role[0] }}:{{ m.content }}"
     "{% if m.role == 'assistant' %}END{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
 )
 
 
@@ -605,12 +605,17 @@ def jsonl(out):
 
 def test_chat_renders_the_template_and_its_end_of_turn_ends_the_reply(workdir, tmp_path):
     """``--chat`` feeds the template's rendering (system turn, user turn, the assistant's
-    opening): the same reply and prompt length as that text given raw; the text the template
-    writes after an assistant turn ends the reply, like a ``--stop`` string."""
+    opening): the same reply and prompt length as transformers' rendering given raw; the text
+    the template writes after an assistant turn ends the reply, like a ``--stop`` string."""
     hf = hf_with_template(workdir, tmp_path, CHAT)
     common = (f"--ckpt={hf}", "--output=jsonl", "--max_new_tokens=10")
     (chat,) = jsonl(run_cli("fp8jax.generate", *common, "--chat", "--system=Be", "--prompt=Hi"))
-    raw = "<system>Be\n<user>Hi\n<assistant>"
+    from transformers import AutoTokenizer  # the reference rendering of the template
+
+    turns = [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]
+    raw = AutoTokenizer.from_pretrained(hf).apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=True
+    )
     (plain,) = jsonl(run_cli("fp8jax.generate", *common, f"--prompt={raw}"))
     assert chat["completion"] == plain["completion"] and chat["tokens"] == 10
     assert chat["prompt_tokens"] == plain["prompt_tokens"] and chat["prompt"] == "Hi"

@@ -327,8 +327,7 @@ def run(argv: Sequence[str]) -> None:
         command, rest = args[0], args[1:]
     else:
         command, rest = "run", args  # lm-eval's own command line defaults to 'run' likewise
-    if command in ("run", "validate"):
-        rest = _with_local_tasks(rest)
+    rest = _with_local_tasks(rest)  # each of lm-eval's commands takes --include_path
     old_argv = sys.argv
     sys.argv = ["lm_eval", command, *rest]
     try:

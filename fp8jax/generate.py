@@ -2,26 +2,40 @@
 
     python -m fp8jax.generate --ckpt /tmp/fp8jax_tiny --prompt "It is a truth" --max_new_tokens 32
     python -m fp8jax.generate --ckpt DIR --prompts_file prompts.txt --temperature 0.8 --top_p 0.9
+    python -m fp8jax.generate --ckpt DIR --chat --system "Be brief." --prompt "Who is Emma?"
 
-One prompt per ``--prompt`` flag (repeatable) or per line of ``--prompts_file``; each completion
-is printed after its prompt. Greedy unless ``--temperature`` > 0. ``--level O1`` runs the FP8
-matmuls with the checkpoint's trained scales (the default when it has them). Nothing is
-written. Bad input exits 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback).
+One prompt per ``--prompt`` flag (repeatable) or per line of ``--prompts_file``. A single prompt's
+completion streams to stdout as it is generated; several prompts decode as one batch and each
+prints after its prompt (``--nostream``: one prompt too, without the per-token host callback).
+``--chat`` renders each prompt as a user turn (after ``--system``'s) with the checkpoint's chat
+template and prints the reply only; the template's end-of-turn text and every ``--stop`` string
+end a completion (and are left out of it). ``--output jsonl`` prints one JSON object per prompt
+(prompt, completion, token counts, timings) for scripts; ``--verbose`` reports on stderr the
+load and compile time, the time to the first token, decode tokens/s and the bound that reading
+the weights once per token sets. Greedy unless ``--temperature`` > 0. ``--level O1`` runs the FP8
+matmuls with the checkpoint's trained scales (the default when it has them); the compute dtype
+is bfloat16 on a GPU, float32 on a CPU, unless ``--dtype`` says. Nothing is written. Bad input
+exits 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback).
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
 from absl import flags
 
 from fp8jax import cli
 
 __all__ = [
+    "encoded",
     "main",
     "prompts",
+    "report",
+    "timings",
+    "write_now",
 ]
-
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for a batch).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file of prompts, one a line.")
@@ -35,7 +49,31 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = al
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the nucleus of this probability (1 = all).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the sampling.")
 _LEVEL = flags.DEFINE_enum("level", None, ["O0", "O1"], "O0 plain matmuls, O1 FP8 matmuls.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
+_DTYPE = flags.DEFINE_enum(
+    "dtype",
+    None,
+    ["float32", "bfloat16", "float16"],
+    "Compute dtype (default: bfloat16 on a GPU, float32 on a CPU).",
+)
+_CHAT = flags.DEFINE_bool(
+    "chat", False, "Render each prompt as a user turn with the checkpoint's chat template."
+)
+_SYSTEM = flags.DEFINE_string("system", None, "A system turn before each prompt (with --chat).")
+_STOP = flags.DEFINE_multi_string(
+    "stop", [], "A string that ends a completion, left out of it (repeat the flag for more)."
+)
+_OUTPUT = flags.DEFINE_enum(
+    "output",
+    "text",
+    ["text", "jsonl"],
+    "text: each prompt and its completion; jsonl: one JSON object per prompt, for scripts.",
+)
+_STREAM = flags.DEFINE_bool(
+    "stream", True, "Print a single prompt's completion as it is generated (text output)."
+)
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Report times, decode tokens/s and the weight-bandwidth bound on stderr."
+)
 flags.mark_flag_as_required("ckpt")
 
 
@@ -55,32 +93,142 @@ def prompts() -> list[str]:
     return found
 
 
+def encoded(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[str]]:
+    """The prompts' token ids (``--chat``: rendered with the chat template) and the stop strings
+    (``--stop``'s, and with ``--chat`` the template's end of turn)."""
+    from fp8jax import errors
+    from fp8jax.trainer import chat
+
+    stop = list(_STOP.value)
+    if not _CHAT.value:
+        if _SYSTEM.value is not None:
+            raise errors.ConfigError("--system is a chat turn: pass --chat too")
+        return [list(tokenizer.encode(t)) for t in texts], stop
+    if chat.template_of(tokenizer) is None:
+        raise errors.ConfigError(
+            f"--chat: the tokenizer of {_CKPT.value} has no chat template; drop --chat and "
+            f"write the prompt as the model expects"
+        )
+    try:
+        rendered = [chat.generation_prompt(tokenizer, t, _SYSTEM.value) for t in texts]
+    except ValueError as e:
+        raise errors.ConfigError(f"--chat: {e}") from None
+    end = chat.end_of_turn(tokenizer)
+    return chat.plain_ids(tokenizer, rendered), stop + ([end] if end else [])
+
+
+def timings(inf, stream, start: float, end: float, compile_s: float) -> dict:
+    """Seconds and rates of one generate call (``stream``: its ``TextStream``, or None)."""
+    import jax
+
+    from fp8jax.trainer import generate
+
+    out = {"total_s": end - start, "compile_s": compile_s}
+    if stream is None or stream.first_token_at is None:
+        return out
+    out["first_token_s"] = stream.first_token_at - start - compile_s
+    later = sum(max(len(ids) - 1, 0) for ids in stream.ids)
+    span = stream.last_token_at - stream.first_token_at
+    out["decode_tokens_per_s"] = later / span if span > 0 and later else None
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(inf.params))
+    bandwidth = generate.device_bandwidth()
+    out["weight_bytes"] = weight_bytes
+    out["bound_s_per_token"] = weight_bytes / bandwidth if bandwidth else None
+    return out
+
+
+def report(t: dict, load_s: float, level: str, dtype: str) -> str:
+    """The ``--verbose`` lines of ``timings``."""
+    lines = [
+        f"loaded in {load_s:.1f} s at {level}, computing in {dtype}; "
+        f"compiled in {t['compile_s']:.1f} s; generated in {t['total_s']:.2f} s"
+    ]
+    if "first_token_s" in t:
+        rate = t["decode_tokens_per_s"]
+        lines.append(
+            f"first token {t['first_token_s'] * 1e3:.0f} ms after the call (compile excluded); "
+            f"decode {'n/a' if rate is None else f'{rate:.1f}'} tokens/s"
+        )
+        bound = t["bound_s_per_token"]
+        weights = f"{t['weight_bytes'] / 2**20:.1f} MiB of weights read per token"
+        if bound is None:
+            lines.append(f"{weights}; device bandwidth unknown, so no bound")
+        else:
+            got = "" if not rate else f", decode at {100 / (bound * rate):.0f}% of it per row"
+            lines.append(f"{weights}; bandwidth bound {bound * 1e3:.3f} ms/token{got}")
+    return "".join(f"{line}\n" for line in lines)
+
+
 def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments {argv[1:]}; pass prompts as --prompt TEXT")
     with cli.user_errors():
+        import jax
+
         from fp8jax.trainer import generate, inference
 
         texts = prompts()
-        inf = inference.load(_CKPT.value, _LEVEL.value, _DTYPE.value)
+        t0 = time.perf_counter()
+        dtype = _DTYPE.value or inference.default_dtype()
+        inf = inference.load(_CKPT.value, _LEVEL.value, dtype)
+        load_s = time.perf_counter() - t0
+        ids, stop = encoded(inf.tokenizer, texts)
         max_new = _MAX_NEW.value
         if not flags.FLAGS["max_new_tokens"].present:  # the default fits the model's context
-            longest = max(len(inf.tokenizer.encode(t)) or 1 for t in texts)
+            longest = max(len(p) for p in ids) or 1
             max_new = max(min(max_new, inf.model.cfg.max_len - longest), 1)
-        out = generate.generate(
-            inf.model,
-            inf.params,
-            inf.fp8_state,
-            inf.tokenizer,
-            texts,
-            max_new,
-            temperature=_TEMPERATURE.value,
-            top_k=_TOP_K.value,
-            top_p=_TOP_P.value,
-            seed=_SEED.value,
-        )
-    for prompt, completion in zip(texts, out, strict=True):
-        sys.stdout.write(f"{prompt}{completion}\n")
+        jsonl = _OUTPUT.value == "jsonl"
+        streaming = _STREAM.value and not jsonl and len(texts) == 1
+        stream = None
+        if streaming or stop or jsonl or _VERBOSE.value:
+            on_text = write_now if streaming else None
+            stream = generate.TextStream(inf.tokenizer, len(ids), stop, on_text)
+        compiles = []
+
+        def listener(event, duration, **kw):
+            if event.startswith("/jax/core/compile/"):  # tracing, lowering, XLA's compile
+                compiles.append(duration)
+
+        if streaming and not _CHAT.value:
+            write_now(0, texts[0])
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        start = time.perf_counter()
+        try:
+            out = generate.generate(
+                inf.model,
+                inf.params,
+                inf.fp8_state,
+                inf.tokenizer,
+                texts,
+                max_new,
+                temperature=_TEMPERATURE.value,
+                top_k=_TOP_K.value,
+                top_p=_TOP_P.value,
+                seed=_SEED.value,
+                stop=stop,
+                stream=stream,
+                prompt_ids=ids,
+            )
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        t = timings(inf, stream, start, time.perf_counter(), sum(compiles))
+    for i, (prompt, completion) in enumerate(zip(texts, out, strict=True)):
+        if jsonl:
+            record = dict(prompt=prompt, completion=completion, prompt_tokens=len(ids[i]))
+            record.update(tokens=len(stream.ids[i]), timings=t)
+            sys.stdout.write(json.dumps(record) + "\n")
+        elif streaming:
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(f"{completion if _CHAT.value else prompt + completion}\n")
+    if _VERBOSE.value:
+        sys.stderr.write(report(t, load_s, inf.level, dtype))
+
+
+def write_now(row: int, text: str) -> None:
+    """Print streamed ``text`` at once (``row``: the one row a stream prints)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

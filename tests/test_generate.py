@@ -1,6 +1,7 @@
 """KV-cache decoding against full recomputation, sampling filters, compile counts, the CLIs."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -373,6 +374,8 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt", "--seq_len=0"], "--seq_len=0: use"),
         ("fp8jax.generate", ["--prompt=It is", "--max_new_tokens=0"], "--max_new_tokens=0: use"),
         ("fp8jax.generate", ["--prompt=a", "--max_new_tokens=40"], "--max_new_tokens to at most"),
+        ("fp8jax.generate", ["--prompt=a", "--chat"], "has no chat template"),
+        ("fp8jax.generate", ["--prompt=a", "--system=Be"], "--system is a chat turn"),
     ],
 )
 def test_command_line_bad_input_is_one_line(workdir, module, args, message):
@@ -547,3 +550,81 @@ def test_evaluate_defaults_to_the_trained_seq_len(workdir, tmp_path):
     assert inference.default_seq_len(str(wd), 8) == 8
     assert inference.default_seq_len(str(tmp_path), 131_072) == inference.DEFAULT_SEQ_LEN
     assert inference.default_seq_len(str(tmp_path), 64) == 64
+
+
+def test_stop_strings_end_the_text_and_the_decode(workdir):
+    """A stop string cuts the completion before its first occurrence and stops that row's
+    decode there (fewer tokens than allowed); what a ``TextStream`` shows as it goes adds up to
+    the final text and never shows the stop string; without stop strings, nothing is cut."""
+    from fp8jax.trainer import inference
+
+    wd, _, _ = workdir
+    inf = inference.load(str(wd))
+    args = (inf.model, inf.params, inf.fp8_state, inf.tokenizer, ["It is", "Mr"], 12)
+    free = generate.generate(*args)
+    text = free[0]
+    middle = len(text) // 2
+    stop = text[middle : middle + 2]
+    assert stop, free
+    shown = ["", ""]
+    stream = generate.TextStream(
+        inf.tokenizer, 2, [stop], lambda row, s: shown.__setitem__(row, shown[row] + s)
+    )
+    got = generate.generate(*args, stop=[stop], stream=stream)
+    assert got[0] == text[: text.find(stop)]
+    assert got[1] == generate.cut_at_stop(free[1], [stop])[0]
+    assert len(stream.ids[0]) < 12 and stream.ended[0]
+    assert shown == got
+    assert generate.generate(*args, stop=["\x00never"]) == free
+
+
+def hf_with_template(workdir, tmp_path, template):
+    """The work dir exported to a Hugging Face dir whose tokenizer has chat ``template``."""
+    from fp8jax.hf import io as hf_io
+
+    wd, _, _ = workdir
+    out = tmp_path / "hf"
+    if not out.exists():
+        hf_io.export(str(wd), str(out), "float32", 2**30)
+    config = out / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
+    return out
+
+
+CHAT = (  # short role tags: the work dir's context is 32 tokens of a 320-token vocabulary
+    "{% for m in messages %}{{ m.role[0] }}:{{ m.content }}"
+    "{% if m.role == 'assistant' %}END{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def jsonl(out):
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_chat_renders_the_template_and_its_end_of_turn_ends_the_reply(workdir, tmp_path):
+    """``--chat`` feeds the template's rendering (system turn, user turn, the assistant's
+    opening): the same reply and prompt length as transformers' rendering given raw; the text
+    the template writes after an assistant turn ends the reply, like a ``--stop`` string."""
+    hf = hf_with_template(workdir, tmp_path, CHAT)
+    common = (f"--ckpt={hf}", "--output=jsonl", "--max_new_tokens=10")
+    (chat,) = jsonl(run_cli("fp8jax.generate", *common, "--chat", "--system=Be", "--prompt=Hi"))
+    from transformers import AutoTokenizer  # the reference rendering of the template
+
+    turns = [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]
+    raw = AutoTokenizer.from_pretrained(hf).apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=True
+    )
+    (plain,) = jsonl(run_cli("fp8jax.generate", *common, f"--prompt={raw}"))
+    assert chat["completion"] == plain["completion"] and chat["tokens"] == 10
+    assert chat["prompt_tokens"] == plain["prompt_tokens"] and chat["prompt"] == "Hi"
+    reply = chat["completion"]
+    end = reply.strip()[:1]  # a non-blank piece of the reply becomes the end of turn
+    assert end, reply
+    hf_with_template(workdir, tmp_path, CHAT.replace("END", end))
+    (ended,) = jsonl(run_cli("fp8jax.generate", *common, "--chat", "--system=Be", "--prompt=Hi"))
+    assert ended["completion"] == reply[: reply.find(end)]
+    assert ended["tokens"] < 10
+    timings = ended["timings"]
+    assert timings["first_token_s"] >= 0 and timings["total_s"] >= timings["first_token_s"]

@@ -32,6 +32,8 @@ __all__ = [
     "check_record",
     "compile_template",
     "encode",
+    "end_of_turn",
+    "generation_prompt",
     "plain_ids",
     "render",
     "template_of",
@@ -118,6 +120,48 @@ def chat_parts(tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:
         raise ValueError(f"the chat template failed: {e}") from e
     parts.append((whole[done:], False))
     return [(text, trained) for text, trained in parts if text]
+
+
+def generation_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    """The text a chat model continues: ``user``'s turn (after ``system``'s, if given) under the
+    tokenizer's chat template, ending with the start of the assistant's turn. Raises ValueError
+    (one line) when the tokenizer has no template or the template fails."""
+    template = template_of(tokenizer)
+    if template is None:
+        raise ValueError("the checkpoint's tokenizer has no chat template")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": user})
+    try:
+        return render(
+            template,
+            messages,
+            add_generation_prompt=True,
+            bos_token=_special(tokenizer, "bos_token"),
+            eos_token=_special(tokenizer, "eos_token"),
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from e
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The text the chat template writes right after an assistant turn's content (its
+    end-of-turn token, say ``<|im_end|>``; surrounding whitespace dropped), or None."""
+    template = template_of(tokenizer)
+    if template is None:
+        return None
+    mark = "\x00reply\x00"  # text no template writes by itself
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+    try:
+        whole = render(
+            template,
+            messages,
+            bos_token=_special(tokenizer, "bos_token"),
+            eos_token=_special(tokenizer, "eos_token"),
+        )
+    except jinja2.TemplateError:
+        return None
+    after = whole[whole.find(mark) + len(mark) :].strip() if mark in whole else ""
+    return after or None
 
 
 def plain_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:

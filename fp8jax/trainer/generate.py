@@ -6,6 +6,11 @@ value cache (``fp8jax.models.decode``), all inside one jitted function whose dec
 program), and it compiles once per (batch, prompt length, cache length) bucket, whatever the
 number of tokens, the prompts or the sampling settings. At O1+ the FP8 matmuls use the stored
 delayed scales as they are; decoding never updates them.
+
+A watched decode (``TextStream``: streaming text, stop strings, the time of the first token)
+compiles a second program whose every step hands its tokens to the host (an ordered
+``io_callback``) and reads back which rows a stop string ended; the unwatched program has no
+callback and never waits on the host.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import io_callback
 
 from fp8jax import errors, models
 from fp8jax.models import decode, moe
@@ -29,20 +35,33 @@ from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.sampling import GREEDY, Sampling
 
 __all__ = [
+    "BANDWIDTH",
     "Buckets",
     "Decoder",
     "MIN_BUCKET",
     "NonFinite",
+    "TextStream",
     "allowed_ids",
     "bucket",
     "buckets_for",
+    "cut_at_stop",
     "decoder_for",
+    "device_bandwidth",
     "end_sample",
     "generate",
     "generate_ids",
 ]
 
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
+# Memory bandwidth, bytes/s, of the GPUs by a word of their device_kind (the SXM parts' data
+# sheets): decoding one token reads every weight once, so weight bytes / bandwidth bounds it.
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}
+
+
+def device_bandwidth(device: jax.Device | None = None) -> float | None:
+    """The memory bandwidth (bytes/s) of ``device`` (default: the first), None where unknown."""
+    kind = (device or jax.devices()[0]).device_kind
+    return next((bw for word, bw in BANDWIDTH.items() if word in kind), None)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -92,7 +111,8 @@ class Decoder:
         self.model = models.build_model(dataclasses.replace(model_cfg, remat_policy="none"))
         self.collection = collection
         self.traces = 0
-        self._run = jax.jit(self._generate, static_argnames=("cache_len",))
+        self.watcher: Callable | None = None  # (t, tok_B, done_B) -> stop_B of a watched call
+        self._run = jax.jit(self._generate, static_argnames=("cache_len", "watch"))
 
     def __call__(
         self,
@@ -106,18 +126,32 @@ class Decoder:
         cache_len: int,
         allowed_V=None,
         moe_state=None,
+        watcher: Callable | None = None,
     ):
         """Tokens [B, cache_len] (prompt, then generated), the number of steps run and the
         first step with non-finite logits (``NonFinite``). ``allowed_V``: the ids that may be
         generated (the tokenizer's, without padding), all of them if None. ``moe_state``: an
-        MoE model's router biases (``TrainState.moe_state``), if it has any."""
+        MoE model's router biases (``TrainState.moe_state``), if it has any. ``watcher(t, tok_B,
+        done_B)`` (optional) sees each step's tokens on the host, in order, and returns the
+        rows (bool [B]) to stop."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
         eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
         if allowed_V is None:
             allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
         args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E, allowed_V)
-        return self._run(params, fp8_state, moe_state or {}, *args, cache_len=cache_len)
+        moe_state = moe_state or {}
+        if watcher is None:
+            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=False)
+        self.watcher = watcher
+        try:
+            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=True)
+        finally:
+            self.watcher = None
+
+    def _watch(self, t, tok_B, done_B) -> np.ndarray:
+        """The host side of a watched step: the current ``watcher``'s stop rows."""
+        return np.asarray(self.watcher(int(t), np.asarray(tok_B), np.asarray(done_B)), bool)
 
     def _generate(
         self,
@@ -135,6 +169,7 @@ class Decoder:
         allowed_V,
         *,
         cache_len,
+        watch,
     ):
         self.traces += 1  # runs only while tracing: one per compilation
         batch, prompt_len = tokens_BxP.shape
@@ -159,8 +194,13 @@ class Decoder:
             )
             return jnp.where(done_B, eos_E[0], tok_B), bad
 
-        def stops(tok_B):
-            return jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
+        def stops(tok_B, t, done_B):
+            """Rows that ``tok_B`` ends: an EOS id, or (watched) a stop string on the host."""
+            ended_B = jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
+            if not watch:
+                return ended_B
+            shape = jax.ShapeDtypeStruct(done_B.shape, jnp.bool_)
+            return ended_B | io_callback(self._watch, shape, t, tok_B, done_B, ordered=True)
 
         positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
@@ -170,7 +210,7 @@ class Decoder:
         tok_B, bad = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B, bad)
         out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
         out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
-        done_B = done_B | stops(tok_B)
+        done_B = done_B | stops(tok_B, 0, done_B)
 
         def more(carry):
             t, _, done_B, _, _, bad = carry
@@ -183,7 +223,7 @@ class Decoder:
             logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
             tok_B, bad = pick(logits_Bx1xV[:, 0], t, done_B, bad)
             out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
-            return t + 1, tok_B, done_B | stops(tok_B), cache, out_BxM, bad
+            return t + 1, tok_B, done_B | stops(tok_B, t, done_B), cache, out_BxM, bad
 
         carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM, bad)
         t, _, _, _, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
@@ -237,6 +277,7 @@ def generate_ids(
     eos_ids: Sequence[int] = (),
     allowed_V: np.ndarray | None = None,
     moe_state=None,
+    watcher: Callable | None = None,
 ) -> list[list[int]]:
     """The token ids generated after each prompt (ids), up to ``max_new_tokens`` or EOS.
 
@@ -246,7 +287,9 @@ def generate_ids(
     max_new_tokens`` tokens raises a ConfigError naming the lengths. ``allowed_V`` (bool [V],
     see ``allowed_ids``) masks the ids that may not be generated. Logits holding NaN or Inf
     stop generation with a one-line ``NonFiniteOutputError`` naming the step. ``moe_state``: an
-    MoE model's router biases (a ``TrainState``'s ``moe_state``), if it has any.
+    MoE model's router biases (a ``TrainState``'s ``moe_state``), if it has any. ``watcher``
+    (a ``TextStream``, say) sees every step's tokens on the host and may stop rows; a row it
+    stops keeps the token it stopped on.
     """
     cfg = model.cfg
     prompts = [list(p) for p in prompts]
@@ -279,6 +322,7 @@ def generate_ids(
         b.cache,
         allowed_V,
         moe_state,
+        watcher,
     )
     out_BxM, bad = jax.device_get((out_BxM, bad))
     if bad.step >= 0:
@@ -309,22 +353,112 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     moe_state=None,
+    stop: Sequence[str] = (),
+    stream: TextStream | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
 ) -> list[str]:
     """The text generated after each prompt (the prompt not repeated); greedy by default.
 
     ``tokenizer`` has ``encode(str) -> ids``, ``decode(ids) -> str``, ``eos_id`` (int or None)
     and optionally ``eos_ids`` (every id that ends a turn). An empty prompt starts from EOS, the
-    document separator the model was trained with. ``moe_state``: as ``generate_ids``'.
+    document separator the model was trained with. ``moe_state``: as ``generate_ids``'. A
+    completion ends before the first of the ``stop`` strings it holds (the decode of that row
+    stops there too); ``stream`` (a ``TextStream`` over the same stop strings) sees the text as
+    it is generated. ``prompt_ids``: the prompts already encoded (a chat template's special
+    tokens, say).
     """
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eos_id = getattr(tokenizer, "eos_id", None)
     eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
-    ids = [tokenizer.encode(p) or ([] if eos_id is None else [eos_id]) for p in prompts]
+    if prompt_ids is None:
+        prompt_ids = [tokenizer.encode(p) for p in prompts]
+    ids = [list(p) or ([] if eos_id is None else [eos_id]) for p in prompt_ids]
     allowed_V = allowed_ids(tokenizer, model.cfg.vocab_size)
+    if stream is None and stop:
+        stream = TextStream(tokenizer, len(ids), stop)
     out = generate_ids(
-        model, params, fp8_state, ids, max_new_tokens, s, eos_ids, allowed_V, moe_state
+        model, params, fp8_state, ids, max_new_tokens, s, eos_ids, allowed_V, moe_state, stream
     )
-    return [tokenizer.decode(o) for o in out]
+    for row in range(len(out) if stream is not None else 0):
+        stream.finish(row)  # rows that ran to max_new_tokens
+    return [cut_at_stop(tokenizer.decode(o), stop)[0] for o in out]
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first of the ``stop`` strings it holds, and whether it held one."""
+    cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` might start a stop string (or an unfinished
+    UTF-8 character): they are shown only once the next tokens decide."""
+    held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return max(held, len(text) - len(text.rstrip("\ufffd")))
+
+
+class TextStream:
+    """The text of each row of a decode as it is generated, cut at the ``stop`` strings.
+
+    A ``watcher`` for ``generate_ids``: it decodes each row's tokens so far, calls
+    ``on_text(row, new_text)`` with what became final (text that might still begin a stop
+    string, or an unfinished UTF-8 character, waits), stops the rows that reached a stop string,
+    and records the host time of the first token and of the last step (``first_token_at``,
+    ``last_token_at``, ``time.perf_counter`` seconds) and the tokens each row generated.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        rows: int,
+        stop: Sequence[str] = (),
+        on_text: Callable[[int, str], None] | None = None,
+    ):
+        self.tokenizer, self.stop, self.on_text = tokenizer, tuple(s for s in stop if s), on_text
+        eos_id = getattr(tokenizer, "eos_id", None)
+        self.eos_ids = set(
+            getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
+        )
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.shown = [0] * rows  # characters passed to on_text
+        self.ended = [False] * rows
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    def __call__(self, t: int, tok_B: np.ndarray, done_B: np.ndarray) -> np.ndarray:
+        """The rows (bool [B]) whose text now holds a stop string, after adding ``tok_B``."""
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        stop_B = np.zeros(tok_B.shape, bool)
+        for row in range(min(len(self.ids), len(tok_B))):
+            if done_B[row] or self.ended[row]:
+                continue
+            if int(tok_B[row]) in self.eos_ids:
+                self.finish(row)
+                continue
+            self.ids[row].append(int(tok_B[row]))
+            text, hit = cut_at_stop(self.tokenizer.decode(self.ids[row]), self.stop)
+            if hit:
+                stop_B[row] = True
+                self.finish(row, text)
+            else:
+                self._show(row, text[: len(text) - _held_back(text, self.stop)])
+        return stop_B
+
+    def finish(self, row: int, text: str | None = None) -> None:
+        """End ``row``: show the rest of its text (``text``: cut at a stop string)."""
+        if self.ended[row]:
+            return
+        if text is None:
+            text = cut_at_stop(self.tokenizer.decode(self.ids[row]), self.stop)[0]
+        self._show(row, text)
+        self.ended[row] = True
+
+    def _show(self, row: int, text: str) -> None:
+        if len(text) > self.shown[row] and self.on_text is not None:
+            self.on_text(row, text[self.shown[row] :])
+        self.shown[row] = max(self.shown[row], len(text))
 
 
 def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The ") -> str:

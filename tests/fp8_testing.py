@@ -1,6 +1,7 @@
 """Shared tolerances and helpers of the tests (FP8 core: dot, linen, nnx; small configs)."""
 
 import functools
+import gzip
 import importlib.util
 import pathlib
 
@@ -38,6 +39,20 @@ TINY_RUN = {
     "sample_tokens": 0,
     "keep_checkpoints": 2,
 }
+
+
+@functools.cache
+def _shipped(book: str) -> str:
+    from fp8jax.trainer import corpus as corpus_lib
+
+    with gzip.open(corpus_lib.SHIPPED_DIR / f"{book}.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def novel(book: str, num_chars: int, start: int = 0) -> str:
+    """Characters ``start`` to ``start + num_chars`` of a shipped novel ('persuasion',
+    'pride-and-prejudice'), the text the corpus tests train and tokenize on."""
+    return _shipped(book)[start : start + num_chars]
 
 
 def rel_err(a, b) -> float:

@@ -10,14 +10,9 @@ from fp8jax import tokenizer
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data
 
-from fp8_testing import data_run
+from fp8_testing import data_run, novel
 
 VOCAB = 300
-
-
-def _novel(num_chars: int, start: int = 0) -> str:
-    with gzip.open(corpus_lib.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
-        return f.read()[start : start + num_chars]
 
 
 def _config(path="", vocab=VOCAB, seed=0, val_fraction=0.2, batch_size=4, seq_len=16):
@@ -25,11 +20,10 @@ def _config(path="", vocab=VOCAB, seed=0, val_fraction=0.2, batch_size=4, seq_le
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, novel_file):
     """A ~40 kB text file, its work dir and the built dataset (shared by read-only tests)."""
     root = tmp_path_factory.mktemp("corpus")
-    path = root / "book.txt"
-    path.write_text(_novel(40_000))
+    path = novel_file("persuasion", 40_000)
     return path, root / "work", data.build(_config(path), root / "work")
 
 
@@ -52,7 +46,7 @@ def _same(batches_a, batches_b):
 
 
 def test_tokenizer_round_trip_and_exact_vocab():
-    tok = tokenizer.train([_novel(20_000)], vocab_size=VOCAB)
+    tok = tokenizer.train([novel("persuasion", 20_000)], vocab_size=VOCAB)
     assert tok.vocab_size == VOCAB
     for text in ["Anne Elliot, said he.\n\n  x", "héllo wörld ✓ 数据 \t\r\n", ""]:
         assert tok.decode(tok.encode(text)) == text
@@ -178,7 +172,7 @@ def test_validation_disjoint_from_train_and_deterministic(corpus):
 
 
 def test_jsonl_folder_and_file_sources(tmp_path):
-    docs = [_novel(6_000, start) for start in (0, 7_000, 14_000, 21_000)]
+    docs = [novel("persuasion", 6_000, start) for start in (0, 7_000, 14_000, 21_000)]
 
     jsonl = tmp_path / "docs.jsonl"
     lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)]

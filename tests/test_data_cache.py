@@ -6,7 +6,6 @@ with it, the run is refused (``data.allow_corpus_change`` lets a resume move to 
 while keeping the checkpoint's tokenizer). A refused or failed build changes nothing.
 """
 
-import gzip
 import hashlib
 import logging
 import os
@@ -19,17 +18,12 @@ import numpy as np
 import pytest
 
 from fp8jax import errors, tokenizer
-from fp8jax.trainer import corpus, data
+from fp8jax.trainer import data
 
-from fp8_testing import data_run
+from fp8_testing import data_run, novel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 300
-
-
-def _novel(num_chars: int, start: int = 0) -> str:
-    with gzip.open(corpus.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
-        return f.read()[start : start + num_chars]
 
 
 def _config(path, vocab=VOCAB, min_frequency=2, val_fraction=0.2, allow=False):
@@ -68,13 +62,9 @@ def _snapshot(workdir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def corpora(tmp_path_factory):
+def corpora(novel_file):
     """Two different 20k-char passages of the novel, as two files."""
-    root = tmp_path_factory.mktemp("corpora")
-    a, b = root / "a.txt", root / "b.txt"
-    a.write_text(_novel(20_000))
-    b.write_text(_novel(20_000, start=60_000))
-    return a, b
+    return novel_file("persuasion", 20_000), novel_file("persuasion", 20_000, start=60_000)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +103,7 @@ def test_failed_tiny_run_leaves_nothing_and_its_tokenizer_is_not_reused(corpora,
 def test_tiny_corpus_tokenizer_not_reused_for_another_path(corpora, tmp_path):
     """A cache from an earlier data.path (no checkpoint) is rebuilt for the new corpus."""
     tiny = tmp_path / "tiny.txt"
-    tiny.write_text(_novel(300))
+    tiny.write_text(novel("persuasion", 300))
     wd = tmp_path / "work"
     data.build(_config(tiny, val_fraction=0.0), wd)  # succeeds: 300 chars > seq_len tokens
     ds = data.build(_config(corpora[0]), wd)

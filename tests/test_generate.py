@@ -269,16 +269,11 @@ def block_workdir(tmp_path_factory):
 
 
 def _tiny_run(tmp_path_factory, recipe):
-    import gzip
-
-    from fp8jax.trainer import corpus as corpus_lib
-
-    from fp8_testing import with_overrides
+    from fp8_testing import novel, with_overrides
 
     root = tmp_path_factory.mktemp("gen")
     corpus = root / "corpus.txt"
-    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
-    corpus.write_text(text[:60_000])
+    corpus.write_text(novel("pride-and-prejudice", 60_000))
     small = {
         "model.d_model": 64,
         "model.num_heads": 2,

@@ -24,7 +24,11 @@ from fp8jax.hf import io as hf_io
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import metrics, workdir_lock
 
-from fp8_testing import TINY_RUN
+from fp8_testing import (
+    TINY_RUN,
+    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
+    novel,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = {
@@ -39,17 +43,18 @@ SMALL = {
 def base(tmp_path_factory):
     """A folder for the module: the corpus and the JAX compilation cache."""
     root = tmp_path_factory.mktemp("integrity")
-    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
-    (root / "corpus.txt").write_text(text[:60_000])
+    (root / "corpus.txt").write_text(novel("pride-and-prejudice", 60_000))
     return root
 
 
 @pytest.fixture(scope="module")
 def env(base):
-    """Environment of train.py subprocesses: CPU, one compilation cache for all of them."""
+    """Environment of train.py subprocesses: CPU, one compilation cache for all of them, most
+    XLA optimisations off (compiles dominate; no check here is numerical)."""
     e = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
     e.update(
         JAX_PLATFORMS="cpu",
+        JAX_DISABLE_MOST_OPTIMIZATIONS="1",
         PYTHONPATH=str(ROOT),
         JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import fcntl
 import functools
-import gzip
 import hashlib
 import json
 import os
@@ -35,13 +34,12 @@ from fp8jax import checksums, errors, models, spec
 from fp8jax.models import layers
 from fp8jax.ops import formats
 from fp8jax.ops.scaling import ScaleState
-from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
-from fp8_testing import TINY_RUN, with_overrides
+from fp8_testing import TINY_RUN, novel, with_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
@@ -76,8 +74,7 @@ def corpus(shared):
     path = shared / "corpus.txt"
     with _locked(shared / "corpus.lock"):
         if not path.exists():
-            text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
-            path.with_suffix(".tmp").write_text(text[:200_000])
+            path.with_suffix(".tmp").write_text(novel("pride-and-prejudice", 200_000))
             path.with_suffix(".tmp").replace(path)
     return path
 

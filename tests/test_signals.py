@@ -1,6 +1,5 @@
 """What the loop reports: FP8 health summary, the end sample, summary.json, schedule changes."""
 
-import gzip
 import json
 import logging
 import warnings
@@ -10,13 +9,15 @@ import numpy as np
 import pytest
 
 from fp8jax import spec
-from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import generate
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import metrics as metrics_lib
 
-from fp8_testing import with_overrides
+from fp8_testing import (
+    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
+    with_overrides,
+)
 
 SMALL = {
     "model.num_layers": 2,
@@ -41,11 +42,9 @@ SMALL = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    text = gzip.open(corpus_lib.SHIPPED_DIR / "pride-and-prejudice.txt.gz", "rt").read()
-    path.write_text(text[:100_000])
-    return path
+def corpus(novel_file):
+    """The first 100 kB of Pride and Prejudice."""
+    return novel_file("pride-and-prejudice", 100_000)
 
 
 def small_config(corpus, **overrides):

@@ -1,0 +1,56 @@
+"""Fixtures shared by the test modules, and the order in which the modules are handed out.
+
+CI runs the suite on two pytest-xdist workers with ``--dist loadfile`` (README's test command):
+each module runs whole on one worker, so its module-scoped fixtures (a trained work dir, the
+8-device subprocess of tests/sharded_checks.py) are built once, and the modules that take
+longest go first, so the two workers finish at about the same time.
+"""
+
+import pathlib
+
+import pytest
+
+from fp8_testing import novel
+
+# The modules that take longest on two CPU cores (a full run's --durations), longest first;
+# the others follow in collection order. A module missing here only starts later.
+LONGEST_FIRST = (
+    "test_sharding.py",
+    "test_notebooks.py",
+    "test_benchmarks.py",
+    "test_train.py",
+    "test_reliability.py",
+    "test_wheel.py",
+    "test_optim.py",
+    "test_generate.py",
+    "test_signals.py",
+    "test_sft.py",
+    "test_dpo.py",
+    "test_integrity.py",
+    "test_fine_mlp.py",
+    "test_qkv.py",
+    "test_mlp.py",
+    "test_multiprocess.py",
+    "test_hf.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the ``LONGEST_FIRST`` modules first (a stable sort: each module keeps its order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(scope="session")
+def novel_file(tmp_path_factory: pytest.TempPathFactory):
+    """``novel_file(book, num_chars, start=0)``: a text file holding that slice of a shipped
+    novel (``fp8_testing.novel``), written once per session; tests only read it."""
+    root = tmp_path_factory.mktemp("novels")
+
+    def write(book: str, num_chars: int, start: int = 0) -> pathlib.Path:
+        path = root / f"{book}-{start}-{num_chars}.txt"
+        if not path.exists():
+            path.write_text(novel(book, num_chars, start))
+        return path
+
+    return write

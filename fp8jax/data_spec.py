@@ -51,7 +51,9 @@ class DataSpec:
     val_fraction: float  # share held out for validation: of tokens (text), examples or pairs
     packing: bool  # sft: several examples per row (False: one per row, padded; dpo: False)
     overlong: str  # sft/dpo: 'drop' or 'truncate' an example longer than seq_len + 1 tokens
+    tokenizer: str  # tokenizer.json or HF model dir to encode with; '' = learn a BPE
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
+    encode_workers: int  # text: processes encoding the corpus (0 = one per CPU core)
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
     @property

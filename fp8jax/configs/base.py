@@ -185,7 +185,14 @@ def declarations() -> ml_collections.ConfigDict:
     d.packing = Bool(True)  # sft: pack several examples per row
     # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
     d.overlong = Choice("drop", data_spec.OVERLONG)
+    # An existing tokenizer: a tokenizer.json file or a Hugging Face model dir holding one
+    # ('' = learn a byte-level BPE of model.vocab_size ids on the corpus). The model's
+    # vocabulary then follows it (model.vocab_size is its size rounded up to a multiple of
+    # 128), and the work dir and its exports carry it. init_from brings its own tokenizer.
+    d.tokenizer = Text("", "name a tokenizer.json or a Hugging Face model dir ('' = learn a BPE)")
     d.tokenizer_min_frequency = Int(2, 0)  # BPE merges need at least this many occurrences
+    # text: processes that encode the corpus, each a range of a file (0 = one per CPU core)
+    d.encode_workers = Int(0, 0)
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).

@@ -14,8 +14,10 @@ from fp8jax.errors import DataError
 __all__ = [
     "FIX",
     "SHIPPED_DIR",
+    "JSONL",
     "TEXT_SUFFIXES",
     "check_not_empty",
+    "check_text",
     "fingerprint",
     "not_text",
     "pieces",
@@ -27,6 +29,7 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # a text corpus folder's files
+JSONL = (".jsonl", ".jsonl.gz")  # files of one JSON document per line
 FIX = (
     "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
     "'text' field per line ('' = the shipped corpus)"
@@ -58,7 +61,7 @@ def source_files(
 
 
 def _is_jsonl(f: Path) -> bool:
-    return f.name.endswith((".jsonl", ".jsonl.gz"))
+    return f.name.endswith(JSONL)
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -118,6 +121,17 @@ def not_text(sample: str) -> str | None:
     return None
 
 
+def check_text(f: Path, start: str, source: str) -> None:
+    """A one-line ValueError naming ``f`` and ``source`` (the setting that named it) when the
+    ``start`` of its text is not text (:func:`not_text`)."""
+    reason = not_text(start[:_SNIFF_CHARS])
+    if reason:
+        raise ValueError(
+            f"{f} is not a text file: {reason}; remove it from "
+            f"{source}, or decompress or convert it to UTF-8 text"
+        )
+
+
 def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tuple[str, bool]]:
     """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
 
@@ -152,12 +166,7 @@ def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
         while chunk := fh.read(_READ_CHARS):
             if first:
                 first = False
-                reason = not_text(chunk[:_SNIFF_CHARS])
-                if reason:
-                    raise ValueError(
-                        f"{f} is not a text file: {reason}; remove it from "
-                        f"{source}, or decompress or convert it to UTF-8 text"
-                    )
+                check_text(f, chunk, source)
             chunk = carry + chunk
             # Cut at a line break so no word is split between two encode calls.
             cut = chunk.rfind("\n") + 1 or len(chunk)

@@ -29,6 +29,7 @@ from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data_format
+from fp8jax.trainer import encode as encode_lib
 from fp8jax.trainer.stream import TrainIterator, process_rows, seed32
 from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterator's JSON
 
@@ -44,8 +45,8 @@ __all__ = [
     "state_to_bytes",
 ]
 
-_CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
-_ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
+_CACHE_VERSION = 3  # format of the token cache and its key; bumping it rebuilds old caches
+_TOKENIZER_VERSION = 2  # how the learned BPE is trained; bumping it retrains old ones
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
@@ -73,7 +74,7 @@ class _Splitter:
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: np.ndarray) -> None:
         self.pending.append(np.asarray(ids, self.dtype))
         self.pending_len += len(ids)
         if self.pending_len < _SPLIT_BLOCK:
@@ -98,36 +99,23 @@ class _Splitter:
 
 
 def _encode_corpus(
-    files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype, done: dict
+    files: list[Path],
+    tok: Tokenizer,
+    out_dir: Path,
+    val_fraction: float,
+    dtype,
+    done: dict,
+    workers: int = 0,
 ):
-    """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val).
-    ``done`` counts the characters and tokens encoded so far (``chars``, ``tokens``)."""
+    """Encode every document (framed by ``encode.encode``) into ``out_dir`` with ``workers``
+    processes; returns (num_train, num_val). ``done`` counts the characters and tokens encoded
+    so far (``chars``, ``tokens``)."""
     with open(out_dir / "train.bin", "wb") as train_fh, open(out_dir / "val.bin", "wb") as val_fh:
         splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
-        batch: list[tuple[str, bool]] = []
-        doc_tokens = 0
-
-        def flush() -> None:
-            nonlocal doc_tokens
-            encoded = tok.encode_batch([text for text, _ in batch])
-            done["chars"] += sum(len(text) for text, _ in batch)
-            done["tokens"] += sum(len(ids) for ids in encoded)
-            for ids, (_, ends_doc) in zip(encoded, batch, strict=True):
-                splitter.add(ids)
-                doc_tokens += len(ids)
-                if ends_doc and doc_tokens:  # empty documents get no separator either
-                    splitter.add([tok.eos_id])
-                    doc_tokens = 0
-            batch.clear()
-
-        batch_chars = 0
-        for piece in corpus_lib.pieces(files):
-            batch.append(piece)
-            batch_chars += len(piece[0])
-            if batch_chars >= _ENCODE_BATCH_CHARS:
-                flush()
-                batch_chars = 0
-        flush()
+        for ids, chars in encode_lib.encode(files, tok, dtype, workers):
+            done["chars"] += chars
+            done["tokens"] += len(ids)
+            splitter.add(ids)
         splitter.close()
     return tuple(splitter.counts)
 
@@ -166,7 +154,9 @@ def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
-def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, identity: dict):
+def _load_or_encode(
+    files, desc, tok: Tokenizer, out_dir: Path, stage: Path, identity: dict, workers: int = 0
+):
     """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
 
     The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
@@ -197,7 +187,7 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
     with _space_for_cache(stage, lambda: _cache_bytes(files, done, itemsize)):
         stage.mkdir()
         num_train, num_val = _encode_corpus(
-            files, tok, stage, identity["val_fraction"], dtype, done
+            files, tok, stage, identity["val_fraction"], dtype, done, workers
         )
         if num_train + num_val == 0:
             raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
@@ -363,7 +353,7 @@ class Text(data_format.DataFormat):
 
     name = "text"
     dtypes = {"inputs": np.int32, "targets": np.int32}
-    tokenizer_fields = dict(version=_CACHE_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
+    tokenizer_fields = dict(version=_TOKENIZER_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
 
     def source(self, run: RunSpec) -> data_format.Source:
         """The corpus files, checked to hold text; their fingerprint."""
@@ -391,7 +381,13 @@ class Text(data_format.DataFormat):
         stage = workdir / f"tokens.tmp{os.getpid()}"
         try:
             meta, encoded = _load_or_encode(
-                source.content, source.desc, tokenizer, out_dir, stage, identity
+                source.content,
+                source.desc,
+                tokenizer,
+                out_dir,
+                stage,
+                identity,
+                run.data.encode_workers,
             )
             problem = _too_short_for_train(meta["num_train"], optim.seq_len)
             if not problem and identity["val_fraction"] > 0:

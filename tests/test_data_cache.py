@@ -133,7 +133,7 @@ def test_failed_encode_leaves_previous_caches_untouched(corpora, tmp_path, monke
         calls.append(len(texts))
         raise OSError("disk full")
 
-    monkeypatch.setattr(tokenizer.Tokenizer, "encode_batch", dying)
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode_plain", dying)
     with pytest.raises(OSError, match="disk full"):
         data.build(_config(corpora[1]), wd)
     assert calls and _snapshot(wd) == before

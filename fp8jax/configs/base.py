@@ -172,9 +172,13 @@ def declarations() -> ml_collections.ConfigDict:
     # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
     # 'dpo': preference tuning on .jsonl pairs {"prompt", "chosen", "rejected"} (strings, or
     # lists of messages under the chat template), the DPO loss of section dpo below.
-    # what data.path holds: 'text', 'sft' or 'dpo'
+    # 'tokens': pre-training on token shards (.npy, or .bin with the header of
+    # fp8jax.trainer.token_shards) written with data.tokenizer, which must be given.
+    # what data.path holds: 'text', 'tokens', 'sft' or 'dpo'
     d.format = Choice("text", data_spec.DATA_FORMATS)
-    # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
+    # text: a text file, a folder of .txt, .txt.gz, .jsonl(.gz) ('text' field per line) or
+    # .parquet ('text' column, pip install 'fp8jax[parquet]') files; '' = the shipped corpus.
+    # tokens: a .npy or .bin token shard or a folder of them.
     # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
     d.path = Text("", data_spec.DATA_FIX)  # the data file or folder (see above)
     # share held out for validation: of tokens, examples (sft) or pairs

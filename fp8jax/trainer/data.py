@@ -51,6 +51,7 @@ _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keep
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
+_TOKEN_SHARDS = (".npy", ".bin")  # pre-tokenized files (data.format='tokens'), never text
 
 Batch = dict[str, np.ndarray]
 
@@ -361,6 +362,11 @@ class Text(data_format.DataFormat):
         if not 0.0 <= val_fraction < 1.0:  # 0: no validation split (library use; configs need > 0)
             raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
         files, desc = corpus_lib.source_files(run.data.path)
+        if files[0].name.endswith(_TOKEN_SHARDS):
+            raise DataError(
+                f"{files[0]} is a token shard, not text: set config.data.format='tokens' and "
+                "config.data.tokenizer to the tokenizer that wrote it"
+            )
         logging.info("data source: %s", desc)
         corpus_lib.check_not_empty(files, desc)
         return data_format.Source(desc, corpus_lib.fingerprint(files), files)

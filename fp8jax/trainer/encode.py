@@ -1,7 +1,8 @@
 """The corpus encoder: files cut into ranges at line starts, encoded by a pool of processes.
 
-A plain ``.txt`` or ``.jsonl`` file is cut into ranges of about ``RANGE_BYTES`` (a ``.gz`` file
-is one range: it cannot be entered midway); each range is one task of a worker process. A
+A plain ``.txt`` or ``.jsonl`` file is cut into ranges of about ``RANGE_BYTES``, a ``.parquet``
+file at its row groups (a ``.gz`` file is one range: it cannot be entered midway); each range
+is one task of a worker process. A
 worker reads its range's text, cuts it into pieces of about ``PIECE_CHARS`` characters and
 hands them to the tokenizer's batch encoder (many short strings encode faster than one long
 one). Text files are cut only where the tokenizer's pre-tokenizer splits anyway
@@ -68,22 +69,21 @@ _PARAGRAPH_PROBES = ("One.\n\nTwo words\n\nthree", "a b\n\nc\n\n数据")
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A byte range of one corpus file: what one worker encodes."""
+    """A range of one corpus file: what one worker encodes."""
 
     file: str
-    start: int  # byte offset of a line start (0: the file's start, which is sniffed)
+    start: int  # byte offset of a line start (0: the file's start, which is sniffed); parquet:
+    # the row group
     end: int  # byte offset where the next range starts; -1: the end of the file
     last: bool  # the file's last range: its (text) document ends here
+    size: int  # bytes of the file it spans (a .gz file: its compressed size)
 
     @property
-    def jsonl(self) -> bool:
-        """Whether the file holds one JSON document per line."""
-        return self.file.endswith(corpus_lib.JSONL)
-
-    @property
-    def size(self) -> int:
-        """Bytes of the file this range spans (a .gz file: its compressed size)."""
-        return (self.end if self.end >= 0 else os.path.getsize(self.file)) - self.start
+    def kind(self) -> str:
+        """'jsonl' or 'parquet' (a document a line or a row), or 'text' (one document)."""
+        if self.file.endswith(corpus_lib.JSONL):
+            return "jsonl"
+        return "parquet" if self.file.endswith(corpus_lib.PARQUET) else "text"
 
 
 def _blank(text: str) -> bool:
@@ -179,8 +179,12 @@ def plan(files: list[Path], range_bytes: int = RANGE_BYTES, cuts: Cuts = Cuts())
     tasks = []
     for f in files:
         size = f.stat().st_size
+        if f.name.endswith(corpus_lib.PARQUET):
+            groups = corpus_lib.parquet_file(f).num_row_groups
+            tasks += [Task(str(f), g, -1, True, size // max(groups, 1)) for g in range(groups)]
+            continue
         if f.name.endswith(".gz") or size <= range_bytes:
-            tasks.append(Task(str(f), 0, -1, True))
+            tasks.append(Task(str(f), 0, -1, True, size))
             continue
         starts = [0]
         with open(f, "rb") as fh:
@@ -189,8 +193,10 @@ def plan(files: list[Path], range_bytes: int = RANGE_BYTES, cuts: Cuts = Cuts())
                 if cut is None or cut >= size:
                     break
                 starts.append(cut)
-        ends = [*starts[1:], -1]
-        tasks += [Task(str(f), a, b, b < 0) for a, b in zip(starts, ends, strict=True)]
+        bounds = [*starts, size]
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            last = k == len(starts) - 1
+            tasks.append(Task(str(f), a, -1 if last else b, last, b - a))
     return tasks
 
 
@@ -295,8 +301,10 @@ class _Worker:
         """The task's ids (a .jsonl range's documents framed; a text range's bare) and the
         characters they encode."""
         try:
-            if task.jsonl:
-                return self._jsonl(task)
+            if task.kind == "jsonl":
+                return self._documents(_jsonl_docs(task))
+            if task.kind == "parquet":
+                return self._documents(corpus_lib.parquet_texts(Path(task.file), task.start))
             return self._text(task)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise ValueError(
@@ -311,7 +319,7 @@ class _Worker:
             ids += _encode_texts(self.tok, [block], self.cuts)[0]
         return np.asarray(ids, self.dtype), chars
 
-    def _jsonl(self, task: Task) -> tuple[np.ndarray, int]:
+    def _documents(self, docs: Iterator[str]) -> tuple[np.ndarray, int]:
         out, chars, batch, batch_chars = [], 0, [], 0
 
         def flush() -> None:
@@ -320,7 +328,7 @@ class _Worker:
                     out.extend((*self.bos, *ids, self.tok.eos_id))
             batch.clear()
 
-        for text in _jsonl_docs(task):
+        for text in docs:
             batch.append(text)
             batch_chars += len(text)
             chars += len(text)
@@ -422,7 +430,7 @@ def encode(
         )
         for task, (ids, chars) in zip(tasks, results, strict=True):
             bar.update(task.size)
-            if task.jsonl:
+            if task.kind != "text":
                 yield ids, chars
                 continue
             if len(ids) and not doc_tokens and bos:

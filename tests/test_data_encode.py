@@ -162,3 +162,19 @@ def test_train_py_refuses_a_tokenizer_that_does_not_load(tmp_path):
     assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
     assert "config.data.tokenizer" in lines[-1] and str(name) in lines[-1], lines[-1]
     assert not wd.exists()
+
+
+def test_token_cache_is_not_reused_for_another_tokenizer(tok, tmp_path):
+    """Same corpus, same work dir, another data.tokenizer: the cache is encoded again."""
+    path = tmp_path / "book.txt"
+    path.write_text(_text("persuasion", 20_000), encoding="utf-8")
+    other = tokenizer.train([_text("emma", 50_000)], vocab_size=300)
+    work = tmp_path / "work"
+    for k, t in enumerate((tok, other)):
+        (folder := tmp_path / f"tok{k}").mkdir()
+        t.save(folder / "tokenizer.json")
+        run, given = loop.data_tokenizer(data_run(path, 300, tokenizer=str(folder)), "w", None)
+        ds = data.build(run, work, given)
+        tokens = np.concatenate([ds.train_tokens, ds.val_tokens])  # blocks of both splits
+        reference = _reference(t, [path.read_text(encoding="utf-8")])
+        np.testing.assert_array_equal(np.sort(tokens), np.sort(reference))

@@ -33,7 +33,16 @@ def _text(name: str, num_chars: int | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-    return tokenizer.train([_text("emma", 100_000)], vocab_size=512)
+    """A BPE that has merged runs of blanks (so a cut inside one changes its ids)."""
+    text = _text("emma", 100_000)
+    return tokenizer.train([text, _spaced(text.split(". "))], vocab_size=512)
+
+
+def _spaced(paragraphs: list[str]) -> str:
+    """``paragraphs`` joined by line starts where a cut would change a byte-level BPE's ids:
+    after blank runs, before indents."""
+    seps = ["\n\n\n", "\n  ", " \n", "\n\t", "\n\n", "\n"]
+    return "".join(p + seps[k % len(seps)] for k, p in enumerate(paragraphs))
 
 
 def _reference(tok, docs: list[str]) -> np.ndarray:
@@ -75,11 +84,13 @@ def test_ranged_processes_equal_whole_documents(tok, tmp_path, monkeypatch):
     (tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
     )
+    spaced = _spaced(paragraphs[:200])
+    (folder / "z-spaced.txt").write_text(spaced, encoding="utf-8")
     files = sorted(folder.glob("*.txt"))
-    reference = _reference(tok, docs)
+    reference = _reference(tok, [*docs, spaced])
     # The shipped .gz files (one task each), this process with the tokenizer's own threads.
     shipped = [corpus.SHIPPED_DIR / f"{n}.txt.gz" for n in NOVELS]
-    np.testing.assert_array_equal(_encoded(shipped, tok, 1), reference)
+    np.testing.assert_array_equal(_encoded(shipped, tok, 1), _reference(tok, docs))
     # Plain copies cut into ~25 ranges each, encoded by two processes, in pieces of ~2k chars.
     monkeypatch.setattr(encode, "RANGE_BYTES", 1 << 14)
     monkeypatch.setattr(encode, "PIECE_CHARS", 1 << 11)
@@ -127,6 +138,11 @@ def test_existing_tokenizer_sets_vocab_and_frames_documents(tok, tmp_path):
     assert tokens[0] == given.bos_id and np.count_nonzero(tokens == given.bos_id) == 1
     assert tokens[-1] == given.eos_id and np.count_nonzero(tokens == given.eos_id) == 1
     assert not (tmp_path / "work" / "tokenizer.meta.json").exists()  # nothing was learned
+    # .jsonl documents: each framed by BOS and EOS.
+    (jsonl := tmp_path / "docs.jsonl").write_text('{"text": "a b"}\n{"text": ""}\n{"text": "c"}\n')
+    ids = np.concatenate([i for i, _ in encode.encode([jsonl], given, "uint16", 1)])
+    bos, eos = given.bos_id, given.eos_id
+    assert ids.tolist() == [bos, *given.encode("a b"), eos, bos, *given.encode("c"), eos]
 
 
 def _bad_tokenizer(tmp_path, kind: str) -> pathlib.Path:

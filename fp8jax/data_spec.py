@@ -59,6 +59,7 @@ class DataSpec:
     tokenizer: str  # tokenizer.json or HF model dir to encode with; '' = learn a BPE
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
     encode_workers: int  # text: processes encoding the corpus (0 = one per CPU core)
+    cache_dir: str  # text: folder of token caches shared by runs; '' = the work dir's tokens/
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
     @property

@@ -95,6 +95,7 @@ CHANGES = {
     "data.tokenizer": ("tokenizer.json", {"data"}),
     "data.tokenizer_min_frequency": (3, {"data"}),
     "data.encode_workers": (2, {"data"}),
+    "data.cache_dir": ("caches", {"data"}),
     "data.allow_corpus_change": (True, {"data"}),
     "dpo.beta": (0.5, {"dpo"}),
     "dpo.label_smoothing": (0.1, {"dpo"}),

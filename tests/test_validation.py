@@ -79,6 +79,7 @@ BAD = {
     "data.tokenizer": [3],
     "data.tokenizer_min_frequency": [-1, 1.5],
     "data.encode_workers": [-1, 1.5],
+    "data.cache_dir": [None],
     "data.allow_corpus_change": ["yes", 1],
     "dpo.beta": [0.0, -1.0, INF, "0.1"],
     "dpo.label_smoothing": [-0.1, 0.5, NAN],

@@ -197,6 +197,10 @@ def declarations() -> ml_collections.ConfigDict:
     d.tokenizer_min_frequency = Int(2, 0)  # BPE merges need at least this many occurrences
     # text: processes that encode the corpus, each a range of a file (0 = one per CPU core)
     d.encode_workers = Int(0, 0)
+    # text: a folder of token caches shared by runs, one per corpus contents, tokenizer and
+    # split (a new work dir on the same corpus and tokenizer encodes nothing); '' = each work
+    # dir's own tokens/
+    d.cache_dir = Text("", "name a folder for the shared token caches ('' = the work dir)")
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import os
 import shutil
@@ -132,10 +133,14 @@ def _cache_bytes(files: list[Path], done: dict, itemsize: int) -> int:
     return int(corpus_lib.text_size(files) * per_char * itemsize)
 
 
+_IN_WORKDIR = "pass a --workdir on a disk with room (the token cache lives in the work dir)"
+_SHARED_FIX = "set config.data.cache_dir to a folder on a disk with room"
+
+
 @contextlib.contextmanager
-def _space_for_cache(stage: Path, needed: Callable[[], int]):
+def _space_for_cache(stage: Path, needed: Callable[[], int], fix: str = _IN_WORKDIR):
     """A full disk (or quota) while writing the staged token cache ``stage``: a one-line
-    DataError naming the work dir, ``needed()`` bytes and the fix (the caller removes ``stage``)."""
+    DataError naming its folder, ``needed()`` bytes and ``fix`` (the caller removes ``stage``)."""
     try:
         yield
     except OSError as e:
@@ -145,8 +150,8 @@ def _space_for_cache(stage: Path, needed: Callable[[], int]):
         size = f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
         raise DataError(
             f"no space left on the device of {stage.parent} while writing the token cache "
-            f"({stage.name}, removed): it needs about {size}; free that much space there or pass "
-            f"a --workdir on a disk with room (the token cache lives in the work dir), then rerun"
+            f"({stage.name}, removed): it needs about {size}; free that much space there or "
+            f"{fix}, then rerun"
         ) from e
 
 
@@ -155,14 +160,8 @@ def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
-def _load_or_encode(
-    files, desc, tok: Tokenizer, out_dir: Path, stage: Path, identity: dict, workers: int = 0
-):
-    """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
-
-    The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
-    matches and its files have the recorded sizes.
-    """
+def _cache_key(tok: Tokenizer, identity: dict) -> tuple[str, str]:
+    """The token cache's key (corpus bytes, tokenizer, split, format) and its ids' dtype."""
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     key = data_format.cache_key(
         version=_CACHE_VERSION,
@@ -172,6 +171,25 @@ def _load_or_encode(
         block=_SPLIT_BLOCK,
         dtype=dtype,
     )
+    return key, dtype
+
+
+def _load_or_encode(
+    files,
+    desc,
+    tok: Tokenizer,
+    out_dir: Path,
+    stage: Path,
+    identity: dict,
+    workers: int = 0,
+    fix: str = _IN_WORKDIR,
+):
+    """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
+
+    The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
+    matches and its files have the recorded sizes.
+    """
+    key, dtype = _cache_key(tok, identity)
     meta = provenance.read_json(out_dir / "meta.json") or {}
     itemsize = np.dtype(dtype).itemsize
     sizes_ok = all(
@@ -185,7 +203,7 @@ def _load_or_encode(
     logging.info("encoding %s -> %s", desc, out_dir)
     t0 = time.perf_counter()
     done = dict(chars=0, tokens=0)
-    with _space_for_cache(stage, lambda: _cache_bytes(files, done, itemsize)):
+    with _space_for_cache(stage, lambda: _cache_bytes(files, done, itemsize), fix):
         stage.mkdir()
         num_train, num_val = _encode_corpus(
             files, tok, stage, identity["val_fraction"], dtype, done, workers
@@ -206,6 +224,28 @@ def _commit_tokens(stage: Path, out_dir: Path) -> None:
     (out_dir / "meta.json").unlink(missing_ok=True)
     for name in ("train.bin", "val.bin", "meta.json"):
         os.replace(stage / name, out_dir / name)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """Hold an exclusive lock on the file ``lock`` (other builders of that cache wait)."""
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.info("waiting for another run building the token cache %s", lock.stem)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(stage: Path, out_dir: Path) -> None:
+    """Move a staged shared cache to ``out_dir`` in one rename (replacing a broken one)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(stage, out_dir)
 
 
 def _too_short_for_train(num_tokens: int, seq_len: int) -> str | None:
@@ -380,21 +420,34 @@ class Text(data_format.DataFormat):
         hold a training window and, with a validation split, an eval batch."""
         optim = run.optim
         identity = dict(corpus=source.corpus, val_fraction=float(run.data.val_fraction))
-        out_dir = workdir / "tokens"
-        # Everything is built in a staging folder and checked before it replaces the caches, so
-        # a failed or refused build leaves the work dir as it was.
-        workdir.mkdir(parents=True, exist_ok=True)
-        stage = workdir / f"tokens.tmp{os.getpid()}"
+        shared = run.data.cache_dir
+        if shared:  # one folder per key, published by a rename while its builders hold a lock
+            root = Path(shared).expanduser()
+            root.mkdir(parents=True, exist_ok=True)
+            name = _cache_key(tokenizer, identity)[0][:32]
+            out_dir, stage = root / name, root / f"{name}.tmp{os.getpid()}"
+            lock, fix = _exclusive(root / f"{name}.lock"), _SHARED_FIX
+        else:
+            # Everything is built in a staging folder and checked before it replaces the caches,
+            # so a failed or refused build leaves the work dir as it was.
+            workdir.mkdir(parents=True, exist_ok=True)
+            out_dir, stage = workdir / "tokens", workdir / f"tokens.tmp{os.getpid()}"
+            lock, fix = contextlib.nullcontext(), _IN_WORKDIR
         try:
-            meta, encoded = _load_or_encode(
-                source.content,
-                source.desc,
-                tokenizer,
-                out_dir,
-                stage,
-                identity,
-                run.data.encode_workers,
-            )
+            with lock:
+                meta, encoded = _load_or_encode(
+                    source.content,
+                    source.desc,
+                    tokenizer,
+                    out_dir,
+                    stage,
+                    identity,
+                    run.data.encode_workers,
+                    fix,
+                )
+                if shared and encoded:  # a shared cache holds for any run: published now
+                    _publish(stage, out_dir)
+                    encoded = False
             problem = _too_short_for_train(meta["num_train"], optim.seq_len)
             if not problem and identity["val_fraction"] > 0:
                 problem = _too_short_for_eval(meta["num_val"], optim.batch_size, optim.seq_len)

@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 _CACHE_VERSION = 3  # format of the token cache and its key; bumping it rebuilds old caches
-_TOKENIZER_VERSION = 2  # how the learned BPE is trained; bumping it retrains old ones
+_TOKENIZER_VERSION = 3  # how the learned BPE is trained; bumping it retrains old ones
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
+_SAMPLE_WINDOW = 1 << 18  # characters of a large text file read at one place for the BPE
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
@@ -58,9 +59,32 @@ Batch = dict[str, np.ndarray]
 
 
 def _tokenizer_texts(files: list[Path]) -> Iterator[str]:
-    """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus, for BPE training."""
-    budget = _TOKENIZER_TRAIN_CHARS
-    for text, _ in corpus_lib.pieces(files):
+    """About ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus for BPE training: all of it
+    when it is no larger, else a share of each file by its size (:func:`_file_sample`)."""
+    sizes = [corpus_lib.text_size([f]) for f in files]
+    total = sum(sizes)
+    for f, size in zip(files, sizes, strict=True):
+        if total <= _TOKENIZER_TRAIN_CHARS:
+            budget = _TOKENIZER_TRAIN_CHARS
+        else:
+            budget = max(1, _TOKENIZER_TRAIN_CHARS * size // total)
+        yield from _file_sample(f, size, budget)
+
+
+def _file_sample(f: Path, size: int, budget: int) -> Iterator[str]:
+    """About ``budget`` characters of ``f``: a plain text file larger than that in windows
+    spread evenly over it (each from a line start), any other file from its start."""
+    if f.name.endswith(".txt") and size > budget:
+        k = -(-budget // _SAMPLE_WINDOW)
+        width = -(-budget // k)
+        with open(f, "rb") as fh:
+            for i in range(k):
+                fh.seek(i * size // k)
+                text = fh.read(4 * width).decode("utf-8", errors="replace")
+                start = text.find("\n") + 1 if i else 0
+                yield text[start : start + width]
+        return
+    for text, _ in corpus_lib.pieces([f]):
         yield text[:budget]
         budget -= len(text)
         if budget <= 0:
@@ -348,7 +372,9 @@ class Dataset:
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> list[Batch]:
-        """The first ``num_batches`` batches of consecutive non-overlapping validation windows."""
+        """``num_batches`` batches of non-overlapping validation windows spread evenly over the
+        whole split (all of its windows when they make only that many batches), the same at
+        every call."""
         batch_size = batch_size or self.batch_size
         seq_len = seq_len or self.seq_len
         p, _, rows = process_rows(batch_size, process_index, process_count)
@@ -358,11 +384,15 @@ class Dataset:
             raise ValueError(problem)
         if available < num_batches:
             logging.warning("validation split holds only %d of %d batches", available, num_batches)
+        n = min(num_batches, available)
+        windows, taken = len(self.val_tokens) // W, n * batch_size
         out = []
-        for b in range(min(num_batches, available)):
-            start = (b * batch_size + p * rows) * W
-            window_RxW = np.asarray(self.val_tokens[start : start + rows * W], dtype=np.int32)
-            out.append(_split(window_RxW.reshape(rows, W)))
+        for b in range(n):
+            rows_RxW = []
+            for j in range(b * batch_size + p * rows, b * batch_size + (p + 1) * rows):
+                start = j * windows // taken * W  # window j of the taken ones, spread evenly
+                rows_RxW.append(np.asarray(self.val_tokens[start : start + W], dtype=np.int32))
+            out.append(_split(np.stack(rows_RxW)))
         return out
 
 
@@ -412,7 +442,7 @@ class Text(data_format.DataFormat):
         return data_format.Source(desc, corpus_lib.fingerprint(files), files)
 
     def texts(self, source: data_format.Source) -> Iterator[str]:
-        """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus."""
+        """About ``_TOKENIZER_TRAIN_CHARS`` characters drawn across the corpus' files."""
         return _tokenizer_texts(source.content)
 
     def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> _Tokens:

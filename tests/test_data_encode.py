@@ -114,7 +114,7 @@ def test_tokenizer_that_changes_ids_at_cuts_gets_coarse_pieces(tok):
 def _hf_dir(tmp_path, tok, bos: bool = True) -> pathlib.Path:
     """A Hugging Face tokenizer dir: ``tok`` plus a BOS, its config naming EOS and BOS."""
     out = tmp_path / "hf_tok"
-    out.mkdir()
+    out.mkdir(parents=True)
     raw = tokenizers.Tokenizer.from_str(tok.to_str())
     if bos:
         raw.add_special_tokens(["<s>"])
@@ -194,3 +194,35 @@ def test_token_cache_is_not_reused_for_another_tokenizer(tok, tmp_path):
         tokens = np.concatenate([ds.train_tokens, ds.val_tokens])  # blocks of both splits
         reference = _reference(t, [path.read_text(encoding="utf-8")])
         np.testing.assert_array_equal(np.sort(tokens), np.sort(reference))
+
+
+def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
+    """Train 2 steps with data.tokenizer: the work dir and its HF export carry the tokenizer
+    (EOS, BOS), the model's vocabulary is its size rounded up; a resume with another tokenizer
+    is refused before anything changes."""
+    from fp8jax import hf
+
+    hf_dir = _hf_dir(tmp_path, tok)
+    path = tmp_path / "book.txt"
+    path.write_text(_text("persuasion", 30_000), encoding="utf-8")
+    c = loop.load_config("tiny")
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.max_len = 1, 32, 2, 2, 64, 16
+    c.seq_len, c.batch_size, c.num_train_steps, c.eval_every_steps = 16, 4, 2, 2
+    c.fp8.level, c.sample_tokens = "O0", 0
+    c.data.path, c.data.tokenizer = str(path), str(hf_dir)
+    work = tmp_path / "work"
+    loop.train_and_evaluate(c, str(work))
+    kept = tokenizer.load(work)
+    assert kept.to_str() == tokenizer.load(hf_dir).to_str()
+    assert (kept.eos_id, kept.bos_id) == (tok.eos_id, tok.vocab_size)
+    assert json.loads((work / "model.json").read_text())["vocab_size"] == 640
+    out = hf.export(str(work), str(tmp_path / "export"), "float32")
+    assert (out / "tokenizer.json").read_text() == kept.to_str()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 640
+    assert tokenizer.load(out).bos_id == kept.bos_id
+    before = sorted(p.name for p in work.iterdir())
+    c.data.tokenizer, c.num_train_steps = str(_hf_dir(tmp_path / "other", tok, bos=False)), 4
+    with pytest.raises(errors.DataError, match=r"is not the tokenizer .* the checkpoint"):
+        loop.train_and_evaluate(c, str(work))
+    assert sorted(p.name for p in work.iterdir()) == before

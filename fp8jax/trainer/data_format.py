@@ -122,15 +122,21 @@ def cache_key(**fields) -> str:
 
 
 def build(fmt: DataFormat, run: RunSpec, workdir: str | os.PathLike, tokenizer=None):
-    """The dataset of ``run`` in format ``fmt`` (``tokenizer``: an init_from checkpoint's;
-    None: learn a BPE into ``<workdir>/tokenizer.json``). DataError on bad data, before anything
-    in ``workdir`` changes."""
+    """The dataset of ``run`` in format ``fmt`` (``tokenizer``: an init_from checkpoint's or
+    ``config.data.tokenizer``; None: that one if set, else learn a BPE into
+    ``<workdir>/tokenizer.json``). DataError on bad data, before anything in ``workdir``
+    changes."""
     workdir, data = Path(workdir), run.data
     source = fmt.source(run)
     identity = dict(corpus=source.corpus, source=source.desc, val_fraction=float(data.val_fraction))
     resumed = provenance.has_checkpoint(workdir)
     record_data = provenance.check_resume(workdir, identity, resumed, data.allow_corpus_change)
     tok_path, new_tok, built_from = workdir / TOKENIZER_FILE, False, None
+    if tokenizer is None and data.tokenizer:  # the trainer passes it; library use names it
+        try:
+            tokenizer = tokenizer_lib.load(data.tokenizer)
+        except ValueError as e:
+            raise DataError(f"config.data.tokenizer={data.tokenizer!r}: {e}") from None
     if tokenizer is None:
         built_from = dict(
             fmt.tokenizer_fields,

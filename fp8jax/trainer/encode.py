@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 from absl import logging
+from tqdm import tqdm
 
 from fp8jax.tokenizer import Tokenizer
 from fp8jax.trainer import corpus as corpus_lib
@@ -209,6 +210,10 @@ class _Range(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        self.fh.close()
+        super().close()
 
     def readinto(self, buffer) -> int:
         n = len(buffer) if self.left is None else min(len(buffer), self.left)
@@ -417,8 +422,6 @@ def encode(
     tasks = plan(files, RANGE_BYTES, cuts)
     n = workers_for(workers, tasks)
     total = sum(t.size for t in tasks)
-    from tqdm import tqdm
-
     bar = tqdm(
         total=total, unit="B", unit_scale=True, desc="encoding", disable=total < PROGRESS_BYTES
     )

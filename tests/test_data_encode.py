@@ -94,7 +94,8 @@ def test_ranged_processes_equal_whole_documents(tok, tmp_path, monkeypatch):
     # Plain copies cut into ~25 ranges each, encoded by two processes, in pieces of ~2k chars.
     monkeypatch.setattr(encode, "RANGE_BYTES", 1 << 14)
     monkeypatch.setattr(encode, "PIECE_CHARS", 1 << 11)
-    assert len(encode.plan(files, encode.RANGE_BYTES)) > 40
+    tasks = encode.plan(files, encode.RANGE_BYTES)
+    assert len(tasks) > 40 and encode.workers_for(2, tasks) == 2
     np.testing.assert_array_equal(_encoded(files, tok, 2), reference)
     # .jsonl ranges cut at line starts: each line one document.
     jsonl = _encoded([tmp_path / "docs.jsonl"], tok, 2)

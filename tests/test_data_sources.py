@@ -119,6 +119,7 @@ def test_parquet_and_jsonl_gz_encode_each_row_or_line_as_a_document(setup, tmp_p
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     reference = _ids(tok, docs)
+    monkeypatch.setattr(encode, "RANGE_BYTES", 1 << 10)  # small enough for worker processes
     for name in ("docs.parquet", "docs.jsonl.gz"):
         tasks = encode.plan([tmp_path / name])
         assert len(tasks) == (7 if name.endswith("parquet") else 1)  # a task per row group

@@ -396,7 +396,10 @@ def _in_order(pool: futures.Executor, tasks: list[Task], depth: int):
 
 def workers_for(requested: int, tasks: list[Task]) -> int:
     """Processes to encode ``tasks`` with: ``requested`` (0: one per CPU core), at most one
-    per task; 1 means the calling process encodes them itself."""
+    per task; 1 (the calling process encodes them itself, the tokenizer's threads over its
+    pieces) for a corpus of one range's size, where starting processes would cost more."""
+    if sum(t.size for t in tasks) <= RANGE_BYTES:
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(requested or cores or 1, len(tasks)))
 

@@ -227,3 +227,12 @@ def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
     with pytest.raises(errors.DataError, match=r"is not the tokenizer .* the checkpoint"):
         loop.train_and_evaluate(c, str(work))
     assert sorted(p.name for p in work.iterdir()) == before
+
+
+def test_a_bad_jsonl_line_in_a_later_range_names_its_file_line(tok, tmp_path, monkeypatch):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(100)) + "{}\n")
+    monkeypatch.setattr(encode, "RANGE_BYTES", 1000)
+    assert len(encode.plan([path], encode.RANGE_BYTES)) > 5
+    with pytest.raises(ValueError, match=r"docs.jsonl:101: expected a JSON object with 'text'"):
+        _encoded([path], tok, 1)

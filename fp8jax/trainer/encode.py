@@ -290,8 +290,11 @@ def _line_of(task: Task, local: int) -> int:
     """The file line number of line ``local`` (1-based) of the task's range."""
     if task.start == 0:
         return local
+    before, left = 0, task.start
     with open(task.file, "rb") as fh:
-        return fh.read(task.start).count(b"\n") + local
+        while left > 0 and (block := fh.read(min(left, 1 << 24))):
+            before, left = before + block.count(b"\n"), left - len(block)
+    return before + local
 
 
 class _Worker:

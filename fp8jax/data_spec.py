@@ -32,8 +32,13 @@ class FormatFacts:
 
 
 # The registered data formats (fp8jax.trainer.formats; tests/test_objectives checks they agree):
-# corpus, prompt/completion examples, preference pairs.
-FORMATS = {"text": FormatFacts(), "sft": FormatFacts(), "dpo": FormatFacts(pairs=True)}
+# corpus, pre-tokenized corpus, prompt/completion examples, preference pairs.
+FORMATS = {
+    "text": FormatFacts(),
+    "tokens": FormatFacts(),
+    "sft": FormatFacts(),
+    "dpo": FormatFacts(pairs=True),
+}
 DATA_FORMATS = tuple(FORMATS)
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 DATA_FIX = (
@@ -46,12 +51,15 @@ DATA_FIX = (
 class DataSpec:
     """``config.data``: the corpus and its split."""
 
-    format: str  # 'text' (corpus), 'sft' (.jsonl examples) or 'dpo' (.jsonl preference pairs)
+    format: str  # 'text' (corpus), 'tokens' (token shards), 'sft' or 'dpo' (.jsonl examples)
     path: str  # text: file, folder of .txt, or .jsonl; sft/dpo: .jsonl file(s); '' = shipped
     val_fraction: float  # share held out for validation: of tokens (text), examples or pairs
     packing: bool  # sft: several examples per row (False: one per row, padded; dpo: False)
     overlong: str  # sft/dpo: 'drop' or 'truncate' an example longer than seq_len + 1 tokens
+    tokenizer: str  # tokenizer.json or HF model dir to encode with; '' = learn a BPE
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
+    encode_workers: int  # text: processes encoding the corpus (0 = one per CPU core)
+    cache_dir: str  # text: folder of token caches shared by runs; '' = the work dir's tokens/
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
     @property

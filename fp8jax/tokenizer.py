@@ -20,6 +20,7 @@ __all__ = [
     "MIN_VOCAB_SIZE",
     "Tokenizer",
     "from_str",
+    "load",
     "load_cached",
     "load_hf",
     "record_path",
@@ -99,6 +100,12 @@ class Tokenizer:
         """Token ids of each text, encoded in parallel by the Rust backend."""
         return [e.ids for e in self._tok.encode_batch(list(texts))]
 
+    def encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text without the special tokens a tokenizer adds around any text,
+        encoded in parallel and without offsets (the corpus encoder's fast path)."""
+        encoded = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encoded]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; EOS shows as its token text unless ``skip_special_tokens``."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -135,7 +142,31 @@ def load_hf(directory: str | os.PathLike) -> Tokenizer:
             f"{path} is missing: the tokenizer must be a fast (tokenizers) one; save it with "
             f"transformers' tokenizer.save_pretrained({str(directory)!r})"
         )
-    tok = tokenizers.Tokenizer.from_file(str(path))
+    return _with_specials(tokenizers.Tokenizer.from_file(str(path)), directory)
+
+
+def load(path: str | os.PathLike) -> Tokenizer:
+    """An existing tokenizer: a ``tokenizer.json`` file or a Hugging Face model directory.
+
+    Special tokens come from the directory (of the file) as in :func:`load_hf`. Raises a
+    one-line ``ValueError`` naming ``path`` when it is missing, does not load or names no EOS.
+    """
+    path = Path(path).expanduser()
+    file = path / HF_TOKENIZER if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(
+            f"{file} does not exist: name a tokenizer.json file or a Hugging Face model dir "
+            "holding one (transformers' tokenizer.save_pretrained writes it)"
+        )
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises its own exception types for bad JSON
+        raise ValueError(f"{file} is not a tokenizers tokenizer.json ({e})") from None
+    return _with_specials(tok, file.parent)
+
+
+def _with_specials(tok: tokenizers.Tokenizer, directory: Path) -> Tokenizer:
+    """``tok`` with the EOS, BOS, PAD and chat template that ``directory``'s files name."""
     files = [_read_json(directory / name) for name in HF_SPECIAL_FILES]
     ids = {}
     for kind in ("eos", "bos", "pad"):

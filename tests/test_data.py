@@ -163,7 +163,11 @@ def test_validation_disjoint_from_train_and_deterministic(corpus):
     inputs_NxL = np.concatenate([b["inputs"] for b in batches])
     targets_NxL = np.concatenate([b["targets"] for b in batches])
     windows = list(np.concatenate([inputs_NxL, targets_NxL[:, -1:]], axis=1))
-    np.testing.assert_array_equal(np.concatenate(windows), ds.val_tokens[: 12 * 17])
+    # 12 windows spread evenly over the whole split, from its start to its last twelfth.
+    num = len(ds.val_tokens) // 17
+    starts = [k * num // 12 * 17 for k in range(12)]
+    assert starts[-1] >= (num - num // 12 - 1) * 17 > 0
+    np.testing.assert_array_equal(windows, [ds.val_tokens[s : s + 17] for s in starts])
     train_bytes = np.asarray(ds.train_tokens).tobytes()
     for window in windows:  # a 17-token passage of the novel never recurs by chance
         assert window.astype(np.uint16).tobytes() not in train_bytes
@@ -226,3 +230,21 @@ def test_shipped_corpus(tmp_path, monkeypatch):
     assert ds.num_train_tokens > 1_000_000 and ds.num_val_tokens > 50_000
     assert ds.tokenizer.decode(ds.train_tokens[:8]).startswith("EMMA")
     assert sum(f.stat().st_size for f in corpus_lib.SHIPPED_DIR.glob("*.gz")) < 5 << 20
+
+
+def test_bpe_sample_is_drawn_across_every_file_and_a_large_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_TOKENIZER_TRAIN_CHARS", 8_000)
+    monkeypatch.setattr(data, "_SAMPLE_WINDOW", 500)
+    parts = [novel("persuasion", 10_000, start) for start in range(0, 120_000, 10_000)]
+    for k, part in enumerate(parts):
+        (tmp_path / f"{k:02d}.txt").write_text(part)
+    sample = list(data._tokenizer_texts(sorted(tmp_path.glob("*.txt"))))
+    assert 7_000 <= sum(map(len, sample)) <= 8_000
+    for part in parts:  # every file gives its share, not only the first ones
+        assert any(text and text in part for text in sample)
+    (big := tmp_path / "big.txt").write_text("".join(parts))
+    sample = list(data._tokenizer_texts([big]))
+    assert len(sample) == 16 and 7_000 <= sum(map(len, sample)) <= 8_000
+    assert sample[0] == parts[0][:500] and sample[-1] in parts[-1]  # from start to end
+    (small := tmp_path / "small.txt").write_text(parts[0][:6_000])
+    assert "".join(data._tokenizer_texts([small])) == parts[0][:6_000]  # within budget: whole

@@ -123,7 +123,7 @@ def test_failed_encode_leaves_previous_caches_untouched(corpora, tmp_path, monke
         calls.append(len(texts))
         raise OSError("disk full")
 
-    monkeypatch.setattr(tokenizer.Tokenizer, "encode_batch", dying)
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode_plain", dying)
     with pytest.raises(OSError, match="disk full"):
         data.build(_config(corpora[1]), wd)
     assert calls and _snapshot(wd) == before
@@ -239,3 +239,45 @@ def test_train_py_refuses_a_corpus_change_on_resume(corpora, tmp_path, checkpoin
     for fragment in (str(a), str(b), "allow_corpus_change"):
         assert fragment in lines[-1], lines[-1]
     assert _snapshot(wd) == before
+
+
+def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
+    corpora, tmp_path, monkeypatch
+):
+    """data.cache_dir: a new work dir on the same corpus and tokenizer encodes nothing; another
+    tokenizer gets its own cache; concurrent builders of one cache build it once."""
+    import dataclasses
+    import threading
+
+    caches = tmp_path / "caches"
+
+    def shared(vocab=VOCAB):
+        run = _config(corpora[0], vocab=vocab)
+        return dataclasses.replace(run, data=dataclasses.replace(run.data, cache_dir=str(caches)))
+
+    encodes = []
+    encode_corpus = data._encode_corpus
+
+    def counted(*args, **kwargs):
+        encodes.append(threading.get_ident())
+        return encode_corpus(*args, **kwargs)
+
+    monkeypatch.setattr(data, "_encode_corpus", counted)
+    # Two builders at once (threads: the lock is per open file, as between processes).
+    results = {}
+    threads = [
+        threading.Thread(target=lambda k=k: results.update({k: data.build(shared(), tmp_path / k)}))
+        for k in ("w1", "w2")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(encodes) == 1 and set(results) == {"w1", "w2"}
+    (entry,) = [p for p in caches.iterdir() if p.is_dir()]
+    assert not (tmp_path / "w1" / "tokens").exists() and not list(caches.glob("*.tmp*"))
+    ds = data.build(shared(), tmp_path / "w3")  # a third run: reuses it, encodes nothing
+    assert len(encodes) == 1
+    np.testing.assert_array_equal(ds.train_tokens, results["w1"].train_tokens)
+    data.build(shared(vocab=VOCAB + 20), tmp_path / "w4")  # another tokenizer: its own cache
+    assert len(encodes) == 2 and len([p for p in caches.iterdir() if p.is_dir()]) == 2

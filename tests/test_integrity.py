@@ -21,7 +21,6 @@ import safetensors.numpy
 
 from fp8jax import checksums, errors
 from fp8jax.hf import io as hf_io
-from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import metrics, workdir_lock
 
 from fp8_testing import (

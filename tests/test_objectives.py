@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from fp8jax import data_spec, errors, spec
+from fp8jax import data_spec, errors, spec, tokenizer
 from fp8jax.trainer import corpus, formats, loop, objectives, sft_data
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -165,8 +165,16 @@ def _jsonl(path, records):
     return path
 
 
+def _shard(path, seed):
+    """A .npy token shard of 6-word documents, and its tokenizer beside it."""
+    tok = tokenizer.train(_words(500), VOCAB)
+    tok.save(path.parent / "tokenizer.json")
+    np.save(path, np.asarray([i for w in _words(4000, seed) for i in [*tok.encode(w), tok.eos_id]]))
+
+
 SAMPLES = {  # format -> (file name, writer of a small valid source)
     "text": ("book.txt", lambda p, s: p.write_text("\n".join(_words(4000, s)))),
+    "tokens": ("shard.npy", _shard),
     "sft": (
         "examples.jsonl",
         lambda p, s: _jsonl(p, [dict(prompt=w, completion=" yes") for w in _words(40, s)]),
@@ -181,7 +189,9 @@ SAMPLES = {  # format -> (file name, writer of a small valid source)
 
 
 def format_run(name, path, **changes):
-    run = data_run(path, VOCAB, seq_len=48, format=name, packing=False)
+    # A pre-tokenized source is read with the tokenizer that wrote it (beside it).
+    tok = str(pathlib.Path(path).parent / "tokenizer.json") if name == "tokens" else ""
+    run = data_run(path, VOCAB, seq_len=48, format=name, packing=False, tokenizer=tok)
     return dataclasses.replace(run, **changes)
 
 

@@ -173,9 +173,13 @@ def declarations() -> ml_collections.ConfigDict:
     # with a chat template) or {"prompt", "completion"} (loss on the completion and EOS);
     # 'dpo': preference tuning on .jsonl pairs {"prompt", "chosen", "rejected"} (strings, or
     # lists of messages under the chat template), the DPO loss of section dpo below.
-    # what data.path holds: 'text', 'sft' or 'dpo'
+    # 'tokens': pre-training on token shards (.npy, or .bin with the header of
+    # fp8jax.trainer.token_shards) written with data.tokenizer, which must be given.
+    # what data.path holds: 'text', 'tokens', 'sft' or 'dpo'
     d.format = Choice("text", data_spec.DATA_FORMATS)
-    # text: a text file, folder of .txt, or .jsonl ('text' field); '' = the shipped corpus.
+    # text: a text file, a folder of .txt, .txt.gz, .jsonl(.gz) ('text' field per line) or
+    # .parquet ('text' column, pip install 'fp8jax[parquet]') files; '' = the shipped corpus.
+    # tokens: a .npy or .bin token shard or a folder of them.
     # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
     d.path = Text("", data_spec.DATA_FIX)  # the data file or folder (see above)
     # share held out for validation: of tokens, examples (sft) or pairs
@@ -186,7 +190,18 @@ def declarations() -> ml_collections.ConfigDict:
     d.packing = Bool(True)  # sft: pack several examples per row
     # sft: an example over seq_len + 1 tokens is 'drop'ped (and counted) or 'truncate'd.
     d.overlong = Choice("drop", data_spec.OVERLONG)
+    # An existing tokenizer: a tokenizer.json file or a Hugging Face model dir holding one
+    # ('' = learn a byte-level BPE of model.vocab_size ids on the corpus). The model's
+    # vocabulary then follows it (model.vocab_size is its size rounded up to a multiple of
+    # 128), and the work dir and its exports carry it. init_from brings its own tokenizer.
+    d.tokenizer = Text("", "name a tokenizer.json or a Hugging Face model dir ('' = learn a BPE)")
     d.tokenizer_min_frequency = Int(2, 0)  # BPE merges need at least this many occurrences
+    # text: processes that encode the corpus, each a range of a file (0 = one per CPU core)
+    d.encode_workers = Int(0, 0)
+    # text: a folder of token caches shared by runs, one per corpus contents, tokenizer and
+    # split (a new work dir on the same corpus and tokenizer encodes nothing); '' = each work
+    # dir's own tokens/
+    d.cache_dir = Text("", "name a folder for the shared token caches ('' = the work dir)")
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).

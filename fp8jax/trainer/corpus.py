@@ -14,10 +14,15 @@ from fp8jax.errors import DataError
 __all__ = [
     "FIX",
     "SHIPPED_DIR",
+    "JSONL",
+    "PARQUET",
     "TEXT_SUFFIXES",
     "check_not_empty",
+    "check_text",
     "fingerprint",
     "not_text",
+    "parquet_file",
+    "parquet_texts",
     "pieces",
     "source_files",
     "text_size",
@@ -26,10 +31,13 @@ __all__ = [
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
-TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")  # a text corpus folder's files
+# a text corpus folder's files
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
+JSONL = (".jsonl", ".jsonl.gz")  # files of one JSON document per line
+PARQUET = ".parquet"  # files of one document per row, in a 'text' column
 FIX = (
-    "set config.data.path to a text file, a folder of .txt files or a .jsonl file with a "
-    "'text' field per line ('' = the shipped corpus)"
+    "set config.data.path to a text file, a folder of .txt files, or a .jsonl or .parquet "
+    "file with a 'text' field per line or row ('' = the shipped corpus)"
 )
 
 
@@ -58,7 +66,7 @@ def source_files(
 
 
 def _is_jsonl(f: Path) -> bool:
-    return f.name.endswith((".jsonl", ".jsonl.gz"))
+    return f.name.endswith(JSONL)
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -72,7 +80,8 @@ def fingerprint(files: list[Path]) -> str:
         with open(f, "rb") as fh:
             while chunk := fh.read(_HASH_CHUNK):
                 inner.update(chunk)
-        outer.update(f"{'jsonl' if _is_jsonl(f) else 'text'} {inner.hexdigest()}\n".encode())
+        kind = "jsonl" if _is_jsonl(f) else "parquet" if f.name.endswith(PARQUET) else "text"
+        outer.update(f"{kind} {inner.hexdigest()}\n".encode())
     return outer.hexdigest()
 
 
@@ -118,6 +127,17 @@ def not_text(sample: str) -> str | None:
     return None
 
 
+def check_text(f: Path, start: str, source: str) -> None:
+    """A one-line ValueError naming ``f`` and ``source`` (the setting that named it) when the
+    ``start`` of its text is not text (:func:`not_text`)."""
+    reason = not_text(start[:_SNIFF_CHARS])
+    if reason:
+        raise ValueError(
+            f"{f} is not a text file: {reason}; remove it from "
+            f"{source}, or decompress or convert it to UTF-8 text"
+        )
+
+
 def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tuple[str, bool]]:
     """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
 
@@ -134,7 +154,46 @@ def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tupl
             ) from None
 
 
+def parquet_file(f: Path, source: str = "config.data.path"):
+    """``f`` opened as a ``pyarrow.parquet.ParquetFile`` with a ``text`` column of strings; a
+    one-line ValueError naming it and ``source`` otherwise (or without pyarrow)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {f} needs pyarrow: pip install 'fp8jax[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{f} is not a parquet file ({e}); remove it from {source}") from None
+    schema = pf.schema_arrow
+    field = schema.field("text") if "text" in schema.names else None
+    if field is None or not (
+        pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+    ):
+        raise ValueError(
+            f"{f} has no 'text' column of strings (its columns: {', '.join(schema.names)}); "
+            f"rename the column that holds the documents to 'text', or remove it from {source}"
+        )
+    return pf
+
+
+def parquet_texts(f: Path, row_group: int | None = None) -> Iterator[str]:
+    """The ``text`` of each row of a parquet file (null: an empty document), read one row group
+    at a time (``row_group``: only that one)."""
+    pf = parquet_file(f)
+    groups = range(pf.num_row_groups) if row_group is None else [row_group]
+    for g in groups:
+        for text in pf.read_row_group(g, columns=["text"]).column("text").to_pylist():
+            yield text or ""
+
+
 def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
+    if f.name.endswith(PARQUET):
+        parquet_file(f, source)
+        for text in parquet_texts(f):
+            yield text, True
+        return
     with _open_text(f) as fh:
         if _is_jsonl(f):
             for lineno, line in enumerate(fh, 1):
@@ -152,12 +211,7 @@ def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
         while chunk := fh.read(_READ_CHARS):
             if first:
                 first = False
-                reason = not_text(chunk[:_SNIFF_CHARS])
-                if reason:
-                    raise ValueError(
-                        f"{f} is not a text file: {reason}; remove it from "
-                        f"{source}, or decompress or convert it to UTF-8 text"
-                    )
+                check_text(f, chunk, source)
             chunk = carry + chunk
             # Cut at a line break so no word is split between two encode calls.
             cut = chunk.rfind("\n") + 1 or len(chunk)

@@ -10,6 +10,8 @@ setting that shapes them, and are written only once the build has succeeded
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
@@ -27,6 +29,7 @@ from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data_format
+from fp8jax.trainer import encode as encode_lib
 from fp8jax.trainer.stream import TrainIterator, process_rows, seed32
 from fp8jax.trainer.stream import state_to_bytes as state_to_bytes  # the iterator's JSON
 
@@ -42,20 +45,45 @@ __all__ = [
     "state_to_bytes",
 ]
 
-_CACHE_VERSION = 2  # format of the caches and their keys; bumping it rebuilds old caches
-_ENCODE_BATCH_CHARS = 1 << 24  # text handed to one parallel encode_batch call
+_CACHE_VERSION = 3  # format of the token cache and its key; bumping it rebuilds old caches
+_TOKENIZER_VERSION = 3  # how the learned BPE is trained; bumping it retrains old ones
 _TOKENIZER_TRAIN_CHARS = 8 << 20  # BPE statistics settle long before this; keeps training fast
+_SAMPLE_WINDOW = 1 << 18  # characters of a large text file read at one place for the BPE
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
+_TOKEN_SHARDS = (".npy", ".bin")  # pre-tokenized files (data.format='tokens'), never text
 
 Batch = dict[str, np.ndarray]
 
 
 def _tokenizer_texts(files: list[Path]) -> Iterator[str]:
-    """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus, for BPE training."""
-    budget = _TOKENIZER_TRAIN_CHARS
-    for text, _ in corpus_lib.pieces(files):
+    """About ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus for BPE training: all of it
+    when it is no larger, else a share of each file by its size (:func:`_file_sample`)."""
+    sizes = [corpus_lib.text_size([f]) for f in files]
+    total = sum(sizes)
+    for f, size in zip(files, sizes, strict=True):
+        if total <= _TOKENIZER_TRAIN_CHARS:
+            budget = _TOKENIZER_TRAIN_CHARS
+        else:
+            budget = max(1, _TOKENIZER_TRAIN_CHARS * size // total)
+        yield from _file_sample(f, size, budget)
+
+
+def _file_sample(f: Path, size: int, budget: int) -> Iterator[str]:
+    """About ``budget`` characters of ``f``: a plain text file larger than that in windows
+    spread evenly over it (each from a line start), any other file from its start."""
+    if f.name.endswith(".txt") and size > budget:
+        k = -(-budget // _SAMPLE_WINDOW)
+        width = -(-budget // k)
+        with open(f, "rb") as fh:
+            for i in range(k):
+                fh.seek(i * size // k)
+                text = fh.read(4 * width).decode("utf-8", errors="replace")
+                start = text.find("\n") + 1 if i else 0
+                yield text[start : start + width]
+        return
+    for text, _ in corpus_lib.pieces([f]):
         yield text[:budget]
         budget -= len(text)
         if budget <= 0:
@@ -71,7 +99,7 @@ class _Splitter:
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: np.ndarray) -> None:
         self.pending.append(np.asarray(ids, self.dtype))
         self.pending_len += len(ids)
         if self.pending_len < _SPLIT_BLOCK:
@@ -96,36 +124,23 @@ class _Splitter:
 
 
 def _encode_corpus(
-    files: list[Path], tok: Tokenizer, out_dir: Path, val_fraction: float, dtype, done: dict
+    files: list[Path],
+    tok: Tokenizer,
+    out_dir: Path,
+    val_fraction: float,
+    dtype,
+    done: dict,
+    workers: int = 0,
 ):
-    """Encode every document (EOS after each) into ``out_dir``; returns (num_train, num_val).
-    ``done`` counts the characters and tokens encoded so far (``chars``, ``tokens``)."""
+    """Encode every document (framed by ``encode.encode``) into ``out_dir`` with ``workers``
+    processes; returns (num_train, num_val). ``done`` counts the characters and tokens encoded
+    so far (``chars``, ``tokens``)."""
     with open(out_dir / "train.bin", "wb") as train_fh, open(out_dir / "val.bin", "wb") as val_fh:
         splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
-        batch: list[tuple[str, bool]] = []
-        doc_tokens = 0
-
-        def flush() -> None:
-            nonlocal doc_tokens
-            encoded = tok.encode_batch([text for text, _ in batch])
-            done["chars"] += sum(len(text) for text, _ in batch)
-            done["tokens"] += sum(len(ids) for ids in encoded)
-            for ids, (_, ends_doc) in zip(encoded, batch, strict=True):
-                splitter.add(ids)
-                doc_tokens += len(ids)
-                if ends_doc and doc_tokens:  # empty documents get no separator either
-                    splitter.add([tok.eos_id])
-                    doc_tokens = 0
-            batch.clear()
-
-        batch_chars = 0
-        for piece in corpus_lib.pieces(files):
-            batch.append(piece)
-            batch_chars += len(piece[0])
-            if batch_chars >= _ENCODE_BATCH_CHARS:
-                flush()
-                batch_chars = 0
-        flush()
+        for ids, chars in encode_lib.encode(files, tok, dtype, workers):
+            done["chars"] += chars
+            done["tokens"] += len(ids)
+            splitter.add(ids)
         splitter.close()
     return tuple(splitter.counts)
 
@@ -140,17 +155,17 @@ def _cache_bytes(files: list[Path], done: dict, itemsize: int) -> int:
     return int(corpus_lib.text_size(files) * per_char * itemsize)
 
 
+_IN_WORKDIR = "pass a --workdir on a disk with room (the token cache lives in the work dir)"
+_SHARED_FIX = "set config.data.cache_dir to a folder on a disk with room"
+
+
 def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
     # np.memmap refuses empty files; an empty split is legal (val_fraction=0).
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
-def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, identity: dict):
-    """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
-
-    The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
-    matches and its files have the recorded sizes.
-    """
+def _cache_key(tok: Tokenizer, identity: dict) -> tuple[str, str]:
+    """The token cache's key (corpus bytes, tokenizer, split, format) and its ids' dtype."""
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     key = data_format.cache_key(
         version=_CACHE_VERSION,
@@ -160,6 +175,25 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
         block=_SPLIT_BLOCK,
         dtype=dtype,
     )
+    return key, dtype
+
+
+def _load_or_encode(
+    files,
+    desc,
+    tok: Tokenizer,
+    out_dir: Path,
+    stage: Path,
+    identity: dict,
+    workers: int = 0,
+    fix: str = _IN_WORKDIR,
+):
+    """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
+
+    The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
+    matches and its files have the recorded sizes.
+    """
+    key, dtype = _cache_key(tok, identity)
     meta = provenance.read_json(out_dir / "meta.json") or {}
     itemsize = np.dtype(dtype).itemsize
     sizes_ok = all(
@@ -174,10 +208,11 @@ def _load_or_encode(files, desc, tok: Tokenizer, out_dir: Path, stage: Path, ide
     t0 = time.perf_counter()
     done = dict(chars=0, tokens=0)
     what = f"the token cache ({stage.name}, removed)"  # Text.encode removes the stage
-    with data_format.disk_space(stage.parent, what, lambda: _cache_bytes(files, done, itemsize)):
+    needed = lambda: _cache_bytes(files, done, itemsize)  # noqa: E731
+    with data_format.disk_space(stage.parent, what, needed, fix):
         stage.mkdir()
         num_train, num_val = _encode_corpus(
-            files, tok, stage, identity["val_fraction"], dtype, done
+            files, tok, stage, identity["val_fraction"], dtype, done, workers
         )
         if num_train + num_val == 0:
             raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
@@ -195,6 +230,28 @@ def _commit_tokens(stage: Path, out_dir: Path) -> None:
     (out_dir / "meta.json").unlink(missing_ok=True)
     for name in ("train.bin", "val.bin", "meta.json"):
         os.replace(stage / name, out_dir / name)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """Hold an exclusive lock on the file ``lock`` (other builders of that cache wait)."""
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.info("waiting for another run building the token cache %s", lock.stem)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(stage: Path, out_dir: Path) -> None:
+    """Move a staged shared cache to ``out_dir`` in one rename (replacing a broken one)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(stage, out_dir)
 
 
 def _too_short_for_train(num_tokens: int, seq_len: int) -> str | None:
@@ -297,7 +354,9 @@ class Dataset:
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> list[Batch]:
-        """The first ``num_batches`` batches of consecutive non-overlapping validation windows."""
+        """``num_batches`` batches of non-overlapping validation windows spread evenly over the
+        whole split (all of its windows when they make only that many batches), the same at
+        every call."""
         batch_size = batch_size or self.batch_size
         seq_len = seq_len or self.seq_len
         p, _, rows = process_rows(batch_size, process_index, process_count)
@@ -307,11 +366,15 @@ class Dataset:
             raise ValueError(problem)
         if available < num_batches:
             logging.warning("validation split holds only %d of %d batches", available, num_batches)
+        n = min(num_batches, available)
+        windows, taken = len(self.val_tokens) // W, n * batch_size
         out = []
-        for b in range(min(num_batches, available)):
-            start = (b * batch_size + p * rows) * W
-            window_RxW = np.asarray(self.val_tokens[start : start + rows * W], dtype=np.int32)
-            out.append(_split(window_RxW.reshape(rows, W)))
+        for b in range(n):
+            rows_RxW = []
+            for j in range(b * batch_size + p * rows, b * batch_size + (p + 1) * rows):
+                start = j * windows // taken * W  # window j of the taken ones, spread evenly
+                rows_RxW.append(np.asarray(self.val_tokens[start : start + W], dtype=np.int32))
+            out.append(_split(np.stack(rows_RxW)))
         return out
 
 
@@ -343,7 +406,7 @@ class Text(data_format.DataFormat):
 
     name = "text"
     dtypes = {"inputs": np.int32, "targets": np.int32}
-    tokenizer_fields = dict(version=_CACHE_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
+    tokenizer_fields = dict(version=_TOKENIZER_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
 
     def source(self, run: RunSpec) -> data_format.Source:
         """The corpus files, checked to hold text; their fingerprint."""
@@ -351,12 +414,17 @@ class Text(data_format.DataFormat):
         if not 0.0 <= val_fraction < 1.0:  # 0: no validation split (library use; configs need > 0)
             raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
         files, desc = corpus_lib.source_files(run.data.path)
+        if files[0].name.endswith(_TOKEN_SHARDS):
+            raise DataError(
+                f"{files[0]} is a token shard, not text: set config.data.format='tokens' and "
+                "config.data.tokenizer to the tokenizer that wrote it"
+            )
         logging.info("data source: %s", desc)
         corpus_lib.check_not_empty(files, desc)
         return data_format.Source(desc, corpus_lib.fingerprint(files), files)
 
     def texts(self, source: data_format.Source) -> Iterator[str]:
-        """The first ``_TOKENIZER_TRAIN_CHARS`` characters of the corpus."""
+        """About ``_TOKENIZER_TRAIN_CHARS`` characters drawn across the corpus' files."""
         return _tokenizer_texts(source.content)
 
     def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> _Tokens:
@@ -364,15 +432,34 @@ class Text(data_format.DataFormat):
         hold a training window and, with a validation split, an eval batch."""
         optim = run.optim
         identity = dict(corpus=source.corpus, val_fraction=float(run.data.val_fraction))
-        out_dir = workdir / "tokens"
-        # Everything is built in a staging folder and checked before it replaces the caches, so
-        # a failed or refused build leaves the work dir as it was.
-        workdir.mkdir(parents=True, exist_ok=True)
-        stage = workdir / f"tokens.tmp{os.getpid()}"
+        shared = run.data.cache_dir
+        if shared:  # one folder per key, published by a rename while its builders hold a lock
+            root = Path(shared).expanduser()
+            root.mkdir(parents=True, exist_ok=True)
+            name = _cache_key(tokenizer, identity)[0][:32]
+            out_dir, stage = root / name, root / f"{name}.tmp{os.getpid()}"
+            lock, fix = _exclusive(root / f"{name}.lock"), _SHARED_FIX
+        else:
+            # Everything is built in a staging folder and checked before it replaces the caches,
+            # so a failed or refused build leaves the work dir as it was.
+            workdir.mkdir(parents=True, exist_ok=True)
+            out_dir, stage = workdir / "tokens", workdir / f"tokens.tmp{os.getpid()}"
+            lock, fix = contextlib.nullcontext(), _IN_WORKDIR
         try:
-            meta, encoded = _load_or_encode(
-                source.content, source.desc, tokenizer, out_dir, stage, identity
-            )
+            with lock:
+                meta, encoded = _load_or_encode(
+                    source.content,
+                    source.desc,
+                    tokenizer,
+                    out_dir,
+                    stage,
+                    identity,
+                    run.data.encode_workers,
+                    fix,
+                )
+                if shared and encoded:  # a shared cache holds for any run: published now
+                    _publish(stage, out_dir)
+                    encoded = False
             problem = _too_short_for_train(meta["num_train"], optim.seq_len)
             if not problem and identity["val_fraction"] > 0:
                 problem = _too_short_for_eval(meta["num_val"], optim.batch_size, optim.seq_len)

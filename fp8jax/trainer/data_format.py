@@ -127,10 +127,15 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # the errors of a full disk, of a full
 
 
 @contextlib.contextmanager
-def disk_space(workdir: Path, what: str, needed: Callable[[], int]):
-    """A full disk (or quota) while writing ``what`` into ``workdir``: a one-line DataError
-    naming the work dir, the space ``what`` needs (``needed()`` bytes, an estimate) and the
-    fix. The caller removes what it staged."""
+def disk_space(
+    workdir: Path,
+    what: str,
+    needed: Callable[[], int],
+    fix: str = "pass a --workdir on a disk with room",
+):
+    """A full disk (or quota) while writing ``what`` into ``workdir`` (or a shared cache
+    folder): a one-line DataError naming the folder, the space ``what`` needs (``needed()``
+    bytes, an estimate) and ``fix``. The caller removes what it staged."""
     try:
         yield
     except OSError as e:
@@ -140,21 +145,26 @@ def disk_space(workdir: Path, what: str, needed: Callable[[], int]):
         size = f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
         raise DataError(
             f"no space left on the device of {workdir} while writing {what}: it needs about "
-            f"{size}; free that much space there or pass a --workdir on a disk with room, then "
-            "rerun"
+            f"{size}; free that much space there or {fix}, then rerun"
         ) from e
 
 
 def build(fmt: DataFormat, run: RunSpec, workdir: str | os.PathLike, tokenizer=None):
-    """The dataset of ``run`` in format ``fmt`` (``tokenizer``: an init_from checkpoint's;
-    None: learn a BPE into ``<workdir>/tokenizer.json``). DataError on bad data, before anything
-    in ``workdir`` changes."""
+    """The dataset of ``run`` in format ``fmt`` (``tokenizer``: an init_from checkpoint's or
+    ``config.data.tokenizer``; None: that one if set, else learn a BPE into
+    ``<workdir>/tokenizer.json``). DataError on bad data, before anything in ``workdir``
+    changes."""
     workdir, data = Path(workdir), run.data
     source = fmt.source(run)
     identity = dict(corpus=source.corpus, source=source.desc, val_fraction=float(data.val_fraction))
     resumed = provenance.has_checkpoint(workdir)
     record_data = provenance.check_resume(workdir, identity, resumed, data.allow_corpus_change)
     tok_path, new_tok, built_from = workdir / TOKENIZER_FILE, False, None
+    if tokenizer is None and data.tokenizer:  # the trainer passes it; library use names it
+        try:
+            tokenizer = tokenizer_lib.load(data.tokenizer)
+        except ValueError as e:
+            raise DataError(f"config.data.tokenizer={data.tokenizer!r}: {e}") from None
     if tokenizer is None:
         built_from = dict(
             fmt.tokenizer_fields,

@@ -61,7 +61,7 @@ def check_corpus(run: RunSpec) -> None:
     path = run.data.path
     if path and not pathlib.Path(path).expanduser().exists():
         raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX}")
-    if run.init_from:  # the checkpoint brings its vocabulary and tokenizer
+    if run.init_from or run.data.tokenizer:  # the tokenizer brings its vocabulary
         return
     from fp8jax import tokenizer  # its BPE sets the vocabulary's floor
 

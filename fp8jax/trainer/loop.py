@@ -41,7 +41,9 @@ from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
 
 __all__ = [
     "Setup",
+    "VOCAB_MULTIPLE",
     "abstract_batch",
+    "data_tokenizer",
     "from_checkpoint",
     "keep_tokenizer",
     "load_config",
@@ -52,6 +54,9 @@ __all__ = [
     "use_compilation_cache",
 ]
 
+# The model's vocabulary is an existing tokenizer's rounded up to a multiple of this, so the
+# embedding and output GEMMs keep tile-aligned shapes (ids past the tokenizer's never occur).
+VOCAB_MULTIPLE = 128
 # What lowers a train step's memory, for a run that does not fit its devices.
 _MEMORY_FIXES = (
     "lower config.batch_size (or raise config.grad_accum_steps), set config.model.remat_policy="
@@ -213,6 +218,37 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
     return dataclasses.replace(run, model=model), tokenizer, params
 
 
+def data_tokenizer(run: RunSpec, workdir: str, tokenizer: Any) -> tuple[RunSpec, Any]:
+    """``run`` with the vocabulary of ``config.data.tokenizer``, and that tokenizer; ``(run,
+    tokenizer)`` as given when it is ''. A tokenizer that does not load, one beside init_from,
+    or a resume with another tokenizer than the checkpoint's is a one-line UserError."""
+    name = run.data.tokenizer
+    if not name:
+        return run, tokenizer
+    if run.init_from:
+        raise errors.ConfigError(
+            f"config.data.tokenizer={name!r} and config.init_from={run.init_from!r} both bring a "
+            "tokenizer: set data.tokenizer='' to train with the checkpoint's"
+        )
+    try:
+        tok = tokenizer_lib.load(name)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.data.tokenizer={name!r}: {e}") from None
+    kept = pathlib.Path(workdir) / tokenizer_lib.HF_TOKENIZER
+    if provenance.has_checkpoint(workdir) and kept.is_file():
+        if tokenizer_lib.sha256(kept.read_text(encoding="utf-8")) != tokenizer_lib.sha256(
+            tok.to_str()
+        ):
+            raise errors.DataError(
+                f"config.data.tokenizer={name!r} is not the tokenizer {kept} the checkpoint in "
+                f"{workdir} was trained with (its ids are in the embeddings): name that one, or "
+                "start a fresh --workdir"
+            )
+    vocab = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    logging.info("tokenizer %s: %d ids, model vocabulary %d", name, tok.vocab_size, vocab)
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=vocab)), tok
+
+
 def keep_tokenizer(workdir: str, tok) -> None:
     """Save ``tok`` in ``workdir`` as a HF tokenizer (tokenizer.json + tokenizer_config.json
     with its EOS, BOS and chat template), so the work dir reloads with everything it had."""
@@ -243,6 +279,7 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
     run = config if isinstance(config, RunSpec) else spec.parse(config)
     environment.check_corpus(run)
     run, tokenizer, init_params = from_checkpoint(run, workdir)
+    run, tokenizer = data_tokenizer(run, workdir, tokenizer)
     if run.distributed:
         sharding_lib.initialize_distributed()
     environment.check_environment(run)
@@ -256,7 +293,8 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
     with _Preempted() as preempt:
         with errors.reraise_as(errors.DataError, ValueError, OSError):
             dataset = formats.build(run, workdir, tokenizer)
-            if init_params is not None:  # a fresh fine-tuning run: keep its tokenizer
+            # A fresh fine-tuning run, or one with an existing tokenizer: keep the tokenizer.
+            if init_params is not None or run.data.tokenizer:
                 keep_tokenizer(workdir, tokenizer)
             train_iter = dataset.train_iter()
             eval_batches = dataset.eval_batches(run.loop.eval_batches)

@@ -1,0 +1,238 @@
+"""The corpus encoder: ranges cut at safe line starts, worker processes, an existing tokenizer.
+
+The ids of the ranged, multi-process encoder must equal those of each whole document encoded at
+once (plus EOS): a range boundary that drops or repeats a token, or a cut that changes a merge,
+fails here. An existing tokenizer (``config.data.tokenizer``) sets the model's vocabulary and
+travels with the work dir; one that does not load is refused before anything is written.
+"""
+
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tokenizers
+
+from fp8jax import errors, tokenizer
+from fp8jax.trainer import corpus, data, encode, loop
+
+from fp8_testing import data_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOVELS = ("northanger-abbey", "persuasion")  # in file order
+
+
+def _text(name: str, num_chars: int | None = None) -> str:
+    with gzip.open(corpus.SHIPPED_DIR / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read()[:num_chars]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A BPE that has merged runs of blanks (so a cut inside one changes its ids)."""
+    text = _text("emma", 100_000)
+    return tokenizer.train([text, _spaced(text.split(". "))], vocab_size=512)
+
+
+def _spaced(paragraphs: list[str]) -> str:
+    """``paragraphs`` joined by line starts where a cut would change a byte-level BPE's ids:
+    after blank runs, before indents."""
+    seps = ["\n\n\n", "\n  ", " \n", "\n\t", "\n\n", "\n"]
+    return "".join(p + seps[k % len(seps)] for k, p in enumerate(paragraphs))
+
+
+def _reference(tok, docs: list[str]) -> np.ndarray:
+    """Each document encoded whole, in one call, then its EOS: the encoder's contract."""
+    return np.concatenate([np.asarray([*tok.encode_batch([d])[0], tok.eos_id]) for d in docs])
+
+
+def _encoded(files, tok, workers: int) -> np.ndarray:
+    return np.concatenate([ids for ids, _ in encode.encode(files, tok, "uint16", workers)])
+
+
+def test_safe_cuts_and_ranges_tile_the_file(tmp_path):
+    text = "a b\n  indented\nx\n\nnext\r\nwindows\ndonnées\n数据\n\tt\nend\n"
+    lines = encode.Cuts(paragraphs=False)
+    cuts = encode.safe_cuts(text, 1, lines)
+    assert cuts and all(text[c - 1] == "\n" for c in cuts)
+    assert all(not text[c - 2].isspace() and not text[c].isspace() for c in cuts)
+    assert "next\r\nwindows" in text and text.index("windows") not in cuts  # \r is blank
+    paragraphs = encode.safe_cuts(text, 1, encode.Cuts())
+    assert set(paragraphs) - set(cuts) == {text.index("\nnext")}  # 'x\n|\nnext'
+    path = tmp_path / "t.txt"
+    path.write_bytes((text * 400).encode())
+    tasks = encode.plan([path], range_bytes=300, cuts=lines)
+    assert len(tasks) > 10 and tasks[0].start == 0 and tasks[-1].end == -1
+    raw = path.read_bytes()
+    for a, b in zip(tasks, tasks[1:], strict=False):
+        assert a.end == b.start and not a.last  # contiguous: no byte dropped or repeated
+        before, after = raw[: b.start].decode()[-2:], raw[b.start :].decode()[:1]
+        assert before[-1] == "\n" and not before[0].isspace() and not after.isspace()
+
+
+def test_ranged_processes_equal_whole_documents(tok, tmp_path, monkeypatch):
+    docs = [_text(name) for name in NOVELS]
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for name, doc in zip(NOVELS, docs, strict=True):
+        (folder / f"{name}.txt").write_text(doc, encoding="utf-8")
+    paragraphs = [p for p in docs[0].split("\n\n") if p.strip()][:300]
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
+    )
+    spaced = _spaced(paragraphs[:200])
+    (folder / "z-spaced.txt").write_text(spaced, encoding="utf-8")
+    files = sorted(folder.glob("*.txt"))
+    reference = _reference(tok, [*docs, spaced])
+    # The shipped .gz files (one task each), this process with the tokenizer's own threads.
+    shipped = [corpus.SHIPPED_DIR / f"{n}.txt.gz" for n in NOVELS]
+    np.testing.assert_array_equal(_encoded(shipped, tok, 1), _reference(tok, docs))
+    # Plain copies cut into ~25 ranges each, encoded by two processes, in pieces of ~2k chars.
+    monkeypatch.setattr(encode, "RANGE_BYTES", 1 << 14)
+    monkeypatch.setattr(encode, "PIECE_CHARS", 1 << 11)
+    tasks = encode.plan(files, encode.RANGE_BYTES)
+    assert len(tasks) > 40 and encode.workers_for(2, tasks) == 2
+    np.testing.assert_array_equal(_encoded(files, tok, 2), reference)
+    # .jsonl ranges cut at line starts: each line one document.
+    jsonl = _encoded([tmp_path / "docs.jsonl"], tok, 2)
+    np.testing.assert_array_equal(jsonl, _reference(tok, paragraphs))
+
+
+def test_tokenizer_that_changes_ids_at_cuts_gets_coarse_pieces(tok):
+    assert encode.cuts_for(tok) == encode.Cuts(encode.PIECE_CHARS, paragraphs=True)
+    spm = tokenizers.Tokenizer(tokenizers.models.BPE())
+    spm.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["</s>"])
+    spm.train_from_iterator([_text("emma", 2_000)], trainer)
+    spm_cuts = encode.cuts_for(tokenizer.Tokenizer(spm, eos_id=0))
+    assert spm_cuts.piece_chars == encode.COARSE_PIECE_CHARS
+
+
+def _hf_dir(tmp_path, tok, bos: bool = True) -> pathlib.Path:
+    """A Hugging Face tokenizer dir: ``tok`` plus a BOS, its config naming EOS and BOS."""
+    out = tmp_path / "hf_tok"
+    out.mkdir(parents=True)
+    raw = tokenizers.Tokenizer.from_str(tok.to_str())
+    if bos:
+        raw.add_special_tokens(["<s>"])
+    raw.save(str(out / "tokenizer.json"))
+    config = dict(eos_token=tokenizer.EOS, bos_token="<s>" if bos else None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_existing_tokenizer_sets_vocab_and_frames_documents(tok, tmp_path):
+    hf = _hf_dir(tmp_path, tok)
+    path = tmp_path / "book.txt"
+    path.write_text(_text("persuasion", 30_000), encoding="utf-8")
+    for name in (hf, hf / "tokenizer.json"):  # a model dir, or its tokenizer.json
+        run = data_run(path, 300, val_fraction=0.0, tokenizer=str(name))
+        run, given = loop.data_tokenizer(run, str(tmp_path / "work"), None)
+        assert given.vocab_size == tok.vocab_size + 1 and given.bos_id == tok.vocab_size
+        assert run.model.vocab_size == 640  # 513 ids rounded up to a multiple of 128
+    ds = data.build(run, tmp_path / "work", given)
+    tokens = np.asarray(ds.train_tokens)
+    assert tokens[0] == given.bos_id and np.count_nonzero(tokens == given.bos_id) == 1
+    assert tokens[-1] == given.eos_id and np.count_nonzero(tokens == given.eos_id) == 1
+    assert not (tmp_path / "work" / "tokenizer.meta.json").exists()  # nothing was learned
+    # .jsonl documents: each framed by BOS and EOS.
+    (jsonl := tmp_path / "docs.jsonl").write_text('{"text": "a b"}\n{"text": ""}\n{"text": "c"}\n')
+    ids = np.concatenate([i for i, _ in encode.encode([jsonl], given, "uint16", 1)])
+    bos, eos = given.bos_id, given.eos_id
+    assert ids.tolist() == [bos, *given.encode("a b"), eos, bos, *given.encode("c"), eos]
+
+
+def _bad_tokenizer(tmp_path, kind: str) -> pathlib.Path:
+    if kind == "missing":
+        return tmp_path / "nope"
+    if kind == "not_json":
+        (name := tmp_path / "tokenizer.json").write_text("{not json")
+        return name
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE())  # no EOS token, no config naming one
+    raw.add_special_tokens(["<unk>"])
+    raw.save(str(name := tmp_path / "bare.json"))
+    return name
+
+
+@pytest.mark.parametrize("kind", ["missing", "not_json", "no_eos"])
+def test_a_tokenizer_that_does_not_load_is_a_config_error(tmp_path, kind):
+    name = _bad_tokenizer(tmp_path, kind)
+    with pytest.raises(errors.ConfigError, match=rf"config.data.tokenizer=.*{name.name}"):
+        loop.data_tokenizer(data_run("", 300, tokenizer=str(name)), str(tmp_path / "w"), None)
+
+
+def test_train_py_refuses_a_tokenizer_that_does_not_load(tmp_path):
+    """Exit 2, one stderr line naming config.data.tokenizer, no work dir written."""
+    name = _bad_tokenizer(tmp_path, "not_json")
+    wd = tmp_path / "work"
+    args = [sys.executable, "train.py", "--config", "configs/tiny.py", f"--workdir={wd}"]
+    args += [f"--config.data.tokenizer={name}"]
+    env = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
+    assert "config.data.tokenizer" in lines[-1] and str(name) in lines[-1], lines[-1]
+    assert not wd.exists()
+
+
+def test_token_cache_is_not_reused_for_another_tokenizer(tok, tmp_path):
+    """Same corpus, same work dir, another data.tokenizer: the cache is encoded again."""
+    path = tmp_path / "book.txt"
+    path.write_text(_text("persuasion", 20_000), encoding="utf-8")
+    other = tokenizer.train([_text("emma", 50_000)], vocab_size=300)
+    work = tmp_path / "work"
+    for k, t in enumerate((tok, other)):
+        (folder := tmp_path / f"tok{k}").mkdir()
+        t.save(folder / "tokenizer.json")
+        run, given = loop.data_tokenizer(data_run(path, 300, tokenizer=str(folder)), "w", None)
+        ds = data.build(run, work, given)
+        tokens = np.concatenate([ds.train_tokens, ds.val_tokens])  # blocks of both splits
+        reference = _reference(t, [path.read_text(encoding="utf-8")])
+        np.testing.assert_array_equal(np.sort(tokens), np.sort(reference))
+
+
+def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
+    """Train 2 steps with data.tokenizer: the work dir and its HF export carry the tokenizer
+    (EOS, BOS), the model's vocabulary is its size rounded up; a resume with another tokenizer
+    is refused before anything changes."""
+    from fp8jax import hf
+
+    hf_dir = _hf_dir(tmp_path, tok)
+    path = tmp_path / "book.txt"
+    path.write_text(_text("persuasion", 30_000), encoding="utf-8")
+    c = loop.load_config("tiny")
+    m = c.model
+    m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.max_len = 1, 32, 2, 2, 64, 16
+    c.seq_len, c.batch_size, c.num_train_steps, c.eval_every_steps = 16, 4, 2, 2
+    c.fp8.level, c.sample_tokens = "O0", 0
+    c.data.path, c.data.tokenizer = str(path), str(hf_dir)
+    work = tmp_path / "work"
+    loop.train_and_evaluate(c, str(work))
+    kept = tokenizer.load(work)
+    assert kept.to_str() == tokenizer.load(hf_dir).to_str()
+    assert (kept.eos_id, kept.bos_id) == (tok.eos_id, tok.vocab_size)
+    assert json.loads((work / "model.json").read_text())["vocab_size"] == 640
+    out = hf.export(str(work), str(tmp_path / "export"), "float32")
+    assert (out / "tokenizer.json").read_text() == kept.to_str()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 640
+    assert tokenizer.load(out).bos_id == kept.bos_id
+    before = sorted(p.name for p in work.iterdir())
+    c.data.tokenizer, c.num_train_steps = str(_hf_dir(tmp_path / "other", tok, bos=False)), 4
+    with pytest.raises(errors.DataError, match=r"is not the tokenizer .* the checkpoint"):
+        loop.train_and_evaluate(c, str(work))
+    assert sorted(p.name for p in work.iterdir()) == before
+
+
+def test_a_bad_jsonl_line_in_a_later_range_names_its_file_line(tok, tmp_path, monkeypatch):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(100)) + "{}\n")
+    monkeypatch.setattr(encode, "RANGE_BYTES", 1000)
+    assert len(encode.plan([path], encode.RANGE_BYTES)) > 5
+    with pytest.raises(ValueError, match=r"docs.jsonl:101: expected a JSON object with 'text'"):
+        _encoded([path], tok, 1)

@@ -1,0 +1,132 @@
+"""Corpus sources beyond text files: token shards (``data.format='tokens'``), parquet, .jsonl.gz.
+
+Token shards are read as they are: the training stream must be exactly the training shards'
+ids (a shard boundary that drops or repeats an id fails here), the validation split whole
+shards or whole documents that training never sees, and bad shards a one-line DataError.
+"""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fp8jax import errors, tokenizer
+from fp8jax.trainer import corpus, encode, formats, loop, token_shards
+
+from fp8_testing import data_run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tokenizer (saved as a HF dir) and documents of the shipped corpus."""
+    root = tmp_path_factory.mktemp("sources")
+    with gzip.open(corpus.SHIPPED_DIR / "persuasion.txt.gz", "rt", encoding="utf-8") as f:
+        paragraphs = [p for p in f.read().split("\n\n") if p.strip()][:400]
+    tok = tokenizer.train(paragraphs[:100], vocab_size=400)
+    (root / "tok").mkdir()
+    tok.save(root / "tok" / "tokenizer.json")
+    return root, tok, paragraphs
+
+
+def _ids(tok, docs) -> np.ndarray:
+    return np.concatenate([np.asarray([*tok.encode(d), tok.eos_id]) for d in docs])
+
+
+def _build(setup, path, work, val_fraction=0.25, **data):
+    root, *_ = setup
+    run = data_run(path, 300, val_fraction=val_fraction, tokenizer=str(root / "tok"), **data)
+    run, tok = loop.data_tokenizer(run, str(work), None)
+    return formats.build(run, work, tok)
+
+
+def test_token_shards_are_read_exactly_and_split_by_shard(setup, tmp_path):
+    _, tok, docs = setup
+    streams = [_ids(tok, docs[k::4]) for k in range(4)]
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    np.save(folder / "0.npy", streams[0].astype(np.uint16))
+    token_shards.write_bin(folder / "1.bin", streams[1].astype(np.uint32))
+    np.save(folder / "2.npy", streams[2].astype(np.int32))
+    token_shards.write_bin(folder / "3.bin", streams[3].astype(np.uint16))
+    ds = _build(setup, folder, tmp_path / "work", format="tokens")
+    # val: one whole shard of four (the last of its stride), train: the others, in order.
+    np.testing.assert_array_equal(np.asarray(ds.val_tokens), streams[3])
+    np.testing.assert_array_equal(np.asarray(ds.train_tokens), np.concatenate(streams[:3]))
+    # Windows that straddle shard boundaries read the concatenated stream.
+    whole = np.concatenate(streams[:3])
+    for edge in np.cumsum([len(s) for s in streams[:2]]):
+        for a, b in ((edge - 5, edge + 7), (edge, edge + 1), (edge - 1, edge)):
+            np.testing.assert_array_equal(ds.train_tokens[a:b], whole[a:b])
+    batch = next(ds.train_iter(process_index=0, process_count=1))
+    assert batch["inputs"].shape == (4, 16) and batch["inputs"].max() < tok.vocab_size
+    assert not (tmp_path / "work" / "tokens").exists()  # nothing encoded or copied
+
+
+def test_one_shard_splits_at_a_document_end(setup, tmp_path):
+    _, tok, docs = setup
+    ids = _ids(tok, docs)
+    np.save(tmp_path / "all.npy", ids.astype(np.uint16))
+    ds = _build(setup, tmp_path / "all.npy", tmp_path / "work", format="tokens")
+    train, val = np.asarray(ds.train_tokens), np.asarray(ds.val_tokens)
+    np.testing.assert_array_equal(np.concatenate([train, val]), ids)
+    assert train[-1] == tok.eos_id and val[-1] == tok.eos_id  # whole documents on each side
+    val_docs = tok.decode(val).split(tokenizer.EOS)[:-1]
+    assert val_docs == docs[len(docs) - len(val_docs) :]  # the last documents, none cut
+    assert 0.2 < len(val) / len(ids) <= 0.3
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("beyond_vocab", r"holds id 400 at position 3, outside the tokenizer's 400 ids"),
+        ("uint8", r"uint8 \(at most 255\) but the tokenizer has 400 ids"),
+        ("no_header", r"no fp8jax token-shard header"),
+        ("truncated", r"truncated"),
+        ("as_text", r"is a token shard, not text: set config.data.format='tokens'"),
+        ("no_tokenizer", r"holds token ids, not text: set config.data.tokenizer"),
+    ],
+)
+def test_bad_token_shards_are_one_line_errors(setup, tmp_path, kind, match):
+    _, tok, docs = setup
+    ids = _ids(tok, docs[:50]).astype(np.uint16)
+    path = tmp_path / ("s.bin" if kind in ("no_header", "truncated") else "s.npy")
+    if kind == "beyond_vocab":
+        ids[3] = tok.vocab_size
+    if path.suffix == ".npy":
+        np.save(path, ids.astype(np.uint8) if kind == "uint8" else ids)
+    if kind == "no_header":
+        ids.tofile(path)  # nanoGPT's raw layout
+    if kind == "truncated":
+        token_shards.write_bin(path, ids)
+        path.write_bytes(path.read_bytes()[:-2])
+    work = tmp_path / "work"
+    with pytest.raises(errors.DataError, match=match):
+        if kind == "no_tokenizer":
+            run = data_run(path, 300, format="tokens")
+            formats.build(run, work)
+        else:
+            _build(setup, path, work, format="text" if kind == "as_text" else "tokens")
+    assert not work.exists()
+
+
+def test_parquet_and_jsonl_gz_encode_each_row_or_line_as_a_document(setup, tmp_path, monkeypatch):
+    _, tok, docs = setup
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=64)
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    reference = _ids(tok, docs)
+    monkeypatch.setattr(encode, "RANGE_BYTES", 1 << 10)  # small enough for worker processes
+    for name in ("docs.parquet", "docs.jsonl.gz"):
+        tasks = encode.plan([tmp_path / name])
+        assert len(tasks) == (7 if name.endswith("parquet") else 1)  # a task per row group
+        got = np.concatenate([i for i, _ in encode.encode([tmp_path / name], tok, "uint16", 2)])
+        np.testing.assert_array_equal(got, reference)
+    pq.write_table(pa.table({"body": docs[:3]}), tmp_path / "bad.parquet")
+    with pytest.raises(errors.DataError, match=r"bad.parquet has no 'text' column.*body"):
+        with errors.reraise_as(errors.DataError, ValueError):
+            _build(setup, tmp_path / "bad.parquet", tmp_path / "work")
+    assert not (tmp_path / "work").exists()

@@ -16,9 +16,12 @@ from fp8_testing import novel
 # the others follow in collection order. A module missing here only starts later.
 LONGEST_FIRST = (
     "test_sharding.py",
+    "test_expert_parallel.py",
     "test_notebooks.py",
     "test_benchmarks.py",
     "test_train.py",
+    "test_moe.py",
+    "test_lm_eval.py",
     "test_reliability.py",
     "test_wheel.py",
     "test_optim.py",

@@ -178,10 +178,10 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
             f"model.loss_chunk={m.loss_chunk} needs model.fp8_lm_head=False (the chunked loss "
             f"runs the LM head in model.dtype): set one of them off"
         )
-    if not m.head_dim and m.d_model % m.num_heads:
+    if not m.head_width and m.d_model % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}: "
-            f"pick num_heads so that d_model % num_heads == 0, or set model.head_dim"
+            f"pick num_heads so that d_model % num_heads == 0, or set model.head_width"
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
@@ -199,7 +199,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
     )
     model = ModelConfig(
         **{name: m[name] for name in ("style", "vocab_size", *model_lib.MODEL_SIZES)},
-        head_dim=m.head_dim or m.d_model // m.num_heads,
+        head_width=m.head_width,
         dtype=jnp.dtype(m.dtype),
         param_dtype=jnp.dtype(m.param_dtype),
         **{name: m[name] for name in model_lib.MODEL_FLAGS},

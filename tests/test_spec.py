@@ -38,7 +38,7 @@ CHANGES = {
     "model.num_layers": (3, {"model"}),
     "model.num_heads": (8, {"model"}),
     "model.num_kv_heads": (2, {"model"}),
-    "model.head_dim": (16, {"model"}),
+    "model.head_width": (16, {"model"}),
     "model.d_ff": (256, {"model"}),
     "model.max_len": (128, {"model"}),
     "model.dtype": ("bfloat16", {"model"}),

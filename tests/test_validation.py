@@ -36,6 +36,7 @@ BAD = {
     "model.num_layers": [0],
     "model.num_heads": [0],
     "model.num_kv_heads": [0],
+    "model.head_width": [-1, 2.5],
     "model.d_ff": [0],
     "model.max_len": [0],
     "model.dtype": ["int8"],

@@ -52,7 +52,7 @@ def declarations() -> ml_collections.ConfigDict:
     m.num_layers = Int(2, 1)  # transformer blocks
     m.num_heads = Int(4, 1)  # attention heads (must divide d_model)
     m.num_kv_heads = Int(4, 1)  # key/value heads (grouped-query if < num_heads)
-    m.head_dim = Int(0, 0)  # width of each attention head; 0 = d_model / num_heads
+    m.head_width = Int(0, 0)  # width of each attention head; 0 = d_model / num_heads
     m.d_ff = Int(512, 1)  # MLP hidden width
     m.max_len = Int(64, 1)  # longest sequence (learned position table size), tokens
     m.dtype = Choice("float32", model_lib.DTYPES)  # activation/compute dtype ('bfloat16' on GPU)

@@ -42,7 +42,7 @@ MODEL_TYPES = {k: a for family in FAMILIES.values() for k, a in family.hf_model_
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(Architecture))
 # What the architecture fields added after the first work-dir records mean where a record
 # lacks them: the architecture those records could only describe.
-_DEFAULTS = {"qk_norm": "", "sliding_window": 0, "moe": None, "head_dim": None}
+_DEFAULTS = {"qk_norm": "", "sliding_window": 0, "moe": None, "head_width": 0}
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
@@ -119,8 +119,6 @@ def from_json(value: dict[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{where} lacks the model fields {missing}; it is incomplete")
     out = {k: value.get(k, _DEFAULTS.get(k)) for k in ARCHITECTURE_FIELDS}
-    if out["head_dim"] is None:  # recorded before head_dim was: the heads split d_model
-        out["head_dim"] = out["d_model"] // out["num_heads"]
     if out["rope_scaling"] is not None:
         out["rope_scaling"] = RopeScaling(**out["rope_scaling"])
     if out["moe"] is not None:

@@ -157,7 +157,7 @@ class Architecture:
     num_layers: int  # transformer blocks
     num_heads: int  # attention heads
     num_kv_heads: int  # key/value heads (grouped-query if < num_heads)
-    head_dim: int  # width of each attention head (d_model / num_heads in most families)
+    head_width: int  # width of each attention head as declared; 0: d_model / num_heads
     d_ff: int  # MLP hidden width
     max_len: int  # longest sequence, tokens
     tie_embeddings: bool  # the token embedding doubles as the LM head
@@ -169,6 +169,11 @@ class Architecture:
     # attention sees the last this-many positions, the token's own included (Mistral); 0 = all
     sliding_window: int
     moe: MoeSpec | None  # the routed-expert feed-forward layer; None: a dense MLP
+
+    @property
+    def head_dim(self) -> int:
+        """The width of each attention head: ``head_width``, or d_model / num_heads."""
+        return self.head_width or self.d_model // self.num_heads
 
     @property
     def family(self) -> Family:
@@ -282,10 +287,10 @@ class Family:
                 f"model.style={self.name!r} has a dense MLP, not model.moe.num_experts="
                 f"{num_experts(cfg)} experts: set model.style='moe' or model.moe.num_experts=0"
             )
-        head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+        head_dim = cfg.head_width or cfg.d_model // cfg.num_heads
         if self.positions == "rope" and head_dim % 2:
             raise ConfigError(
-                f"RoPE needs an even head dim, got {head_dim}: change model.head_dim (or "
+                f"RoPE needs an even head dim, got {head_dim}: change model.head_width (or "
                 f"model.d_model or model.num_heads)"
             )
 

@@ -30,7 +30,16 @@ from fp8jax.trainer import data, data_format
 if TYPE_CHECKING:
     from fp8jax.spec import RunSpec
 
-__all__ = ["HEADER_BYTES", "MAGIC", "SUFFIXES", "Concat", "Tokens", "read_shard", "write_bin"]
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "SUFFIXES",
+    "Concat",
+    "Tokens",
+    "read_shard",
+    "split",
+    "write_bin",
+]
 
 MAGIC = b"FP8JTOK\0"  # the first bytes of a .bin token shard
 HEADER_BYTES = 32  # magic, version, bytes per id, number of ids, reserved

@@ -57,7 +57,7 @@ class Gpt(Family):
             num_layers=int(require(hfc, "n_layer", where)),
             num_heads=heads,
             num_kv_heads=heads,
-            head_dim=d_model // heads,
+            head_width=0,  # d_model / n_head
             d_ff=int(hfc.get("n_inner") or 4 * d_model),
             max_len=int(require(hfc, "n_positions", where)),
             tie_embeddings=bool(hfc.get("tie_word_embeddings", True)),
@@ -88,7 +88,7 @@ class Gpt(Family):
         if cfg.head_dim * cfg.num_heads != cfg.d_model:
             raise CheckpointError(
                 f"GPT-2's heads split d_model: head_dim {cfg.head_dim} x {cfg.num_heads} heads "
-                f"must equal d_model {cfg.d_model} (set model.head_dim=0)"
+                f"must equal d_model {cfg.d_model} (set model.head_width=0)"
             )
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:

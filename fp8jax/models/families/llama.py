@@ -53,6 +53,7 @@ class Llama(Family):
         d_model = int(require(hfc, "hidden_size", where))
         heads = int(require(hfc, "num_attention_heads", where))
         head_dim = int(hfc.get("head_dim") or d_model // heads)  # Qwen3's may not split it
+        head_width = 0 if head_dim * heads == d_model else head_dim
         if hfc.get("hidden_act", "silu") != "silu":
             reject(where, name, f"hidden_act {hfc.get('hidden_act')!r} (not 'silu')")
         for key in ("attention_bias", "mlp_bias"):
@@ -79,7 +80,7 @@ class Llama(Family):
             num_layers=int(require(hfc, "num_hidden_layers", where)),
             num_heads=heads,
             num_kv_heads=int(hfc.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
+            head_width=head_width,
             d_ff=int(require(hfc, "intermediate_size", where)),
             max_len=max_len,
             tie_embeddings=bool(hfc.get("tie_word_embeddings", False)),

@@ -29,6 +29,7 @@ from absl import flags
 from fp8jax import cli
 
 __all__ = [
+    "bound_share",
     "encoded",
     "main",
     "prompts",
@@ -130,11 +131,19 @@ def timings(inf, stream, start: float, end: float, compile_s: float) -> dict:
     later = sum(max(len(ids) - 1, 0) for ids in stream.ids)
     span = stream.last_token_at - stream.first_token_at
     out["decode_tokens_per_s"] = later / span if span > 0 and later else None
+    out["rows"] = len(stream.ids)  # a decode step makes one token of each row
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(inf.params))
     bandwidth = generate.device_bandwidth()
     out["weight_bytes"] = weight_bytes
     out["bound_s_per_token"] = weight_bytes / bandwidth if bandwidth else None
     return out
+
+
+def bound_share(bound_s: float, tokens_per_s: float, rows: int) -> float:
+    """The weight-bandwidth bound of a decode step over its measured time: a step reads the
+    weights once (``bound_s``) and makes one token of each of ``rows`` rows, so it takes
+    ``rows / tokens_per_s`` seconds; 1.0 decodes at the bound."""
+    return bound_s * tokens_per_s / rows
 
 
 def report(t: dict, load_s: float, level: str, dtype: str) -> str:
@@ -154,7 +163,9 @@ def report(t: dict, load_s: float, level: str, dtype: str) -> str:
         if bound is None:
             lines.append(f"{weights}; device bandwidth unknown, so no bound")
         else:
-            got = "" if not rate else f", decode at {100 / (bound * rate):.0f}% of it per row"
+            # A step reads the weights once for all rows: it takes rows / rate seconds.
+            share = bound_share(bound, rate, t["rows"]) if rate else None
+            got = "" if share is None else f"; decode steps at {100 * share:.0f}% of it"
             lines.append(f"{weights}; bandwidth bound {bound * 1e3:.3f} ms/token{got}")
     return "".join(f"{line}\n" for line in lines)
 

@@ -208,14 +208,3 @@ def test_the_api_checks_catch_what_they_look_for(tmp_path):
     ]
     assert _top_level_uses("import fp8jax as f8\nf8.quantize(1)\n") == {"quantize"}
     assert _top_level_uses("from fp8jax import kernels\n") == {"kernels"}
-
-
-def test_hf_export_stays_the_function_after_its_command_line_module_loads():
-    """``fp8jax.hf.export`` names both a function and the ``python -m`` module: loading the
-    module (as the CLI and lm-eval's wrapper do) must not replace the function."""
-    import importlib
-
-    from fp8jax import hf
-
-    importlib.import_module("fp8jax.hf.export")
-    assert callable(hf.export) and hf.export.__module__ == "fp8jax.hf.io"

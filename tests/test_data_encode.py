@@ -201,7 +201,7 @@ def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
     """Train 2 steps with data.tokenizer: the work dir and its HF export carry the tokenizer
     (EOS, BOS), the model's vocabulary is its size rounded up; a resume with another tokenizer
     is refused before anything changes."""
-    from fp8jax import hf
+    from fp8jax.hf import io as hf_io  # hf.export is the CLI module once that is loaded
 
     hf_dir = _hf_dir(tmp_path, tok)
     path = tmp_path / "book.txt"
@@ -218,7 +218,7 @@ def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
     assert kept.to_str() == tokenizer.load(hf_dir).to_str()
     assert (kept.eos_id, kept.bos_id) == (tok.eos_id, tok.vocab_size)
     assert json.loads((work / "model.json").read_text())["vocab_size"] == 640
-    out = hf.export(str(work), str(tmp_path / "export"), "float32")
+    out = hf_io.export(str(work), str(tmp_path / "export"), "float32")
     assert (out / "tokenizer.json").read_text() == kept.to_str()
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 640
     assert tokenizer.load(out).bos_id == kept.bos_id

@@ -623,3 +623,21 @@ def test_chat_renders_the_template_and_its_end_of_turn_ends_the_reply(workdir, t
     assert ended["tokens"] < 10
     timings = ended["timings"]
     assert timings["first_token_s"] >= 0 and timings["total_s"] >= timings["first_token_s"]
+
+
+def test_verbose_bound_share_is_the_bound_over_a_steps_time():
+    """--verbose's share of the weight-bandwidth bound: a step reads the weights once and makes
+    one token per row, so 4 rows at 1000 tokens/s take 4 ms a step; a 1 ms bound is 25% of it."""
+    from fp8jax import generate as cli
+
+    assert cli.bound_share(1e-3, 1000.0, 4) == pytest.approx(0.25)
+    t = dict(
+        compile_s=1.0,
+        total_s=2.0,
+        first_token_s=0.1,
+        decode_tokens_per_s=1000.0,
+        rows=4,
+        weight_bytes=2**30,
+        bound_s_per_token=1e-3,
+    )
+    assert "decode steps at 25% of it" in cli.report(t, 0.5, "O0", "bfloat16")

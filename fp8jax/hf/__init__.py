@@ -7,10 +7,6 @@ the ``ModelConfig`` architecture fields; ``hf_config(model_cfg)`` the config.jso
 Command line: ``python -m fp8jax.hf.export SRC OUT``.
 """
 
-# The command-line module ``fp8jax.hf.export`` is loaded before the function of that name is
-# bound here: a later ``import fp8jax.hf.export`` then finds it loaded and leaves ``hf.export``
-# the function.
-from fp8jax.hf import export as _export_cli  # noqa: F401
 from fp8jax.hf.architectures import ARCHITECTURE_FIELDS, SUPPORTED, hf_config
 from fp8jax.hf.io import Loaded, architecture, default_model_cfg, export, load, save_hf
 

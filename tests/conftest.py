@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def novel_file(tmp_path_factory: pytest.TempPathFactory):
     """``novel_file(book, num_chars, start=0)``: a text file holding that slice of a shipped
-    novel (``fp8_testing.novel``), written once per session; tests only read it."""
+    novel (``fp8_testing.novel``), written once per test run; tests only read it."""
     root = tmp_path_factory.mktemp("novels")
 
     def write(book: str, num_chars: int, start: int = 0) -> pathlib.Path:

@@ -19,25 +19,17 @@ import sysconfig
 
 import pytest
 
+from fp8_testing import TINY_RUN
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 # A tiny run: one 64-wide layer for 3 steps on a slice of the shipped corpus, no cache.
 TRAIN_FIELDS = {
-    "model.num_layers": 1,
-    "model.d_model": 64,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.d_ff": 128,
-    "model.vocab_size": 320,
-    "model.max_len": 32,
-    "seq_len": 32,
-    "batch_size": 4,
+    **TINY_RUN,
     "num_train_steps": 3,
     "warmup_steps": 1,
     "eval_every_steps": 2,
-    "eval_batches": 1,
-    "log_every_steps": 1,
     "checkpoint_every_steps": 2,
     "sample_tokens": 4,
     "compilation_cache_dir": "",

@@ -10,15 +10,15 @@ the M = T * k routed rows, sorted by expert (``--routing``: 'balanced' M / E row
 * down     y [M, D]  = (silu(gate) * up) [M, F] . w2[e] [F, D]
 
 forward and backward (dx, dw1, dw2: 18 * M * D * F FLOPs in all), in one jitted step with the
-FP8 scale-state update (``fp8jax.update_state``). Variants: 'bf16' (``jax.lax.ragged_dot`` on
-bf16 operands, f32 accumulation: level O0), 'bf16-pallas' (the same with JAX's Pallas Triton
-lowering of ragged_dot, ``jax_ragged_dot_use_gpu_pallas_triton_lowering``: the faster bf16
-baseline where it runs), and the FP8 recipes ('delayed', 'current'; 'block' and 'rowwise' run
-their plain-JAX reference: ``--variants``). Each FP8 GEMM goes through
-``ops.grouped.fp8_grouped_gemm``: the compiled GEMM kernels per variant (``gemm_kernels``) say
-what XLA ran. Timing: jit, warm-up, ``block_until_ready``, median of ``--reps`` repetitions.
-Columns: ms, TFLOP/s, FP8 / best bf16, and dx's relative error against bf16's. ``--quick``: a
-tiny shape (a CPU smoke test, not a timing). Writes ``grouped_gemm.json``.
+FP8 scale-state update (``fp8jax.update_state``). Variants: 'bf16' (level O0: on a Hopper GPU
+JAX's Mosaic GPU ragged-dot kernels, f32 accumulation), the FP8 recipes ('delayed', 'current'
+on ``ops.grouped_mgpu``'s kernels; 'block' and 'rowwise' run their plain-JAX reference), and
+any of them with '-xla' appended: the same step with the kernels off
+(``grouped_mgpu.reference_only``: XLA's ``ragged_dot``). ``--variants`` picks. The compiled
+GEMM kernels per variant (``gemm_kernels``) say what ran. Timing: jit, warm-up,
+``block_until_ready``, median of ``--reps`` repetitions. Columns: ms, TFLOP/s, FP8 / bf16, and
+dx's and dw1's relative error against bf16's. ``--quick``: a tiny shape (a CPU smoke test, not
+a timing). Writes ``grouped_gemm.json``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ SHAPES = {
     "mixtral-8x7b": (4096, 8, 2, 14336),
 }
 QUICK_SHAPES = {"tiny": (64, 4, 2, 32)}
-VARIANTS = ("bf16", "bf16-pallas", "delayed", "current")
-BASELINES = ("bf16", "bf16-pallas")  # O0: no FP8 state
-PALLAS_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+VARIANTS = ("bf16", "delayed", "current")
+BASELINES = ("bf16", "bf16-xla")  # O0: no FP8 state
+XLA = "-xla"  # a variant's suffix: the grouped kernels off
 ROUTINGS = ("balanced", "random")
 
 
@@ -98,43 +98,46 @@ def operands(m: int, d: int, e: int, f: int, seed: int = 0):
 
 
 def measure(name: str, shape, variants, a) -> list[dict]:
-    """One shape's rows: each variant's time, TFLOP/s, compiled GEMM kernels and dx error."""
-    import jax
+    """One shape's rows: each variant's time, TFLOP/s, compiled GEMM kernels, dx and dw error."""
+    import contextlib
+
     import numpy as np
 
     import fp8jax
     from fp8jax.diagnostics import coverage
+    from fp8jax.ops import grouped_mgpu
 
     d, e, k, f = shape
     gs = group_sizes(a.tokens, e, k, a.routing)
     m = int(gs.sum())
     x, w1, w2, r = operands(m, d, e, f)
     flop = flops(m, d, f)
-    rows, dx_ref = [], None
+    rows, ref = [], None
     for variant in variants:
         row = {"shape": name, "variant": variant, "D": d, "E": e, "k": k, "F": f, "M": m}
         row.update(tokens=a.tokens, routing=a.routing, max_group=int(gs.max()))
-        recipe = None if variant in BASELINES else fp8jax.make_recipe(variant)
+        base = variant.removesuffix(XLA)
+        recipe = None if variant in BASELINES else fp8jax.make_recipe(base)
         state = None if recipe is None else (fp8jax.init_meta(recipe), fp8jax.init_meta(recipe))
-        before = getattr(jax.config, PALLAS_FLAG)
-        jax.config.update(PALLAS_FLAG, variant == "bf16-pallas")
+        off = grouped_mgpu.reference_only() if variant.endswith(XLA) else contextlib.nullcontext()
         try:
-            step = pair_step(recipe, f)
-            if state is not None:  # a step's committed scales: delayed scaling's steady state
-                state = step(x, w1, w2, state, gs, r)[4]
-            args = (x, w1, w2, state, gs, r)
-            row["gemm_kernels"] = coverage.gemm_counts(step.lower(*args).compile().as_text())
+            with off:
+                step = pair_step(recipe, f)
+                if state is not None:  # a step's committed scales: delayed scaling's steady state
+                    state = step(x, w1, w2, state, gs, r)[4]
+                args = (x, w1, w2, state, gs, r)
+                row["gemm_kernels"] = coverage.gemm_counts(step.lower(*args).compile().as_text())
             s = common.time_calls(step, args, a.reps, a.min_rep_s, a.max_iters)[0]
             row.update(ms=s * 1e3, tflops=flop / s / 1e12)
-            dx = np.asarray(step(*args)[1], np.float32)
-            if dx_ref is None and recipe is None:
-                dx_ref = dx
-            elif dx_ref is not None:
-                row["dx_rel_err"] = float(np.linalg.norm(dx - dx_ref) / np.linalg.norm(dx_ref))
+            out = step(*args)
+            dx, dw1 = np.asarray(out[1], np.float32), np.asarray(out[2], np.float32)
+            if ref is None and recipe is None:
+                ref = (dx, dw1)
+            elif ref is not None:
+                row["dx_rel_err"] = float(np.linalg.norm(dx - ref[0]) / np.linalg.norm(ref[0]))
+                row["dw_rel_err"] = float(np.linalg.norm(dw1 - ref[1]) / np.linalg.norm(ref[1]))
         except Exception as err:  # a lowering the backend lacks is this variant's result
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        finally:
-            jax.config.update(PALLAS_FLAG, before)
         rows.append(row)
     baselines = [r["tflops"] for r in rows if r["variant"] in BASELINES and "tflops" in r]
     best = max(baselines, default=0)
@@ -148,8 +151,9 @@ COLUMNS = {  # rows named by their variant
     "M": lambda r: r["M"],
     "ms": lambda r: f"{r['ms']:.2f}",
     "TF/s": lambda r: f"{r['tflops']:.0f}",
-    "/best bf16": lambda r: f"{r['over_bf16']:.2f}",
+    "/bf16": lambda r: f"{r['over_bf16']:.2f}",
     "dx err": lambda r: f"{r['dx_rel_err']:.3f}",
+    "dw1 err": lambda r: f"{r['dw_rel_err']:.3f}",
 }
 
 
@@ -157,7 +161,7 @@ def main(argv=None):
     p = runner.parser(__doc__, child=False)
     p.add_argument("--quick", action="store_true", help="a tiny shape (CPU smoke test)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="bf16, bf16-pallas, recipes")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="bf16, recipes; '-xla' suffix")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (rows: tokens * k)")
     p.add_argument("--routing", choices=ROUTINGS, default="balanced", help="rows per expert")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")

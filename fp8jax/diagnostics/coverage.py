@@ -21,7 +21,7 @@ from collections import Counter
 
 import jax
 
-from fp8jax.ops import cublaslt, grouped, scaling
+from fp8jax.ops import cublaslt, grouped, grouped_mgpu, scaling
 
 __all__ = [
     "BLOCK_GEMM",
@@ -389,6 +389,11 @@ def gemm_counts(compiled_text: str) -> dict[str, int]:
     )
     if n_block:
         counts[BLOCK_GEMM] = n_block
+    # The grouped GEMMs' Mosaic GPU kernels (ops.grouped_mgpu), named by their scope.
+    for name in (grouped_mgpu.KERNEL_NAME, grouped_mgpu.BF16_KERNEL_NAME):
+        n = sum(1 for line in compiled_text.splitlines() if MOSAIC in line and name in line)
+        if n:
+            counts[name] = n
     return dict(counts)
 
 

@@ -22,8 +22,10 @@ wgrad     x, dy as in the fwd, dgrad    x and dy T x 1 along M (the tiles cross 
 
 Each amax is one f32 scalar, the max over all groups (and, under expert parallelism, merged
 across shards by max like any other pending amax). The three GEMMs go through one function,
-``fp8_grouped_gemm``, where a Hopper FP8 grouped kernel plugs in; today it is XLA's
-``ragged_dot_general`` on the FP8 values (f32 accumulation), the bit-faithful reference.
+``fp8_grouped_gemm``: on a Hopper GPU, FP8 operands whose other dims are whole 128 tiles run
+``ops.grouped_mgpu``'s Mosaic GPU kernels; elsewhere (and for the tiled recipes' dequantized
+values) XLA's ``ragged_dot_general`` with f32 accumulation, the reference. Level O0's bf16
+GEMM likewise runs JAX's Mosaic GPU ragged-dot kernels on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import block_cast, dot, formats, gemm, scaling
+from fp8jax.ops import block_cast, dot, formats, gemm, grouped_mgpu, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
@@ -69,19 +71,39 @@ _DIMS = {  # (contracting dims, lhs ragged dims, rhs group dims) of lax.ragged_d
 
 
 def ragged_dot(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype):
-    """``jax.lax.ragged_dot`` accumulating in f32, the result in ``out_dtype``: the O0 GEMM."""
+    """The O0 GEMM accumulating in f32, the result in ``out_dtype``: JAX's Mosaic GPU
+    ragged-dot kernels for bf16 on a Hopper GPU, ``jax.lax.ragged_dot`` elsewhere."""
+    if grouped_mgpu.bf16_takes(x_MxK, w_GxKxN):
+        return grouped_mgpu.bf16_grouped_matmul(x_MxK, w_GxKxN, group_sizes_G).astype(out_dtype)
     y = lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
-def fp8_grouped_gemm(kind: str, a: jax.Array, b: jax.Array, group_sizes_G: jax.Array):
-    """One grouped GEMM of an FP8 layer (``kind``: ``FORWARD``, ``DGRAD`` or ``WGRAD``), f32.
+_KERNELS = {
+    FORWARD: grouped_mgpu.forward,
+    DGRAD: grouped_mgpu.dgrad,
+    WGRAD: grouped_mgpu.wgrad,
+}
 
-    The per-tensor path passes the FP8 operands themselves (E4M3, E5M2), the tiled path their
-    tile-dequantized f32 values. This is the one place a Hopper FP8 grouped kernel (Mosaic GPU
-    WGMMA, or cuBLASLt's grouped GEMM through the FFI handler) replaces the reference; today it
-    is ``lax.ragged_dot_general``, which multiplies the FP8 values exactly and accumulates in
-    f32, so the result is the one an FP8 GEMM with f32 accumulation gives, up to summation order.
+
+def _kernel_dims(kind: str, a: jax.Array, b: jax.Array) -> tuple[int, int]:
+    """The two dims of a GEMM ``kind`` the kernels tile: the contraction and the output's."""
+    if kind == WGRAD:
+        return a.shape[1], b.shape[1]
+    return a.shape[1], b.shape[1] if kind == DGRAD else b.shape[2]
+
+
+def fp8_grouped_gemm(
+    kind: str, a: jax.Array, b: jax.Array, group_sizes_G: jax.Array, inv_scale, out_dtype
+) -> jax.Array:
+    """One grouped GEMM of an FP8 layer (``kind``: ``FORWARD``, ``DGRAD`` or ``WGRAD``) times
+    ``inv_scale``, in ``out_dtype``.
+
+    The per-tensor path passes the FP8 operands themselves (E4M3, E5M2) and their inverse
+    scale, the tiled path their tile-dequantized f32 values and 1. FP8 operands of whole tiles
+    run ``ops.grouped_mgpu``'s kernels on a Hopper GPU; the reference, everywhere else, is
+    ``lax.ragged_dot_general``, which multiplies the FP8 values exactly and accumulates in f32:
+    the result an FP8 GEMM with f32 accumulation gives, up to summation order.
     """
     (contract, ragged, group) = _DIMS[kind]
     dims = lax.RaggedDotDimensionNumbers(
@@ -89,7 +111,19 @@ def fp8_grouped_gemm(kind: str, a: jax.Array, b: jax.Array, group_sizes_G: jax.A
         lhs_ragged_dimensions=list(ragged),
         rhs_group_dimensions=list(group),
     )
-    return lax.ragged_dot_general(a, b, group_sizes_G, dims, preferred_element_type=jnp.float32)
+    inv_scale = jnp.asarray(inv_scale, jnp.float32)
+
+    def reference(a, b, gs, inv):
+        y = lax.ragged_dot_general(a, b, gs, dims, preferred_element_type=jnp.float32)
+        return gemm.unscale(y, inv, out_dtype)
+
+    fp8 = {a.dtype, b.dtype} <= {jnp.dtype(formats.E4M3), jnp.dtype(formats.E5M2)}
+    if not (fp8 and grouped_mgpu.takes(*_kernel_dims(kind, a, b)) and grouped_mgpu.enabled()):
+        return reference(a, b, group_sizes_G, inv_scale)
+    kernel = functools.partial(_KERNELS[kind], out_dtype=jnp.dtype(out_dtype))
+    return jax.lax.platform_dependent(
+        a, b, group_sizes_G, inv_scale, cuda=kernel, default=reference
+    )
 
 
 def valid_rows(x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
@@ -138,8 +172,8 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     # ops.dot (a saved residual read through reduce_precision would turn |q| >= 256 into NaN).
     xq_saved, sx_saved = checkpoint_name((xq, sx), FP8_X)
     wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
-    y = fp8_grouped_gemm(FORWARD, xq, wq, gs)  # [M, N] f32
-    y = checkpoint_name(gemm.unscale(y, 1.0 / (sx * sw), cfg.out_dtype), FP8_OUT)
+    y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
+    y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved)
 
@@ -165,10 +199,9 @@ def _tensor_bwd(cfg: GemmConfig, res, cts):
     # The recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
     # mantissa).
     gq = formats.quantize(g, sg, meta.dy.fmt)
-    dx = fp8_grouped_gemm(DGRAD, gq, wq, gs)  # [M, K]: each row times its group's w^T
-    dw = fp8_grouped_gemm(WGRAD, xq, gq, gs)  # [G, K, N]: x_g^T . dy_g, 0 for an empty group
-    dx = gemm.unscale(dx, 1.0 / (sg * sw), cfg.x_dtype)
-    dw = gemm.unscale(dw, 1.0 / (sx * sg), cfg.w_dtype)
+    # dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for an empty group
+    dx = fp8_grouped_gemm(DGRAD, gq, wq, gs, 1.0 / (sg * sw), cfg.x_dtype)
+    dw = fp8_grouped_gemm(WGRAD, xq, gq, gs, 1.0 / (sx * sg), cfg.w_dtype)
     return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
 
 
@@ -224,7 +257,7 @@ def _tiled_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     # range), in 1 x T tiles along K, its contraction here.
     xd, amax_x = _qdq_tiles(x, formats.E4M3, recipe.tile_width(x.shape[1]), recipe)
     wd, _, amax_w = _tiled_weights(w, recipe)
-    y = fp8_grouped_gemm(FORWARD, xd, wd, gs).astype(cfg.out_dtype)
+    y = fp8_grouped_gemm(FORWARD, xd, wd, gs, 1.0, cfg.out_dtype)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta
 
@@ -252,12 +285,12 @@ def _tiled_bwd(cfg: GemmConfig, res, cts):
     fmt = meta.dy.fmt  # the recipe's dy format (E4M3 by default: its scales follow each tile)
     _, wd, _ = _tiled_weights(w, recipe)
     gd, amax_g = _qdq_tiles(g, fmt, recipe.tile_width(n), recipe)  # 1 x T along N, for dgrad
-    dx = fp8_grouped_gemm(DGRAD, gd, wd, gs).astype(cfg.x_dtype)
+    dx = fp8_grouped_gemm(DGRAD, gd, wd, gs, 1.0, cfg.x_dtype)
     # wgrad contracts M: x (E4M3) and dy (dy_format) in T x 1 tiles along M, across the
     # groups' edges (a kernel that scales each group's rows apart needs groups padded to T).
     xd_t, _ = _qdq_cols(x, formats.E4M3, recipe.tile_width(m), recipe)
     gd_t, _ = _qdq_cols(g, fmt, recipe.tile_width(m), recipe)
-    dw = fp8_grouped_gemm(WGRAD, xd_t, gd_t, gs).astype(cfg.w_dtype)
+    dw = fp8_grouped_gemm(WGRAD, xd_t, gd_t, gs, 1.0, cfg.w_dtype)
     return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
 
 

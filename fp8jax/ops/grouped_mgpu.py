@@ -1,0 +1,454 @@
+"""Grouped GEMMs of expert layers as Mosaic GPU kernels for Hopper (sm_90a), FP8 and bf16.
+
+The FP8 kernels take the groups in a padded layout: every group's rows start at a multiple of
+``TILE`` rows, the rows between groups are 0 (``Layout``, built once per call from the group
+sizes). A tile of ``TILE`` rows then belongs to one group, so
+
+* ``grouped_nt``: ``y[rows of g] = a[rows of g] . b[g]^T`` with a [R, K] and b [G, N, K], both
+  K innermost (the layout FP8 WGMMA takes), walks output tiles of ``TILE`` x ``TILE`` and reads
+  the tile's group from a table; the forward GEMM (b = w transposed per group) and dgrad
+  (b = w as stored) are both this kernel;
+* ``grouped_tn``: ``out[g] = a^T[:, rows of g] . b^T[:, rows of g]^T`` with a^T [K, R] and
+  b^T [N, R] (the padded rows innermost: the contraction), walks (group, output tile) and
+  pipelines over its group's row tiles only (a dynamic trip count); wgrad is this kernel on
+  the transposed FP8 operands.
+
+Both multiply the f32 accumulator by the pair's inverse scale before the one rounding to the
+output dtype: the result is the FP8 GEMM with f32 accumulation of ``ops.grouped``'s reference
+up to summation order. Padding costs at most ``TILE - 1`` rows per group.
+
+The bf16 grouped GEMM of level O0 on Hopper is JAX's own Mosaic GPU ragged-dot kernels
+(``jax.experimental.pallas.ops.gpu``: ``ragged_dot`` for the forward and dgrad,
+``transposed_ragged_dot`` for wgrad) behind one custom VJP, ``bf16_grouped_matmul``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "BF16_KERNEL_NAME",
+    "KERNEL_NAME",
+    "TILE",
+    "Layout",
+    "available",
+    "bf16_grouped_matmul",
+    "bf16_takes",
+    "dgrad",
+    "enabled",
+    "forward",
+    "k_tile",
+    "mixed_fp8",
+    "grouped_nt",
+    "grouped_tn",
+    "layout",
+    "pad_rows",
+    "reference_only",
+    "takes",
+    "unpad_rows",
+    "wgrad",
+]
+
+KERNEL_NAME = "fp8_grouped_gemm"  # the FP8 kernels' name in the program (diagnostics.coverage)
+BF16_KERNEL_NAME = "bf16_grouped_gemm"  # the scope of JAX's bf16 kernels
+TILE = 128  # rows per group tile, the output tile's side and K's tile: 128 FP8 bytes
+STAGES = 4  # tiles of K in flight in shared memory
+
+
+_SWITCH = {"on": True}  # ``reference_only`` turns the kernels off while a program traces
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Trace with the kernels off: every grouped GEMM runs XLA's reference (benchmarks compare
+    the two in one process)."""
+    before, _SWITCH["on"] = _SWITCH["on"], False
+    try:
+        yield
+    finally:
+        _SWITCH["on"] = before
+
+
+def enabled() -> bool:
+    """Whether the kernels may run: ``available`` and not inside ``reference_only``."""
+    return _SWITCH["on"] and available()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels can run: Pallas' Mosaic GPU backend and a Hopper GPU (or none
+    attached: lowering for CUDA elsewhere)."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+        import jax.experimental.pallas.ops.gpu.ragged_dot_mgpu  # noqa: F401
+        import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return True
+    return str(getattr(gpus[0], "compute_capability", "9.0")).startswith("9.")
+
+
+def takes(*dims: int) -> bool:
+    """Whether the FP8 kernels take a GEMM whose non-ragged dims are ``dims``: whole tiles."""
+    return all(d > 0 and d % TILE == 0 for d in dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each group's rows go in the padded layout (all int32, built in the program)."""
+
+    rows: int  # R: padded rows, a static bound (M plus TILE - 1 per group, whole tiles)
+    src_R: jax.Array  # the sorted row each padded row reads; M (a zero row) for padding
+    dst_M: jax.Array  # the padded row of each sorted row; R (a zero row) past sum(sizes)
+    tile_group_T: jax.Array  # the group of each tile of TILE padded rows; -1 past the end
+    first_tile_G: jax.Array  # each group's first tile
+    tiles_G: jax.Array  # each group's number of tiles (0 for an empty group)
+
+
+def layout(group_sizes_G: jax.Array, m: int) -> Layout:
+    """The padded layout of ``m`` sorted rows in groups of ``group_sizes_G`` rows."""
+    gs = group_sizes_G.astype(jnp.int32)
+    g = gs.shape[0]
+    rows = -(-(m + g * (TILE - 1)) // TILE) * TILE
+    tiles_G = -(-gs // TILE)
+    first_tile_G = jnp.cumsum(tiles_G) - tiles_G
+    start_G = jnp.cumsum(gs) - gs
+    row_M = jnp.arange(m, dtype=jnp.int32)
+    group_M = jnp.searchsorted(jnp.cumsum(gs), row_M, side="right").astype(jnp.int32)
+    valid_M = row_M < jnp.sum(gs)
+    group_c = jnp.minimum(group_M, g - 1)
+    dst_M = first_tile_G[group_c] * TILE + row_M - start_G[group_c]
+    dst_M = jnp.where(valid_M, dst_M, rows)
+    src_R = jnp.full((rows + 1,), m, jnp.int32).at[dst_M].set(row_M, mode="drop")[:rows]
+    t = jnp.arange(rows // TILE, dtype=jnp.int32)
+    tile_group_T = jnp.searchsorted(jnp.cumsum(tiles_G), t, side="right").astype(jnp.int32)
+    tile_group_T = jnp.where(tile_group_T < g, tile_group_T, -1)
+    return Layout(rows, src_R, dst_M, tile_group_T, first_tile_G, tiles_G)
+
+
+def pad_rows(a_MxK: jax.Array, lay: Layout) -> jax.Array:
+    """``a`` [M, K] in the padded layout [R, K], 0 between groups."""
+    zero = jnp.zeros((1, a_MxK.shape[1]), a_MxK.dtype)
+    return jnp.concatenate([a_MxK, zero]).at[lay.src_R].get(mode="clip")
+
+
+def unpad_rows(y_RxN: jax.Array, lay: Layout) -> jax.Array:
+    """The sorted rows [M, N] of a padded result; 0 past ``sum(group_sizes)``."""
+    zero = jnp.zeros((1, y_RxN.shape[1]), y_RxN.dtype)
+    return jnp.concatenate([y_RxN, zero]).at[lay.dst_M].get(mode="clip")
+
+
+def k_tile(dtype) -> int:
+    """Elements of ``dtype`` in one tile of the contraction: 128 bytes (WGMMA's swizzle)."""
+    return 128 // jnp.dtype(dtype).itemsize
+
+
+def _transforms(plgpu, dtype):
+    """Shared-memory transforms of a tile whose rows are 128 bytes of ``dtype`` (or more)."""
+    swizzle = plgpu.find_swizzle(k_tile(dtype) * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store(pl, plgpu, acc, inv_scale, o_smem, out_ref):
+    """The accumulator times the inverse scale, rounded once, stored through shared memory."""
+    o_smem[...] = (acc * inv_scale).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _num_sms() -> int:
+    from jax.extend import backend
+
+    return getattr(backend.get_default_device(), "core_count", 132)  # CPUs trace only
+
+
+def _compiler_params(plgpu):
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_nt(
+    a_RxK: jax.Array,
+    b_GxNxK: jax.Array,
+    tile_group_T: jax.Array,
+    inv_scale: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """``y`` [R, N]: each tile of TILE rows of a times its group's ``b^T``, times ``inv_scale``.
+
+    Tiles past the last group (``tile_group_T`` -1) are not written: ``unpad_rows`` never reads
+    them.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (r, k), n = a_RxK.shape, b_GxNxK.shape[1]
+    kt = k_tile(a_RxK.dtype)
+    grid_m, grid_n, steps = r // TILE, n // TILE, k // kt
+    a_transforms, b_transforms = _transforms(plgpu, a_RxK.dtype), _transforms(plgpu, b_GxNxK.dtype)
+    out_transforms = _transforms(plgpu, out_dtype)
+
+    def body(tile_group_gmem, inv_gmem, a_gmem, b_gmem, o_gmem):
+        inv = inv_gmem[0]
+
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def _tiles(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, 8)
+            group = tile_group_gmem[mi]
+
+            @pl.when(group >= 0)
+            def _():
+                def acc_scope(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, a_smem, b_smem: plgpu.wgmma(
+                            acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0))
+                        ),
+                        grid=(steps,),
+                        in_specs=[
+                            plgpu.BlockSpec(
+                                (TILE, kt),
+                                lambda s: (mi, s),
+                                transforms=a_transforms,
+                                delay_release=1,
+                            ),
+                            plgpu.BlockSpec(
+                                (TILE, kt),
+                                lambda s: (ni, s),
+                                transforms=b_transforms,
+                                delay_release=1,
+                            ),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(a_gmem, b_gmem.at[group])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE, TILE)))
+                pl.run_scoped(
+                    lambda o_smem: _store(
+                        pl,
+                        plgpu,
+                        acc,
+                        inv,
+                        o_smem,
+                        o_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)],
+                    ),
+                    plgpu.SMEM((TILE, TILE), out_dtype, transforms=out_transforms),
+                )
+
+    with jax.named_scope(KERNEL_NAME):
+        kernel = plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((r, n), out_dtype),
+            grid=(_num_sms(),),
+            grid_names=("sm",),
+            kernel_name=KERNEL_NAME,
+            compiler_params=_compiler_params(plgpu),
+        )
+        inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
+        return kernel(tile_group_T, inv, a_RxK, b_GxNxK)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_tn(
+    a_KxR: jax.Array,
+    b_NxR: jax.Array,
+    first_tile_G: jax.Array,
+    tiles_G: jax.Array,
+    inv_scale: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+) -> jax.Array:
+    """``out`` [G, K, N]: per group, ``a^T`` and ``b^T`` contracted over its padded rows, times
+    ``inv_scale``; 0 for an empty group."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (k, _), n, g = a_KxR.shape, b_NxR.shape[0], tiles_G.shape[0]
+    kt = k_tile(a_KxR.dtype)
+    per_tile = TILE // kt  # contraction steps per tile of padded rows
+    grid_k, grid_n = k // TILE, n // TILE
+    a_transforms, b_transforms = _transforms(plgpu, a_KxR.dtype), _transforms(plgpu, b_NxR.dtype)
+    out_transforms = _transforms(plgpu, out_dtype)
+
+    def body(first_gmem, tiles_gmem, inv_gmem, a_gmem, b_gmem, o_gmem):
+        inv = inv_gmem[0]
+
+        @plgpu.nd_loop((g, grid_k * grid_n), collective_axes="sm")
+        def _tiles(info):
+            gi = info.index[0]
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, 8)
+            first, count = first_gmem[gi] * per_tile, tiles_gmem[gi] * per_tile
+
+            def acc_scope(acc_ref):
+                @pl.when(count > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        lambda _, a_smem, b_smem: plgpu.wgmma(
+                            acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0))
+                        ),
+                        grid=(count,),
+                        in_specs=[
+                            plgpu.BlockSpec(
+                                (TILE, kt),
+                                lambda s: (ki, first + s),
+                                transforms=a_transforms,
+                                delay_release=1,
+                            ),
+                            plgpu.BlockSpec(
+                                (TILE, kt),
+                                lambda s: (ni, first + s),
+                                transforms=b_transforms,
+                                delay_release=1,
+                            ),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(a_gmem, b_gmem)
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE, TILE)))
+            pl.run_scoped(
+                lambda o_smem: _store(
+                    pl,
+                    plgpu,
+                    acc,
+                    inv,
+                    o_smem,
+                    o_gmem.at[gi, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)],
+                ),
+                plgpu.SMEM((TILE, TILE), out_dtype, transforms=out_transforms),
+            )
+
+    with jax.named_scope(KERNEL_NAME):
+        kernel = plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+            grid=(_num_sms(),),
+            grid_names=("sm",),
+            kernel_name=KERNEL_NAME,
+            compiler_params=_compiler_params(plgpu),
+        )
+        inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
+        return kernel(first_tile_G, tiles_G, inv, a_KxR, b_NxR)
+
+
+# The three GEMMs of an FP8 grouped layer on the kernels above.
+
+
+@functools.cache
+def mixed_fp8() -> bool:
+    """Whether this JAX's Mosaic GPU takes E4M3 times E5M2 in one WGMMA (PTX does; older
+    Mosaic GPU asks for one element type), probed by lowering a one-tile kernel for CUDA."""
+    a = jax.ShapeDtypeStruct((TILE, TILE), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((1, TILE, TILE), jnp.float8_e5m2)
+    t = jax.ShapeDtypeStruct((1,), jnp.int32)
+    s = jax.ShapeDtypeStruct((), jnp.float32)
+    try:
+        grouped_nt.trace(a, b, t, s).lower(lowering_platforms=("cuda",))
+    except Exception:  # noqa: BLE001 - any refusal of the mixed pair means: convert
+        return False
+    return True
+
+
+def _pair(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The operands as the kernels take them: FP8 as they are where WGMMA takes the pair; an
+    E4M3 with an E5M2 operand otherwise both in f16, which holds every value of either
+    format exactly (the products, and so the result, are the same; the GEMM runs at f16 rate)."""
+    if a.dtype == b.dtype or mixed_fp8():
+        return a, b
+    return a.astype(jnp.float16), b.astype(jnp.float16)
+
+
+def forward(x_MxK, w_GxKxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
+    """``y`` [M, N]: each row of x times its group's w, times ``inv_scale``."""
+    lay = layout(group_sizes_G, x_MxK.shape[0])
+    a, b = _pair(pad_rows(x_MxK, lay), jnp.swapaxes(w_GxKxN, 1, 2))  # b K innermost
+    return unpad_rows(grouped_nt(a, b, lay.tile_group_T, inv_scale, out_dtype=out_dtype), lay)
+
+
+def dgrad(dy_MxN, w_GxKxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
+    """``dx`` [M, K]: each row of dy times its group's w^T (w as stored: N innermost)."""
+    lay = layout(group_sizes_G, dy_MxN.shape[0])
+    a, b = _pair(pad_rows(dy_MxN, lay), w_GxKxN)
+    return unpad_rows(grouped_nt(a, b, lay.tile_group_T, inv_scale, out_dtype=out_dtype), lay)
+
+
+def wgrad(x_MxK, dy_MxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
+    """``dw`` [G, K, N]: x_g^T . dy_g per group, times ``inv_scale``; 0 for an empty group."""
+    lay = layout(group_sizes_G, x_MxK.shape[0])
+    a, b = _pair(pad_rows(x_MxK, lay).T, pad_rows(dy_MxN, lay).T)  # rows innermost
+    return grouped_tn(a, b, lay.first_tile_G, lay.tiles_G, inv_scale, out_dtype=out_dtype)
+
+
+# bf16 (level O0): JAX's Mosaic GPU ragged-dot kernels.
+
+_BF16_TUNING = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4}
+
+
+def bf16_takes(x_MxK: jax.Array, w_GxKxN: jax.Array) -> bool:
+    """Whether JAX's bf16 ragged-dot kernels run this GEMM: bf16 operands, whole 128 tiles of
+    K and N, traced for a Hopper GPU (the kernels read the device's SM count as they trace)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    return (
+        x_MxK.dtype == bf16
+        and w_GxKxN.dtype == bf16
+        and takes(*w_GxKxN.shape[1:])
+        and jax.default_backend() == "gpu"
+        and enabled()
+    )
+
+
+def _ragged(a, b, gs, transpose_rhs: bool):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(
+        a, b, group_sizes=gs, transpose_rhs=transpose_rhs, grid_block_n=8, **_BF16_TUNING
+    )
+
+
+def _transposed_ragged(a_MxK, b_MxN, gs):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        a_MxK, b_MxN, group_sizes=gs, grid_block_n=8, **_BF16_TUNING
+    )
+
+
+@jax.custom_vjp
+def bf16_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array):
+    """``y`` [M, N] bf16 through JAX's Mosaic GPU ragged-dot kernels (forward, dgrad, wgrad)."""
+    with jax.named_scope(BF16_KERNEL_NAME):
+        y = _ragged(x_MxK, w_GxKxN, group_sizes_G, transpose_rhs=False)
+    return _valid_rows(y, group_sizes_G)  # the kernel leaves rows past the groups unwritten
+
+
+def _valid_rows(y_MxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    keep_M = jnp.arange(y_MxN.shape[0]) < jnp.sum(group_sizes_G)
+    return jnp.where(keep_M[:, None], y_MxN, jnp.zeros((), y_MxN.dtype))
+
+
+def _bf16_fwd(x, w, gs):
+    return bf16_grouped_matmul(x, w, gs), (x, w, gs)
+
+
+def _bf16_bwd(res, g):
+    x, w, gs = res
+    g = g.astype(jnp.bfloat16)
+    with jax.named_scope(BF16_KERNEL_NAME):
+        dx = _ragged(g, w, gs, transpose_rhs=True)  # w[e] [K, N] read as [out K, contraction N]
+        dw = _transposed_ragged(x, g, gs)
+    return _valid_rows(dx, gs).astype(x.dtype), dw.astype(w.dtype), None
+
+
+bf16_grouped_matmul.defvjp(_bf16_fwd, _bf16_bwd)

@@ -27,6 +27,7 @@ __all__ = [
     "BLOCK_GEMM",
     "CUBLAS_FP8",
     "FP8_KERNELS",
+    "GROUPED_FP8",
     "FP8_TYPES",
     "MOSAIC",
     "RAGGED_DOT",
@@ -54,7 +55,9 @@ BLOCK_GEMM = "fp8_block_scaled_dot"  # fp8jax's block-scaled FP8 GEMM (ops.block
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu"  # Pallas' Mosaic GPU kernels' custom calls (mosaic_gpu, mosaic_gpu_v2)
 SCALED_GEMM = cublaslt.TARGET  # cuBLASLt's rowwise- and block-scaled FP8 GEMMs (ops.cublaslt)
-FP8_KERNELS = (CUBLAS_FP8, BLOCK_GEMM, SCALED_GEMM)  # compiled GEMM kernels that run in FP8
+GROUPED_FP8 = grouped_mgpu.KERNEL_NAME  # the expert layers' FP8 grouped GEMMs (Mosaic GPU)
+# Compiled GEMM kernels that run in FP8.
+FP8_KERNELS = (CUBLAS_FP8, BLOCK_GEMM, SCALED_GEMM, GROUPED_FP8)
 RAGGED_DOT = "ragged_dot"  # a grouped GEMM's chlo.ragged_dot (a composite op on GPU)
 # The named scope ops.dot opens around each FP8 matmul: 'fp8_<recipe>', a name in
 # scaling.RECIPES (in the backward pass inside transpose(jvp(...))).
@@ -182,8 +185,8 @@ class CoverageReport:
 
     @property
     def num_fp8_gemms(self) -> int | None:
-        """Compiled FP8 GEMMs: ``__cublas$lt$matmul$f8`` calls and fp8jax's block-scaled GEMM
-        kernels (None when not compiled for GPU)."""
+        """Compiled FP8 GEMMs: ``__cublas$lt$matmul$f8`` calls, fp8jax's block-scaled and
+        grouped GEMM kernels (None when not compiled for GPU)."""
         if self.gemm_counts is None:
             return None
         return sum(self.gemm_counts.get(k, 0) for k in FP8_KERNELS)

@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 __all__ = [
     "BF16_KERNEL_NAME",
@@ -52,6 +53,7 @@ __all__ = [
     "takes",
     "unpad_rows",
     "wgrad",
+    "ws_takes",
 ]
 
 KERNEL_NAME = "fp8_grouped_gemm"  # the FP8 kernels' name in the program (diagnostics.coverage)
@@ -176,7 +178,7 @@ def _compiler_params(plgpu):
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "warp_specialized"))
 def grouped_nt(
     a_RxK: jax.Array,
     b_GxNxK: jax.Array,
@@ -184,16 +186,21 @@ def grouped_nt(
     inv_scale: jax.Array,
     *,
     out_dtype=jnp.bfloat16,
+    warp_specialized: bool | None = None,
 ) -> jax.Array:
     """``y`` [R, N]: each tile of TILE rows of a times its group's ``b^T``, times ``inv_scale``.
 
     Tiles past the last group (``tile_group_T`` -1) are not written: ``unpad_rows`` never reads
-    them.
+    them. ``warp_specialized`` (None: where ``ws_takes`` N) picks the warp-specialized kernel.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     (r, k), n = a_RxK.shape, b_GxNxK.shape[1]
+    inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
+    if ws_takes(n) if warp_specialized is None else warp_specialized:
+        with jax.named_scope(KERNEL_NAME):
+            return _ws_nt(a_RxK, b_GxNxK, tile_group_T, inv, out_dtype)
     kt = k_tile(a_RxK.dtype)
     grid_m, grid_n, steps = r // TILE, n // TILE, k // kt
     a_transforms, b_transforms = _transforms(plgpu, a_RxK.dtype), _transforms(plgpu, b_GxNxK.dtype)
@@ -255,11 +262,10 @@ def grouped_nt(
             kernel_name=KERNEL_NAME,
             compiler_params=_compiler_params(plgpu),
         )
-        inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
         return kernel(tile_group_T, inv, a_RxK, b_GxNxK)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "warp_specialized"))
 def grouped_tn(
     a_KxR: jax.Array,
     b_NxR: jax.Array,
@@ -268,13 +274,18 @@ def grouped_tn(
     inv_scale: jax.Array,
     *,
     out_dtype=jnp.float32,
+    warp_specialized: bool | None = None,
 ) -> jax.Array:
     """``out`` [G, K, N]: per group, ``a^T`` and ``b^T`` contracted over its padded rows, times
-    ``inv_scale``; 0 for an empty group."""
+    ``inv_scale``; 0 for an empty group. ``warp_specialized`` as in ``grouped_nt``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     (k, _), n, g = a_KxR.shape, b_NxR.shape[0], tiles_G.shape[0]
+    inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
+    if ws_takes(n) if warp_specialized is None else warp_specialized:
+        with jax.named_scope(KERNEL_NAME):
+            return _ws_tn(a_KxR, b_NxR, first_tile_G, tiles_G, inv, out_dtype)
     kt = k_tile(a_KxR.dtype)
     per_tile = TILE // kt  # contraction steps per tile of padded rows
     grid_k, grid_n = k // TILE, n // TILE
@@ -339,8 +350,199 @@ def grouped_tn(
             kernel_name=KERNEL_NAME,
             compiler_params=_compiler_params(plgpu),
         )
-        inv = jnp.reshape(inv_scale, (1,)).astype(jnp.float32)
         return kernel(first_tile_G, tiles_G, inv, a_KxR, b_NxR)
+
+
+# Warp-specialized kernels: one memory warpgroup streams the tiles of the contraction through
+# TMA, WS_STAGES deep, while two compute warpgroups each own TILE x TILE of a TILE x WS_COLS
+# output tile (both read the same rows of a); a compute warpgroup's epilogue scales, rounds and
+# stores its tile in 128-byte-wide pieces while the other keeps the tensor cores busy.
+
+WS_COLS = 2 * TILE  # output columns of a warp-specialized CTA
+WS_STAGES = 3  # contraction tiles in flight: 3 x 48 KiB of operands plus 64 KiB of epilogue
+
+
+def ws_takes(n: int) -> bool:
+    """Whether the warp-specialized kernels tile an output ``n`` wide (whole ``WS_COLS``)."""
+    return n % WS_COLS == 0
+
+
+def _ws_kernel(
+    *refs,
+    plgpu,
+    pl,
+    tiles: tuple,
+    kt: int,
+    tile_refs,
+    static_steps: int | None,
+):
+    """The warp-specialized body: for each work item of ``tiles`` (an nd_loop grid),
+    ``tile_refs(index, *refs)`` gives ``(a [TILE, C], b [WS_COLS, C], out [TILE, WS_COLS],
+    first, steps, inv, run)``: the contraction tiles ``first`` .. ``first + steps`` of a and b
+    are multiplied into the output tile when ``run``. ``static_steps``: the steps when every
+    tile has the same number (the pipeline's stages are then at most that), else None."""
+    *in_refs, o_gmem = refs
+    # The shared-memory stages: the allocation below and every tile's pipeline must agree
+    # (a pipeline over fewer static steps than stages allocates only that many).
+    stages = WS_STAGES if static_steps is None else min(WS_STAGES, static_steps)
+    out_dtype = o_gmem.dtype
+    epi_n = 128 // jnp.dtype(out_dtype).itemsize
+    out_transforms = _transforms(plgpu, out_dtype)
+
+    def specs(a_dtype, b_dtype, first):
+        return [
+            plgpu.BlockSpec(
+                (TILE, kt),
+                lambda s: (0, first + s),
+                transforms=_transforms(plgpu, a_dtype),
+                memory_space=plgpu.SMEM,
+            ),
+            plgpu.BlockSpec(
+                (WS_COLS, kt),
+                lambda s: (0, first + s),
+                transforms=_transforms(plgpu, b_dtype),
+                memory_space=plgpu.SMEM,
+            ),
+        ]
+
+    def pipeline(body, context, a_dtype, b_dtype, first, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=specs(a_dtype, b_dtype, first),
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    a0, b0, *_ = tile_refs((jnp.int32(0),) * len(tiles), *in_refs, o_gmem)
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore, a0.dtype, b0.dtype, 0, stages).get_allocations(a0, b0),
+        out_smem=plgpu.SMEM((2, 2, TILE, epi_n), out_dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop(tiles, collective_axes="sm")
+        def _tiles(info):
+            a_ref, b_ref, o_ref, first, steps, inv, run = tile_refs(info.index, *in_refs, o_gmem)
+
+            def mma(_, a_smem, b_smem, acc_ref):
+                b_t = plgpu.transpose_ref(b_smem.at[pl.ds(wg * TILE, TILE)], (1, 0))
+                plgpu.wgmma(acc_ref, a_smem, b_t)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def context(run_pipeline):
+                def acc_scope(acc_ref):
+                    run_pipeline(acc_ref)
+                    y = (acc_ref[...] * inv).astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for j in range(TILE // epi_n):
+                        slot = j % 2
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = y[:, j * epi_n : (j + 1) * epi_n]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            o_ref.at[:, pl.ds(wg * TILE + j * epi_n, epi_n)],
+                        )
+
+                pl.run_scoped(acc_scope, plgpu.ACC((TILE, TILE), jnp.float32))
+
+            @pl.when(run)
+            def _():
+                pipeline(mma, context, a_ref.dtype, b_ref.dtype, first, steps)(
+                    a_ref, b_ref, allocations=allocs
+                )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _ws_launch(body, out_shape, out_dtype, *operands):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        kernel_name=KERNEL_NAME,
+        compiler_params=_compiler_params(plgpu),
+    )
+    return kernel(*operands)
+
+
+def _ws_nt(a_RxK, b_GxNxK, tile_group_T, inv, out_dtype):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (r, k), n = a_RxK.shape, b_GxNxK.shape[1]
+    kt = k_tile(a_RxK.dtype)
+
+    def tile_refs(index, tile_group_gmem, inv_gmem, a_gmem, b_gmem, o_gmem):
+        mi, ni = plgpu.planar_snake(index[0], (r // TILE, n // WS_COLS), 1, 8)
+        group = tile_group_gmem[mi]
+        rows, cols = pl.ds(mi * TILE, TILE), pl.ds(ni * WS_COLS, WS_COLS)
+        b_ref = b_gmem.at[jnp.maximum(group, 0), cols]
+        return a_gmem.at[rows], b_ref, o_gmem.at[rows, cols], 0, k // kt, inv_gmem[0], group >= 0
+
+    body = functools.partial(
+        _ws_kernel,
+        plgpu=plgpu,
+        pl=pl,
+        tiles=((r // TILE) * (n // WS_COLS),),
+        kt=kt,
+        tile_refs=tile_refs,
+        static_steps=k // kt,
+    )
+    return _ws_launch(body, (r, n), out_dtype, tile_group_T, inv, a_RxK, b_GxNxK)
+
+
+def _ws_tn(a_KxR, b_NxR, first_tile_G, tiles_G, inv, out_dtype):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (k, _), n, g = a_KxR.shape, b_NxR.shape[0], tiles_G.shape[0]
+    kt = k_tile(a_KxR.dtype)
+    per_tile = TILE // kt
+
+    def tile_refs(index, first_gmem, tiles_gmem, inv_gmem, a_gmem, b_gmem, o_gmem):
+        gi = index[0]
+        ki, ni = plgpu.planar_snake(index[1], (k // TILE, n // WS_COLS), 1, 8)
+        rows, cols = pl.ds(ki * TILE, TILE), pl.ds(ni * WS_COLS, WS_COLS)
+        first, steps = first_gmem[gi] * per_tile, tiles_gmem[gi] * per_tile
+        # An empty group runs no step: its tile stores the accumulator's zeros.
+        return (
+            a_gmem.at[rows],
+            b_gmem.at[cols],
+            o_gmem.at[gi, rows, cols],
+            first,
+            steps,
+            (inv_gmem[0]),
+            True,
+        )
+
+    body = functools.partial(
+        _ws_kernel,
+        plgpu=plgpu,
+        pl=pl,
+        tiles=(g, (k // TILE) * (n // WS_COLS)),
+        kt=kt,
+        tile_refs=tile_refs,
+        static_steps=None,
+    )
+    return _ws_launch(body, (g, k, n), out_dtype, first_tile_G, tiles_G, inv, a_KxR, b_NxR)
 
 
 # The three GEMMs of an FP8 grouped layer on the kernels above.

@@ -1,0 +1,159 @@
+"""The grouped GEMMs' Hopper kernels (``ops.grouped_mgpu``) as far as a CPU can check them.
+
+The padded layout against its definition (each group at a tile boundary, zeros between groups,
+rows past the groups dropped); the three GEMM wrappers (transposes, padding, the E4M3 x E5M2
+pair) with the two kernels replaced by plain-JAX tile products of the same contract, against
+``ops.grouped``'s reference; and the per-tensor recipes' expert step lowered for CUDA runs the
+three FP8 kernels, while shapes that are not whole tiles and the tiled recipes do not. The
+kernels' numerics are checked on a GPU by ``benchmarks/grouped_gemm.py`` (errors against bf16).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.diagnostics import coverage
+from fp8jax.ops import formats, grouped
+from fp8jax.ops import grouped_mgpu as gm
+
+TILE = gm.TILE
+SIZES = (7, 0, 130, 1)  # an empty group, one over a tile, one of one row
+M = sum(SIZES) + 5  # five rows past the groups, as a dropless dispatch pads
+KERNEL_CALL = re.compile(r"stablehlo\.custom_call @mosaic_gpu\w*")
+
+
+def _gs() -> jax.Array:
+    return jnp.asarray(SIZES, jnp.int32)
+
+
+def test_layout_starts_each_group_at_a_tile_and_drops_the_rows_past_the_groups():
+    lay = gm.layout(_gs(), M)
+    assert lay.rows % TILE == 0 and lay.rows >= M
+    tiles = [-(-s // TILE) for s in SIZES]
+    np.testing.assert_array_equal(lay.tiles_G, tiles)
+    np.testing.assert_array_equal(lay.first_tile_G, np.cumsum(tiles) - tiles)
+    want_group_T = np.full(lay.rows // TILE, -1)
+    for g, (first, n) in enumerate(zip(np.cumsum(tiles) - tiles, tiles, strict=True)):
+        want_group_T[first : first + n] = g
+    np.testing.assert_array_equal(lay.tile_group_T, want_group_T)
+    rows = np.arange(M, dtype=np.float32)[:, None] + 1  # row i holds i + 1: 0 marks padding
+    padded = np.asarray(gm.pad_rows(jnp.asarray(rows), lay))[:, 0]
+    start = 0
+    for g, size in enumerate(SIZES):
+        at = int(lay.first_tile_G[g]) * TILE
+        np.testing.assert_array_equal(padded[at : at + size], rows[start : start + size, 0])
+        start += size
+    assert np.count_nonzero(padded) == sum(SIZES)  # the rest is 0, rows past the groups too
+    back = np.asarray(gm.unpad_rows(gm.pad_rows(jnp.asarray(rows), lay), lay))[:, 0]
+    np.testing.assert_array_equal(back[: sum(SIZES)], rows[: sum(SIZES), 0])
+    assert not back[sum(SIZES) :].any()
+
+
+def _nt_tiles(a_RxK, b_GxNxK, tile_group_T, inv_scale, *, out_dtype, warp_specialized=None):
+    """``grouped_nt``'s contract in plain JAX: each tile of rows times its group's b^T."""
+    del warp_specialized
+    t = tile_group_T.shape[0]
+    a = a_RxK.astype(jnp.float32).reshape(t, TILE, -1)
+    b = b_GxNxK.astype(jnp.float32)[jnp.maximum(tile_group_T, 0)]
+    y = jnp.einsum("tmk,tnk->tmn", a, b) * (tile_group_T >= 0)[:, None, None]
+    return (y.reshape(t * TILE, -1) * inv_scale).astype(out_dtype)
+
+
+def _tn_tiles(a_KxR, b_NxR, first_tile_G, tiles_G, inv_scale, *, out_dtype, warp_specialized=None):
+    """``grouped_tn``'s contract in plain JAX: per group, the product over its tiles of rows."""
+    del warp_specialized
+    t = a_KxR.shape[1] // TILE
+    tile_T = jnp.arange(t)
+    member_GxT = (tile_T >= first_tile_G[:, None]) & (tile_T < (first_tile_G + tiles_G)[:, None])
+    a = a_KxR.astype(jnp.float32).reshape(a_KxR.shape[0], t, TILE)
+    b = b_NxR.astype(jnp.float32).reshape(b_NxR.shape[0], t, TILE)
+    out = jnp.einsum("gt,ktr,ntr->gkn", member_GxT.astype(jnp.float32), a, b)
+    return (out * inv_scale).astype(out_dtype)
+
+
+@pytest.fixture
+def tile_kernels(monkeypatch):
+    monkeypatch.setattr(gm, "grouped_nt", _nt_tiles)
+    monkeypatch.setattr(gm, "grouped_tn", _tn_tiles)
+
+
+@pytest.mark.parametrize("dy_fmt", ["e4m3", "e5m2"])
+def test_the_three_gemms_on_the_padded_layout_equal_the_reference(tile_kernels, dy_fmt):
+    k, n = 24, 40
+    rng = np.random.default_rng(0)
+    e4m3, dy_dtype = jnp.float8_e4m3fn, formats.FORMATS[dy_fmt]
+    x = jnp.asarray(rng.standard_normal((M, k)), e4m3)
+    w = jnp.asarray(rng.standard_normal((len(SIZES), k, n)), e4m3)
+    dy = jnp.asarray(rng.standard_normal((M, n)), dy_dtype)
+    gs, inv = _gs(), jnp.float32(0.375)
+    cases = {
+        grouped.FORWARD: (gm.forward, x, w, jnp.float32),
+        grouped.DGRAD: (gm.dgrad, dy, w, jnp.float32),
+        grouped.WGRAD: (gm.wgrad, x, dy, jnp.float32),
+    }
+    for kind, (wrapper, a, b, out_dtype) in cases.items():
+        got = np.asarray(wrapper(a, b, gs, inv, out_dtype))
+        want = np.asarray(grouped.fp8_grouped_gemm(kind, a, b, gs, inv, out_dtype))
+        assert got.shape == want.shape, kind
+        # The same exact FP8 products in f32, summed in another order: within f32's rounding of
+        # the sum of |terms| (at most k or M terms).
+        terms = max(k, n, M)
+        bound = terms * np.finfo(np.float32).eps * np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=kind)
+        if kind != grouped.WGRAD:
+            assert not got[sum(SIZES) :].any(), kind  # rows past the groups stay 0
+        else:
+            assert not got[1].any()  # the empty group's gradient is 0
+
+
+def _expert_step(recipe, k, n):
+    """The grad of a per-tensor or tiled expert GEMM, lowered for CUDA: its StableHLO text."""
+    x = jax.ShapeDtypeStruct((M, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((len(SIZES), k, n), jnp.float32)
+    meta = fp8jax.init_meta(recipe)
+
+    def loss(x, w, meta):
+        y, meta = grouped.grouped_matmul(x, w, _gs(), recipe, meta, out_dtype=jnp.bfloat16)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return step.trace(x, w, meta).lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
+
+
+def test_per_tensor_expert_step_lowers_the_three_fp8_kernels_for_cuda():
+    text = _expert_step(fp8jax.make_recipe("delayed"), TILE, 2 * TILE)
+    calls = [line for line in text.splitlines() if KERNEL_CALL.search(line)]
+    assert len(calls) == 3  # forward, dgrad, wgrad
+    # E4M3 x and w forward; dgrad and wgrad take dy's E5M2 (with E4M3 w, x) or f16 copies
+    assert "f8E4M3FN>, tensor<4x256x128xf8E4M3FN>) -> tensor<" in text
+    assert f'loc("{gm.KERNEL_NAME}' in text
+
+
+@pytest.mark.parametrize("case", ["not whole tiles", "tiled recipe"])
+def test_other_expert_gemms_keep_the_reference_on_cuda(case):
+    recipe = fp8jax.make_recipe("block" if case == "tiled recipe" else "current")
+    k, n = (TILE, TILE) if case == "tiled recipe" else (TILE, TILE + 64)
+    text = _expert_step(recipe, k, n)
+    assert not KERNEL_CALL.search(text)
+    assert "ragged_dot" in text
+
+
+def test_gemm_counts_count_the_grouped_kernels():
+    text = "\n".join(
+        [
+            'a = bf16[8,8] custom-call(x), custom_call_target="mosaic_gpu_v2", '
+            f'metadata={{op_name="jit(f)/grouped_gemm/fp8_delayed/{gm.KERNEL_NAME}/mpmd_map"}}',
+            'b = bf16[8,8] custom-call(x), custom_call_target="mosaic_gpu_v2", '
+            f'metadata={{op_name="jit(f)/grouped_gemm/{gm.BF16_KERNEL_NAME}/mpmd_map"}}',
+        ]
+    )
+    counts = coverage.gemm_counts(text)
+    assert counts == {gm.KERNEL_NAME: 1, gm.BF16_KERNEL_NAME: 1}
+    report = coverage.CoverageReport(entries=(), gemm_counts=counts)
+    assert (report.num_fp8_gemms, report.num_other_gemms) == (1, 1)

@@ -1,10 +1,11 @@
 """The grouped GEMMs' Hopper kernels (``ops.grouped_mgpu``) as far as a CPU can check them.
 
 The padded layout against its definition (each group at a tile boundary, zeros between groups,
-rows past the groups dropped); the three GEMM wrappers (transposes, padding, the E4M3 x E5M2
-pair) with the two kernels replaced by plain-JAX tile products of the same contract, against
-``ops.grouped``'s reference; and the per-tensor recipes' expert step lowered for CUDA runs the
-three FP8 kernels, while shapes that are not whole tiles and the tiled recipes do not. The
+rows past the groups dropped); the kernels' operands (transposes, the E4M3 x E5M2 pair) with the
+two kernels replaced by plain-JAX tile products of the same contract, against the reference;
+the per-tensor VJP on the padded layout against the unpadded one; and the per-tensor recipes'
+expert step lowered for CUDA runs the three FP8 kernels, while shapes that are not whole tiles
+and the tiled recipes do not. The
 kernels' numerics are checked on a GPU by ``benchmarks/grouped_gemm.py`` (errors against bf16).
 """
 
@@ -84,32 +85,65 @@ def tile_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("dy_fmt", ["e4m3", "e5m2"])
-def test_the_three_gemms_on_the_padded_layout_equal_the_reference(tile_kernels, dy_fmt):
+def test_the_kernels_operands_give_the_reference_gemms(tile_kernels, dy_fmt):
+    """``padded_kernel`` (operands as the kernels take them, E4M3 x E5M2 paired) with the two
+    kernels' contracts in plain JAX equals ``padded_reference`` for the three GEMMs."""
     k, n = 24, 40
     rng = np.random.default_rng(0)
     e4m3, dy_dtype = jnp.float8_e4m3fn, formats.FORMATS[dy_fmt]
-    x = jnp.asarray(rng.standard_normal((M, k)), e4m3)
+    lay = gm.layout(_gs(), M)
+    x = gm.pad_rows(jnp.asarray(rng.standard_normal((M, k)), e4m3), lay)
     w = jnp.asarray(rng.standard_normal((len(SIZES), k, n)), e4m3)
-    dy = jnp.asarray(rng.standard_normal((M, n)), dy_dtype)
-    gs, inv = _gs(), jnp.float32(0.375)
+    dy = gm.pad_rows(jnp.asarray(rng.standard_normal((M, n)), dy_dtype), lay)
+    inv = jnp.float32(0.375)
     cases = {
-        grouped.FORWARD: (gm.forward, x, w, jnp.float32),
-        grouped.DGRAD: (gm.dgrad, dy, w, jnp.float32),
-        grouped.WGRAD: (gm.wgrad, x, dy, jnp.float32),
+        grouped.FORWARD: (x, jnp.swapaxes(w, 1, 2)),
+        grouped.DGRAD: (dy, w),
+        grouped.WGRAD: (x.T, dy.T),
     }
-    for kind, (wrapper, a, b, out_dtype) in cases.items():
-        got = np.asarray(wrapper(a, b, gs, inv, out_dtype))
-        want = np.asarray(grouped.fp8_grouped_gemm(kind, a, b, gs, inv, out_dtype))
+    for kind, (a, b) in cases.items():
+        got = np.asarray(grouped.padded_kernel(kind, a, b, lay, inv, jnp.float32))
+        want = np.asarray(grouped.padded_reference(kind, a, b, lay, inv, jnp.float32))
         assert got.shape == want.shape, kind
         # The same exact FP8 products in f32, summed in another order: within f32's rounding of
-        # the sum of |terms| (at most k or M terms).
-        terms = max(k, n, M)
-        bound = terms * np.finfo(np.float32).eps * np.abs(want).max()
+        # the sum of |terms| (at most k, n or R terms).
+        bound = lay.rows * np.finfo(np.float32).eps * np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=kind)
-        if kind != grouped.WGRAD:
-            assert not got[sum(SIZES) :].any(), kind  # rows past the groups stay 0
-        else:
+        if kind == grouped.WGRAD:
             assert not got[1].any()  # the empty group's gradient is 0
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_the_padded_layout_gives_the_unpadded_vjp(name):
+    """A per-tensor expert GEMM of whole tiles runs on the padded layout (on a CPU with XLA's
+    GEMMs): y, dx, dw and the recorded amaxes equal those of the unpadded path."""
+    recipe = fp8jax.make_recipe(name)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
+    x = x.at[sum(SIZES) :].set(1e4)  # rows past the groups: in no GEMM and no amax
+    w = jnp.asarray(rng.standard_normal((len(SIZES), TILE, TILE)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
+    meta = fp8jax.init_meta(recipe)
+    assert grouped.padded(x, w) and not grouped.padded(x[:, :64], w[:, :64])
+
+    def step(x, w, meta):
+        def f(x, w, meta):
+            return grouped.grouped_matmul(x, w, _gs(), recipe, meta)
+
+        (y, new_meta), vjp = jax.vjp(f, x, w, meta)
+        dx, dw, _ = vjp((g, jax.tree.map(jnp.zeros_like, new_meta)))
+        return y, dx, dw, new_meta
+
+    got = jax.jit(step)(x, w, meta)
+    with gm.reference_only():  # a new function: jit's cache would return the padded program
+        want = jax.jit(lambda *args: step(*args))(x, w, meta)
+    for name_, a, b in zip(("y", "dx", "dw"), got[:3], want[:3], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        bound = M * np.finfo(np.float32).eps * np.abs(b).max()  # summation order only
+        np.testing.assert_allclose(a, b, rtol=0, atol=bound, err_msg=name_)
+    assert not np.asarray(got[0])[sum(SIZES) :].any()
+    for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _expert_step(recipe, k, n):

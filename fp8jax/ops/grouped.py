@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax.ops import block_cast, dot, formats, gemm, grouped_mgpu, scaling
+from fp8jax.ops import block_cast, dot, formats, gemm, grouped_mgpu, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
@@ -51,6 +51,10 @@ __all__ = [
     "check_shapes",
     "fp8_grouped_gemm",
     "grouped_matmul",
+    "padded",
+    "padded_gemm",
+    "padded_kernel",
+    "padded_reference",
     "ragged_dot",
     "tensor_grouped_matmul",
     "tiled_grouped_matmul",
@@ -79,31 +83,16 @@ def ragged_dot(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, o
     return y.astype(out_dtype)
 
 
-_KERNELS = {
-    FORWARD: grouped_mgpu.forward,
-    DGRAD: grouped_mgpu.dgrad,
-    WGRAD: grouped_mgpu.wgrad,
-}
-
-
-def _kernel_dims(kind: str, a: jax.Array, b: jax.Array) -> tuple[int, int]:
-    """The two dims of a GEMM ``kind`` the kernels tile: the contraction and the output's."""
-    if kind == WGRAD:
-        return a.shape[1], b.shape[1]
-    return a.shape[1], b.shape[1] if kind == DGRAD else b.shape[2]
-
-
 def fp8_grouped_gemm(
     kind: str, a: jax.Array, b: jax.Array, group_sizes_G: jax.Array, inv_scale, out_dtype
 ) -> jax.Array:
     """One grouped GEMM of an FP8 layer (``kind``: ``FORWARD``, ``DGRAD`` or ``WGRAD``) times
-    ``inv_scale``, in ``out_dtype``.
+    ``inv_scale``, in ``out_dtype``: XLA's ``lax.ragged_dot_general``.
 
     The per-tensor path passes the FP8 operands themselves (E4M3, E5M2) and their inverse
-    scale, the tiled path their tile-dequantized f32 values and 1. FP8 operands of whole tiles
-    run ``ops.grouped_mgpu``'s kernels on a Hopper GPU; the reference, everywhere else, is
-    ``lax.ragged_dot_general``, which multiplies the FP8 values exactly and accumulates in f32:
-    the result an FP8 GEMM with f32 accumulation gives, up to summation order.
+    scale, the tiled path their tile-dequantized f32 values and 1. The FP8 values multiply
+    exactly and accumulate in f32: the result an FP8 GEMM with f32 accumulation gives, up to
+    summation order.
     """
     (contract, ragged, group) = _DIMS[kind]
     dims = lax.RaggedDotDimensionNumbers(
@@ -111,18 +100,55 @@ def fp8_grouped_gemm(
         lhs_ragged_dimensions=list(ragged),
         rhs_group_dimensions=list(group),
     )
-    inv_scale = jnp.asarray(inv_scale, jnp.float32)
+    y = lax.ragged_dot_general(a, b, group_sizes_G, dims, preferred_element_type=jnp.float32)
+    return gemm.unscale(y, jnp.asarray(inv_scale, jnp.float32), out_dtype)
 
-    def reference(a, b, gs, inv):
-        y = lax.ragged_dot_general(a, b, gs, dims, preferred_element_type=jnp.float32)
-        return gemm.unscale(y, inv, out_dtype)
 
-    fp8 = {a.dtype, b.dtype} <= {jnp.dtype(formats.E4M3), jnp.dtype(formats.E5M2)}
-    if not (fp8 and grouped_mgpu.takes(*_kernel_dims(kind, a, b)) and grouped_mgpu.enabled()):
-        return reference(a, b, group_sizes_G, inv_scale)
-    kernel = functools.partial(_KERNELS[kind], out_dtype=jnp.dtype(out_dtype))
+def padded(x_MxK: jax.Array, w_GxKxN: jax.Array) -> bool:
+    """Whether a per-tensor grouped GEMM runs on ``grouped_mgpu``'s padded layout: K and N in
+    whole tiles (the Hopper kernels' operands), kernels not turned off."""
+    return grouped_mgpu.takes(x_MxK.shape[1], w_GxKxN.shape[2]) and grouped_mgpu.enabled()
+
+
+def padded_reference(kind: str, a, b, lay: grouped_mgpu.Layout, inv, out_dtype) -> jax.Array:
+    """``padded_gemm``'s XLA version: ``fp8_grouped_gemm`` on the padded operands (the padding
+    rows are 0: they add nothing)."""
+    sizes_G = lay.tiles_G * grouped_mgpu.TILE
+    if kind == FORWARD:
+        return fp8_grouped_gemm(kind, a, jnp.swapaxes(b, 1, 2), sizes_G, inv, out_dtype)
+    if kind == WGRAD:
+        return fp8_grouped_gemm(kind, a.T, b.T, sizes_G, inv, out_dtype)
+    return fp8_grouped_gemm(kind, a, b, sizes_G, inv, out_dtype)
+
+
+def padded_kernel(kind: str, a, b, lay: grouped_mgpu.Layout, inv, out_dtype) -> jax.Array:
+    """``padded_gemm`` on the Hopper kernels (``grouped_mgpu.grouped_nt`` / ``grouped_tn``)."""
+    a, b = grouped_mgpu.pair(a, b)
+    if kind == WGRAD:
+        return grouped_mgpu.grouped_tn(
+            a, b, lay.first_tile_G, lay.tiles_G, inv, out_dtype=jnp.dtype(out_dtype)
+        )
+    return grouped_mgpu.grouped_nt(a, b, lay.tile_group_T, inv, out_dtype=jnp.dtype(out_dtype))
+
+
+def padded_gemm(kind: str, a, b, lay: grouped_mgpu.Layout, inv_scale, out_dtype) -> jax.Array:
+    """One grouped GEMM on the padded layout, times ``inv_scale``, in ``out_dtype``:
+
+    * ``FORWARD``: a = x [R, K], b = w transposed per group [G, N, K] -> [R, N]
+    * ``DGRAD``: a = dy [R, N], b = w [G, K, N] -> [R, K]
+    * ``WGRAD``: a = x^T [K, R], b = dy^T [N, R] -> [G, K, N]
+
+    Every operand has its contraction innermost (the layout FP8 WGMMA reads). The Hopper
+    kernels on CUDA, ``padded_reference`` elsewhere.
+    """
+    inv = jnp.asarray(inv_scale, jnp.float32)
     return jax.lax.platform_dependent(
-        a, b, group_sizes_G, inv_scale, cuda=kernel, default=reference
+        a,
+        b,
+        lay,
+        inv,
+        cuda=functools.partial(padded_kernel, kind, out_dtype=out_dtype),
+        default=functools.partial(padded_reference, kind, out_dtype=out_dtype),
     )
 
 
@@ -166,16 +192,29 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     amax_x, amax_w = formats.amax(x), formats.amax(w)  # w's over all G groups: one scale
     sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
-    xq = formats.quantize(x, sx, formats.E4M3)
     wq = formats.quantize(w, sw, formats.E4M3)
-    # Residuals named for remat policies (ops.remat); the GEMM reads the unnamed copies, as in
-    # ops.dot (a saved residual read through reduce_precision would turn |q| >= 256 into NaN).
+    if padded(x, w):
+        # Each group at a tile boundary; x cast once into the rows the forward GEMM reads and
+        # the transposed copy wgrad reads (the fused cast-transpose kernel on a GPU).
+        lay = grouped_mgpu.layout(gs, x.shape[0])
+        xq_pad, xq, _ = kernels.cast_transpose(
+            grouped_mgpu.pad_rows(x, lay), sx, formats.E4M3, record=False
+        )
+        wq_t = formats.quantize(jnp.swapaxes(w, 1, 2), sw, formats.E4M3)  # K innermost
+        y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
+        y = grouped_mgpu.unpad_rows(y, lay)
+    else:
+        lay = None
+        xq = formats.quantize(x, sx, formats.E4M3)
+        y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
+    # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
+    # layout), w; the GEMM read the unnamed copies, as in ops.dot (a saved residual read through
+    # reduce_precision would turn |q| >= 256 into NaN).
     xq_saved, sx_saved = checkpoint_name((xq, sx), FP8_X)
     wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
-    y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved)
+    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, lay)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -191,17 +230,25 @@ def _tensor_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
 
 
 def _tensor_bwd(cfg: GemmConfig, res, cts):
-    xq, wq, sx, sw, gs, meta = res
+    xq, wq, sx, sw, lay, gs, meta = res
     g, ct_meta = cts  # g [M, N] in the output dtype
     g = valid_rows(g, gs)
     amax_g = formats.amax(g)
     sg = scaling.use_scale(meta.dy, amax_g)
     # The recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
     # mantissa).
-    gq = formats.quantize(g, sg, meta.dy.fmt)
     # dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for an empty group
-    dx = fp8_grouped_gemm(DGRAD, gq, wq, gs, 1.0 / (sg * sw), cfg.x_dtype)
-    dw = fp8_grouped_gemm(WGRAD, xq, gq, gs, 1.0 / (sx * sg), cfg.w_dtype)
+    if lay is not None:  # the forward ran on the padded layout: x^T [K, R]
+        gq_pad, gq_t, _ = kernels.cast_transpose(
+            grouped_mgpu.pad_rows(g, lay), sg, meta.dy.fmt, record=False
+        )
+        dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
+        dx = grouped_mgpu.unpad_rows(dx, lay)
+        dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)
+    else:
+        gq = formats.quantize(g, sg, meta.dy.fmt)
+        dx = fp8_grouped_gemm(DGRAD, gq, wq, gs, 1.0 / (sg * sw), cfg.x_dtype)
+        dw = fp8_grouped_gemm(WGRAD, xq, gq, gs, 1.0 / (sx * sg), cfg.w_dtype)
     return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
 
 

@@ -35,24 +35,22 @@ from jax import lax
 __all__ = [
     "BF16_KERNEL_NAME",
     "KERNEL_NAME",
-    "TILE",
     "Layout",
+    "TILE",
     "available",
     "bf16_grouped_matmul",
     "bf16_takes",
-    "dgrad",
     "enabled",
-    "forward",
-    "k_tile",
-    "mixed_fp8",
     "grouped_nt",
     "grouped_tn",
+    "k_tile",
     "layout",
+    "mixed_fp8",
     "pad_rows",
+    "pair",
     "reference_only",
     "takes",
     "unpad_rows",
-    "wgrad",
     "ws_takes",
 ]
 
@@ -103,6 +101,11 @@ def takes(*dims: int) -> bool:
     return all(d > 0 and d % TILE == 0 for d in dims)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["src_R", "dst_M", "tile_group_T", "first_tile_G", "tiles_G"],
+    meta_fields=["rows"],
+)
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where each group's rows go in the padded layout (all int32, built in the program)."""
@@ -545,9 +548,6 @@ def _ws_tn(a_KxR, b_NxR, first_tile_G, tiles_G, inv, out_dtype):
     return _ws_launch(body, (g, k, n), out_dtype, first_tile_G, tiles_G, inv, a_KxR, b_NxR)
 
 
-# The three GEMMs of an FP8 grouped layer on the kernels above.
-
-
 @functools.cache
 def mixed_fp8() -> bool:
     """Whether this JAX's Mosaic GPU takes E4M3 times E5M2 in one WGMMA (PTX does; older
@@ -563,34 +563,13 @@ def mixed_fp8() -> bool:
     return True
 
 
-def _pair(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def pair(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The operands as the kernels take them: FP8 as they are where WGMMA takes the pair; an
     E4M3 with an E5M2 operand otherwise both in f16, which holds every value of either
     format exactly (the products, and so the result, are the same; the GEMM runs at f16 rate)."""
     if a.dtype == b.dtype or mixed_fp8():
         return a, b
     return a.astype(jnp.float16), b.astype(jnp.float16)
-
-
-def forward(x_MxK, w_GxKxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
-    """``y`` [M, N]: each row of x times its group's w, times ``inv_scale``."""
-    lay = layout(group_sizes_G, x_MxK.shape[0])
-    a, b = _pair(pad_rows(x_MxK, lay), jnp.swapaxes(w_GxKxN, 1, 2))  # b K innermost
-    return unpad_rows(grouped_nt(a, b, lay.tile_group_T, inv_scale, out_dtype=out_dtype), lay)
-
-
-def dgrad(dy_MxN, w_GxKxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
-    """``dx`` [M, K]: each row of dy times its group's w^T (w as stored: N innermost)."""
-    lay = layout(group_sizes_G, dy_MxN.shape[0])
-    a, b = _pair(pad_rows(dy_MxN, lay), w_GxKxN)
-    return unpad_rows(grouped_nt(a, b, lay.tile_group_T, inv_scale, out_dtype=out_dtype), lay)
-
-
-def wgrad(x_MxK, dy_MxN, group_sizes_G, inv_scale, out_dtype) -> jax.Array:
-    """``dw`` [G, K, N]: x_g^T . dy_g per group, times ``inv_scale``; 0 for an empty group."""
-    lay = layout(group_sizes_G, x_MxK.shape[0])
-    a, b = _pair(pad_rows(x_MxK, lay).T, pad_rows(dy_MxN, lay).T)  # rows innermost
-    return grouped_tn(a, b, lay.first_tile_G, lay.tiles_G, inv_scale, out_dtype=out_dtype)
 
 
 # bf16 (level O0): JAX's Mosaic GPU ragged-dot kernels.

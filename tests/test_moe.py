@@ -4,6 +4,7 @@ dispatch, auxiliary losses and gradients, and ``configs/moe_tiny.py`` trained en
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,6 +186,38 @@ def test_sown_aux_loss_is_the_weighted_sum_and_gradients_reach_router_and_expert
     used = set(np.asarray(reference_routes_idx(cfg, variables, x)).ravel())
     for e in range(cfg.moe.num_experts):
         assert (np.abs(np.asarray(grads["experts_wo"]["kernel"][e])).max() > 0) == (e in used)
+
+
+def test_dispatch_and_unsort_gradients_are_gathers_equal_to_autodiff():
+    """``dispatch_rows`` and ``permute_rows`` give autodiff's gradients of their plain gathers,
+    and the block's backward scatters no activation rows (gathers only)."""
+    t, k = 6, 3
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((t, D)), jnp.float32)
+    order = jnp.asarray(rng.permutation(t * k), jnp.int32)
+    inv = jnp.argsort(order)
+    g = jnp.asarray(rng.standard_normal((t * k, D)), jnp.float32)
+    got = jax.vjp(lambda x: moe.dispatch_rows(x, order, inv, k), x)[1](g)[0]
+    want = jax.vjp(lambda x: x[order // k], x)[1](g)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    got = jax.vjp(lambda y: moe.permute_rows(y, inv, order), g)[1](g * 2)[0]
+    want = jax.vjp(lambda y: y[inv], g)[1](g * 2)[0]
+    np.testing.assert_array_equal(got, want)
+
+    cfg = moe_cfg()
+    variables, x = init_block(cfg)
+
+    def loss(x):
+        return jnp.sum(moe.MoeMlp(cfg).apply(variables, x, mutable=[moe.MOE_LOSSES])[0] ** 2)
+
+    lines = jax.jit(jax.grad(loss)).lower(x).as_text().splitlines()
+    results = []  # each scatter's result type: its region ends on the '}) : (...) -> T' line
+    for i, line in enumerate(lines):
+        if "stablehlo.scatter" in line:
+            end = next(j for j in range(i, len(lines)) if "}) : (" in lines[j])
+            results.append(lines[end].rsplit("->", 1)[1])
+    assert results  # the router's small scatters are there: the scan sees the program
+    assert not [r for r in results if re.search(rf"tensor<\d+x{D}x", r)], results
 
 
 def reference_routes_idx(cfg, variables, x):

@@ -52,7 +52,8 @@ _SAMPLE_WINDOW = 1 << 18  # characters of a large text file read at one place fo
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
-_TOKEN_SHARDS = (".npy", ".bin")  # pre-tokenized files (data.format='tokens'), never text
+# pre-tokenized files (data.format='tokens'), never text
+_TOKEN_SHARDS = (".npy", ".bin", ".array_record")
 
 Batch = dict[str, np.ndarray]
 

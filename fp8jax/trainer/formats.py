@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import os
 
-# The built-in formats, registered by importing them.
-from fp8jax.trainer import data, data_format, dpo_data, mix, sft_data, token_shards  # noqa: F401
+# The built-in formats (and token-shard readers), registered by importing them.
+from fp8jax.trainer import (  # noqa: F401
+    array_records,
+    data,
+    data_format,
+    dpo_data,
+    mix,
+    sft_data,
+    token_shards,
+)
 from fp8jax.trainer.data_format import DataFormat, get, names
 
 

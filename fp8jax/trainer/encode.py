@@ -64,6 +64,7 @@ _BLOCK_CHARS = 1 << 22  # text read at a time from a range (bounds a worker's me
 _MAX_CARRY = 4 * _BLOCK_CHARS  # text held while looking for a safe cut
 _WINDOW = 1 << 16  # bytes read at a time while searching for a range's safe line start
 _SEARCH = 1 << 20  # past this, a range starts at any line start (ids may differ there)
+_START = "forkserver"  # how worker processes start (multiprocessing's start method)
 _LINE_PROBES = ("Hello world.\nThe end", "a\nb c\n1 2\nx y.\nZ", "données,\n«x» 12\n数据\nok")
 _PARAGRAPH_PROBES = ("One.\n\nTwo words\n\nthree", "a b\n\nc\n\n数据")
 
@@ -365,11 +366,16 @@ def _run(task: Task) -> tuple[np.ndarray, int]:
 
 @contextlib.contextmanager
 def _pool(n: int, tok: Tokenizer, dtype: str, cuts: Cuts, source: str):
-    """``n`` spawned encoding processes (None for ``n`` 1: encode in this one)."""
+    """``n`` encoding processes (None for ``n`` 1: encode in this one)."""
     if n == 1:
         yield None
         return
-    ctx = multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
+    # Workers fork from a fork server, a fresh single-threaded process (a plain fork would copy
+    # the trainer's threads) that imported this module once: each spawned worker would import
+    # fp8jax and jax again (about 1.5 CPU-seconds a worker).
+    ctx = multiprocessing.get_context(_START)
+    if _START == "forkserver":
+        ctx.set_forkserver_preload([__name__])
     args = (tok.to_str(), tok.eos_id, tok.bos_id, dtype, cuts, source)
     pool = futures.ProcessPoolExecutor(n, mp_context=ctx, initializer=_init, initargs=args)
     try:

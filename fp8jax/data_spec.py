@@ -17,10 +17,10 @@ __all__ = [
     "DataSpec",
     "DpoSpec",
     "FormatFacts",
+    "SourceSpec",
     "parse_data",
     "parse_dpo",
     "parse_sources",
-    "SourceSpec",
 ]
 
 
@@ -68,7 +68,7 @@ class SourceSpec:
 class DataSpec:
     """``config.data``: the corpus and its split."""
 
-    format: str  # 'text' (corpus), 'tokens' (token shards), 'sft' or 'dpo' (.jsonl examples)
+    format: str  # 'text' (corpus), 'tokens' (token shards), 'mix', 'sft' or 'dpo' (.jsonl)
     path: str  # text: file, folder of .txt, or .jsonl; sft/dpo: .jsonl file(s); '' = shipped
     val_fraction: float  # share held out for validation: of tokens (text), examples or pairs
     packing: bool  # sft: several examples per row (False: one per row, padded; dpo: False)

@@ -32,7 +32,7 @@ from absl import app, flags
 
 from fp8jax import cli
 
-__all__ = ["main", "prepare"]
+__all__ = ["main", "prepare", "run"]
 
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json or Hugging Face model dir.")
 _OUT = flags.DEFINE_string("out", None, "New folder for the token shards.")
@@ -157,5 +157,10 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``fp8jax-prepare`` console script."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

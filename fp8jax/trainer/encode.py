@@ -380,7 +380,7 @@ def _pool(n: int, tok: Tokenizer, dtype: str, cuts: Cuts, source: str):
     pool = futures.ProcessPoolExecutor(n, mp_context=ctx, initializer=_init, initargs=args)
     try:
         yield pool
-    except futures.process.BrokenProcessPool as e:
+    except (futures.process.BrokenProcessPool, BrokenPipeError) as e:  # a worker died starting
         raise RuntimeError(
             f"the corpus encoding processes died ({e}): a script that starts training must do so "
             "under `if __name__ == '__main__':` (they import it), or set "

@@ -148,6 +148,12 @@ def test_array_record_shards_read_records_as_one_stream(setup, tmp_path):
     writer.close()
     with pytest.raises(errors.DataError, match=r"bad.array_record: record 0 is not a 1-D"):
         _build(setup, tmp_path / "bad.array_record", tmp_path / "w2", format="tokens")
+    beyond = [ids.astype(np.uint16) for ids in documents[0][:20]]
+    beyond[3][2] = tok.vocab_size
+    array_records.write(tmp_path / "beyond.array_record", beyond)
+    at = sum(len(ids) for ids in beyond[:3]) + 2  # its position in the file's stream
+    with pytest.raises(errors.DataError, match=rf"holds id {tok.vocab_size} at position {at},"):
+        _build(setup, tmp_path / "beyond.array_record", tmp_path / "w2", format="tokens")
     assert not (tmp_path / "w2").exists()
 
 

@@ -102,7 +102,15 @@ class RecordIds:
 @token_shards.register_reader(SUFFIX)
 def read(path: Path) -> RecordIds:
     """The ids of the ArrayRecord file ``path``; a one-line DataError when a record is not
-    a 1-D integer ``.npy`` array, or the records' dtypes differ."""
+    a 1-D integer ``.npy`` array, or the records' dtypes differ. Opened once while its size
+    and mtime stay (the format's check and its split both read it)."""
+    stat = path.stat()
+    return _opened(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _opened(path: Path, size: int, mtime_ns: int) -> RecordIds:
+    del size, mtime_ns  # part of the cache key only
     return RecordIds(path)
 
 

@@ -201,7 +201,8 @@ def declarations() -> ml_collections.ConfigDict:
     d.encode_workers = Int(0, 0)
     # text: a folder of token caches shared by runs, one per corpus contents, tokenizer and
     # split (a new work dir on the same corpus and tokenizer encodes nothing); '' = each work
-    # dir's own tokens/
+    # dir's own tokens/. The contents are every byte of a corpus up to 256 MiB; past that each
+    # file's size and sampled blocks (a same-size edit between the blocks is not seen).
     d.cache_dir = Text("", "name a folder for the shared token caches ('' = the work dir)")
     # mix: the mixed sources, comma-separated, each '[text:|tokens:]path' (a text corpus or
     # token shards as data.path names them; 'text:' by default), e.g. 'books/,tokens:web/'.

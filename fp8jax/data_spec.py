@@ -12,12 +12,15 @@ __all__ = [
     "DATA_FIX",
     "DATA_FORMATS",
     "FORMATS",
+    "MIX_FORMATS",
     "OVERLONG",
     "DataSpec",
     "DpoSpec",
     "FormatFacts",
+    "SourceSpec",
     "parse_data",
     "parse_dpo",
+    "parse_sources",
 ]
 
 
@@ -29,17 +32,22 @@ class FormatFacts:
     # Examples are (chosen, rejected) row pairs, trained whole: no packing, and each
     # micro-batch and data-parallel replica holds an even number of rows.
     pairs: bool = False
+    # Its data is the mixture of config.data.sources (each read by its own format).
+    mixes: bool = False
 
 
 # The registered data formats (fp8jax.trainer.formats; tests/test_objectives checks they agree):
-# corpus, pre-tokenized corpus, prompt/completion examples, preference pairs.
+# corpus, pre-tokenized corpus, a weighted mixture of those, prompt/completion examples,
+# preference pairs.
 FORMATS = {
     "text": FormatFacts(),
     "tokens": FormatFacts(),
+    "mix": FormatFacts(mixes=True),
     "sft": FormatFacts(),
     "dpo": FormatFacts(pairs=True),
 }
 DATA_FORMATS = tuple(FORMATS)
+MIX_FORMATS = ("text", "tokens")  # the formats a mixture's sources may have
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 DATA_FIX = (
     "set config.data.path to a text file, a folder of .txt files or a .jsonl file "
@@ -48,10 +56,19 @@ DATA_FIX = (
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """One source of a mixture (``config.data.sources``): how it is read, where, how often."""
+
+    format: str  # 'text' or 'tokens': the format that reads it
+    path: str  # its file or folder (as config.data.path of that format)
+    weight: float  # its share of the training windows, relative to the others' (> 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSpec:
     """``config.data``: the corpus and its split."""
 
-    format: str  # 'text' (corpus), 'tokens' (token shards), 'sft' or 'dpo' (.jsonl examples)
+    format: str  # 'text' (corpus), 'tokens' (token shards), 'mix', 'sft' or 'dpo' (.jsonl)
     path: str  # text: file, folder of .txt, or .jsonl; sft/dpo: .jsonl file(s); '' = shipped
     val_fraction: float  # share held out for validation: of tokens (text), examples or pairs
     packing: bool  # sft: several examples per row (False: one per row, padded; dpo: False)
@@ -60,6 +77,7 @@ class DataSpec:
     tokenizer_min_frequency: int  # BPE merges need at least this many occurrences
     encode_workers: int  # text: processes encoding the corpus (0 = one per CPU core)
     cache_dir: str  # text: folder of token caches shared by runs; '' = the work dir's tokens/
+    sources: tuple[SourceSpec, ...]  # mix: the mixed sources and their weights; () otherwise
     allow_corpus_change: bool  # resume a checkpointed run on changed data
 
     @property
@@ -83,7 +101,43 @@ def parse_data(d) -> DataSpec:
             f"config.data.packing=True with data.format={d.format!r}: preference pairs are one "
             "(chosen, rejected) row pair each; set data.packing=False"
         )
-    return DataSpec(**{f.name: d[f.name] for f in dataclasses.fields(DataSpec)})
+    sources = parse_sources(d.sources, d.weights)
+    if FORMATS[d.format].mixes != bool(sources):
+        raise ConfigError(
+            f"config.data.sources={d.sources!r} with data.format={d.format!r}: a mixture names "
+            "its sources in data.sources and sets data.format='mix'; other formats leave "
+            "data.sources ''"
+        )
+    fields = {f.name: d[f.name] for f in dataclasses.fields(DataSpec) if f.name != "sources"}
+    return DataSpec(sources=sources, **fields)
+
+
+def parse_sources(sources: str, weights: str) -> tuple[SourceSpec, ...]:
+    """``config.data.sources`` ('[format:]path,...') and ``config.data.weights`` ('w,...',
+    '' = equal) as typed sources; a one-line ConfigError naming the fix otherwise."""
+    entries = [e.strip() for e in sources.split(",")] if sources.strip() else []
+    given = [w.strip() for w in weights.split(",")] if weights.strip() else []
+    if given and len(given) != len(entries):
+        raise ConfigError(
+            f"config.data.weights={weights!r} has {len(given)} weights for {len(entries)} "
+            "data.sources: give one weight per source, or '' for equal weights"
+        )
+    out = []
+    for k, entry in enumerate(entries):
+        kind, sep, path = entry.partition(":")
+        if not sep or kind not in MIX_FORMATS:
+            kind, path = "text", entry  # no 'format:' prefix: a text corpus
+        try:
+            weight = float(given[k]) if given else 1.0
+        except ValueError:
+            weight = float("nan")
+        if not path or not weight > 0 or weight == float("inf"):
+            raise ConfigError(
+                f"config.data.sources entry {k} ({entry!r}, weight {given[k] if given else 1}): "
+                "each source is '[text:|tokens:]path' with a finite weight > 0 in data.weights"
+            )
+        out.append(SourceSpec(kind, path, weight))
+    return tuple(out)
 
 
 def parse_dpo(c, data: DataSpec, batch_size: int, grad_accum_steps: int) -> DpoSpec:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fp8jax import errors, tokenizer
-from fp8jax.trainer import data
+from fp8jax.trainer import corpus, data
 
 from fp8_testing import data_run, novel
 
@@ -281,3 +281,55 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     np.testing.assert_array_equal(ds.train_tokens, results["w1"].train_tokens)
     data.build(shared(vocab=VOCAB + 20), tmp_path / "w4")  # another tokenizer: its own cache
     assert len(encodes) == 2 and len([p for p in caches.iterdir() if p.is_dir()]) == 2
+
+
+def test_large_corpus_fingerprint_reads_samples_yet_sees_size_and_sampled_edits(
+    tmp_path, monkeypatch
+):
+    """Past FULL_HASH_BYTES the key reads sampled blocks only: a changed size or a changed byte
+    in a sampled block changes it; a same-size edit between blocks does not (the trade-off)."""
+    monkeypatch.setattr(corpus, "FULL_HASH_BYTES", 1 << 16)
+    monkeypatch.setattr(corpus, "SAMPLE_BYTES", 1 << 14)
+    monkeypatch.setattr(corpus, "SAMPLE_BLOCK", 1 << 10)
+    rng = np.random.default_rng(0)
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    files[0].write_bytes(rng.integers(97, 123, 300_000, dtype=np.uint8).tobytes())
+    files[1].write_bytes(b"z" * 100_000)  # every block alike: only its size tells a change
+    read = []
+
+    def counting_open(path, mode="r", *args, **kwargs):
+        fh = open(path, mode, *args, **kwargs)
+        real = fh.read
+        fh.read = lambda n=-1: read.append(len(chunk := real(n))) or chunk
+        return fh
+
+    monkeypatch.setattr(corpus, "open", counting_open, raising=False)
+    key = corpus.fingerprint(files)
+    total = sum(f.stat().st_size for f in files)
+    assert 0 < sum(read) <= 2 * corpus.SAMPLE_BYTES < total // 10  # a sample, not the corpus
+
+    def edited(f, offset, value=None) -> str:
+        raw = bytearray(f.read_bytes())
+        before = raw[offset]
+        raw[offset] = value if value is not None else (before - 97 + 1) % 26 + 97
+        f.write_bytes(bytes(raw))
+        try:
+            return corpus.fingerprint(files)
+        finally:
+            raw[offset] = before
+            f.write_bytes(bytes(raw))
+
+    size = files[0].stat().st_size
+    offsets = corpus.sample_offsets(size, corpus.SAMPLE_BYTES * size // total)
+    inside = offsets[1] + 7  # a byte of a sampled block
+    outside = corpus.SAMPLE_BLOCK + 3  # past the first block, before the second
+    assert offsets[0] == 0 and offsets[1] > outside
+    assert edited(files[0], inside) != key
+    assert edited(files[0], outside) == key  # unseen: same size, between sampled blocks
+    assert corpus.fingerprint(files) == key
+    with open(files[1], "ab") as fh:
+        fh.write(b"z")
+    assert corpus.fingerprint(files) != key  # a size change, the same blocks
+    monkeypatch.setattr(corpus, "FULL_HASH_BYTES", 1 << 30)  # a small corpus: every byte
+    key = corpus.fingerprint(files)
+    assert edited(files[0], outside) != key

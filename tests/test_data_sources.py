@@ -112,6 +112,51 @@ def test_bad_token_shards_are_one_line_errors(setup, tmp_path, kind, match):
     assert not work.exists()
 
 
+def test_array_record_shards_read_records_as_one_stream(setup, tmp_path):
+    pytest.importorskip("array_record")
+    from fp8jax.trainer import array_records
+
+    _, tok, docs = setup
+    folder = tmp_path / "records"
+    folder.mkdir()
+    documents = [[np.asarray([*tok.encode(d), tok.eos_id]) for d in docs[k::3]] for k in range(3)]
+    dtypes = (np.uint16, np.int32, np.uint32)
+    for k, (part, dtype) in enumerate(zip(documents, dtypes, strict=True)):
+        array_records.write(folder / f"{k}.array_record", (ids.astype(dtype) for ids in part))
+    np.save(folder / "3.npy", _ids(tok, docs[:40]).astype(np.uint16))  # kinds mix in a folder
+    streams = [np.concatenate(part) for part in documents] + [_ids(tok, docs[:40])]
+    ds = _build(setup, folder, tmp_path / "work", format="tokens")
+    # val: the last of four shards; train: the three ArrayRecord files' records, in order.
+    np.testing.assert_array_equal(np.asarray(ds.val_tokens), streams[3])
+    whole = np.concatenate(streams[:3])
+    np.testing.assert_array_equal(np.asarray(ds.train_tokens), whole)
+    ends = np.cumsum([len(ids) for ids in documents[0]])[:50]  # record boundaries of file 0
+    for edge in [*ends, *np.cumsum([len(s) for s in streams[:2]])]:
+        for a, b in ((edge - 5, edge + 7), (edge, edge + 1), (edge - 1, edge)):
+            np.testing.assert_array_equal(ds.train_tokens[a:b], whole[a:b])
+    batch = next(ds.train_iter(process_index=0, process_count=1))
+    assert batch["inputs"].shape == (4, 16)
+    # One file alone splits at a document end, lazily; a record that is not ids is refused.
+    one = _build(setup, folder / "1.array_record", tmp_path / "w1", format="tokens")
+    train, val = np.asarray(one.train_tokens), np.asarray(one.val_tokens)
+    np.testing.assert_array_equal(np.concatenate([train, val]), streams[1])
+    assert train[-1] == tok.eos_id and val[-1] == tok.eos_id and 0.2 < len(val) / len(streams[1])
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(tmp_path / "bad.array_record"), "group_size:1")
+    writer.write(b"not an array")
+    writer.close()
+    with pytest.raises(errors.DataError, match=r"bad.array_record: record 0 is not a 1-D"):
+        _build(setup, tmp_path / "bad.array_record", tmp_path / "w2", format="tokens")
+    beyond = [ids.astype(np.uint16) for ids in documents[0][:20]]
+    beyond[3][2] = tok.vocab_size
+    array_records.write(tmp_path / "beyond.array_record", beyond)
+    at = sum(len(ids) for ids in beyond[:3]) + 2  # its position in the file's stream
+    with pytest.raises(errors.DataError, match=rf"holds id {tok.vocab_size} at position {at},"):
+        _build(setup, tmp_path / "beyond.array_record", tmp_path / "w2", format="tokens")
+    assert not (tmp_path / "w2").exists()
+
+
 def test_parquet_and_jsonl_gz_encode_each_row_or_line_as_a_document(setup, tmp_path, monkeypatch):
     _, tok, docs = setup
     table = pa.table({"id": list(range(len(docs))), "text": docs})

@@ -175,6 +175,7 @@ def _shard(path, seed):
 SAMPLES = {  # format -> (file name, writer of a small valid source)
     "text": ("book.txt", lambda p, s: p.write_text("\n".join(_words(4000, s)))),
     "tokens": ("shard.npy", _shard),
+    "mix": ("book.txt", lambda p, s: p.write_text("\n".join(_words(4000, s)))),
     "sft": (
         "examples.jsonl",
         lambda p, s: _jsonl(p, [dict(prompt=w, completion=" yes") for w in _words(40, s)]),
@@ -191,7 +192,11 @@ SAMPLES = {  # format -> (file name, writer of a small valid source)
 def format_run(name, path, **changes):
     # A pre-tokenized source is read with the tokenizer that wrote it (beside it).
     tok = str(pathlib.Path(path).parent / "tokenizer.json") if name == "tokens" else ""
-    run = data_run(path, VOCAB, seq_len=48, format=name, packing=False, tokenizer=tok)
+    # A mixture mixes its sample with itself, weighted 3:1.
+    mixed = data_spec.parse_sources(f"{path},text:{path}", "3,1") if name == "mix" else ()
+    run = data_run(
+        path, VOCAB, seq_len=48, format=name, packing=False, tokenizer=tok, sources=mixed
+    )
     return dataclasses.replace(run, **changes)
 
 

@@ -99,6 +99,8 @@ CHANGES = {
     "data.tokenizer_min_frequency": (3, {"data"}),
     "data.encode_workers": (2, {"data"}),
     "data.cache_dir": ("caches", {"data"}),
+    "data.sources": ("a/,tokens:b/", {"data"}, {"data.format": "mix", "data.sources": "c/"}),
+    "data.weights": ("3,1", {"data"}, {"data.format": "mix", "data.sources": "a/,b/"}),
     "data.allow_corpus_change": (True, {"data"}),
     "dpo.beta": (0.5, {"dpo"}),
     "dpo.label_smoothing": (0.1, {"dpo"}),

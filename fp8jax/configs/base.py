@@ -175,7 +175,8 @@ def declarations() -> ml_collections.ConfigDict:
     # lists of messages under the chat template), the DPO loss of section dpo below.
     # 'tokens': pre-training on token shards (.npy, or .bin with the header of
     # fp8jax.trainer.token_shards) written with data.tokenizer, which must be given.
-    # what data.path holds: 'text', 'tokens', 'sft' or 'dpo'
+    # 'mix': pre-training on the weighted mixture of data.sources (data.path unused).
+    # what data.path holds: 'text', 'tokens', 'mix', 'sft' or 'dpo'
     d.format = Choice("text", data_spec.DATA_FORMATS)
     # text: a text file, a folder of .txt, .txt.gz, .jsonl(.gz) ('text' field per line) or
     # .parquet ('text' column, pip install 'fp8jax[parquet]') files; '' = the shipped corpus.
@@ -200,8 +201,18 @@ def declarations() -> ml_collections.ConfigDict:
     d.encode_workers = Int(0, 0)
     # text: a folder of token caches shared by runs, one per corpus contents, tokenizer and
     # split (a new work dir on the same corpus and tokenizer encodes nothing); '' = each work
-    # dir's own tokens/
+    # dir's own tokens/. The contents are every byte of a corpus up to 256 MiB; past that each
+    # file's size and sampled blocks (a same-size edit between the blocks is not seen).
     d.cache_dir = Text("", "name a folder for the shared token caches ('' = the work dir)")
+    # mix: the mixed sources, comma-separated, each '[text:|tokens:]path' (a text corpus or
+    # token shards as data.path names them; 'text:' by default), e.g. 'books/,tokens:web/'.
+    # Training windows are drawn from each in proportion to data.weights, in a fixed
+    # interleaving (deterministic, resumable from the step); validation windows spread over
+    # every source's held-out split. '' for the other formats.
+    d.sources = Text("", "name the mixed sources as '[text:|tokens:]path,...' ('' = no mix)")
+    # mix: one weight > 0 per source, comma-separated, relative ('3,1': 75% and 25% of the
+    # training windows); '' = equal weights
+    d.weights = Text("", "give one weight > 0 per data.sources entry, e.g. '3,1' ('' = equal)")
     # Resuming (a checkpoint in the work dir) on another corpus, corpus contents or val_fraction
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).

@@ -13,6 +13,9 @@ from fp8jax.errors import DataError
 
 __all__ = [
     "FIX",
+    "FULL_HASH_BYTES",
+    "SAMPLE_BLOCK",
+    "SAMPLE_BYTES",
     "SHIPPED_DIR",
     "JSONL",
     "PARQUET",
@@ -24,12 +27,17 @@ __all__ = [
     "parquet_file",
     "parquet_texts",
     "pieces",
+    "sample_offsets",
+    "sampled_digest",
     "source_files",
     "text_size",
 ]
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 _HASH_CHUNK = 1 << 22  # bytes read per step while fingerprinting the corpus
+FULL_HASH_BYTES = 1 << 28  # corpora up to this size are fingerprinted by every byte
+SAMPLE_BYTES = 1 << 26  # bytes a larger corpus' fingerprint reads, spread over its files
+SAMPLE_BLOCK = 1 << 16  # bytes of one sampled block
 _READ_CHARS = 1 << 22  # text read and encoded per piece, so huge files never sit in memory whole
 # a text corpus folder's files
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
@@ -70,19 +78,55 @@ def _is_jsonl(f: Path) -> bool:
 
 
 def fingerprint(files: list[Path]) -> str:
-    """SHA-256 over each file's bytes and how it is parsed, in order: the corpus identity.
+    """SHA-256 over each file's content digest and how it is parsed, in order: the corpus
+    identity (the data record's and every cache key's).
 
-    Every byte is read (about 1 GB/s), so an edit is seen even if size and mtime are kept.
+    A corpus of up to ``FULL_HASH_BYTES`` is hashed whole, so any edit is seen even if size and
+    mtime are kept. A larger one is hashed by sample (:func:`sampled_digest`): each file's size
+    and about ``SAMPLE_BYTES`` of blocks spread over the corpus, so a start reads at most that
+    much whatever the corpus' size. The trade-off: an edit that keeps every file's size and
+    touches no sampled block is not seen (the cache and resume check treat the corpus as the
+    same); a file that grows or shrinks, or changes in a sampled block, is. mtimes are not part
+    of it, so a copied or touched corpus keeps its caches and resumes.
     """
+    total = sum(f.stat().st_size for f in files)
+    full = total <= FULL_HASH_BYTES
     outer = hashlib.sha256()
     for f in files:
-        inner = hashlib.sha256()
-        with open(f, "rb") as fh:
-            while chunk := fh.read(_HASH_CHUNK):
-                inner.update(chunk)
+        if full:
+            inner = hashlib.sha256()
+            with open(f, "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    inner.update(chunk)
+            digest = inner.hexdigest()
+        else:
+            digest = "sampled " + sampled_digest(f, SAMPLE_BYTES * f.stat().st_size // total)
         kind = "jsonl" if _is_jsonl(f) else "parquet" if f.name.endswith(PARQUET) else "text"
-        outer.update(f"{kind} {inner.hexdigest()}\n".encode())
+        outer.update(f"{kind} {digest}\n".encode())
     return outer.hexdigest()
+
+
+def sample_offsets(size: int, budget: int) -> list[int]:
+    """Start offsets of the ``SAMPLE_BLOCK``-byte blocks a sampled digest reads in a file of
+    ``size`` bytes: its first and last block and evenly spaced ones, about ``budget`` bytes."""
+    if size <= 2 * SAMPLE_BLOCK:
+        return [0]  # the whole file is its first block and the tail
+    k = max(2, -(-budget // SAMPLE_BLOCK))
+    last = size - SAMPLE_BLOCK
+    return sorted({i * last // (k - 1) for i in range(k)})
+
+
+def sampled_digest(f: Path, budget: int) -> str:
+    """SHA-256 of ``f``'s size and the blocks at :func:`sample_offsets` (about ``budget``
+    bytes, never less than its first and last block)."""
+    size = f.stat().st_size
+    h = hashlib.sha256(f"{size}\n".encode())
+    block = size if size <= 2 * SAMPLE_BLOCK else SAMPLE_BLOCK  # a small file: all of it
+    with open(f, "rb") as fh:
+        for offset in sample_offsets(size, budget):
+            fh.seek(offset)
+            h.update(fh.read(block))
+    return h.hexdigest()
 
 
 def text_size(files: list[Path]) -> int:

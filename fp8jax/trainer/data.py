@@ -52,7 +52,8 @@ _SAMPLE_WINDOW = 1 << 18  # characters of a large text file read at one place fo
 # Train/val split unit: the token stream is cut into blocks of this many tokens and each block
 # goes wholly to one split, so validation text is spread over the corpus yet never trained on.
 _SPLIT_BLOCK = 1024
-_TOKEN_SHARDS = (".npy", ".bin")  # pre-tokenized files (data.format='tokens'), never text
+# pre-tokenized files (data.format='tokens'), never text
+_TOKEN_SHARDS = (".npy", ".bin", ".array_record")
 
 Batch = dict[str, np.ndarray]
 
@@ -317,6 +318,17 @@ class Dataset:
         batch_size = batch_size or self.batch_size
         seq_len = seq_len or self.seq_len
         p, num_p, rows = process_rows(batch_size, process_index, process_count)
+        ds = self.windows(seq_len).batch(rows, drop_remainder=True)
+        # Global batch t is mini-batches t*P .. t*P+P-1; this process owns the p-th of them, so
+        # every process count sees the same global batches.
+        ds = ds[p::num_p]
+        identity = dict(batch_size=batch_size, seq_len=seq_len, seed=self.seed, data=self.key[:16])
+        return TrainIterator(ds, identity)
+
+    def windows(self, seq_len: int, salt: tuple = ()):
+        """The infinite ``grain.MapDataset`` of training windows ``{'inputs', 'targets'}``
+        [seq_len], window ``i`` a pure function of ``i`` (``salt``: more of the shuffle's seed,
+        so several datasets of one seed shuffle differently)."""
         tokens, W = self.train_tokens, seq_len + 1
         if problem := _too_short_for_train(len(tokens), seq_len):
             raise ValueError(problem)
@@ -324,7 +336,7 @@ class Dataset:
         # offset (one window of slack) so window boundaries move between epochs.
         num_windows = max(len(tokens) // W - 1, 1)
         max_offset = min(W - 1, len(tokens) - num_windows * W)
-        shuffle_seed = seed32("train", self.seed)
+        shuffle_seed = seed32("train", self.seed, *salt)
 
         @functools.lru_cache(maxsize=4)
         def epoch_offset(epoch: int) -> int:
@@ -338,12 +350,7 @@ class Dataset:
 
         # The grain shuffle re-permutes each epoch (its seed is folded with the epoch number).
         ds = grain.MapDataset.range(num_windows).shuffle(seed=shuffle_seed).repeat(None)
-        ds = ds.map_with_index(window).batch(rows, drop_remainder=True)
-        # Global batch t is mini-batches t*P .. t*P+P-1; this process owns the p-th of them, so
-        # every process count sees the same global batches.
-        ds = ds[p::num_p]
-        identity = dict(batch_size=batch_size, seq_len=seq_len, seed=self.seed, data=self.key[:16])
-        return TrainIterator(ds, identity)
+        return ds.map_with_index(window)
 
     def eval_batches(
         self,

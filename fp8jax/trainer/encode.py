@@ -64,6 +64,7 @@ _BLOCK_CHARS = 1 << 22  # text read at a time from a range (bounds a worker's me
 _MAX_CARRY = 4 * _BLOCK_CHARS  # text held while looking for a safe cut
 _WINDOW = 1 << 16  # bytes read at a time while searching for a range's safe line start
 _SEARCH = 1 << 20  # past this, a range starts at any line start (ids may differ there)
+_START = "forkserver"  # how worker processes start (multiprocessing's start method)
 _LINE_PROBES = ("Hello world.\nThe end", "a\nb c\n1 2\nx y.\nZ", "données,\n«x» 12\n数据\nok")
 _PARAGRAPH_PROBES = ("One.\n\nTwo words\n\nthree", "a b\n\nc\n\n数据")
 
@@ -365,16 +366,22 @@ def _run(task: Task) -> tuple[np.ndarray, int]:
 
 @contextlib.contextmanager
 def _pool(n: int, tok: Tokenizer, dtype: str, cuts: Cuts, source: str):
-    """``n`` spawned encoding processes (None for ``n`` 1: encode in this one)."""
+    """``n`` encoding processes (None for ``n`` 1: encode in this one)."""
     if n == 1:
         yield None
         return
-    ctx = multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads
+    # Workers fork from a fork server, a fresh single-threaded process (a plain fork would copy
+    # the trainer's threads) that imported this module once: each spawned worker would import
+    # fp8jax and jax again (about 1.5 CPU-seconds a worker). The server stays for the process'
+    # later encodes (a mix's other sources), idle, about 200 MB resident.
+    ctx = multiprocessing.get_context(_START)
+    if _START == "forkserver":
+        ctx.set_forkserver_preload([__name__])
     args = (tok.to_str(), tok.eos_id, tok.bos_id, dtype, cuts, source)
     pool = futures.ProcessPoolExecutor(n, mp_context=ctx, initializer=_init, initargs=args)
     try:
         yield pool
-    except futures.process.BrokenProcessPool as e:
+    except (futures.process.BrokenProcessPool, BrokenPipeError) as e:  # a worker died starting
         raise RuntimeError(
             f"the corpus encoding processes died ({e}): a script that starts training must do so "
             "under `if __name__ == '__main__':` (they import it), or set "
@@ -413,11 +420,14 @@ def encode(
     dtype: str,
     workers: int = 0,
     source: str = "config.data.path",
+    progress: bool | None = None,
 ) -> Iterator[tuple[np.ndarray, int]]:
     """Yield ``(ids, chars)`` of the corpus in order: every document framed (BOS when the
     tokenizer has its own, ids, EOS), ``chars`` the characters just encoded. ``workers``:
-    processes (0: one per CPU core). A file that is not text or not a complete gzip, or a
-    malformed .jsonl line, raises a one-line ValueError naming it and ``source``."""
+    processes (0: one per CPU core); ``progress``: show a progress bar in MB/s with the time
+    left (None: for corpora from ``PROGRESS_BYTES``). A file that is not text or not a
+    complete gzip, or a malformed .jsonl line, raises a one-line ValueError naming it and
+    ``source``."""
     cuts = cuts_for(tok)
     if cuts.piece_chars == COARSE_PIECE_CHARS:
         logging.warning(
@@ -428,29 +438,32 @@ def encode(
     tasks = plan(files, RANGE_BYTES, cuts)
     n = workers_for(workers, tasks)
     total = sum(t.size for t in tasks)
-    bar = tqdm(
-        total=total, unit="B", unit_scale=True, desc="encoding", disable=total < PROGRESS_BYTES
-    )
+    hidden = total < PROGRESS_BYTES if progress is None else not progress
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="encoding", disable=hidden)
     t0, doc_tokens, eos = time.perf_counter(), 0, tok.eos_id
     bos = [] if tok.bos_id is None or tok.bos_id == eos else [tok.bos_id]
-    with _pool(n, tok, dtype, cuts, source) as pool:
-        results = (
-            _in_order(pool, tasks, 2 * n) if pool else map(_Worker(tok, dtype, cuts, source), tasks)
-        )
-        for task, (ids, chars) in zip(tasks, results, strict=True):
-            bar.update(task.size)
-            if task.kind != "text":
+    try:
+        with _pool(n, tok, dtype, cuts, source) as pool:
+            results = (
+                _in_order(pool, tasks, 2 * n)
+                if pool
+                else map(_Worker(tok, dtype, cuts, source), tasks)
+            )
+            for task, (ids, chars) in zip(tasks, results, strict=True):
+                bar.update(task.size)
+                if task.kind != "text":
+                    yield ids, chars
+                    continue
+                if len(ids) and not doc_tokens and bos:
+                    ids = np.concatenate([np.asarray(bos, dtype), ids])
+                doc_tokens += len(ids)
+                if task.last and doc_tokens:  # empty documents get no separator either
+                    ids = np.concatenate([ids, np.asarray([eos], dtype)])
+                if task.last:
+                    doc_tokens = 0
                 yield ids, chars
-                continue
-            if len(ids) and not doc_tokens and bos:
-                ids = np.concatenate([np.asarray(bos, dtype), ids])
-            doc_tokens += len(ids)
-            if task.last and doc_tokens:  # empty documents get no separator either
-                ids = np.concatenate([ids, np.asarray([eos], dtype)])
-            if task.last:
-                doc_tokens = 0
-            yield ids, chars
-    bar.close()
+    finally:
+        bar.close()  # a failure's one-line error starts on a line of its own
     secs = time.perf_counter() - t0
     logging.info(
         "encoded %.1f MB in %.1fs (%.2f MB/s, %d process%s)",

@@ -2,7 +2,9 @@
 
 ``config.data.path`` names a shard or a folder of them: ``.npy`` files (a 1-D integer array) or
 ``.bin`` files of :data:`MAGIC` format, each a stream of token ids whose documents end with the
-tokenizer's EOS (as nanoGPT- and Megatron-style preparation writes them). The ids are those of
+tokenizer's EOS (as nanoGPT- and Megatron-style preparation writes them), or a kind of shard
+another module registers a reader for (:func:`register_reader`: ``.array_record`` files,
+``fp8jax.trainer.array_records``). The ids are those of
 ``config.data.tokenizer``, which must be given: every shard is checked to hold only its ids, in
 a dtype that can hold them all. Nothing is encoded or copied: the shards are memory-mapped and
 the training stream reads windows across them. The validation split is whole shards (spread
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,8 @@ __all__ = [
     "Concat",
     "Tokens",
     "read_shard",
+    "readers",
+    "register_reader",
     "split",
     "write_bin",
 ]
@@ -44,12 +49,32 @@ __all__ = [
 MAGIC = b"FP8JTOK\0"  # the first bytes of a .bin token shard
 HEADER_BYTES = 32  # magic, version, bytes per id, number of ids, reserved
 _VERSION = 1  # the .bin layout; also part of the data key
-SUFFIXES = (".npy", ".bin")
+SUFFIXES = (".npy", ".bin")  # the shards read here; registered readers add theirs
 _SCAN = 1 << 24  # ids checked at a time against the vocabulary
 FIX = (
     "set config.data.path to a .npy or .bin token shard or a folder of them, and "
     "config.data.tokenizer to the tokenizer that wrote them"
 )
+# suffix -> reader of a shard kind that is not .npy or .bin: the shard's ids as an array-like
+# (len, dtype, contiguous slices as numpy arrays); a DataError naming it when it is malformed
+_READERS: dict[str, Callable[[Path], object]] = {}
+
+
+def register_reader(suffix: str) -> Callable:
+    """Decorator: read token shards ending in ``suffix`` with the decorated function."""
+
+    def add(read: Callable[[Path], object]) -> Callable[[Path], object]:
+        if suffix in _READERS or suffix in SUFFIXES:
+            raise ValueError(f"a token-shard reader for {suffix!r} is registered twice")
+        _READERS[suffix] = read
+        return read
+
+    return add
+
+
+def readers() -> tuple[str, ...]:
+    """Every token-shard suffix: ``.npy``, ``.bin`` and the registered readers'."""
+    return (*SUFFIXES, *_READERS)
 
 
 def write_bin(path: str | os.PathLike, ids: np.ndarray) -> None:
@@ -65,8 +90,12 @@ def write_bin(path: str | os.PathLike, ids: np.ndarray) -> None:
 
 
 def read_shard(path: Path) -> np.ndarray:
-    """The ids of a ``.npy`` or ``.bin`` shard, memory-mapped; a one-line DataError naming it
-    when it is not a 1-D integer array or not a complete ``.bin`` shard."""
+    """The ids of a ``.npy`` or ``.bin`` shard, memory-mapped (of another kind, its registered
+    reader's); a one-line DataError naming it when it is not a 1-D integer array or not a
+    complete ``.bin`` shard."""
+    for suffix, read in _READERS.items():
+        if path.name.endswith(suffix):
+            return read(path)
     if path.name.endswith(".npy"):
         try:
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -185,7 +214,23 @@ def split(shards: list[np.ndarray], val_fraction: float, eos: int, desc: str):
             "to split whole documents into a validation split at; add document ends, or give "
             "several shards"
         )
-    return [ids[: cut + 1]], [ids[cut + 1 :]]
+    if isinstance(ids, np.ndarray):
+        return [ids[: cut + 1]], [ids[cut + 1 :]]
+    return [_Slice(ids, 0, cut + 1)], [_Slice(ids, cut + 1, len(ids))]
+
+
+class _Slice:
+    """``ids[start:stop]`` of an array-like shard, read only when sliced (as :class:`Concat`)."""
+
+    def __init__(self, ids, start: int, stop: int):
+        self.ids, self.start, self.stop, self.dtype = ids, start, stop, ids.dtype
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(len(self))
+        return self.ids[self.start + start : self.start + max(start, stop)]
 
 
 @data_format.register
@@ -203,7 +248,7 @@ class Tokens(data_format.DataFormat):
             raise ValueError(f"config.data.val_fraction must be in [0, 1), got {val_fraction}")
         if not run.data.path:
             raise DataError(f"config.data.format='tokens' needs config.data.path: {FIX}")
-        files, desc = corpus_lib.source_files(run.data.path, SUFFIXES, FIX)
+        files, desc = corpus_lib.source_files(run.data.path, readers(), FIX)
         for f in files:
             read_shard(f)
         logging.info("data source: token shards, %s", desc)

@@ -1,0 +1,100 @@
+"""``python -m fp8jax.prepare``: a corpus encoded ahead of training into token shards that
+``data.format='tokens'`` reads as the trainer would have encoded it; bad input is one line on
+stderr, exit 2, and nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fp8jax import tokenizer
+from fp8jax.trainer import encode, formats, loop, token_shards
+
+from fp8_testing import ROOT, data_run, novel
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A novel's start as a .txt file, another's paragraphs as .jsonl documents, and a
+    tokenizer of them."""
+    root = tmp_path_factory.mktemp("prepare")
+    (root / "src").mkdir()
+    (root / "src" / "a.txt").write_text(novel("persuasion", 3_000))
+    paragraphs = [p for p in novel("pride-and-prejudice", 60_000).split("\n\n") if p.strip()]
+    lines = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
+    (root / "src" / "b.jsonl").write_text(lines)
+    tok = tokenizer.train([novel("persuasion", 30_000)], vocab_size=300)
+    tok.save(root / "tokenizer.json")
+    return root
+
+
+def _prepare(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "fp8jax.prepare", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def test_prepared_shards_hold_the_trainers_ids_cut_at_documents(corpus_dir, tmp_path):
+    out = tmp_path / "shards"
+    tok_file = corpus_dir / "tokenizer.json"
+    r = _prepare(corpus_dir / "src", "--tokenizer", tok_file, "--out", out, "--shard_tokens", 4000)
+    assert r.returncode == 0, r.stderr
+    assert "MB/s" in r.stdout and "MB/s" in r.stderr  # the last line, and the progress bar
+    tok = tokenizer.Tokenizer.load(tok_file)
+    files = sorted((corpus_dir / "src").iterdir())
+    want = np.concatenate([ids for ids, _ in encode.encode(files, tok, "uint16", 1)])
+    shards = sorted(out.glob("*.bin"))
+    got = [np.asarray(token_shards.read_shard(f)) for f in shards]
+    np.testing.assert_array_equal(np.concatenate(got), want)
+    assert len(shards) > 2 and all(g[-1] == tok.eos_id for g in got)  # cut after an EOS
+    manifest = json.loads((out / "prepare.json").read_text())
+    assert manifest["tokens"] == len(want) and manifest["shards"] == len(shards)
+    # Training reads them with the copied tokenizer: the same ids, split by whole shards.
+    run = data_run(out, 300, format="tokens", tokenizer=str(out / "tokenizer"))
+    run, tok2 = loop.data_tokenizer(run, str(tmp_path / "work"), None)
+    ds = formats.build(run, tmp_path / "work", tok2)
+    assert ds.num_train_tokens + ds.num_val_tokens == len(want) and ds.num_val_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["missing", "shard", "tokenizer", "out_used", "binary"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, kind):
+    src, tok, out = corpus_dir / "src", corpus_dir / "tokenizer.json", tmp_path / "shards"
+    match = {
+        "missing": "does not exist",
+        "shard": "is a token shard, not text",
+        "tokenizer": "is not a tokenizers tokenizer.json",
+        "out_used": "exists and is not empty",
+        "binary": "is not a text file: it holds NUL bytes",  # found while encoding
+    }[kind]
+    if kind == "missing":
+        src = tmp_path / "nope.txt"
+    if kind == "shard":
+        src = tmp_path / "ids.npy"
+        np.save(src, np.arange(10, dtype=np.uint16))
+    if kind == "tokenizer":
+        tok = tmp_path / "broken.json"
+        tok.write_text("{not json")
+    if kind == "binary":
+        src = tmp_path / "data.txt"
+        src.write_bytes(b"text\x00\x01" * 100)
+    if kind == "out_used":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = _prepare(src, "--tokenizer", tok, "--out", out)
+    assert r.returncode == 2, r.stderr
+    progress = "encoding:"  # the progress bar's lines, when the error came while encoding
+    lines = [x for x in r.stderr.strip().splitlines() if not x.lstrip("\r").startswith(progress)]
+    assert len(lines) == 1 and match in lines[0], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if kind == "out_used":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]

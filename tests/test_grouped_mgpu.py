@@ -191,3 +191,24 @@ def test_gemm_counts_count_the_grouped_kernels():
     assert counts == {gm.KERNEL_NAME: 1, gm.BF16_KERNEL_NAME: 1}
     report = coverage.CoverageReport(entries=(), gemm_counts=counts)
     assert (report.num_fp8_gemms, report.num_other_gemms) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", [grouped.FORWARD, grouped.WGRAD])
+def test_vmapped_kernels_launch_unbatched_in_a_loop(kind):
+    """Batched (vmapped replicas), each persistent kernel runs once per batch element on the
+    unbatched operands inside a loop, not as a batched grid."""
+    lay = gm.layout(_gs(), M)
+    e4m3 = jnp.float8_e4m3fn
+    if kind == grouped.FORWARD:  # a [R, K], b [G, N, K] -> [R, N]
+        a, b = jnp.zeros((2, lay.rows, TILE), e4m3), jnp.zeros((2, len(SIZES), TILE, TILE), e4m3)
+        want = f"-> tensor<{lay.rows}x{TILE}xbf16>"
+    else:  # a^T [K, R], b^T [N, R] -> [G, K, N]
+        a, b = jnp.zeros((2, TILE, lay.rows), e4m3), jnp.zeros((2, TILE, lay.rows), e4m3)
+        want = f"-> tensor<{len(SIZES)}x{TILE}x{TILE}xbf16>"
+
+    def gemm(a, b):
+        return grouped.padded_kernel(kind, a, b, lay, jnp.float32(1), jnp.bfloat16)
+
+    text = jax.jit(jax.vmap(gemm)).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if KERNEL_CALL.search(line)]
+    assert call.endswith(want) and "stablehlo.while" in text

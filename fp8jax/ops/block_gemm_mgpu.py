@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.ops._kernel_launch import unbatched
+
 __all__ = [
     "BLOCKS",
     "COMPUTE_WGS",
@@ -376,23 +378,6 @@ def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tunin
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
-    # Batched (vmapped replicas under tensor parallelism): one launch per batch element in a
-    # loop, each the unbatched kernel above, rather than a batched grid for this persistent one.
-    @jax.custom_batching.custom_vmap
-    def launch(*operands):
-        return kernel(*operands)
-
-    @launch.def_vmap
-    def _batched(axis_size, in_batched, *operands):
-        del axis_size
-
-        def one(batched):
-            it = iter(batched)
-            return launch(
-                *(next(it) if b else x for x, b in zip(operands, in_batched, strict=True))
-            )
-
-        picked = tuple(x for x, b in zip(operands, in_batched, strict=True) if b)
-        return jax.lax.map(one, picked), True
-
+    # Batched (vmapped replicas under tensor parallelism): one launch per batch element.
+    launch = unbatched(kernel)
     return launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.ops._kernel_launch import unbatched
+
 __all__ = [
     "BF16_KERNEL_NAME",
     "KERNEL_NAME",
@@ -265,7 +267,7 @@ def grouped_nt(
             kernel_name=KERNEL_NAME,
             compiler_params=_compiler_params(plgpu),
         )
-        return kernel(tile_group_T, inv, a_RxK, b_GxNxK)
+        return unbatched(kernel)(tile_group_T, inv, a_RxK, b_GxNxK)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "warp_specialized"))
@@ -353,7 +355,7 @@ def grouped_tn(
             kernel_name=KERNEL_NAME,
             compiler_params=_compiler_params(plgpu),
         )
-        return kernel(first_tile_G, tiles_G, inv, a_KxR, b_NxR)
+        return unbatched(kernel)(first_tile_G, tiles_G, inv, a_KxR, b_NxR)
 
 
 # Warp-specialized kernels: one memory warpgroup streams the tiles of the contraction through
@@ -483,7 +485,7 @@ def _ws_launch(body, out_shape, out_dtype, *operands):
         kernel_name=KERNEL_NAME,
         compiler_params=_compiler_params(plgpu),
     )
-    return kernel(*operands)
+    return unbatched(kernel)(*operands)
 
 
 def _ws_nt(a_RxK, b_GxNxK, tile_group_T, inv, out_dtype):

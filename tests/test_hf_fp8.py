@@ -548,3 +548,48 @@ def test_transformers_loads_an_moe_block_export_on_cpu(tmp_path, model_type):
     assert torch.equal(logits, want)
     rel = float((logits - bf16).norm() / bf16.norm())
     assert 1e-3 < rel < 0.1, rel  # quantized (not the BF16 weights), and still the same model
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="transformers' FP8 load swaps modules on a CUDA GPU only")
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("model_type,architecture", hf_architectures())
+def test_transformers_loads_the_block_export_on_a_gpu(tmp_path, model_type, architecture, tied):
+    """The 'block' export of every family's architecture loads through transformers' GPU FP8
+    path with no missing or unexpected tensor (a tied head's scale included), its decoder
+    linears swapped for FP8 modules (GPT-2's Conv1D layers stay BF16 and load as the BF16
+    model); with transformers' FP8 kernels installed (the `kernels` package), its logits are
+    those of the BF16 model with torch's block quantization of every quantized weight."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, tie_word_embeddings=tied, **TINY_HF)
+    config.architectures = [architecture]
+    model = getattr(transformers, architecture)(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    assert fp8.main([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--to", "fp8-block"]) == 0
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    loaded, info = load(tmp_path / "fp8", device_map="cuda", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    swapped = [n for n, m in loaded.named_modules() if type(m).__name__.startswith("FP8")]
+    assert bool(swapped) == (model_type != "gpt2"), swapped
+    pytest.importorskip("kernels", reason="transformers' GPU FP8 kernels come from `kernels`")
+    reference = getattr(transformers, architecture)(config).to(torch.bfloat16)
+    state = model.state_dict()
+    for name, w in state.items():
+        if fp8.is_decoder_linear(name) and w.ndim == 2:
+            state[name] = torch_block_fp8(w)
+    reference.load_state_dict(state)
+    ids = torch.randint(0, TINY_HF["vocab_size"], (2, 16), device="cuda")
+    with torch.no_grad():
+        got = loaded.eval()(ids).logits.float()
+        want = reference.cuda().eval()(ids).logits.float()
+    # The FP8 kernels also quantize the activations (per token, 1 x 128): within a few percent.
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm() / want.norm()) < 0.05

@@ -15,7 +15,12 @@ sizes). A tile of ``TILE`` rows then belongs to one group, so
 
 Both multiply the f32 accumulator by the pair's inverse scale before the one rounding to the
 output dtype: the result is the FP8 GEMM with f32 accumulation of ``ops.grouped``'s reference
-up to summation order. Padding costs at most ``TILE - 1`` rows per group.
+up to summation order. Padding costs at most ``TILE - 1`` rows per group. Where the output is
+whole ``WS_COLS``-wide tiles each runs warp-specialized (a TMA warpgroup feeding two compute
+warpgroups of ``TILE`` x ``TILE``), else with one warpgroup per ``TILE`` x ``TILE`` tile.
+E4M3 times E5M2 (dgrad, wgrad) runs in one WGMMA where this JAX's Mosaic GPU takes the mixed
+pair (``mixed_fp8``), else both operands go in as f16, which holds both formats exactly.
+``ops.grouped.padded_gemm`` is the one caller.
 
 The bf16 grouped GEMM of level O0 on Hopper is JAX's own Mosaic GPU ragged-dot kernels
 (``jax.experimental.pallas.ops.gpu``: ``ragged_dot`` for the forward and dgrad,

@@ -2,7 +2,8 @@
 
 The policy is the trained model (``TrainState.params``, every FP8 level as in pre-training and
 SFT). The reference is a frozen copy of the initial policy (the ``init_from`` checkpoint, or
-the random init), the objective's train state ``{'params', 'fp8'}`` (``TrainState.objective``):
+the random init), the objective's train state ``{'params', 'fp8'}`` (``TrainState.objective``;
+with ``'moe_state'``, a copy of the initial router biases, for an MoE model that keeps them):
 checkpointed with the state, so a resume is exact, but not in the optimizer and never
 differentiated. Each step first runs the reference on the global batch (its sequence
 log-probs under ``stop_gradient``: :meth:`Dpo.make_prepare`); the step splits those per-row
@@ -38,6 +39,7 @@ import numpy as np
 
 from fp8jax import models
 from fp8jax._tree import leaf_name
+from fp8jax.models import moe
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8
 from fp8jax.optim import adam as optim
@@ -106,6 +108,8 @@ def reference_logps(ref_model, ref, batch, update: bool):
     """``(logps [B], fp8)``: each row's summed response log-probability under the reference
     (``stop_gradient``), and its FP8 state (``update``: this batch's amaxes committed)."""
     variables = {"params": ref["params"], FP8: ref["fp8"]}
+    if ref.get(moe.MOE_STATE):  # an MoE reference's router biases, frozen with its weights
+        variables[moe.MOE_STATE] = ref[moe.MOE_STATE]
     kwargs = loss_lib.loss_kwargs(batch)  # the model returns token CE, not logits
     if update:
         losses, mutated = ref_model.apply(variables, batch["inputs"], **kwargs, mutable=[FP8])
@@ -134,15 +138,20 @@ class Dpo(Objective):
         """``config.dpo``'s beta and label smoothing, the model's compute dtype."""
         return cls(run.dpo.beta, run.dpo.label_smoothing, run.model.dtype)
 
-    def init_state(self, params, fp8) -> dict:
-        """The frozen reference: the initial policy's weights and a copy of its FP8 state."""
-        ref_fp8 = jax.tree.map(lambda x: jnp.array(x, copy=True), fp8)
-        return dict(params=reference_params(params, self.dtype), fp8=ref_fp8)
+    def init_state(self, params, fp8, moe_state=None) -> dict:
+        """The frozen reference: the initial policy's weights and a copy of its FP8 state (and
+        of its MoE router biases, if it keeps any)."""
+        copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+        ref = dict(params=reference_params(params, self.dtype), fp8=copy(fp8))
+        if moe_state:
+            ref[moe.MOE_STATE] = copy(moe_state)
+        return ref
 
     def keep(self, new, old, ok):
         """The reference's FP8 state of a finite step (a skipped one commits none); its
-        params as they were."""
-        return dict(params=old["params"], fp8=fp8_state.keep_if_finite(new["fp8"], old["fp8"], ok))
+        params (and router biases) as they were."""
+        fp8 = fp8_state.keep_if_finite(new["fp8"], old["fp8"], ok)
+        return {**old, "fp8": fp8}
 
     def make_prepare(self, model, mesh=None):
         """The reference's log-probs of every row, its amaxes recorded and committed."""
@@ -150,7 +159,7 @@ class Dpo(Objective):
 
         def prepare(ref, batch):
             logps_B, ref_fp8 = reference_logps(ref_model, ref, batch, update=True)
-            return {REF_LOGPS: logps_B}, dict(params=ref["params"], fp8=ref_fp8)
+            return {REF_LOGPS: logps_B}, {**ref, "fp8": ref_fp8}
 
         return prepare
 

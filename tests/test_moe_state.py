@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
-from fp8jax import spec
+from fp8jax import models, spec
 from fp8jax.models import moe
 from fp8jax.trainer import checkpoint, data, dpo_data, generate, inference, scoring
 from fp8jax.trainer import loop as train_lib
@@ -120,3 +121,18 @@ def test_dpo_reference_keeps_the_initial_biases_of_an_moe_policy(tmp_path):
     )
     assert not np.allclose(other, want, rtol=1e-6)  # the policy's biases would route otherwise
     env.objective.evaluate(env.eval_step, state, [batch], env.batch_sharding)
+
+
+def test_dpo_reference_stores_the_router_and_shared_gate_in_f32():
+    """bf16 reference weights but the router's and shared gate's f32 kernels (f32 logits)."""
+    c = train_lib.load_config("moe_tiny")
+    c.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2)
+    c.model.moe.update(num_experts=4, d_ff=16, shared_d_ff=16, shared_gate=True)
+    model = models.build_model(spec.parse(c).model)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    ref = dpo.reference_params(nn.unbox(params), jnp.bfloat16)
+    mlp = ref["blocks"]["mlp"]
+    assert mlp["router"]["kernel"].dtype == mlp["shared_gate"]["kernel"].dtype == jnp.float32
+    for name in ("experts_wi", "experts_wo"):
+        assert mlp[name]["kernel"].dtype == jnp.bfloat16, name
+    assert ref["blocks"]["attn"]["q"]["kernel"].dtype == jnp.bfloat16

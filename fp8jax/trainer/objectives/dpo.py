@@ -17,7 +17,8 @@ up to the global mean. Beta and label smoothing are the objective's fields (``co
 
 Reference storage: its weight matrices (kernels, embeddings) in the compute dtype (bf16 on
 GPU: 2 bytes/param, half of an f32 copy; what the forward casts them to anyway), vectors
-(norm scales, biases) as the policy stores them.
+(norm scales, biases) and an MoE router's and shared gate's f32 kernels as the policy stores
+them.
 
 Reference FP8 (O1+): its matmuls run in FP8 like the policy's, with their own scale state
 (``['fp8']``, a copy of the policy's initial one) under the run's recipe, its amaxes recorded
@@ -38,11 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import models
-from fp8jax._tree import leaf_name
+from fp8jax._tree import leaf_name, path_key
 from fp8jax.models import moe
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8
 from fp8jax.optim import adam as optim
+from fp8jax.optim.master import F32_LAYERS
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer.objectives.base import Objective, register
@@ -82,11 +84,12 @@ def dpo_sums(policy_B, ref_B, mask_P, beta, label_smoothing=0.0) -> dict:
 
 def reference_params(params, dtype):
     """The reference's copy of ``params`` (plain arrays, masters dequantized): weight matrices
-    in ``dtype``, the other leaves as they are."""
+    in ``dtype`` (not the f32 kernels of ``F32_LAYERS``), the other leaves as they are."""
     view = optim.materialize(params)
 
     def one(path, p):
         keep = leaf_name(path) not in _MATRICES or p.ndim < 2
+        keep = keep or bool(set(path_key(path)) & set(F32_LAYERS))  # computed in f32
         return jnp.array(p, dtype=p.dtype if keep else dtype, copy=True)  # never the policy's
 
     return jax.tree_util.tree_map_with_path(one, view)

@@ -433,6 +433,40 @@ def test_memory_sim_compiles_sharded_steps_without_allocating(tmp_path):
     assert "state GiB" in proc.stdout
 
 
+def test_memory_sim_lowers_grouped_gemms_one_group_at_a_time():
+    """``memory_sim.grouped_loop`` gives ragged_dot_general's values for each form the forward
+    and its gradients bind (ragged rows: forward and dx; ragged contraction: dw), an empty
+    group and rows past the groups included."""
+    import jax
+    import jax.extend
+    import jax.numpy as jnp
+
+    from benchmarks import memory_sim
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((24, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 8, 5)), jnp.float32)
+    sizes = jnp.asarray([5, 0, 11, 6], jnp.int32)  # 22 of 24 rows: the last two give 0
+    ct = jnp.asarray(rng.standard_normal((24, 5)), jnp.float32)
+    loss = lambda x, w, sizes: jnp.sum(jax.lax.ragged_dot(x, w, sizes) * ct)  # noqa: E731
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, sizes)
+    env = dict(zip(closed.jaxpr.invars, (x, w, sizes), strict=True))
+    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+    forms = set()
+    for eqn in closed.jaxpr.eqns:  # the gradient's program, each grouped GEMM checked
+        args = [read(v) for v in eqn.invars]
+        out = eqn.primitive.bind(*args, **eqn.params)
+        if eqn.primitive.name == "ragged_dot_general":
+            dn = eqn.params["ragged_dot_dimension_numbers"]
+            forms.add((tuple(dn.lhs_ragged_dimensions), tuple(dn.rhs_group_dimensions)))
+            got = memory_sim.grouped_loop(*args, **eqn.params)
+            np.testing.assert_allclose(got, out, rtol=1e-5, atol=1e-5)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    assert len(forms) == 2, forms  # ragged rows (forward, dx) and ragged contraction (dw)
+
+
 O3_STATE = """
 import json, math, sys
 import jax

@@ -806,3 +806,48 @@ def test_finetune_step_tiny_times_an_imported_checkpoint(tmp_path):
     bad = _module("finetune_step", "--tiny", "--runs", "llama_1b:O1", "--out", str(tmp_path / "b"))
     assert bad.returncode != 0 and "the config is one of" in bad.stderr, bad.stderr[-800:]
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_torch_reference_moe_layer_equals_fp8jax(normalize):
+    """The PyTorch MoE layer with fp8jax's MoeMlp weights: the same output (within its bf16
+    expert GEMMs) and the same auxiliary loss."""
+    torch = pytest.importorskip("torch")
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    from benchmarks import torch_reference
+    from fp8jax import spec
+    from fp8jax.models import moe
+
+    c = train_lib.load_config("moe_tiny")
+    c.fp8.level = "O0"  # f32 matmuls: what differs is the reference's bf16 expert GEMMs
+    c.model.update(d_model=32, num_heads=2, num_kv_heads=2)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=16, normalize_top_k=normalize)
+    c.model.moe.update(aux_loss_coef=0.5, z_loss_coef=0.1)
+    cfg = spec.parse(c).model
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32), jnp.float32)
+    variables = nn.unbox(moe.MoeMlp(cfg).init(jax.random.key(0), x))
+    y, sown = moe.MoeMlp(cfg).apply(variables, x, mutable=[moe.MOE_LOSSES])
+    p = jax.tree.map(np.asarray, variables["params"])
+    layer = torch_reference.Moe(
+        dict(
+            d_model=32,
+            experts=4,
+            top_k=2,
+            d_ff=16,
+            normalize_top_k=normalize,
+            aux_loss=0.5,
+            z_loss=0.1,
+        ),
+        out_std=0.02,
+    )
+    with torch.no_grad():
+        layer.router.copy_(torch.tensor(p["router"]["kernel"]))
+        layer.wi.copy_(torch.tensor(p["experts_wi"]["kernel"].reshape(4, 32, 32)))  # gate, up
+        layer.wo.copy_(torch.tensor(p["experts_wo"]["kernel"]))
+        got, aux = layer(torch.tensor(np.asarray(x)))
+    want = np.asarray(y)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-2 * np.abs(want).max())
+    np.testing.assert_allclose(float(aux), float(sown[moe.MOE_LOSSES]["aux_loss"][0]), rtol=1e-5)

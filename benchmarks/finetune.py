@@ -253,7 +253,13 @@ def score(workdir: str, test: list[dict]) -> dict:
     t0 = time.perf_counter()
     prompts = [r["prompt"] for r in test]
     predictions = generate.generate(
-        inf.model, inf.params, inf.fp8_state, inf.tokenizer, prompts, max_new
+        inf.model,
+        inf.params,
+        inf.fp8_state,
+        inf.tokenizer,
+        prompts,
+        max_new,
+        moe_state=inf.moe_state,
     )
     answers = [tasks.title_in(r) for r in test]
     return {

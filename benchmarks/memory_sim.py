@@ -10,8 +10,13 @@ bytes, the train state's bytes per device counted from its shardings, and the by
 sends per step by collective and element type (compiled HLO, ring costs; FP8 travels as uint8
 on CPU). CPU fusion and scheduling differ from a GPU's: a compile-time proxy for the memory a
 GPU run needs, available without the GPUs. ``model.attention_impl`` is set to 'xla' (cuDNN's
-attention does not lower for CPU); runs that name no mesh shard over ``fsdp`` = ``--devices``.
+attention does not lower for CPU); runs that name no mesh shard over ``fsdp`` = ``--devices``
+(over the devices the config's ``mesh.expert`` leaves: an MoE config keeps its expert axis).
 ``--quick`` compiles a shrunk model (a CPU smoke test).
+
+    python -m benchmarks.memory_sim --out "$OUT" --devices 8 --runs qwen3_30b_a3b:O3
+    python -m benchmarks.memory_sim --out "$OUT" --devices 1 \
+        --runs qwen3_30b_a3b@1gpu:O2,olmoe_1b7b:O0,olmoe_1b7b:O1,olmoe_1b7b:O2
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import tempfile
 from benchmarks import common, runner
 
 GIB = 2**30
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "expert", "fsdp", "tensor")
 QUICK = {
     "model.num_layers": 2,
     "model.d_model": 128,
@@ -42,11 +47,19 @@ QUICK = {
 def config_for(run: str, devices: int, quick: bool, sets=()):
     """The run's config: its options, then CPU attention, a batch of one sequence per device
     unless the run sets one, and fsdp over every device unless it names a mesh."""
+    from fp8jax import errors
+
     _, _, options = runner.parse_run(run)
     named = {o.split("=", 1)[0] for o in options}
     settings = {"model.attention_impl": "xla", **(QUICK if quick else {})}
-    if not named & {"mesh.data", "mesh.fsdp", "mesh.tensor"}:
-        settings.update({"mesh.data": 1, "mesh.fsdp": devices, "mesh.tensor": 1})
+    if not named & {f"mesh.{axis}" for axis in MESH_AXES}:
+        expert = runner.load(run, sets, settings).mesh.expert  # the config's, if it splits experts
+        if devices % expert:
+            raise errors.ConfigError(
+                f"run {run!r}: mesh.expert={expert} does not divide --devices {devices}; pass "
+                "--devices a multiple of it or name the mesh (mesh.expert=...)"
+            )
+        settings.update({"mesh.data": 1, "mesh.fsdp": devices // expert, "mesh.tensor": 1})
     config = runner.load(run, sets, settings)
     if quick and "batch_size" not in named:
         config.batch_size = devices
@@ -65,6 +78,83 @@ def state_bytes_per_device(abstract) -> int:
     return total
 
 
+def grouped_loop(
+    lhs,
+    rhs,
+    group_sizes,
+    ragged_dot_dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    **unused,
+):
+    """``ragged_dot_general`` one group at a time: the GPU kernels' memory, not XLA:CPU's.
+
+    XLA:CPU has no grouped GEMM: JAX lowers ``ragged_dot_general`` there to dense products over
+    every group at once ([G, M, K] and [G, M, N] temporaries, gigabytes at an MoE model's
+    shapes) where a GPU's grouped kernel holds the operands and the result only. This gives the
+    same values with a loop over the groups, whose temporaries are one group's product.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    del unused
+    dn = ragged_dot_dimension_numbers
+    (l_con, r_con), (l_bat, r_bat) = dn.dot_dimension_numbers
+    (ragged,) = dn.lhs_ragged_dimensions
+    if group_sizes.ndim != 1:
+        raise NotImplementedError("grouped_loop: batched group sizes")
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    dot = lambda a, b, dims: lax.dot_general(  # noqa: E731
+        a, b, dims, precision=precision, preferred_element_type=preferred_element_type
+    )
+
+    def rows_of(g, shape, dim):  # the mask of group g's rows along ``dim`` of ``shape``
+        iota = lax.broadcasted_iota(jnp.int32, shape, dim)
+        return (iota >= starts[g]) & (iota < ends[g])
+
+    if ragged in l_bat:  # ragged batch: a plain batched product
+        return dot(lhs, rhs, dn.dot_dimension_numbers)
+    if ragged in l_con:  # ragged contraction (a weight gradient): out[g] from g's rows
+        dims = ((l_con, r_con), (l_bat, r_bat))
+        out_shape = jax.eval_shape(lambda a, b: dot(a, b, dims), lhs, rhs)
+
+        def body(g, out):
+            masked = jnp.where(rows_of(g, lhs.shape, ragged), lhs, jnp.zeros((), lhs.dtype))
+            return lax.dynamic_update_index_in_dim(out, dot(masked, rhs, dims), g, 0)
+
+        out = jnp.zeros((group_sizes.shape[0], *out_shape.shape), out_shape.dtype)
+        return lax.fori_loop(0, group_sizes.shape[0], body, out)
+    (group,) = dn.rhs_group_dimensions  # ragged rows (forward, data gradient): rhs[g] each
+    shift = lambda dims: [d - (d > group) for d in dims]  # noqa: E731
+    dims = ((l_con, shift(r_con)), (l_bat, shift(r_bat)))
+    take = lambda g: lax.dynamic_index_in_dim(rhs, g, group, keepdims=False)  # noqa: E731
+    out_shape = jax.eval_shape(lambda a, b: dot(a, b, dims), lhs, take(0))
+    free = [d for d in range(lhs.ndim) if d not in (*l_con, *l_bat)]
+    out_dim = len(l_bat) + free.index(ragged)
+
+    def body(g, out):
+        y = dot(lhs, take(g), dims)
+        return jnp.where(rows_of(g, y.shape, out_dim), y, out)
+
+    return lax.fori_loop(0, group_sizes.shape[0], body, jnp.zeros(out_shape.shape, out_shape.dtype))
+
+
+def install_grouped_loop() -> None:
+    """Lower ``ragged_dot_general`` on CPU with ``grouped_loop`` (in this process)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.interpreters import mlir
+
+    x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    w = jax.ShapeDtypeStruct((1, 2, 2), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((1,), jnp.int32)
+    (eqn,) = jax.make_jaxpr(jax.lax.ragged_dot)(x, w, sizes).eqns  # the primitive, publicly
+    lowering = mlir.lower_fun(grouped_loop, multiple_results=False)
+    mlir.register_lowering(eqn.primitive, lowering, platform="cpu")
+
+
 def child(run: str, devices: int, quick: bool, sets=()) -> dict:
     """Lower and compile one run on the simulated devices (inside the child process)."""
     import time
@@ -77,6 +167,7 @@ def child(run: str, devices: int, quick: bool, sets=()) -> dict:
 
     if len(jax.devices()) != devices:
         raise RuntimeError(f"expected {devices} simulated devices, got {len(jax.devices())}")
+    install_grouped_loop()  # an MoE model's experts as a GPU holds them
     c = config_for(run, devices, quick, sets)
     s = runner.build(c)
     state = checkpoint.abstract_like(s.abstract, s.state_shardings)
@@ -115,7 +206,7 @@ def child(run: str, devices: int, quick: bool, sets=()) -> dict:
 
 COLUMNS = {
     "devices": lambda r: r["devices"],
-    "mesh (d,f,t)": lambda r: ",".join(str(r["mesh"].get(k, 1)) for k in MESH_AXES),
+    "mesh (d,e,f,t)": lambda r: ",".join(str(r["mesh"].get(k, 1)) for k in MESH_AXES),
     "params B": lambda r: f"{r['params_b']:.2f}",
     "state GiB": lambda r: f"{r['state_gib']:.2f}",
     "args GiB": lambda r: f"{r['argument_gib']:.2f}",

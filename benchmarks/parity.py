@@ -7,6 +7,16 @@ difference under 0.5% for gpt2_125m over a few hundred steps at O0 vs O1.
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
         python -m benchmarks.parity --config gpt2_125m --steps 300 --out "$OUT"
 
+An MoE config also reports each level's expert load balance: the experts' loads (each one's
+share of the token-expert assignments) on the validation batches at the final state, max over
+mean per layer, averaged over the layers (``val_load_max_over_mean``; 1 is perfectly even),
+and its ratio to the first level's. The MoE targets: O1 and O2 within 0.25% of O0's validation
+loss, and a balance no worse than O0's by more than 5%:
+
+    python -m benchmarks.parity --config moe_tiny --levels O0,O1,O2 --steps 400 --vocab 512 \
+        --out "$OUT"
+    python -m benchmarks.parity --config olmoe_1b7b --levels O0,O1,O2 --steps 300 --out "$OUT"
+
 ``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes). On several GPUs,
 ``--levels O0,O3 --mesh 1,-1,1 --steps 200`` compares O3 (FP8 Adam and masters sharded over
 ``fsdp``, FP8 weight all-gather) with O0 on the same mesh. A level may carry config overrides
@@ -30,6 +40,46 @@ def level_config(name: str, level: str, steps: int, vocab: int, mesh: str, sets=
     settings.update({"model.vocab_size": vocab, "num_train_steps": steps, "sample_tokens": 0})
     settings.update({"eval_every_steps": steps, "checkpoint_every_steps": steps})
     return runner.load(f"{name}:{level}", sets, settings)
+
+
+def moe_balance(config, workdir: str) -> dict:
+    """An MoE run's expert loads on its validation batches at its final checkpoint: each layer's
+    max over mean and their mean over the layers (``{}`` for a dense model)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8jax import spec
+    from fp8jax.models import moe
+    from fp8jax.optim import master
+    from fp8jax.trainer import checkpoint, data, loop
+    from fp8jax.trainer import step as step_lib
+
+    run = spec.parse(config)
+    if run.model.moe is None:
+        return {}
+    env = loop.setup(run)
+    ckpt = checkpoint.Checkpointer(workdir)
+    try:
+        state, _ = ckpt.restore(checkpoint.abstract_like(env.abstract, env.state_shardings))
+    finally:
+        ckpt.close()
+    batches = data.build(run, workdir).eval_batches(run.loop.eval_batches)
+    scanned = run.model.scan_layers
+
+    @jax.jit
+    def loads(state, inputs):  # [layers, experts]: each expert's share of the assignments
+        params = master.materialize(state.params)
+        variables = step_lib.model_variables(env.model, params, state)
+        _, sown = env.model.apply(variables, inputs, mutable=[moe.MOE_METRICS])
+        return moe.layer_metrics(sown[moe.MOE_METRICS], scanned)[moe.LOAD]
+
+    total = sum(np.asarray(loads(state, jnp.asarray(b["inputs"])), np.float64) for b in batches)
+    per_layer = total.max(axis=-1) / total.mean(axis=-1)
+    return {
+        "val_load_max_over_mean": float(per_layer.mean()),
+        "val_load_max_over_mean_per_layer": [float(x) for x in per_layer],
+    }
 
 
 def main(argv=None):
@@ -58,17 +108,25 @@ def main(argv=None):
         summary = loop.train_and_evaluate(c, workdir)
         first_dir = first_dir or workdir
         rows[level] = {k: summary.get(k) for k in ("val_loss", "train_loss", "train_tokens_per_s")}
+        if "preempted_at" not in summary:
+            rows[level].update(moe_balance(c, workdir))
         print(level, rows[level], flush=True)
     base = rows[levels[0]]["val_loss"]
+    balance = rows[levels[0]].get("val_load_max_over_mean")
     for r in rows.values():  # a run stopped early (SIGTERM) has no final validation loss
         ok = r["val_loss"] is not None and base is not None
         r["rel_diff_vs_first"] = (r["val_loss"] - base) / base if ok else math.nan
+        if balance is not None:
+            r["balance_vs_first"] = r.get("val_load_max_over_mean", math.nan) / balance
     runner.write_json(a.out, "parity", rows)
     columns = {
         "val_loss": lambda r: f"{r['val_loss']:.4f}",
         "rel diff": lambda r: f"{r['rel_diff_vs_first']:.3%}",
         "tok/s": lambda r: f"{r['train_tokens_per_s']:.0f}",
     }
+    if balance is not None:  # an MoE config: the experts' load balance on the validation set
+        columns["load max/mean"] = lambda r: f"{r.get('val_load_max_over_mean', math.nan):.4f}"
+        columns["vs first"] = lambda r: f"{r['balance_vs_first']:.4f}"
     print("\n" + runner.table([{"level": k, **r} for k, r in rows.items()], columns, "level"))
 
 

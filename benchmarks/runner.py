@@ -1,12 +1,13 @@
 """The shared runner of fp8jax's benchmarks: run specs, config overrides, child processes, JSON.
 
 A run spec is ``config:level[:options]``, options joined by ``+``: ``gpt_1b3:O1``,
-``gpt_1b3:O0:model.scan_layers=False+plain``. ``key=value`` options, and every
-``--set key=value`` flag, are config overrides applied through ml_collections: the field must
-exist (a typo is a one-line error, not a new field) and the value is parsed for the field's
-type. Other options are flags the benchmark reads (``plain``). The order, last wins: the config
-file, the level, the benchmark's own settings (``--quick``, ``--mesh``, ...), the run's
-options, ``--set``.
+``gpt_1b3:O0:model.scan_layers=False+plain``; ``config@variant`` passes the variant to the
+config's ``get_config`` (``qwen3_30b_a3b@1gpu:O2``, as ``--config ...qwen3_30b_a3b.py:1gpu``).
+``key=value`` options, and every ``--set key=value`` flag, are config overrides applied
+through ml_collections: the field must exist (a typo is a one-line error, not a new field) and
+the value is parsed for the field's type. Other options are flags the benchmark reads
+(``plain``). The order, last wins: the config file, the level, the benchmark's own settings
+(``--quick``, ``--mesh``, ...), the run's options, ``--set``.
 
 A benchmark that needs a fresh process per measurement (its own compiles and peak memory)
 calls ``drive``: the parent reruns its own command with ``--child RUN`` once per run, the child
@@ -141,7 +142,8 @@ def load(
     if unknown:
         known = ", ".join(sorted(flags)) or "none"
         raise _config_error(f"run {run!r}: unknown option(s) {unknown} (flags here: {known})")
-    config = loop.load_config(name)
+    name, _, variant = name.partition("@")
+    config = loop.load_config(name, variant or None)
     _set(config, {"fp8.level": level, **(settings or {})}, lambda k: f"run {run!r} ({k})")
     apply_overrides(config, [o for o in options if "=" in o])
     apply_overrides(config, sets)

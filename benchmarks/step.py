@@ -13,11 +13,20 @@ A run is ``config:level[:options]``, options joined by ``+``: ``key=value`` conf
 (``gpt_1b3:O0:model.scan_layers=False``) and ``plain``, which jits the same pure step without
 shardings or mesh (the unsharded reference for the sharded path's overhead). ``--set
 key=value`` overrides every run. ``--quick`` shrinks every model to a CPU smoke test.
+
+``--torch RUNS`` also times ``benchmarks.torch_reference`` runs (``config:bf16`` or
+``config:float8``, with the optimizer; each at its config's batch) in the same call, after
+the JAX runs and in fresh processes of their own, into the same table: the MoE step against
+PyTorch's on one GPU,
+
+    python -m benchmarks.step --out "$OUT" --runs olmoe_1b7b:O0,olmoe_1b7b:O1,olmoe_1b7b:O2 \
+        --torch olmoe_1b7b:bf16
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -185,6 +194,21 @@ COLUMNS = {
 }
 
 
+def torch_rows(a: argparse.Namespace) -> list[dict]:
+    """The ``--torch`` runs' records (or error rows), each measured by a ``torch_reference``
+    child process and written as that benchmark writes it."""
+    rows = []
+    for run in filter(None, a.torch.split(",")):
+        run = f"{run}:optim"  # the whole step, as this benchmark's
+        quick = ["--quick", "--no-compile"] if a.quick else []  # the CPU smoke test: eager
+        args = ("--out", a.out, "--steps", str(a.steps), *quick, f"--child={run}")
+        cmd = runner.command("torch_reference", *args)
+        rows.append(runner.run_child(cmd, run, timeout=a.timeout or None))
+        runner.write_json(a.out, f"torch_reference_{runner.safe_name(run)}", rows[-1])
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     p = runner.parser(__doc__, sets=True)
     p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1,gpt_1b3:O2,llama_1b:O0,llama_1b:O1")
@@ -195,6 +219,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
     p.add_argument("--profile", type=int, default=0, help="also trace N steps: top kernels")
     p.add_argument("--keep-hlo", action="store_true", help="also write each step's HLO (gz)")
+    p.add_argument("--torch", default="", help="also these torch_reference runs (config:bf16)")
     a = runner.parse_args(p, argv)
 
     def measure(run: str, a: argparse.Namespace) -> dict:
@@ -207,6 +232,7 @@ def main(argv=None):
     )
     if rows is None:
         return
+    rows += torch_rows(a)
     print("\n" + runner.table(rows, COLUMNS))
     for r in rows:
         prof = r.get("profile")

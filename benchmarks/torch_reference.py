@@ -1,7 +1,9 @@
-"""PyTorch reference of the train step of configs/gpt_1b3.py and configs/llama_1b.py.
+"""PyTorch reference of the train step of configs/gpt_1b3.py, configs/llama_1b.py and the MoE
+configs olmoe_1b7b and qwen3_30b_a3b:1gpu.
 
     PYTHONUNBUFFERED=1 python -m benchmarks.torch_reference --out "$OUT" --no-optim \
         --runs gpt_1b3:bf16,gpt_1b3:float8,llama_1b:bf16,llama_1b:float8
+    python -m benchmarks.torch_reference --out "$OUT" --runs olmoe_1b7b:bf16,qwen3_30b_a3b@1gpu:bf16
 
 The shapes are copied here (no jax, fp8jax or ml_collections needed: this runs with torch),
 for absolute tokens/s next to ``benchmarks.step``. The models
@@ -13,6 +15,14 @@ f32 master params, bf16 autocast, f32 cross-entropy, global-norm clip 1.0, fused
 tokens (targets = inputs, as benchmarks.step). ``float8``: torchao's tensorwise recipe (dynamic
 per-tensor scales, E4M3 forward, E5M2 grads) on every block linear, LM head bf16; install
 torchao with ``pip install --no-deps .whl/torchao-0.18.0-*.whl``.
+
+The MoE models mirror fp8jax/models/moe.py: q/k RMSNorm (over the whole projection or per
+head), an f32 softmax router (f32 weights and logits), top-k (renormalised or not), the
+token-expert pairs sorted by expert (dropless) through two bf16 grouped GEMMs (gate/up, then
+down; ``torch._grouped_mm`` on a CUDA GPU, one matmul per expert elsewhere), unsorted and
+summed with the router weights in f32, and the load-balancing and z losses added to the loss;
+their configs' batch (4 x 2048). ``float8`` converts their attention linears only (torchao's
+float8 linear does not cover the grouped experts).
 
 One fresh process per run (own peak memory; a failure is an error row). ``torch.compile`` in its
 default mode (max-autotune was not used because of its compile time) on the model and loss; clip
@@ -43,7 +53,8 @@ INIT_STD = 0.02  # fp8jax/models/layers.py
 NORM_EPS = 1e-5
 ROPE_THETA = 10_000.0
 BATCH, SEQ = 8, 2048
-# configs/gpt_1b3.py and configs/llama_1b.py (vocabulary 32768, untied head, max_len 2048).
+# configs/gpt_1b3.py and configs/llama_1b.py (vocabulary 32768, untied head, max_len 2048),
+# configs/olmoe_1b7b.py and configs/qwen3_30b_a3b.py:1gpu (d_ff: an expert's width).
 CONFIGS = {
     "gpt_1b3": dict(
         style="gpt", vocab=32768, d_model=2048, layers=24, heads=16, kv_heads=16, d_ff=8192, lr=2e-4
@@ -57,6 +68,43 @@ CONFIGS = {
         kv_heads=4,
         d_ff=5632,
         lr=4e-4,
+    ),
+    "olmoe_1b7b": dict(
+        style="moe",
+        vocab=50304,
+        d_model=2048,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        qk_norm="full",
+        d_ff=1024,
+        experts=64,
+        top_k=8,
+        normalize_top_k=False,
+        aux_loss=0.01,
+        z_loss=1e-3,
+        lr=4e-4,
+        batch=4,
+    ),
+    "qwen3_30b_a3b@1gpu": dict(
+        style="moe",
+        vocab=151936,
+        d_model=2048,
+        layers=6,
+        heads=32,
+        kv_heads=4,
+        head_width=128,
+        qk_norm="head",
+        d_ff=768,
+        experts=128,
+        top_k=8,
+        normalize_top_k=True,
+        aux_loss=0.001,
+        z_loss=0.0,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        lr=3e-4,
+        batch=4,
     ),
 }
 
@@ -73,54 +121,118 @@ def linear(d_in: int, d_out: int, bias: bool, std: float = INIT_STD) -> nn.Linea
 class Norm(nn.Module):
     """LayerNorm (GPT) or RMSNorm (LLaMA): statistics in f32, output in the input dtype."""
 
-    def __init__(self, d: int, rms: bool):
+    def __init__(self, d: int, rms: bool, eps: float = NORM_EPS):
         super().__init__()
-        self.rms = rms
+        self.rms, self.eps = rms, eps
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = None if rms else nn.Parameter(torch.zeros(d))
 
     def forward(self, x):
         xf = x.float()
         if self.rms:
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS) * self.weight.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         else:
-            y = F.layer_norm(xf, xf.shape[-1:], self.weight.float(), self.bias.float(), NORM_EPS)
+            y = F.layer_norm(xf, xf.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)  # bf16 out, as Flax's norm with dtype=bfloat16
 
 
-def rope(x):
+def rope(x, theta: float = ROPE_THETA):
     """Rotary embedding of x [B, L, heads, H], rotate-half layout, angles and rotation in f32."""
     half = x.shape[-1] // 2
-    inv_freq = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
     angle = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)[:, None] * inv_freq
     sin, cos = angle.sin()[:, None], angle.cos()[:, None]  # [L, 1, H/2]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def grouped_mm(x_MxK, w_GxKxN, counts_G):
+    """Rows of ``x`` sorted by group times their group's matrix: ``torch._grouped_mm`` on a
+    CUDA GPU that has it, else one matmul per group (eager only: the sizes go to the host)."""
+    if x_MxK.is_cuda and hasattr(torch, "_grouped_mm"):
+        offs = torch.cumsum(counts_G, 0, dtype=torch.int32)  # each group's end row
+        return torch._grouped_mm(x_MxK, w_GxKxN, offs=offs)
+    parts = torch.split(x_MxK, counts_G.tolist())
+    return torch.cat([p @ w_GxKxN[g] for g, p in enumerate(parts)])
+
+
+class Moe(nn.Module):
+    """fp8jax's MoeMlp: f32 softmax router, top-k, dropless grouped SwiGLU experts (bf16)."""
+
+    def __init__(self, c: dict, out_std: float):
+        super().__init__()
+        d, e, f = c["d_model"], c["experts"], c["d_ff"]
+        self.e, self.k, self.normalize = e, c["top_k"], c["normalize_top_k"]
+        self.aux_coef, self.z_coef = c["aux_loss"], c["z_loss"]
+        self.router = nn.Parameter(torch.randn(d, e) * INIT_STD)  # f32 at every level
+        self.wi = nn.Parameter(torch.randn(e, d, 2 * f) * INIT_STD)  # gate, then up
+        self.wo = nn.Parameter(torch.randn(e, f, d) * out_std)
+
+    def forward(self, x):
+        """``(y, weighted auxiliary loss)`` of ``x [B, L, D]``."""
+        b, length, d = x.shape
+        x_TxD = x.reshape(-1, d)
+        with torch.autocast(x.device.type, enabled=False):  # the router in f32, no TF32 either
+            logits_TxE = x_TxD.float() @ self.router.float()
+        probs_TxE = logits_TxE.softmax(-1)
+        p_Txk, idx_Txk = probs_TxE.topk(self.k, dim=-1)
+        if self.normalize:
+            p_Txk = p_Txk / p_Txk.sum(-1, keepdim=True)
+        expert_N = idx_Txk.flatten()  # pair n = t * k + j
+        order_N = expert_N.argsort(stable=True)  # pairs grouped by expert, in token order
+        counts_E = torch.zeros(self.e, dtype=torch.int64, device=x.device)
+        counts_E = counts_E.scatter_add(0, expert_N, torch.ones_like(expert_N))
+        xs_NxD = x_TxD[order_N // self.k].to(torch.bfloat16)
+        gate, up = grouped_mm(xs_NxD, self.wi.to(torch.bfloat16), counts_E).chunk(2, dim=-1)
+        ys_NxD = grouped_mm(F.silu(gate) * up, self.wo.to(torch.bfloat16), counts_E)
+        y_NxD = torch.empty_like(ys_NxD).index_copy(0, order_N, ys_NxD)  # unsorted
+        y_TxD = (y_NxD.view(-1, self.k, d).float() * p_Txk.unsqueeze(-1)).sum(1)
+        load_E = counts_E.float() / expert_N.numel()
+        balance = self.e * (load_E * probs_TxE.mean(0)).sum()
+        z = torch.logsumexp(logits_TxE, -1).pow(2).mean()
+        aux = self.aux_coef * balance + self.z_coef * z
+        return y_TxD.to(x.dtype).view(b, length, d), aux
+
+
 class Block(nn.Module):
-    """Pre-norm block: causal attention (MHA/GQA) then GELU MLP or SwiGLU."""
+    """Pre-norm block: causal attention (MHA/GQA, q/k norms) then GELU MLP, SwiGLU or MoE."""
 
     def __init__(self, c: dict):
         super().__init__()
         d, n, k, f = c["d_model"], c["heads"], c["kv_heads"], c["d_ff"]
-        self.n, self.k, self.h, self.llama = n, k, d // n, c["style"] == "llama"
+        self.n, self.k, self.h = n, k, c.get("head_width") or d // n
+        self.llama = c["style"] in ("llama", "moe")  # RoPE, RMSNorm, no biases, SwiGLU
+        self.theta, eps = c.get("rope_theta", ROPE_THETA), c.get("norm_eps", NORM_EPS)
         bias, rms = not self.llama, self.llama
         out_std = INIT_STD / (2 * c["layers"]) ** 0.5  # GPT-2 residual-projection scaling
-        self.attn_norm, self.mlp_norm = Norm(d, rms), Norm(d, rms)
+        self.attn_norm, self.mlp_norm = Norm(d, rms, eps), Norm(d, rms, eps)
         self.q = linear(d, n * self.h, bias)
         self.kv = linear(d, 2 * k * self.h, bias)  # K and V fused into one GEMM, as fp8jax
         self.o = linear(n * self.h, d, bias, out_std)
-        self.wi = linear(d, 2 * f if self.llama else f, bias)  # SwiGLU gate/up fused, as fp8jax
-        self.wo = linear(f, d, bias, out_std)
+        self.qk_norm = c.get("qk_norm", "")  # 'full' (OLMoE), 'head' (Qwen3) or none
+        if self.qk_norm:
+            width = self.h if self.qk_norm == "head" else None
+            self.q_norm = Norm(width or n * self.h, True, eps)
+            self.k_norm = Norm(width or k * self.h, True, eps)
+        self.moe = Moe(c, out_std) if c["style"] == "moe" else None
+        if self.moe is None:
+            self.wi = linear(d, 2 * f if self.llama else f, bias)  # SwiGLU gate/up fused
+            self.wo = linear(f, d, bias, out_std)
 
     def forward(self, x):
+        """``(x after the block, its weighted MoE auxiliary loss)`` (0 for a dense block)."""
         b, length, _ = x.shape
         y = self.attn_norm(x)
-        q = self.q(y).view(b, length, self.n, self.h)
-        k, v = self.kv(y).view(b, length, 2, self.k, self.h).unbind(2)  # fp8jax's [2, K, H]
+        q = self.q(y)
+        k, v = self.kv(y).view(b, length, 2, self.k * self.h).unbind(2)  # fp8jax's [2, K, H]
+        if self.qk_norm == "full":  # over every head's q (and k) at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, length, self.n, self.h)
+        k, v = k.view(b, length, self.k, self.h), v.view(b, length, self.k, self.h)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.llama:
-            q, k = rope(q), rope(k)
+            q, k = rope(q, self.theta), rope(k, self.theta)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -129,13 +241,16 @@ class Block(nn.Module):
             enable_gqa=self.k != self.n,
         )
         x = x + self.o(o.transpose(1, 2).reshape(b, length, self.n * self.h))
+        if self.moe is not None:
+            h, aux = self.moe(self.mlp_norm(x))
+            return x + h, aux
         h = self.wi(self.mlp_norm(x))
         if self.llama:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return x + self.wo(h)
+        return x + self.wo(h), 0.0
 
 
 class Transformer(nn.Module):
@@ -148,7 +263,7 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embed.weight, std=INIT_STD)
         self.pos = nn.Parameter(torch.randn(max_len, d) * INIT_STD) if gpt else None
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["layers"]))
-        self.final_norm = Norm(d, rms=not gpt)
+        self.final_norm = Norm(d, not gpt, c.get("norm_eps", NORM_EPS))
         self.head = linear(d, c["vocab"], bias=False)
 
     def forward(self, tokens, targets):
@@ -157,26 +272,35 @@ class Transformer(nn.Module):
         x = self.embed(tokens).to(torch.bfloat16)
         if self.pos is not None:
             x = x + self.pos[: tokens.shape[1]].to(torch.bfloat16)
+        aux = 0.0  # an MoE model's auxiliary losses, added to the loss as fp8jax's step does
         for block in self.blocks:
-            x = block(x)
+            x, block_aux = block(x)
+            aux = aux + block_aux
         logits = self.head(self.final_norm(x)).float()  # bf16 GEMM, loss and softmax in f32
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux
 
 
 def flops_per_token(c: dict, seq: int) -> float:
-    """fp8jax.models.flops_per_token: 6 x matmul params + 12 x layers x d_model x seq."""
-    d, h = c["d_model"], c["d_model"] // c["heads"]
+    """fp8jax.models.flops_per_token: 6 x active matmul params + 12 x layers x heads x head
+    width x seq (an MoE block's active params: its router and top_k experts)."""
+    d, h = c["d_model"], c.get("head_width") or c["d_model"] // c["heads"]
     attn = d * h * (2 * c["heads"] + 2 * c["kv_heads"])
     mlp = (2 if c["style"] == "gpt" else 3) * d * c["d_ff"]
-    return 6.0 * (c["layers"] * (attn + mlp) + d * c["vocab"]) + 12 * c["layers"] * d * seq
+    if c["style"] == "moe":
+        mlp = d * c["experts"] + 3 * d * c["d_ff"] * c["top_k"]
+    attention = 12 * c["layers"] * c["heads"] * h * seq
+    return 6.0 * (c["layers"] * (attn + mlp) + d * c["vocab"]) + attention
 
 
 def child(name: str, level: str, optim: bool, a) -> dict:
     """Build, compile and time one config at one level (runs inside the child process)."""
-    c, batch, seq = dict(CONFIGS[name]), BATCH, SEQ
+    c, seq = dict(CONFIGS[name]), SEQ
+    batch = c.get("batch", BATCH)
     if a.quick:
-        c.update(vocab=256, d_model=64, layers=2, heads=4, d_ff=128)
-        c["kv_heads"] = 2 if c["style"] == "llama" else 4  # keep GQA in the LLaMA smoke test
+        c.update(vocab=256, d_model=64, layers=2, heads=4, d_ff=128, head_width=0)
+        c["kv_heads"] = 2 if c["style"] != "gpt" else 4  # keep GQA in the LLaMA smoke test
+        if c["style"] == "moe":
+            c.update(experts=8, top_k=2, d_ff=32)
         batch, seq = 4, 32
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -209,8 +333,10 @@ def child(name: str, level: str, optim: bool, a) -> dict:
     run_model = model if a.no_compile else torch.compile(model)
     opt = None
     if optim:
-        # Decay on matmul weights only (fp8jax's is_matmul_weight): not embeddings, norms, biases.
+        # Decay on matmul weights only (fp8jax's is_matmul_weight): not embeddings, norms, biases,
+        # an MoE router.
         decay = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+        decay += [w for m in model.modules() if isinstance(m, Moe) for w in (m.wi, m.wo)]
         ids = {id(p) for p in decay}
         rest = [p for p in model.parameters() if id(p) not in ids]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]

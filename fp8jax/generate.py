@@ -219,6 +219,7 @@ def main(argv):
                 stop=stop,
                 stream=stream,
                 prompt_ids=ids,
+                moe_state=inf.moe_state,
             )
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)

@@ -101,7 +101,7 @@ class Backend:
         self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
     ) -> list[tuple[float, bool]]:
         """``(log-likelihood, greedy)`` of each ``(context ids, continuation ids)``."""
-        return self.scorer(self.inf.params, self.inf.fp8_state, requests)
+        return self.scorer(self.inf.params, self.inf.fp8_state, requests, self.inf.moe_state)
 
     def rolling(self, token_lists: Sequence[Sequence[int]]) -> list[float]:
         """The log-likelihood of each whole token list, scored in windows of the model's
@@ -162,6 +162,7 @@ class Backend:
                 seed=seed,
                 stop=list(until),
                 prompt_ids=[ids[i] for i in chunk],
+                moe_state=self.inf.moe_state,
             )
             for i, text in zip(chunk, texts, strict=True):
                 out[i] = text

@@ -8,7 +8,9 @@ pytest process) and asserts on the JSON it prints last:
   and gradients, for expert axes of 2, 4 and 8 and with data and fsdp axes carrying tokens too,
   dropless and with a capacity; E4M3 dispatch against its error bound;
 - a train step with tokens over data x expert against the one-device step (the expert axis as
-  a data-parallel axis: gradients reduced and FP8 amaxes merged over it).
+  a data-parallel axis: gradients reduced and FP8 amaxes merged over it);
+- the dtype of each kernel an MoE model's layers see in an fsdp-sharded bf16 step at O2 and O3
+  (per-layer and upfront gathers), and how the per-layer gathers move and reduce the router.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import linen as nn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -40,7 +43,7 @@ import sharded_checks as sc  # noqa: E402
 
 from fp8jax import spec  # noqa: E402
 from fp8jax.ops import formats  # noqa: E402
-from fp8jax.parallel import expert, sharding  # noqa: E402
+from fp8jax.parallel import expert, layerwise, sharding  # noqa: E402
 
 TOKENS, D, F, E, K = 64, 16, 32, 8, 2  # global tokens, width, expert width, experts, top-k
 CAPACITY_FACTOR = 1.0  # with the skewed router below, some experts overflow
@@ -278,6 +281,53 @@ def moe_step_cases() -> dict:
     return out
 
 
+# name -> (level, comm.gather) of the fsdp-sharded bf16 MoE steps whose kernels are checked
+GATHER_CASES = {"O3 layer": ("O3", "layer"), "O3 upfront": ("O3", "upfront"), "O2": ("O2", "auto")}
+
+
+def gathered_dtypes(level: str, gather: str) -> dict:
+    """The dtype of the kernel each layer of a bf16 MoE model (with a gated shared expert) sees
+    in a train step on data2 x fsdp4, traced (``Module scope/name: dtype``); for the per-layer
+    gathers also how each router and shared-gate kernel moves (cast) and reduces (FP8)."""
+    c = moe_config("dropless", data=2, fsdp=4)
+    c.fp8.level, c.comm.gather, c.model.dtype = level, gather, "bfloat16"
+    c.comm.min_fp8_size = 32  # every kernel's gradient large enough for an FP8 reduction
+    c.model.moe.update(shared_d_ff=16, shared_gate=True)
+    env = sc.train_lib.setup(spec.parse(c), jax.devices(), donate=False)
+    seen: dict[str, set] = {}
+
+    def record(next_fun, args, kwargs, context):
+        kernel = context.module.variables.get("params", {}).get("kernel")
+        if context.method_name == "__call__" and kernel is not None:
+            name = f"{type(context.module).__name__} {context.module.name}"
+            seen.setdefault(name, set()).add(jnp.dtype(kernel.dtype).name)
+        return next_fun(*args, **kwargs)
+
+    groups = []
+    prepare = layerwise.prepare
+
+    def keep_groups(*args):  # the per-layer gathers' plan of the traced step
+        out = prepare(*args)
+        groups.append(out[2])
+        return out
+
+    abstract = jax.eval_shape(env.init, jax.random.PRNGKey(0))
+    layerwise.prepare = keep_groups
+    try:
+        with nn.intercept_methods(record):
+            jax.eval_shape(env.train_step, abstract, sc.abstract_batch(c))
+    finally:
+        layerwise.prepare = prepare
+    out = {"kernels": {k: sorted(v) for k, v in seen.items()}}
+    if groups:
+        out["leaves"] = {
+            "/".join(li.path): {"cast": li.cast, "fp8_grad": li.fp8_grad, "fsdp": li.fsdp_dim}
+            for li in groups[0]["blocks"].leaves
+            if {"router", "shared_gate", "experts_wi"} & set(li.path)
+        }
+    return out
+
+
 def main() -> None:
     data = inputs()
     out = {"dispatch": {}}
@@ -287,6 +337,7 @@ def main() -> None:
     out["fp8_dispatch"] = fp8_dispatch_case(data)
     out["step"] = step_case()
     out["moe_steps"] = moe_step_cases()
+    out["gathers"] = {name: gathered_dtypes(*case) for name, case in GATHER_CASES.items()}
     print(json.dumps(out))
 
 

@@ -433,6 +433,40 @@ def test_memory_sim_compiles_sharded_steps_without_allocating(tmp_path):
     assert "state GiB" in proc.stdout
 
 
+def test_memory_sim_lowers_grouped_gemms_one_group_at_a_time():
+    """``memory_sim.grouped_loop`` gives ragged_dot_general's values for each form the forward
+    and its gradients bind (ragged rows: forward and dx; ragged contraction: dw), an empty
+    group and rows past the groups included."""
+    import jax
+    import jax.extend
+    import jax.numpy as jnp
+
+    from benchmarks import memory_sim
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((24, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 8, 5)), jnp.float32)
+    sizes = jnp.asarray([5, 0, 11, 6], jnp.int32)  # 22 of 24 rows: the last two give 0
+    ct = jnp.asarray(rng.standard_normal((24, 5)), jnp.float32)
+    loss = lambda x, w, sizes: jnp.sum(jax.lax.ragged_dot(x, w, sizes) * ct)  # noqa: E731
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, sizes)
+    env = dict(zip(closed.jaxpr.invars, (x, w, sizes), strict=True))
+    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+    forms = set()
+    for eqn in closed.jaxpr.eqns:  # the gradient's program, each grouped GEMM checked
+        args = [read(v) for v in eqn.invars]
+        out = eqn.primitive.bind(*args, **eqn.params)
+        if eqn.primitive.name == "ragged_dot_general":
+            dn = eqn.params["ragged_dot_dimension_numbers"]
+            forms.add((tuple(dn.lhs_ragged_dimensions), tuple(dn.rhs_group_dimensions)))
+            got = memory_sim.grouped_loop(*args, **eqn.params)
+            np.testing.assert_allclose(got, out, rtol=1e-5, atol=1e-5)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    assert len(forms) == 2, forms  # ragged rows (forward, dx) and ragged contraction (dw)
+
+
 O3_STATE = """
 import json, math, sys
 import jax
@@ -772,3 +806,48 @@ def test_finetune_step_tiny_times_an_imported_checkpoint(tmp_path):
     bad = _module("finetune_step", "--tiny", "--runs", "llama_1b:O1", "--out", str(tmp_path / "b"))
     assert bad.returncode != 0 and "the config is one of" in bad.stderr, bad.stderr[-800:]
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_torch_reference_moe_layer_equals_fp8jax(normalize):
+    """The PyTorch MoE layer with fp8jax's MoeMlp weights: the same output (within its bf16
+    expert GEMMs) and the same auxiliary loss."""
+    torch = pytest.importorskip("torch")
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    from benchmarks import torch_reference
+    from fp8jax import spec
+    from fp8jax.models import moe
+
+    c = train_lib.load_config("moe_tiny")
+    c.fp8.level = "O0"  # f32 matmuls: what differs is the reference's bf16 expert GEMMs
+    c.model.update(d_model=32, num_heads=2, num_kv_heads=2)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=16, normalize_top_k=normalize)
+    c.model.moe.update(aux_loss_coef=0.5, z_loss_coef=0.1)
+    cfg = spec.parse(c).model
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32), jnp.float32)
+    variables = nn.unbox(moe.MoeMlp(cfg).init(jax.random.key(0), x))
+    y, sown = moe.MoeMlp(cfg).apply(variables, x, mutable=[moe.MOE_LOSSES])
+    p = jax.tree.map(np.asarray, variables["params"])
+    layer = torch_reference.Moe(
+        dict(
+            d_model=32,
+            experts=4,
+            top_k=2,
+            d_ff=16,
+            normalize_top_k=normalize,
+            aux_loss=0.5,
+            z_loss=0.1,
+        ),
+        out_std=0.02,
+    )
+    with torch.no_grad():
+        layer.router.copy_(torch.tensor(p["router"]["kernel"]))
+        layer.wi.copy_(torch.tensor(p["experts_wi"]["kernel"].reshape(4, 32, 32)))  # gate, up
+        layer.wo.copy_(torch.tensor(p["experts_wo"]["kernel"]))
+        got, aux = layer(torch.tensor(np.asarray(x)))
+    want = np.asarray(y)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-2 * np.abs(want).max())
+    np.testing.assert_allclose(float(aux), float(sown[moe.MOE_LOSSES]["aux_loss"][0]), rtol=1e-5)

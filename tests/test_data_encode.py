@@ -201,7 +201,7 @@ def test_a_run_with_an_existing_tokenizer_keeps_and_exports_it(tok, tmp_path):
     """Train 2 steps with data.tokenizer: the work dir and its HF export carry the tokenizer
     (EOS, BOS), the model's vocabulary is its size rounded up; a resume with another tokenizer
     is refused before anything changes."""
-    from fp8jax.hf import io as hf_io  # hf.export is the CLI module once that is loaded
+    from fp8jax.hf import io as hf_io
 
     hf_dir = _hf_dir(tmp_path, tok)
     path = tmp_path / "book.txt"

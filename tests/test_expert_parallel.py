@@ -169,3 +169,21 @@ def test_expert_parallel_moe_steps_match_one_device(checks):
         _assert_step_matches_one_device(name, c)
         assert "s32" in c["all_to_all_dtypes"], (name, c)  # expert ids: the dispatch ran
         assert "'expert'" in c["experts_sharded"], (name, c)  # stored split over the axis
+
+
+@pytest.mark.slow
+def test_sharded_steps_keep_the_router_in_f32(checks):
+    """fsdp-sharded bf16 steps (O3's per-layer and upfront gathers, O2's) hand the router and
+    the shared gate their f32 kernels (f32 logits from f32 weights) and the other layers bf16
+    ones; the per-layer gathers move the router in f32 and reduce its gradient in f32."""
+    assert set(checks["gathers"]) == {"O3 layer", "O3 upfront", "O2"}
+    for name, c in checks["gathers"].items():
+        k = c["kernels"]
+        assert k["Router router"] == k["Dense shared_gate"] == ["float32"], (name, k)
+        for other in ("GroupedLinear experts_wi", "DenseGeneral q", "Dense head"):
+            assert k[other] == ["bfloat16"], (name, other, k)
+    leaves = checks["gathers"]["O3 layer"]["leaves"]
+    for name in ("mlp/router/kernel", "mlp/shared_gate/kernel"):
+        li = leaves[name]
+        assert li["fsdp"] is not None and not li["cast"] and not li["fp8_grad"], (name, li)
+    assert leaves["mlp/experts_wi/kernel"]["fp8_grad"], leaves  # the others do reduce in FP8

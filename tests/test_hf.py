@@ -379,7 +379,7 @@ def test_missing_expert_tensor_is_one_line_exit_2(ckpts, tmp_path):
         hf.load(d)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8jax.hf.export", str(d), str(out)],
+        [sys.executable, "-m", "fp8jax.hf.export_cli", str(d), str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -388,6 +388,14 @@ def test_missing_expert_tensor_is_one_line_exit_2(ckpts, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"lacks tensor {name}" in lines[0] and not out.exists()
+
+
+def test_the_export_command_module_leaves_hf_export_the_function():
+    """Loading the command-line module binds no ``hf.export`` attribute over the function."""
+    import importlib
+
+    importlib.import_module("fp8jax.hf.export_cli")
+    assert hf.export is io.export and callable(hf.export)
 
 
 def test_export_refuses_a_non_empty_output(ckpts, tmp_path):
@@ -433,7 +441,7 @@ def test_workdir_load_and_export_o2(tmp_path):
     for k in want:
         np.testing.assert_array_equal(got[k], np.asarray(want[k]), err_msg=str(k))
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8jax.hf.export", str(tmp_path / "wd"), str(tmp_path / "out")],
+        [sys.executable, "-m", "fp8jax.hf.export_cli", str(tmp_path / "wd"), str(tmp_path / "out")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -449,7 +457,7 @@ def test_workdir_load_and_export_o2(tmp_path):
 def test_export_cli_bad_input_exit_2(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8jax.hf.export", str(tmp_path / "nothing"), str(out)],
+        [sys.executable, "-m", "fp8jax.hf.export_cli", str(tmp_path / "nothing"), str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -215,10 +215,10 @@ def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, b
 def test_hf_load_and_export_of_a_changed_work_dir_are_refused_naming_the_file(
     workdir, tmp_path, capsys
 ):
-    """``hf.load`` of a work dir, ``hf.export`` and ``python -m fp8jax.hf.export`` verify the
+    """``hf.load`` of a work dir, ``hf.export`` and ``python -m fp8jax.hf.export_cli`` verify the
     latest step's checksums: after one flipped bit each refuses in one line naming the step
     and the changed file, and no output folder is made."""
-    from fp8jax.hf.export import main as export_main
+    from fp8jax.hf.export_cli import main as export_main
 
     hf_io.load(workdir)  # intact: it loads
     changed = _flip_a_bit(workdir, 4)
@@ -526,7 +526,7 @@ def test_export_refuses_non_finite_output(exported, dtype, scale, fragment, tmp_
 
 def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
     """model.safetensors cut to half its size: ``hf.load`` raises a one-line CheckpointError
-    naming the file, and ``python -m fp8jax.hf.export`` exits 2 with that line, no output."""
+    naming the file, and ``python -m fp8jax.hf.export_cli`` exits 2 with that line, no output."""
     copy = tmp_path / "model"
     shutil.copytree(exported, copy)
     path = copy / hf_io.SAFETENSORS
@@ -535,7 +535,7 @@ def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
         hf_io.load(copy)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8jax.hf.export", str(copy), str(out)],
+        [sys.executable, "-m", "fp8jax.hf.export_cli", str(copy), str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

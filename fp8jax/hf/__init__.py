@@ -4,7 +4,7 @@ GPT-2 and the MoE architectures Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 ``load(path)`` reads a HF model dir or an fp8jax work dir into ``Loaded(model_cfg, params,
 tokenizer)``; ``export(src, out_dir)`` writes either as a HF dir; ``architecture(path)`` gives
 the ``ModelConfig`` architecture fields; ``hf_config(model_cfg)`` the config.json of an export.
-Command line: ``python -m fp8jax.hf.export SRC OUT``.
+Command line: ``python -m fp8jax.hf.export_cli SRC OUT``.
 """
 
 from fp8jax.hf.architectures import ARCHITECTURE_FIELDS, SUPPORTED, hf_config

@@ -19,7 +19,8 @@ replicas):
 
 So each device sends about 2 bytes per gradient element (all-to-all + all-gather) where an f32
 ring all-reduce sends 8. Gradients smaller than ``min_fp8_size`` elements (norms, biases) are
-reduced in f32: their bytes are negligible and their precision is not.
+reduced in f32: their bytes are negligible and their precision is not. So are the gradients of
+``optim.master.F32_LAYERS`` (an MoE router and shared gate), kept out of FP8 throughout.
 
 Automatic scaling (FP8-LM): if more than ``saturation_limit`` (0.001%) of the quantized values
 exceed the format max (they are clipped), ``mu`` halves for the next step; otherwise it grows by
@@ -47,6 +48,7 @@ from jax.sharding import Mesh, PartitionSpec
 from fp8jax._tree import path_key
 from fp8jax.errors import ConfigError, check_bool, check_int, check_number
 from fp8jax.ops import formats
+from fp8jax.optim.master import F32_LAYERS
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.sharding import DP_AXES, MESH_AXES, REPLICA_AXES
 
@@ -311,6 +313,12 @@ def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh
     return out, sum(clipped)
 
 
+def reduces_in_fp8(path: tuple[str, ...], elements: int, cfg: CommConfig) -> bool:
+    """Whether the gradient of the param at ``path`` (``elements`` per layer) is reduced in FP8:
+    ``cfg.min_fp8_size`` elements or more, and not of an ``optim.master.F32_LAYERS`` layer."""
+    return elements >= cfg.min_fp8_size and not set(path) & set(F32_LAYERS)
+
+
 def reduce_f32(g: jax.Array, fsdp_dim: int | None) -> jax.Array:
     """Sum this replica's gradient over the data-parallel axes in f32 (a small one: norms,
     biases), keeping only this device's fsdp shard of a sharded parameter."""
@@ -336,14 +344,15 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     mesh, cfg = plan.mesh, plan.cfg
     mesh_shape = (int(mesh.shape["data"] * mesh.shape["expert"]), int(mesh.shape["fsdp"]))
     wire = wire_format(mesh, cfg)
-    leaves, treedef = jax.tree.flatten(grads_N)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads_N)
+    leaves = [x for _, x in flat]
     specs = treedef.flatten_up_to(plan.specs)
     stacks = treedef.flatten_up_to(plan.stack_ndims)
     fsdp_dims = [sharding_lib.axis_dim(s, "fsdp") for s in specs]
     expert_dims = [sharding_lib.axis_dim(s, "expert") for s in specs]
     shards = int(mesh.shape["expert"])
     # Full (global) element counts decide FP8 vs f32 identically on every device.
-    use_fp8 = [math.prod(x.shape[1:]) >= cfg.min_fp8_size for x in leaves]
+    use_fp8 = [reduces_in_fp8(path_key(p), math.prod(x.shape[1:]), cfg) for p, x in flat]
     groups = _layer_groups(grads_N) if cfg.bucket_by_layer else [list(range(len(leaves)))]
     # One bucket per layer (cfg.bucket_by_layer): a layer's gradients can travel while the
     # backward pass still works on the layers below it; the scales are per tensor either way.
@@ -396,6 +405,7 @@ __all__ = [
     "reduce_f32",
     "reduce_fp8",
     "reduce_gradients",
+    "reduces_in_fp8",
     "to_wire",
     "wire_format",
 ]

@@ -21,15 +21,21 @@ from jax.sharding import PartitionSpec
 
 from fp8jax._tree import path_key
 from fp8jax.ops import formats, scaling
-from fp8jax.optim.master import fp8_op_name
+from fp8jax.optim.master import F32_LAYERS, fp8_op_name
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.comm import Plan, amax_stacked, from_wire, per_layer, to_wire, wire_format
 from fp8jax.parallel.sharding import MESH_AXES
 
 P = PartitionSpec
 # Parameters the model uses only cast to its compute dtype (flax's Dense and Embed promote
-# kernel and table to ``dtype``); norm scales, biases and the rest keep their own dtype.
+# kernel and table to ``dtype``); norm scales, biases and the rest keep their own dtype, and so
+# do the kernels of ``optim.master.F32_LAYERS`` (an MoE router and shared gate compute in f32).
 COMPUTE_DTYPE_LEAVES = ("kernel", "embedding")
+
+
+def moves_in_compute_dtype(path: tuple[str, ...]) -> bool:
+    """Whether the leaf at ``path`` is gathered in the compute dtype (else in its own)."""
+    return path[-1] in COMPUTE_DTYPE_LEAVES and not set(path) & set(F32_LAYERS)
 
 
 def find_meta(fp8_state, path: tuple[str, ...]):
@@ -78,7 +84,7 @@ def gather_params(params, fp8_state, plan: Plan):
         for i, w in zip(todo, ws, strict=True):
             dim = sharding_lib.axis_dim(specs[i], "fsdp")
             if i not in meta_of:
-                if paths[i][-1] in COMPUTE_DTYPE_LEAVES:
+                if moves_in_compute_dtype(paths[i]):
                     # The layer casts this leaf to the compute dtype first thing, so gathering
                     # the cast shard moves the same values in half the bytes of f32 (O1's f32
                     # params; O2+ hands over compute-dtype views already).
@@ -140,4 +146,10 @@ def set_weight_amax(fp8_state, w_amax: dict):
     return rebuild(fp8_state, ())
 
 
-__all__ = ["COMPUTE_DTYPE_LEAVES", "find_meta", "gather_params", "set_weight_amax"]
+__all__ = [
+    "COMPUTE_DTYPE_LEAVES",
+    "find_meta",
+    "gather_params",
+    "moves_in_compute_dtype",
+    "set_weight_amax",
+]

@@ -42,7 +42,7 @@ from fp8jax.ops import block_cast, formats, scaling
 from fp8jax.ops.remat import GATHERED
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
-from fp8jax.parallel.gather import COMPUTE_DTYPE_LEAVES, find_meta
+from fp8jax.parallel.gather import find_meta, moves_in_compute_dtype
 
 GATHER_KEY = "fp8jax_gather"  # a group's extra params: {'mu', 'stats', 'scales'}
 ROOT = ""  # the group of the leaves outside the blocks
@@ -289,7 +289,7 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
         stack_of[g] = max(stack_of.get(g, 0), stack if g != ROOT else 0)
         dim = sharding_lib.axis_dim(spec, "fsdp")
         per_layer = math.prod(w.shape[stack:]) if g != ROOT else w.size
-        fp8_grad = per_layer >= cfg.min_fp8_size
+        fp8_grad = comm.reduces_in_fp8(path, per_layer, cfg)
         count += w.size if fp8_grad else 0
         fp8, blocks = False, None
         layer_dim = None if dim is None else dim - (stack if g != ROOT else 0)
@@ -308,7 +308,7 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
                 amax = comm.amax_stacked(w_c, stack)  # global: over every shard
                 w_amax[path] = amax
                 scales.setdefault(g, {})[_scale_key(rel)] = scaling.use_scale(meta.w, amax)
-        cast = path[-1] in COMPUTE_DTYPE_LEAVES
+        cast = moves_in_compute_dtype(path)
         members.setdefault(g, []).append(LeafInfo(rel, layer_dim, fp8, cast, fp8_grad, blocks))
     groups = {
         g: Group(tuple(ls), mesh_shape, cfg, wire, jnp.dtype(plan.compute_dtype).name)

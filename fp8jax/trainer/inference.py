@@ -2,7 +2,9 @@
 
 ``load`` reads a Hugging Face dir or an fp8jax work dir (through ``fp8jax.hf.load``) and, for
 a work dir trained at O1+, the FP8 state of its latest checkpoint: decoding at O1 then runs the
-model's FP8 matmuls with the delayed scales training left there. Nothing is written anywhere.
+model's FP8 matmuls with the delayed scales training left there. An MoE model with a sigmoid
+router's balancing bias gets the bias of that checkpoint (zeros from a Hugging Face dir, which
+has no such bias). Nothing is written anywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from absl import logging
 
 from fp8jax import errors, models, provenance
 from fp8jax.diagnostics import memory
+from fp8jax.models import moe
 from fp8jax.nn.state import FP8
 from fp8jax.ops import scaling
 from fp8jax.trainer import corpus as corpus_lib
@@ -35,8 +38,10 @@ __all__ = [
     "evaluate",
     "fine_recipe",
     "fresh_fp8_state",
+    "fresh_moe_state",
     "load",
     "restore_fp8_state",
+    "restore_moe_state",
     "text_tokens",
 ]
 
@@ -51,13 +56,15 @@ _DATA_FIX = "pass --data a text file, a folder of .txt files or a .jsonl file wi
 @dataclasses.dataclass(frozen=True)
 class Inference:
     """What generation and evaluation need: the model, its params and FP8 state (empty at
-    O0), the tokenizer, and the level the model runs at."""
+    O0), the tokenizer, the level the model runs at, and an MoE model's router biases
+    (``TrainState.moe_state``; empty unless its sigmoid router keeps a balancing bias)."""
 
     model: models.Transformer
     params: Any
     fp8_state: Any
     tokenizer: Any
     level: str
+    moe_state: Any = dataclasses.field(default_factory=dict)
 
 
 def default_dtype() -> str:
@@ -105,7 +112,8 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
         cfg = dataclasses.replace(cfg, recipe=recipe)
         fp8 = stored[1] if stored else fresh_fp8_state(cfg)
     params = jax.tree.map(jnp.asarray, loaded.params)
-    return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level)
+    moe_state = restore_moe_state(path, cfg) if has_ckpt else fresh_moe_state(cfg)
+    return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level, moe_state)
 
 
 def fine_recipe(record: dict) -> scaling.Recipe | None:
@@ -117,15 +125,69 @@ def fine_recipe(record: dict) -> scaling.Recipe | None:
     return scaling.make_recipe(name, **{k: v for k, v in recipe.items() if k != "name"})
 
 
-def _abstract_fp8(model_cfg: models.ModelConfig):
+def _abstract_variables(model_cfg: models.ModelConfig, collection: str):
     model = models.build_model(model_cfg)
     tokens = jnp.zeros((1, 8), jnp.int32)
-    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens).get(FP8, {})
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens).get(collection, {})
+
+
+def _abstract_fp8(model_cfg: models.ModelConfig):
+    return _abstract_variables(model_cfg, FP8)
 
 
 def fresh_fp8_state(model_cfg: models.ModelConfig):
     """The FP8 state a fresh model starts with (scale 1, empty histories)."""
     return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), _abstract_fp8(model_cfg))
+
+
+def fresh_moe_state(model_cfg: models.ModelConfig):
+    """The router biases a fresh MoE model starts with (zeros; {} where it keeps none)."""
+    target = _abstract_variables(model_cfg, moe.MOE_STATE)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), target)
+
+
+def restore_moe_state(workdir: Path, model_cfg: models.ModelConfig):
+    """The router biases (``TrainState.moe_state``) of the work dir's latest checkpoint, {} for
+    a model that keeps none; zeros (warned) where the checkpoint saved none."""
+    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
+    from etils import epath
+
+    from fp8jax.hf import workdir as workdir_lib
+
+    fresh = fresh_moe_state(model_cfg)
+    if not fresh:
+        return fresh
+    state_dir = workdir_lib.latest_step_dir(workdir) / "state"
+    try:
+        metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
+    except Exception as e:  # orbax raises many types for unreadable metadata
+        raise errors.CheckpointError(
+            f"cannot read the checkpoint metadata in {state_dir} "
+            f"({workdir_lib.storage_error(e)}); move that step aside to use the one before it"
+        ) from e
+    saved = metadata.get(moe.MOE_STATE)
+    if not saved:
+        logging.warning("%s holds no MoE router biases: the router selects without them", state_dir)
+        return fresh
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    item = {moe.MOE_STATE: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(epath.Path(state_dir), args=args)[moe.MOE_STATE]
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+        raise errors.CheckpointError(
+            f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
+            "that step aside to use the one before it"
+        ) from e
+    layout = lambda tree: (jax.tree.structure(tree), [x.shape for x in jax.tree.leaves(tree)])
+    if layout(restored) != layout(fresh):
+        raise errors.CheckpointMismatchError(
+            f"{state_dir} holds MoE router biases of another layout than the recorded model's: "
+            "its scan_layers or expert count differs from model.json"
+        )
+    return jax.tree.map(lambda r, f: jnp.asarray(r, f.dtype), restored, fresh)
 
 
 def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
@@ -239,7 +301,9 @@ def evaluate(
     with errors.reraise_as(errors.DataError, ValueError):
         batches = dataset.eval_batches(num_batches)
     zero = jnp.zeros((), jnp.int32)
-    state = step_lib.TrainState(zero, inf.params, None, inf.fp8_state, zero, zero)
+    state = step_lib.TrainState(
+        zero, inf.params, None, inf.fp8_state, zero, zero, moe_state=inf.moe_state
+    )
     batches = [jax.tree.map(jnp.asarray, b) for b in batches]
     eval_step = jax.jit(step_lib.make_eval_step(inf.model)).lower(state, batches[0]).compile()
     memory.check_fits(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import errors, models
+from fp8jax.models import moe
 from fp8jax.optim import adam as optim
 from fp8jax.trainer import generate as generate_lib
 
@@ -53,9 +54,11 @@ class Scorer:
         self.traces = 0
         self._run = jax.jit(self._score)
 
-    def _score(self, params, fp8, inputs_BxL, targets_BxL, scored_BxL):
+    def _score(self, params, fp8, moe_state, inputs_BxL, targets_BxL, scored_BxL):
         self.traces += 1  # runs only while tracing: one per compilation
         variables = {"params": optim.materialize(params), self.collection: fp8}
+        if moe_state:
+            variables[moe.MOE_STATE] = moe_state
         logits_BxLxV = self.model.apply(variables, inputs_BxL).astype(jnp.float32)
         logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
         logp_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
@@ -64,9 +67,14 @@ class Scorer:
         return total_B, jnp.all(greedy_BxL | ~scored_BxL, axis=-1)
 
     def __call__(
-        self, params, fp8_state, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        params,
+        fp8_state,
+        requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+        moe_state=None,
     ) -> list[tuple[float, bool]]:
-        """``(log-likelihood, greedy)`` of each ``(context ids, continuation ids)``, in order."""
+        """``(log-likelihood, greedy)`` of each ``(context ids, continuation ids)``, in order;
+        ``moe_state``: an MoE model's router biases (``TrainState.moe_state``), if it has any."""
         max_len = self.model.cfg.max_len
         rows = [sequence(c, t, max_len) for c, t in requests]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # one bucket a batch
@@ -83,7 +91,7 @@ class Scorer:
                 targets_BxL[r, : len(targets)] = targets
                 scored_BxL[r, len(targets) - n : len(targets)] = True
             total_B, greedy_B = jax.device_get(
-                self._run(params, fp8_state, inputs_BxL, targets_BxL, scored_BxL)
+                self._run(params, fp8_state, moe_state or {}, inputs_BxL, targets_BxL, scored_BxL)
             )
             for r, i in enumerate(chunk):
                 out[i] = (float(total_B[r]), bool(greedy_B[r]))

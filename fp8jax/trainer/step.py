@@ -65,7 +65,7 @@ class TrainState:
     skipped: jax.Array  # [] int32, total skipped steps
     comm: Any = struct.field(default_factory=dict)  # O1+: {'mu': f32[]} FP8 grad pre-scale
     # The objective's own state (``Objective.init_state``): {} for the language-model loss,
-    # DPO's frozen reference {'params', 'fp8'}.
+    # DPO's frozen reference {'params', 'fp8'} (and 'moe_state', an MoE model's router biases).
     objective: Any = struct.field(default_factory=dict)
     # The model's MOE_STATE collection (a sigmoid router's balancing bias per MoE layer), {}
     # for others; updated by the step from the expert loads (``moe.update_bias``).
@@ -200,8 +200,8 @@ def init_state(
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
-    objective_state = (objective or LANGUAGE_MODEL).init_state(params, fp8)
     moe_state = variables.get(moe.MOE_STATE, {})
+    objective_state = (objective or LANGUAGE_MODEL).init_state(params, fp8, moe_state)
     return TrainState(
         zero, params, opt_state, fp8, zero, zero, comm_state, objective_state, moe_state
     )

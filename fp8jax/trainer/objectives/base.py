@@ -53,9 +53,10 @@ class Objective:
         del run
         return cls()
 
-    def init_state(self, params, fp8) -> Any:
-        """The train state this objective adds, from the initial ``params`` and ``fp8`` state."""
-        del params, fp8
+    def init_state(self, params, fp8, moe_state=None) -> Any:
+        """The train state this objective adds, from the initial ``params``, ``fp8`` state and
+        MoE router biases (``moe_state``: ``TrainState.moe_state``, None or {} if none)."""
+        del params, fp8, moe_state
         return {}
 
     def keep(self, new, old, ok: jax.Array) -> Any:

@@ -2,7 +2,8 @@
 
 The policy is the trained model (``TrainState.params``, every FP8 level as in pre-training and
 SFT). The reference is a frozen copy of the initial policy (the ``init_from`` checkpoint, or
-the random init), the objective's train state ``{'params', 'fp8'}`` (``TrainState.objective``):
+the random init), the objective's train state ``{'params', 'fp8'}`` (``TrainState.objective``;
+with ``'moe_state'``, a copy of the initial router biases, for an MoE model that keeps them):
 checkpointed with the state, so a resume is exact, but not in the optimizer and never
 differentiated. Each step first runs the reference on the global batch (its sequence
 log-probs under ``stop_gradient``: :meth:`Dpo.make_prepare`); the step splits those per-row
@@ -16,7 +17,8 @@ up to the global mean. Beta and label smoothing are the objective's fields (``co
 
 Reference storage: its weight matrices (kernels, embeddings) in the compute dtype (bf16 on
 GPU: 2 bytes/param, half of an f32 copy; what the forward casts them to anyway), vectors
-(norm scales, biases) as the policy stores them.
+(norm scales, biases) and an MoE router's and shared gate's f32 kernels as the policy stores
+them.
 
 Reference FP8 (O1+): its matmuls run in FP8 like the policy's, with their own scale state
 (``['fp8']``, a copy of the policy's initial one) under the run's recipe, its amaxes recorded
@@ -37,10 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import models
-from fp8jax._tree import leaf_name
+from fp8jax._tree import leaf_name, path_key
+from fp8jax.models import moe
 from fp8jax.nn import state as fp8_state
 from fp8jax.nn.state import FP8
 from fp8jax.optim import adam as optim
+from fp8jax.optim.master import F32_LAYERS
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer.objectives.base import Objective, register
@@ -80,11 +84,12 @@ def dpo_sums(policy_B, ref_B, mask_P, beta, label_smoothing=0.0) -> dict:
 
 def reference_params(params, dtype):
     """The reference's copy of ``params`` (plain arrays, masters dequantized): weight matrices
-    in ``dtype``, the other leaves as they are."""
+    in ``dtype`` (not the f32 kernels of ``F32_LAYERS``), the other leaves as they are."""
     view = optim.materialize(params)
 
     def one(path, p):
         keep = leaf_name(path) not in _MATRICES or p.ndim < 2
+        keep = keep or bool(set(path_key(path)) & set(F32_LAYERS))  # computed in f32
         return jnp.array(p, dtype=p.dtype if keep else dtype, copy=True)  # never the policy's
 
     return jax.tree_util.tree_map_with_path(one, view)
@@ -106,6 +111,8 @@ def reference_logps(ref_model, ref, batch, update: bool):
     """``(logps [B], fp8)``: each row's summed response log-probability under the reference
     (``stop_gradient``), and its FP8 state (``update``: this batch's amaxes committed)."""
     variables = {"params": ref["params"], FP8: ref["fp8"]}
+    if ref.get(moe.MOE_STATE):  # an MoE reference's router biases, frozen with its weights
+        variables[moe.MOE_STATE] = ref[moe.MOE_STATE]
     kwargs = loss_lib.loss_kwargs(batch)  # the model returns token CE, not logits
     if update:
         losses, mutated = ref_model.apply(variables, batch["inputs"], **kwargs, mutable=[FP8])
@@ -134,15 +141,20 @@ class Dpo(Objective):
         """``config.dpo``'s beta and label smoothing, the model's compute dtype."""
         return cls(run.dpo.beta, run.dpo.label_smoothing, run.model.dtype)
 
-    def init_state(self, params, fp8) -> dict:
-        """The frozen reference: the initial policy's weights and a copy of its FP8 state."""
-        ref_fp8 = jax.tree.map(lambda x: jnp.array(x, copy=True), fp8)
-        return dict(params=reference_params(params, self.dtype), fp8=ref_fp8)
+    def init_state(self, params, fp8, moe_state=None) -> dict:
+        """The frozen reference: the initial policy's weights and a copy of its FP8 state (and
+        of its MoE router biases, if it keeps any)."""
+        copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+        ref = dict(params=reference_params(params, self.dtype), fp8=copy(fp8))
+        if moe_state:
+            ref[moe.MOE_STATE] = copy(moe_state)
+        return ref
 
     def keep(self, new, old, ok):
         """The reference's FP8 state of a finite step (a skipped one commits none); its
-        params as they were."""
-        return dict(params=old["params"], fp8=fp8_state.keep_if_finite(new["fp8"], old["fp8"], ok))
+        params (and router biases) as they were."""
+        fp8 = fp8_state.keep_if_finite(new["fp8"], old["fp8"], ok)
+        return {**old, "fp8": fp8}
 
     def make_prepare(self, model, mesh=None):
         """The reference's log-probs of every row, its amaxes recorded and committed."""
@@ -150,7 +162,7 @@ class Dpo(Objective):
 
         def prepare(ref, batch):
             logps_B, ref_fp8 = reference_logps(ref_model, ref, batch, update=True)
-            return {REF_LOGPS: logps_B}, dict(params=ref["params"], fp8=ref_fp8)
+            return {REF_LOGPS: logps_B}, {**ref, "fp8": ref_fp8}
 
         return prepare
 

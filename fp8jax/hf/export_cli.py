@@ -1,4 +1,4 @@
-"""python -m fp8jax.hf.export SRC OUT [--dtype bfloat16] [--max_shard_gb 5]
+"""python -m fp8jax.hf.export_cli SRC OUT [--dtype bfloat16] [--max_shard_gb 5]
 
 Exports an fp8jax work dir (its latest checkpoint, any level) or a Hugging Face model dir to the
 Hugging Face dir OUT: safetensors, config.json, generation_config.json and the tokenizer. OUT
@@ -18,7 +18,7 @@ __all__ = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp8jax.hf.export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fp8jax.hf.export_cli", description=__doc__)
     parser.add_argument("src", help="fp8jax work dir or Hugging Face model dir")
     parser.add_argument("out", help="new (or empty) output folder")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

@@ -13,19 +13,33 @@ different lengths are right-padded; a pad's slot lies after its row's last promp
 is never attended to before the row's decoded token overwrites it. With a sliding window
 (``KVCache.window``), a query also skips the slots more than ``window - 1`` positions before its
 own: the cache keeps every slot (no rolling buffer), the mask narrows what each query reads.
+
+Weights are quantized once per prompt batch where the FP8 recipe allows it
+(``Recipe.quantizes_weights_once``): ``prefill`` writes each FP8 matmul's E4M3 weight to the
+``FP8_WEIGHTS`` collection and every ``step`` given that collection reads it, so a decode step
+reads one byte per FP8 weight and casts only its activations. ``decoding_config`` runs every
+such matmul as a plain FP8 dot (the fused MLP and Q/K/V ops compute the same forward but cast
+their weights at each call).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fp8jax.models.config import ModelConfig
+from fp8jax.nn.state import FP8_WEIGHTS
+
 __all__ = [
     "CACHE",
     "KVCache",
     "decoding",
+    "decoding_config",
     "init_cache",
+    "prefill",
     "step",
 ]
 
@@ -85,11 +99,32 @@ def init_cache(model: nn.Module, variables: dict, batch: int, length: int) -> di
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def decoding_config(cfg: ModelConfig) -> ModelConfig:
+    """The config of the model that decodes for ``cfg``: no remat (it only matters for
+    gradients) and, where the recipe ``quantizes_weights_once``, every FP8 matmul a plain FP8
+    dot that reads its weight from ``FP8_WEIGHTS`` (same params, state and forward values)."""
+    cfg = dataclasses.replace(cfg, remat_policy="none")
+    if cfg.recipe and cfg.recipe.quantizes_weights_once and cfg.fp8_impl == "fp8jax":
+        cfg = dataclasses.replace(cfg, fuse_mlp=False, fuse_qkv=False, recompute_elementwise=False)
+    return cfg
+
+
+def prefill(model: nn.Module, variables: dict, cache: dict, tokens_BxL, positions_BxL):
+    """``(logits_BxLxV f32, cache, weights)``: ``step`` on the prompt, which also quantizes each
+    FP8 weight once where the recipe allows it (``weights``: the ``FP8_WEIGHTS`` collection, to
+    pass to every later ``step`` in ``variables``; empty at O0 or for per-call recipes)."""
+    logits_BxLxV, mutated = model.apply(
+        {**variables, CACHE: cache}, tokens_BxL, positions_BxL, mutable=[CACHE, FP8_WEIGHTS]
+    )
+    return logits_BxLxV, mutated[CACHE], mutated.get(FP8_WEIGHTS, {})
+
+
 def step(model: nn.Module, variables: dict, cache: dict, tokens_BxL, positions_BxL):
     """``(logits_BxLxV f32, cache)``: run ``tokens_BxL`` at ``positions_BxL`` against ``cache``.
 
-    ``variables`` hold the params and the FP8 state; the FP8 state is read (its delayed scales
-    used as stored) and never written, since only the cache is mutable.
+    ``variables`` hold the params and the FP8 state, and ``prefill``'s ``FP8_WEIGHTS`` if any;
+    the FP8 state is read (its delayed scales used as stored) and never written, since only the
+    cache is mutable.
     """
     logits_BxLxV, mutated = model.apply(
         {**variables, CACHE: cache}, tokens_BxL, positions_BxL, mutable=[CACHE]

@@ -15,6 +15,7 @@ callback and never waits on the host.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -29,6 +30,7 @@ from jax.experimental import io_callback
 
 from fp8jax import errors, models
 from fp8jax.models import decode, moe
+from fp8jax.nn.state import FP8_WEIGHTS
 from fp8jax.optim import adam as optim
 from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
@@ -104,15 +106,25 @@ def buckets_for(lengths: Sequence[int], max_new_tokens: int, max_len: int) -> Bu
 
 
 class Decoder:
-    """The jitted prefill + decode loop of one model; ``traces`` counts its compilations."""
+    """The jitted prefill and decode programs of one model; ``traces`` counts each one's
+    compilations (``'prefill'``, ``'decode'``).
+
+    ``prefill`` (one program per batch, prompt and cache bucket) runs the prompts, fills the
+    key/value cache, quantizes the FP8 weights once where the recipe allows it
+    (``decode.prefill``) and picks each row's first token; ``decode`` (one program per batch and
+    cache bucket, whatever the prompt bucket) runs the rest as a ``lax.while_loop`` on that
+    cache and those weights.
+    """
 
     def __init__(self, model_cfg: models.ModelConfig, collection: str):
-        # Remat only matters for gradients; without it the blocks are plain modules.
-        self.model = models.build_model(dataclasses.replace(model_cfg, remat_policy="none"))
+        self.model = models.build_model(decode.decoding_config(model_cfg))
         self.collection = collection
-        self.traces = 0
+        self.traces: collections.Counter = collections.Counter()
         self.watcher: Callable | None = None  # (t, tok_B, done_B) -> stop_B of a watched call
-        self._run = jax.jit(self._generate, static_argnames=("cache_len", "watch"))
+        self.prefill = jax.jit(self._prefill, static_argnames=("cache_len",))
+        # The cache and the output buffer are updated in place (donated to the loop, which
+        # hands the cache back so that XLA can alias it).
+        self.decode = jax.jit(self._decode, static_argnames=("watch",), donate_argnums=(4, 5))
 
     def __call__(
         self,
@@ -139,60 +151,103 @@ class Decoder:
         eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
         if allowed_V is None:
             allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
-        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E, allowed_V)
-        moe_state = moe_state or {}
-        if watcher is None:
-            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=False)
+        lengths_B = jnp.asarray(lengths_B, jnp.int32)
+        pick = (key, *knobs, eos_E, allowed_V)
+        fixed = (params, fp8_state, moe_state or {})
+        weights, cache, out_BxM, tok_B, done_B, bad = self.prefill(
+            *fixed, tokens_BxP, lengths_B, *pick, cache_len=cache_len
+        )
+        loop = (lengths_B, jnp.int32(max_new_tokens), *pick)
+        if watcher is not None:
+            # The first token reaches the host from the prefill's output; the loop's by callback.
+            stop_B = watcher(0, np.asarray(tok_B), np.asarray(done_B))
+            done_B = done_B | jnp.asarray(stop_B, bool)
         self.watcher = watcher
         try:
-            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=True)
+            out_BxM, t, bad, _ = self.decode(
+                *fixed,
+                weights,
+                cache,
+                out_BxM,
+                tok_B,
+                done_B,
+                bad,
+                *loop,
+                watch=watcher is not None,
+            )
         finally:
             self.watcher = None
+        return out_BxM, t, bad
 
     def _watch(self, t, tok_B, done_B) -> np.ndarray:
         """The host side of a watched step: the current ``watcher``'s stop rows."""
         return np.asarray(self.watcher(int(t), np.asarray(tok_B), np.asarray(done_B)), bool)
 
-    def _generate(
+    def _variables(self, params, fp8, moe_state, weights=None) -> dict:
+        variables = {"params": optim.materialize(params), self.collection: fp8}
+        if moe_state:
+            variables[moe.MOE_STATE] = moe_state
+        if weights:
+            variables[FP8_WEIGHTS] = weights
+        return variables
+
+    def _pick(self, logits_BxV, t, done_B, bad, key, temp, top_k, top_p, eos_E, allowed_V):
+        """Each row's token from its logits at step ``t``, and the first non-finite step."""
+        step_key = jax.random.fold_in(key, t)
+        masked_BxV = jnp.where(allowed_V, logits_BxV, -jnp.inf)  # ids past the tokenizer
+        tok_B = sampling_lib.next_tokens(masked_BxV, step_key, temp, top_k, top_p)
+        # The first step whose live rows' logits hold NaN or Inf stops every row.
+        live_BxV = allowed_V & ~done_B[:, None]
+        nan, inf = (jnp.any(f(logits_BxV) & live_BxV) for f in (jnp.isnan, jnp.isinf))
+        first = (bad.step < 0) & (nan | inf)
+        bad = NonFinite(
+            step=jnp.where(first, t, bad.step),
+            nan=jnp.where(first, nan, bad.nan),
+            inf=jnp.where(first, inf, bad.inf),
+        )
+        return jnp.where(done_B, eos_E[0], tok_B), bad
+
+    def _prefill(self, params, fp8, moe_state, tokens_BxP, lengths_B, *pick, cache_len):
+        self.traces["prefill"] += 1  # runs only while tracing: one per compilation
+        batch, prompt_len = tokens_BxP.shape
+        eos_E = pick[4]
+        variables = self._variables(params, fp8, moe_state)
+        cache = decode.init_cache(self.model, variables, batch, cache_len)
+        rows_B = jnp.arange(batch)
+        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+        logits_BxPxV, cache, weights = decode.prefill(
+            self.model, variables, cache, tokens_BxP, positions_BxP
+        )
+        done_B = lengths_B == 0  # padding rows of the batch bucket
+        no = jnp.zeros((), bool)
+        bad = NonFinite(step=jnp.int32(-1), nan=no, inf=no)
+        last_BxV = logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)]
+        tok_B, bad = self._pick(last_BxV, 0, done_B, bad, *pick)
+        out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
+        out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
+        done_B = done_B | jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
+        return weights, cache, out_BxM, tok_B, done_B, bad
+
+    def _decode(
         self,
         params,
         fp8,
         moe_state,
-        tokens_BxP,
+        weights,
+        cache,
+        out_BxM,
+        tok_B,
+        done_B,
+        bad,
         lengths_B,
         max_new,
-        key,
-        temp,
-        top_k,
-        top_p,
-        eos_E,
-        allowed_V,
-        *,
-        cache_len,
+        *pick,
         watch,
     ):
-        self.traces += 1  # runs only while tracing: one per compilation
-        batch, prompt_len = tokens_BxP.shape
-        variables = {"params": optim.materialize(params), self.collection: fp8}
-        if moe_state:
-            variables[moe.MOE_STATE] = moe_state
-        cache = decode.init_cache(self.model, variables, batch, cache_len)
-        rows_B = jnp.arange(batch)
-
-        def pick(logits_BxV, t, done_B, bad):
-            step_key = jax.random.fold_in(key, t)
-            masked_BxV = jnp.where(allowed_V, logits_BxV, -jnp.inf)  # ids past the tokenizer
-            tok_B = sampling_lib.next_tokens(masked_BxV, step_key, temp, top_k, top_p)
-            # The first step whose live rows' logits hold NaN or Inf stops every row.
-            live_BxV = allowed_V & ~done_B[:, None]
-            nan, inf = (jnp.any(f(logits_BxV) & live_BxV) for f in (jnp.isnan, jnp.isinf))
-            first = (bad.step < 0) & (nan | inf)
-            bad = NonFinite(
-                step=jnp.where(first, t, bad.step),
-                nan=jnp.where(first, nan, bad.nan),
-                inf=jnp.where(first, inf, bad.inf),
-            )
-            return jnp.where(done_B, eos_E[0], tok_B), bad
+        self.traces["decode"] += 1  # runs only while tracing: one per compilation
+        eos_E = pick[4]
+        variables = self._variables(params, fp8, moe_state, weights)
+        rows_B = jnp.arange(out_BxM.shape[0])
 
         def stops(tok_B, t, done_B):
             """Rows that ``tok_B`` ends: an EOS id, or (watched) a stop string on the host."""
@@ -201,16 +256,6 @@ class Decoder:
                 return ended_B
             shape = jax.ShapeDtypeStruct(done_B.shape, jnp.bool_)
             return ended_B | io_callback(self._watch, shape, t, tok_B, done_B, ordered=True)
-
-        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
-        logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
-        done_B = lengths_B == 0  # padding rows of the batch bucket
-        no = jnp.zeros((), bool)
-        bad = NonFinite(step=jnp.int32(-1), nan=no, inf=no)
-        tok_B, bad = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B, bad)
-        out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
-        out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
-        done_B = done_B | stops(tok_B, 0, done_B)
 
         def more(carry):
             t, _, done_B, _, _, bad = carry
@@ -221,13 +266,13 @@ class Decoder:
             t, tok_B, done_B, cache, out_BxM, bad = carry
             pos_Bx1 = (lengths_B + t - 1)[:, None]
             logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
-            tok_B, bad = pick(logits_Bx1xV[:, 0], t, done_B, bad)
+            tok_B, bad = self._pick(logits_Bx1xV[:, 0], t, done_B, bad, *pick)
             out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
             return t + 1, tok_B, done_B | stops(tok_B, t, done_B), cache, out_BxM, bad
 
         carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM, bad)
-        t, _, _, _, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
-        return out_BxM, t, bad
+        t, _, _, cache, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
+        return out_BxM, t, bad, cache
 
 
 class NonFinite(NamedTuple):

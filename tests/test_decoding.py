@@ -166,18 +166,40 @@ class _Ids:
         return "".join(f" {i}" for i in ids)
 
 
-def test_end_sample_is_generates_sample_through_the_same_programs(gpt_o1):
-    """The trainer's end-of-run sample is ``generate``'s text for its prompt and settings, and
-    a second sample (the same buckets) compiles nothing."""
+def test_end_sample_is_generates_sample_compiled_ahead(gpt_o1):
+    """The trainer's end-of-run sample is ``generate``'s text for its prompt and settings; with
+    its programs compiled ahead in the background (``compile_sample``, from a state committed
+    to a device as the trainer's, whose arrays are gone by then) it compiles nothing."""
     model, variables = gpt_o1
+    generate.decoder_for.cache_clear()
+    device = jax.devices()[0]
+
+    def on_device():  # fresh copies of the params and scales, committed to the device
+        trees = (variables["params"], variables["fp8_state"])
+        return jax.tree.map(lambda x: jax.device_put(jnp.array(x, copy=True), device), trees)
+
+    committed = on_device()
 
     class State:
-        params, fp8, moe_state = variables["params"], variables["fp8_state"], None
+        params, fp8, moe_state = committed[0], committed[1], None
 
-    text = generate.end_sample(model, State, _Ids(), 5, prompt="7 8")
-    want = generate.generate(model, State.params, State.fp8, _Ids(), ["7 8"], 5, temperature=0.8)
+    ahead = generate.compile_sample(model, State, _Ids(), 5, prompt="7 8")
+    State.params, State.fp8 = on_device()
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    ahead.result()
+    jax.tree.map(lambda x: x.delete(), committed)  # a train step donated them
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        text = generate.end_sample(model, State, _Ids(), 5, prompt="7 8", compiled=ahead)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    want = generate.generate(
+        model, State.params, State.fp8, _Ids(), ["7 8"], 5, temperature=generate.SAMPLE_TEMPERATURE
+    )
     assert text == "7 8" + want[0] and len(text.split()) == 7
-    decoder = generate.decoder_for(model.cfg, "fp8_state")
-    traces = dict(decoder.traces)
-    assert generate.end_sample(model, State, _Ids(), 5, prompt="7 8") == text
-    assert dict(decoder.traces) == traces

@@ -16,6 +16,7 @@ callback and never waits on the host.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -41,11 +42,13 @@ __all__ = [
     "Buckets",
     "Decoder",
     "MIN_BUCKET",
+    "SAMPLE_TEMPERATURE",
     "NonFinite",
     "TextStream",
     "allowed_ids",
     "bucket",
     "buckets_for",
+    "compile_sample",
     "cut_at_stop",
     "decoder_for",
     "device_bandwidth",
@@ -148,7 +151,7 @@ class Decoder:
         rows (bool [B]) to stop."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
-        eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
+        eos_E = np.asarray(list(eos_ids) or [-1], np.int32)  # -1: no id stops a row
         if allowed_V is None:
             allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
         lengths_B = jnp.asarray(lengths_B, jnp.int32)
@@ -178,6 +181,28 @@ class Decoder:
         finally:
             self.watcher = None
         return out_BxM, t, bad
+
+    def compile(self, params, fp8_state, moe_state, b: Buckets, num_eos: int) -> None:
+        """Compile the prefill and the unwatched decode of bucket ``b`` ahead of a call, from
+        the shapes and shardings of ``params``, ``fp8_state`` and ``moe_state`` (arrays or
+        ``jax.ShapeDtypeStruct``s; the arrays may be donated meanwhile), for ``num_eos`` EOS
+        ids: the call that follows reuses the programs (safe from another thread)."""
+        fixed = jax.tree.map(_spec, (params, fp8_state, moe_state or {}))
+        committed = any(x.sharding is not None for x in jax.tree.leaves(fixed))
+        i32, S = jnp.int32, jax.ShapeDtypeStruct
+        knobs = (S((), jnp.float32), S((), i32), S((), jnp.float32))
+        key = jax.eval_shape(jax.random.PRNGKey, 0)
+        vocab = self.model.cfg.vocab_size
+        pick = (key, *knobs, S((max(num_eos, 1),), i32), S((vocab,), jnp.bool_))
+        prompt = (S((b.batch, b.prompt), i32), S((b.batch,), i32))
+        traced = self.prefill.trace(*fixed, *prompt, *pick, cache_len=b.cache)
+        out = traced.lower().compile().out_info
+        # The prefill's outputs carry its shardings where its inputs were committed to some.
+        out = jax.tree.map(
+            lambda o: S(o.shape, o.dtype, sharding=o.sharding if committed else None), out
+        )
+        loop = (S((b.batch,), i32), S((), i32), *pick)
+        self.decode.trace(*fixed, *out, *loop, watch=False).lower().compile()
 
     def _watch(self, t, tok_B, done_B) -> np.ndarray:
         """The host side of a watched step: the current ``watcher``'s stop rows."""
@@ -273,6 +298,16 @@ class Decoder:
         carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM, bad)
         t, _, _, cache, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
         return out_BxM, t, bad, cache
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype, and its sharding where it is committed to one (as a jitted
+    call's cache key tells them apart)."""
+    if isinstance(x, jax.Array):
+        sharding = x.sharding if x.committed else None
+    else:  # a ShapeDtypeStruct (its sharding, if any) or a host array (none)
+        sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 class NonFinite(NamedTuple):
@@ -414,7 +449,7 @@ def generate(
     """
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eos_id = getattr(tokenizer, "eos_id", None)
-    eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
+    eos_ids = _eos_ids(tokenizer)
     if prompt_ids is None:
         prompt_ids = [tokenizer.encode(p) for p in prompts]
     ids = [list(p) or ([] if eos_id is None else [eos_id]) for p in prompt_ids]
@@ -427,6 +462,12 @@ def generate(
     for row in range(len(out) if stream is not None else 0):
         stream.finish(row)  # rows that ran to max_new_tokens
     return [cut_at_stop(tokenizer.decode(o), stop)[0] for o in out]
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    """Every id that ends a row: the tokenizer's ``eos_ids``, else its ``eos_id`` if any."""
+    eos_id = getattr(tokenizer, "eos_id", None)
+    return list(getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id]))
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -506,11 +547,50 @@ class TextStream:
         self.shown[row] = max(self.shown[row], len(text))
 
 
-def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The ") -> str:
+SAMPLE_TEMPERATURE = 0.8  # the end-of-run sample's
+
+
+def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> tuple[int, int]:
+    """``(prompt tokens, tokens to sample)`` of the end-of-run sample of ``prompt``."""
+    prompt_len = max(len(tokenizer.encode(prompt)), 1)  # an empty prompt starts from EOS
+    return prompt_len, min(max_new_tokens, model.cfg.max_len - prompt_len)
+
+
+def compile_sample(
+    model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The "
+) -> concurrent.futures.Future:
+    """Compile ``end_sample``'s programs in a background thread, from ``state``'s shapes and
+    shardings (read now: the train steps may donate its arrays meanwhile), so that the sample
+    at the end of a run finds them compiled; the future's ``result()`` waits for them."""
+    prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
+    b = buckets_for([prompt_len], n, model.cfg.max_len)
+    fixed = jax.tree.map(_spec, (state.params, state.fp8, state.moe_state or {}))
+    decoder = decoder_for(model.cfg, step_lib.state_collection(model))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_sample")
+    future = pool.submit(decoder.compile, *fixed, b, len(_eos_ids(tokenizer)))
+    pool.shutdown(wait=False)
+    return future
+
+
+def end_sample(
+    model,
+    state,
+    tokenizer: Any,
+    max_new_tokens: int,
+    prompt: str = "The ",
+    compiled: concurrent.futures.Future | None = None,
+) -> str:
     """``prompt`` and up to ``max_new_tokens`` sampled after it (temperature 0.8), logged with
-    its time: the text a training run ends with."""
-    n = min(max_new_tokens, model.cfg.max_len - len(tokenizer.encode(prompt)))
+    its time: the text a training run ends with. ``compiled``: ``compile_sample``'s future,
+    waited for first (a failed compile is logged and the call compiles as usual)."""
     t0 = time.perf_counter()
+    if compiled is not None:
+        try:
+            compiled.result()
+        except Exception as e:  # the sample then compiles its programs itself
+            logging.warning("compiling the sample ahead failed (%s); compiling it now", e)
+    wait = time.perf_counter() - t0
+    _, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
     (text,) = generate(
         model,
         state.params,
@@ -518,8 +598,9 @@ def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = 
         tokenizer,
         [prompt],
         n,
-        temperature=0.8,
+        temperature=SAMPLE_TEMPERATURE,
         moe_state=state.moe_state,
     )
-    logging.info("sample (%.1f s): %s", time.perf_counter() - t0, prompt + text)
+    total = time.perf_counter() - t0
+    logging.info("sample (%.1f s, %.1f s waiting for its compile): %s", total, wait, prompt + text)
     return prompt + text

@@ -3,8 +3,8 @@
 Shape suffixes: B batch, L tokens in this call, M cache slots (the longest sequence decoded),
 N query heads, K key/value heads, H head dim, V vocabulary.
 
-The cache is the ``cache`` collection: per attention layer ``k`` and ``v`` of [B, M, K, H]
-(with ``model.scan_layers``, one stacked [layers, B, M, K, H] pair). ``Attention`` switches to
+The cache is the ``cache`` collection: per attention layer ``k`` and ``v`` of [B, K, M, H]
+(with ``model.scan_layers``, one stacked [layers, B, K, M, H] pair). ``Attention`` switches to
 the cached path when that collection is mutable, so training and evaluation never see it.
 
 Each row of the batch has its own positions: a call writes the new keys and values at
@@ -28,6 +28,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from fp8jax.models.config import ModelConfig
@@ -36,6 +37,7 @@ from fp8jax.nn.state import FP8_WEIGHTS
 __all__ = [
     "CACHE",
     "KVCache",
+    "attend",
     "decoding",
     "decoding_config",
     "init_cache",
@@ -47,7 +49,12 @@ CACHE = "cache"  # the variable collection of the key/value cache
 
 
 class KVCache(nn.Module):
-    """Writes a call's keys/values into the cache; attends its queries to the cached ones."""
+    """Writes a call's keys/values into the cache; attends its queries to the cached ones.
+
+    The slots are laid out [B, K, M, H]: each key/value head's slots are contiguous, so the
+    attention GEMMs (batched over B and K, contracting H, then M) read the cache in place,
+    with no transposed copy of it per step.
+    """
 
     window: int = 0  # a query sees the slots of its last ``window`` positions; 0 = all before it
 
@@ -60,21 +67,49 @@ class KVCache(nn.Module):
         positions_BxL: jax.Array,
     ) -> jax.Array:
         # The slots are created on the sizing call (``init_cache``), whose L is the cache's M.
-        cache_k = self.variable(CACHE, "k", jnp.zeros, k_BxLxKxH.shape, k_BxLxKxH.dtype)
-        cache_v = self.variable(CACHE, "v", jnp.zeros, v_BxLxKxH.shape, v_BxLxKxH.dtype)
+        b, m, k, h = k_BxLxKxH.shape
+        dtype = k_BxLxKxH.dtype
+        cache_k = self.variable(CACHE, "k", jnp.zeros, (b, k, m, h), dtype)
+        cache_v = self.variable(CACHE, "v", jnp.zeros, (b, k, m, h), dtype)
         rows_Bx1 = jnp.arange(q_BxLxNxH.shape[0])[:, None]
-        # A position past the cache (a finished row's) is dropped, not clamped onto a slot.
-        cache_k.value = cache_k.value.at[rows_Bx1, positions_BxL].set(k_BxLxKxH, mode="drop")
-        cache_v.value = cache_v.value.at[rows_Bx1, positions_BxL].set(v_BxLxKxH, mode="drop")
-        slots_M = jnp.arange(cache_k.value.shape[1])
+        # [rows, :, positions] indexes a [B, L, K, H] block: the call's keys as they come. A
+        # position past the cache (a finished row's) is dropped, not clamped onto a slot.
+        slot = (rows_Bx1, slice(None), positions_BxL)
+        cache_k.value = cache_k.value.at[slot].set(k_BxLxKxH, mode="drop")
+        cache_v.value = cache_v.value.at[slot].set(v_BxLxKxH, mode="drop")
+        slots_M = jnp.arange(cache_k.value.shape[2])
         mask_BxLxM = slots_M[None, None, :] <= positions_BxL[:, :, None]
         if self.window:  # the model's sliding window: the token itself and window - 1 before
             mask_BxLxM &= slots_M[None, None, :] > positions_BxL[:, :, None] - self.window
-        mask_Bx1xLxM = mask_BxLxM[:, None]
-        # XLA's attention: it takes an explicit mask and grouped-query heads on every platform.
-        return jax.nn.dot_product_attention(
-            q_BxLxNxH, cache_k.value, cache_v.value, mask=mask_Bx1xLxM, implementation="xla"
-        )
+        return attend(q_BxLxNxH, cache_k.value, cache_v.value, mask_BxLxM)
+
+
+def attend(q_BxLxNxH, k_BxKxMxH, v_BxKxMxH, mask_BxLxM) -> jax.Array:
+    """Grouped-query attention of queries to the cache's [B, K, M, H] slots where ``mask``
+    allows, [B, L, N, H]: the operations of ``jax.nn.dot_product_attention``'s XLA path (f32
+    logits scaled by 1/sqrt(H), softmax in f32, probabilities in the cache's dtype)."""
+    b, length, n, h = q_BxLxNxH.shape
+    k = k_BxKxMxH.shape[1]
+    q_BxLxKxGxH = q_BxLxNxH.reshape(b, length, k, n // k, h)  # query head i: kv i // G
+    logits_dtype = jnp.promote_types(q_BxLxNxH.dtype, jnp.float32)
+    presets = {
+        jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+        jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
+    }
+    logits_BxKxGxLxM = jnp.einsum(
+        "blkgh,bkmh->bkglm",
+        q_BxLxKxGxH,
+        k_BxKxMxH,
+        precision=presets.get(jnp.dtype(q_BxLxNxH.dtype)),
+        preferred_element_type=logits_dtype,
+    )
+    logits_BxKxGxLxM *= jnp.array(1.0 / np.sqrt(h), logits_dtype)
+    large_negative = -0.7 * min(jnp.finfo(logits_dtype).max, jnp.finfo(jnp.float32).max)
+    mask_Bx1x1xLxM = mask_BxLxM[:, None, None]
+    logits_BxKxGxLxM = jnp.where(mask_Bx1x1xLxM, logits_BxKxGxLxM, large_negative)
+    probs = jax.nn.softmax(logits_BxKxGxLxM.astype(jnp.float32), axis=-1).astype(k_BxKxMxH.dtype)
+    o_BxLxKxGxH = jnp.einsum("bkglm,bkmh->blkgh", probs, v_BxKxMxH)
+    return o_BxLxKxGxH.reshape(b, length, n, h)
 
 
 def decoding(module: nn.Module) -> bool:

@@ -1,16 +1,21 @@
 """Using a trained model: text generation (KV cache).
 
-Generation prefills the prompt batch once and then decodes one token per step against the key/
-value cache (``fp8jax.models.decode``), all inside one jitted function whose decode loop is a
-``lax.while_loop``: the params and FP8 state are its arguments (never constants baked into the
-program), and it compiles once per (batch, prompt length, cache length) bucket, whatever the
-number of tokens, the prompts or the sampling settings. At O1+ the FP8 matmuls use the stored
-delayed scales as they are; decoding never updates them.
+Generation runs two jitted programs (``Decoder``): the prefill runs the prompt batch once,
+fills the key/value cache (``fp8jax.models.decode``) and picks the first tokens; the decode
+program runs the remaining tokens as a ``lax.while_loop`` of one-token steps against that cache.
+The params and FP8 state are their arguments (never constants baked into a program); the
+prefill compiles once per (batch, prompt length, cache length) bucket and the decode program
+once per (batch, cache length) bucket, whatever the number of tokens, the prompts or the
+sampling settings. At O1+ the FP8 matmuls use the stored delayed scales as they are; decoding
+never updates them. Where the recipe allows it, the prefill quantizes each FP8 weight once and
+the decode steps read those E4M3 copies (``decode.prefill``): a step reads one byte per FP8
+weight and casts only its activations.
 
 A watched decode (``TextStream``: streaming text, stop strings, the time of the first token)
-compiles a second program whose every step hands its tokens to the host (an ordered
+compiles a second decode program whose every step hands its tokens to the host (an ordered
 ``io_callback``) and reads back which rows a stop string ended; the unwatched program has no
-callback and never waits on the host.
+callback and never waits on the host. The trainer's end-of-run sample compiles its programs
+in the background while the run trains (``compile_sample``).
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ class Decoder:
         loop = (lengths_B, jnp.int32(max_new_tokens), *pick)
         if watcher is not None:
             # The first token reaches the host from the prefill's output; the loop's by callback.
-            stop_B = watcher(0, np.asarray(tok_B), np.asarray(done_B))
+            # Only the padding rows count as done before it (an EOS row is the watcher's to end).
+            stop_B = watcher(0, np.asarray(tok_B), np.asarray(lengths_B) == 0)
             done_B = done_B | jnp.asarray(stop_B, bool)
         self.watcher = watcher
         try:
@@ -563,12 +564,16 @@ def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> t
 
 def compile_sample(
     model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The "
-) -> concurrent.futures.Future:
+) -> concurrent.futures.Future | None:
     """Compile ``end_sample``'s programs in a background thread, from ``state``'s shapes and
     shardings (read now: the train steps may donate its arrays meanwhile), so that the sample
-    at the end of a run finds them compiled; the future's ``result()`` waits for them."""
+    at the end of a run finds them compiled; the future's ``result()`` waits for them. None
+    where the sample cannot be planned (the sample itself then says why)."""
     prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
-    b = buckets_for([prompt_len], n, model.cfg.max_len)
+    try:
+        b = buckets_for([prompt_len], n, model.cfg.max_len)
+    except errors.ConfigError:
+        return None
     fixed = jax.tree.map(_spec, (state.params, state.fp8, state.moe_state or {}))
     decoder = decoder_for(model.cfg, step_lib.state_collection(model))
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_sample")

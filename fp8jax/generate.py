@@ -136,7 +136,11 @@ def timings(inf, stream, start: float, end: float, compiles: list[tuple[float, f
     span = stream.last_token_at - stream.first_token_at - after
     out["decode_tokens_per_s"] = later / span if span > 0 and later else None
     out["rows"] = len(stream.ids)  # a decode step makes one token of each row
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(inf.params))
+    # The weights as the compute dtype holds them (f32 masters are not what a step needs).
+    itemsize = jax.numpy.dtype(inf.model.cfg.dtype).itemsize
+    weight_bytes = sum(
+        x.size * min(x.dtype.itemsize, itemsize) for x in jax.tree.leaves(inf.params)
+    )
     bandwidth = generate.device_bandwidth()
     out["weight_bytes"] = weight_bytes
     out["bound_s_per_token"] = weight_bytes / bandwidth if bandwidth else None

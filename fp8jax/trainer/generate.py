@@ -184,6 +184,8 @@ class Decoder:
                 *loop,
                 watch=watcher is not None,
             )
+            if watcher is not None:  # its callbacks run until the loop ends: keep it till then
+                jax.block_until_ready(out_BxM)
         finally:
             self.watcher = None
         return out_BxM, t, bad

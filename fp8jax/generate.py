@@ -118,21 +118,29 @@ def encoded(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[str]]:
     return chat.plain_ids(tokenizer, rendered), stop + ([end] if end else [])
 
 
-def timings(inf, stream, start: float, end: float, compile_s: float) -> dict:
-    """Seconds and rates of one generate call (``stream``: its ``TextStream``, or None)."""
+def timings(inf, stream, start: float, end: float, compiles: list[tuple[float, float]]) -> dict:
+    """Seconds and rates of one generate call (``stream``: its ``TextStream``, or None;
+    ``compiles``: (host time it ended, seconds) of each compile during the call)."""
     import jax
 
     from fp8jax.trainer import generate
 
-    out = {"total_s": end - start, "compile_s": compile_s}
+    out = {"total_s": end - start, "compile_s": sum(d for _, d in compiles)}
     if stream is None or stream.first_token_at is None:
         return out
-    out["first_token_s"] = stream.first_token_at - start - compile_s
+    # The prefill's compile comes before the first token, the decode loop's after it.
+    before = sum(d for at, d in compiles if at <= stream.first_token_at)
+    out["first_token_s"] = stream.first_token_at - start - before
     later = sum(max(len(ids) - 1, 0) for ids in stream.ids)
-    span = stream.last_token_at - stream.first_token_at
+    after = out["compile_s"] - before  # the decode loop's, between the first token and the rest
+    span = stream.last_token_at - stream.first_token_at - after
     out["decode_tokens_per_s"] = later / span if span > 0 and later else None
     out["rows"] = len(stream.ids)  # a decode step makes one token of each row
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(inf.params))
+    # The weights as the compute dtype holds them (f32 masters are not what a step needs).
+    itemsize = jax.numpy.dtype(inf.model.cfg.dtype).itemsize
+    weight_bytes = sum(
+        x.size * min(x.dtype.itemsize, itemsize) for x in jax.tree.leaves(inf.params)
+    )
     bandwidth = generate.device_bandwidth()
     out["weight_bytes"] = weight_bytes
     out["bound_s_per_token"] = weight_bytes / bandwidth if bandwidth else None
@@ -198,7 +206,7 @@ def main(argv):
 
         def listener(event, duration, **kw):
             if event.startswith("/jax/core/compile/"):  # tracing, lowering, XLA's compile
-                compiles.append(duration)
+                compiles.append((time.perf_counter(), duration))
 
         if streaming and not _CHAT.value:
             write_now(0, texts[0])
@@ -223,7 +231,7 @@ def main(argv):
             )
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
-        t = timings(inf, stream, start, time.perf_counter(), sum(compiles))
+        t = timings(inf, stream, start, time.perf_counter(), compiles)
     for i, (prompt, completion) in enumerate(zip(texts, out, strict=True)):
         if jsonl:
             record = dict(prompt=prompt, completion=completion, prompt_tokens=len(ids[i]))

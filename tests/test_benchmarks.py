@@ -15,7 +15,16 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import block_gemm, cast_transpose, common, grouped_gemm, parity, runner, step
+from benchmarks import (
+    block_gemm,
+    cast_transpose,
+    common,
+    decode,
+    grouped_gemm,
+    parity,
+    runner,
+    step,
+)
 from fp8jax import errors
 from fp8jax.trainer import loop as train_lib
 
@@ -37,6 +46,7 @@ KEPT = [
     "block_gemm",
     "memory_sim",
     "grouped_gemm",
+    "decode",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -851,3 +861,28 @@ def test_torch_reference_moe_layer_equals_fp8jax(normalize):
     want = np.asarray(y)
     np.testing.assert_allclose(got.numpy(), want, atol=1e-2 * np.abs(want).max())
     np.testing.assert_allclose(float(aux), float(sown[moe.MOE_LOSSES]["aux_loss"][0]), rtol=1e-5)
+
+
+def test_decode_times_prefill_and_decode_against_the_weight_bound():
+    """The decode benchmark on a tiny O1 model: every row runs all its tokens (no EOS), the
+    share of the bound is the bf16 weights' read time over a step's, and the FP8 matmuls' E4M3
+    copies (one per matmul) lower the bound."""
+    import jax
+
+    from fp8jax import spec
+    from fp8jax.ops import scaling
+    from fp8jax.trainer import inference
+
+    r = decode.measure("tiny:O1", True, [1, 3], prompt=8, new=8, bandwidth=1e9, reps=1)
+    model_cfg = spec.parse(decode.config_for("tiny:O1", True)).model
+    is_meta = lambda m: isinstance(m, scaling.Fp8Meta)  # noqa: E731
+    matmuls = len(jax.tree.leaves(inference.fresh_fp8_state(model_cfg), is_leaf=is_meta))
+    assert [b["batch"] for b in r["batches"]] == [1, 3]
+    for b in r["batches"]:
+        assert b["steps"] == 8 and b["ttft_ms"] > 0 and b["step_ms"] > 0
+        assert b["decode_tokens_per_s"] == pytest.approx(b["batch"] / b["step_ms"] * 1e3)
+        assert b["bound_ms"] == pytest.approx(2 * r["params"] / 1e9 * 1e3)
+        assert b["bound_share"] == pytest.approx(b["bound_ms"] / b["step_ms"])
+        assert b["fp8_weights"] == matmuls > 0
+        assert b["fp8_bound_ms"] < b["bound_ms"]
+    assert "TTFT ms" in decode.table([r])

@@ -27,7 +27,7 @@ from fp8jax.models.layers import (
 )
 from fp8jax.models.moe import MOE_LOSSES, MOE_METRICS, MOE_STATE
 from fp8jax.models.params import normal_init
-from fp8jax.nn.state import FP8, FP8_STATS
+from fp8jax.nn.state import FP8, FP8_STATS, FP8_WEIGHTS
 from fp8jax.parallel import layerwise
 
 __all__ = [
@@ -150,7 +150,7 @@ class Transformer(nn.Module):
             stack = nn.scan(
                 self._block_cls("blocks"),
                 variable_axes={
-                    **dict.fromkeys(("params", FP8, FP8_STATS, FLAX_FP8, CACHE), 0),
+                    **dict.fromkeys(("params", FP8, FP8_STATS, FLAX_FP8, CACHE, FP8_WEIGHTS), 0),
                     **dict.fromkeys((MOE_LOSSES, MOE_METRICS, MOE_STATE), 0),
                 },
                 split_rngs={"params": True},

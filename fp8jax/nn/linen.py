@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fp8jax.nn.state import FP8, FP8_STATS
+from fp8jax.nn.state import FP8, FP8_STATS, FP8_WEIGHTS
 from fp8jax.ops import activations, dot, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.recipes import DelayedScaling
@@ -63,6 +63,25 @@ class _Fp8Op(nn.Module):
         if lhs is not None and self.is_mutable_collection(FP8_STATS) and not self.is_initializing():
             self._sow_stats(lhs, rhs, meta)
         return rhs, meta
+
+    def _weight_cache(self):
+        """``dot.dot_general``'s ``weight_cache`` while decoding (the ``FP8_WEIGHTS``
+        collection is mutable, or holds this op's weight), else None: the copy stored in the
+        collection, or the one ``make`` quantizes now (stored where the collection is
+        mutable). Call from a compact method."""
+        writable = self.is_mutable_collection(FP8_WEIGHTS) and not self.is_initializing()
+        if not (writable or self.has_variable(FP8_WEIGHTS, "w")):
+            return None
+
+        def cached(make):
+            if self.has_variable(FP8_WEIGHTS, "w"):
+                return self.get_variable(FP8_WEIGHTS, "w")
+            made = make()
+            if writable:
+                self.put_variable(FP8_WEIGHTS, "w", made)
+            return made
+
+        return cached
 
     def _write(self, new_meta: scaling.Fp8Meta) -> None:
         """Store the meta with this call's amax (train steps; evaluation writes nothing)."""
@@ -112,6 +131,7 @@ class Fp8DotGeneral(_Fp8Op):
                 self.cast_kernel,
                 self.prologue,
                 self.rebuild,
+                self._weight_cache(),
             ),
         )
 

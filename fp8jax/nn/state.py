@@ -24,6 +24,7 @@ from fp8jax.ops.scaling import Fp8Meta, ScaleState
 __all__ = [
     "FP8",
     "FP8_STATS",
+    "FP8_WEIGHTS",
     "commit",
     "keep_if_finite",
     "max_over_replicas",
@@ -34,6 +35,9 @@ __all__ = [
 
 FP8 = "fp8_state"  # the Flax variable collection holding every FP8 matmul's scale state
 FP8_STATS = "fp8_stats"  # optional collection: saturation / flush-to-zero shares (health pass)
+# Decoding's collection: each FP8 matmul's weight quantized once per generate call (E4M3 and its
+# scale, ``ops.scaling.QuantizedWeight``), written by the prefill and read by every decode step.
+FP8_WEIGHTS = "fp8_weights"
 
 
 def _is_state(x) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import string
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8jax.ops import activations, formats, gemm, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
-from fp8jax.ops.scaling import Fp8Meta
+from fp8jax.ops.scaling import Fp8Meta, QuantizedWeight
 
 __all__ = [
     "PAD",
@@ -49,6 +50,7 @@ __all__ = [
     "dot_general",
     "einsum_dimension_numbers",
     "fp8_einsum",
+    "tensor_forward",
     "tensor_matmul",
 ]
 
@@ -135,6 +137,24 @@ def _fp8_matmul_bwd(cfg: GemmConfig, res, cts):
 tensor_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+def tensor_forward(cfg: GemmConfig, x, wq, sw, meta: Fp8Meta) -> jax.Array:
+    """``tensor_matmul``'s forward output on a weight already in E4M3 (``wq`` under scale
+    ``sw``): x is cast as there (prologue, scale, E4M3) and the output unscaled by the same f32
+    operations, so the values are ``tensor_matmul``'s; no amax is recorded (decoding)."""
+    if cfg.prologue:
+        x = activations.activation(cfg.prologue)(x.astype(jnp.float32))
+    sx = scaling.use_scale(meta.x, formats.amax(x))
+    xq = formats.quantize(x, sx, formats.E4M3)  # E4M3, as the forward's x
+    inv = (
+        None
+        if not meta.dy.recipe.scales_known_ahead
+        else gemm.inverse_scales(sx, sw, meta.dy.scale)
+    )
+    m_axis = 1 if cfg.batched else 0
+    y = gemm.mm(xq, wq, m_axis + 1, m_axis, cfg.batched, gemm.acc_dtype(cfg.out_dtype))
+    return gemm.unscale(y, 1.0 / (sx * sw) if inv is None else inv[0], cfg.out_dtype)
+
+
 def _remaining(ndim: int, *used) -> list[int]:
     taken = {d for group in used for d in group}
     return [d for d in range(ndim) if d not in taken]
@@ -186,6 +206,7 @@ def dot_general(
     cast_kernel: str = kernels.AUTO,
     prologue: str | None = None,
     rebuild: bool | str = False,
+    weight_cache: Callable[[Callable[[], QuantizedWeight]], QuantizedWeight] | None = None,
 ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``: returns the result and the meta with this call's amax recorded.
 
@@ -198,6 +219,10 @@ def dot_general(
     instead of ``lhs``, with the activation fused into lhs' quantization. ``rebuild``
     (``gemm.GemmConfig``'s; True: 'xw'): the operands the backward pass casts again rather than
     keep as FP8 copies (the fused-cast path; for remat policies that keep no FP8 copy of them).
+    ``weight_cache`` (decoding, where the weight's recipe ``quantizes_weights_once``): called
+    with a function that quantizes the GEMM's weight operand (``Recipe.quantize_weight``), it
+    returns that copy, made now or kept from an earlier call; the forward GEMM reads it
+    (``Recipe.prequantized_matmul``) and the meta comes back unchanged.
     """
     cast_kernel = kernels.resolve_impl(cast_kernel)
     activations.activation(prologue)  # a clear error for an unknown name
@@ -242,7 +267,11 @@ def dot_general(
     x, w = _pad_to_tiles(x, w, batched)  # [(B,) M', K'], [(B,) K', N']
     # The scope names the recipe in the program (fp8jax.diagnostics.coverage reads it).
     with jax.named_scope(f"fp8_{meta.x.recipe.name}"):
-        y, new_meta = meta.x.recipe.matmul(cfg, x, w, meta)  # [(B,) M', N']
+        if weight_cache is not None and meta.w.recipe.quantizes_weights_once:
+            wq = weight_cache(lambda: meta.w.recipe.quantize_weight(w, meta.w))
+            y, new_meta = meta.x.recipe.prequantized_matmul(cfg, x, wq, meta), meta
+        else:
+            y, new_meta = meta.x.recipe.matmul(cfg, x, w, meta)  # [(B,) M', N']
     y = y[..., :m, :n]  # [(B,) M, N]
     return y.reshape(batch_shape + lf_shape + rf_shape), new_meta
 

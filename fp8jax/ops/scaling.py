@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT",
     "RECIPES",
     "Fp8Meta",
+    "QuantizedWeight",
     "Recipe",
     "ScaleState",
     "commit",
@@ -88,6 +89,23 @@ class Recipe(abc.ABC):
     def use_scale(self, state: ScaleState, amax: jax.Array) -> jax.Array:
         """The scale one use of the tensor quantizes with, ``amax`` being this use's."""
         return state.scale
+
+    @property
+    def quantizes_weights_once(self) -> bool:
+        """Whether decoding can quantize each weight once per call (``quantize_weight``) and
+        run its forward GEMMs on that copy (``prequantized_matmul``) instead of casting the
+        weight at every token; else the matmul casts it at every call, as in training."""
+        return False
+
+    def quantize_weight(self, w: jax.Array, state: ScaleState) -> QuantizedWeight:
+        """The forward GEMM's weight operand ``w`` [(B,) K, N] as that GEMM reads it, under
+        the scale one use of it takes (``state``: the weight's)."""
+        raise NotImplementedError(f"the FP8 recipe {self.name!r} quantizes weights per call")
+
+    def prequantized_matmul(self, cfg, x: jax.Array, w: QuantizedWeight, meta: Fp8Meta):
+        """``x . w`` [(B,) M, N] (forward only, no amax recorded) on a ``quantize_weight`` copy:
+        the same values as ``matmul``'s forward on the weight it was made from."""
+        raise NotImplementedError(f"the FP8 recipe {self.name!r} quantizes weights per call")
 
     @abc.abstractmethod
     def saturation_stats(self, x: jax.Array, state: ScaleState) -> tuple[jax.Array, jax.Array]:
@@ -263,6 +281,15 @@ class Fp8Meta:
     x: ScaleState
     w: ScaleState
     dy: ScaleState
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """A weight quantized once (``Recipe.quantize_weight``): its E4M3 values in the GEMM's
+    [(B,) K, N] layout and the scale they were cast with (``q = saturate(w * scale)``)."""
+
+    q: jax.Array  # [(B,) K, N] float8_e4m3fn
+    scale: jax.Array  # f32, broadcast against q as the recipe scales it (per tensor: [])
 
 
 def init_meta(recipe: Recipe | None = None, w_recipe: Recipe | None = None) -> Fp8Meta:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from fp8jax.ops import dot, formats, grouped, mlp, scaling
 from fp8jax.ops.gemm import GemmConfig
-from fp8jax.ops.scaling import Fp8Meta, ScaleState
+from fp8jax.ops.scaling import Fp8Meta, QuantizedWeight, ScaleState
 
 __all__ = ["TensorRecipe"]
 
@@ -39,6 +39,21 @@ class TensorRecipe(scaling.Recipe):
     def matmul(self, cfg, x: jax.Array, w: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
         """``ops.dot.tensor_matmul``: batched or not, one scale per operand."""
         return dot.tensor_matmul(cfg, x, w, meta)
+
+    @property
+    def quantizes_weights_once(self) -> bool:
+        """One scale per weight, the same at every use: its E4M3 copy serves every token."""
+        return True
+
+    def quantize_weight(self, w: jax.Array, state: ScaleState) -> QuantizedWeight:
+        """``w`` in E4M3 under the scale a use of it takes (delayed: the stored one; current:
+        from its amax, the same at every call since w does not change)."""
+        scale = self.use_scale(state, formats.amax(w))
+        return QuantizedWeight(q=formats.quantize(w, scale, formats.E4M3), scale=scale)
+
+    def prequantized_matmul(self, cfg, x: jax.Array, w: QuantizedWeight, meta: Fp8Meta):
+        """``ops.dot.tensor_forward`` on the E4M3 copy."""
+        return dot.tensor_forward(cfg, x, w.q, w.scale, meta)
 
     def grouped_matmul(
         self,

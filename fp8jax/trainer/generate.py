@@ -1,20 +1,27 @@
 """Using a trained model: text generation (KV cache).
 
-Generation prefills the prompt batch once and then decodes one token per step against the key/
-value cache (``fp8jax.models.decode``), all inside one jitted function whose decode loop is a
-``lax.while_loop``: the params and FP8 state are its arguments (never constants baked into the
-program), and it compiles once per (batch, prompt length, cache length) bucket, whatever the
-number of tokens, the prompts or the sampling settings. At O1+ the FP8 matmuls use the stored
-delayed scales as they are; decoding never updates them.
+Generation runs two jitted programs (``Decoder``): the prefill runs the prompt batch once,
+fills the key/value cache (``fp8jax.models.decode``) and picks the first tokens; the decode
+program runs the remaining tokens as a ``lax.while_loop`` of one-token steps against that cache.
+The params and FP8 state are their arguments (never constants baked into a program); the
+prefill compiles once per (batch, prompt length, cache length) bucket and the decode program
+once per (batch, cache length) bucket, whatever the number of tokens, the prompts or the
+sampling settings. At O1+ the FP8 matmuls use the stored delayed scales as they are; decoding
+never updates them. Where the recipe allows it, the prefill quantizes each FP8 weight once and
+the decode steps read those E4M3 copies (``decode.prefill``): a step reads one byte per FP8
+weight and casts only its activations.
 
 A watched decode (``TextStream``: streaming text, stop strings, the time of the first token)
-compiles a second program whose every step hands its tokens to the host (an ordered
+compiles a second decode program whose every step hands its tokens to the host (an ordered
 ``io_callback``) and reads back which rows a stop string ended; the unwatched program has no
-callback and never waits on the host.
+callback and never waits on the host. The trainer's end-of-run sample compiles its programs
+in the background while the run trains (``compile_sample``).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -29,6 +36,7 @@ from jax.experimental import io_callback
 
 from fp8jax import errors, models
 from fp8jax.models import decode, moe
+from fp8jax.nn.state import FP8_WEIGHTS
 from fp8jax.optim import adam as optim
 from fp8jax.trainer import sampling as sampling_lib
 from fp8jax.trainer import step as step_lib
@@ -39,11 +47,13 @@ __all__ = [
     "Buckets",
     "Decoder",
     "MIN_BUCKET",
+    "SAMPLE_TEMPERATURE",
     "NonFinite",
     "TextStream",
     "allowed_ids",
     "bucket",
     "buckets_for",
+    "compile_sample",
     "cut_at_stop",
     "decoder_for",
     "device_bandwidth",
@@ -104,15 +114,25 @@ def buckets_for(lengths: Sequence[int], max_new_tokens: int, max_len: int) -> Bu
 
 
 class Decoder:
-    """The jitted prefill + decode loop of one model; ``traces`` counts its compilations."""
+    """The jitted prefill and decode programs of one model; ``traces`` counts each one's
+    compilations (``'prefill'``, ``'decode'``).
+
+    ``prefill`` (one program per batch, prompt and cache bucket) runs the prompts, fills the
+    key/value cache, quantizes the FP8 weights once where the recipe allows it
+    (``decode.prefill``) and picks each row's first token; ``decode`` (one program per batch and
+    cache bucket, whatever the prompt bucket) runs the rest as a ``lax.while_loop`` on that
+    cache and those weights.
+    """
 
     def __init__(self, model_cfg: models.ModelConfig, collection: str):
-        # Remat only matters for gradients; without it the blocks are plain modules.
-        self.model = models.build_model(dataclasses.replace(model_cfg, remat_policy="none"))
+        self.model = models.build_model(decode.decoding_config(model_cfg))
         self.collection = collection
-        self.traces = 0
+        self.traces: collections.Counter = collections.Counter()
         self.watcher: Callable | None = None  # (t, tok_B, done_B) -> stop_B of a watched call
-        self._run = jax.jit(self._generate, static_argnames=("cache_len", "watch"))
+        self.prefill = jax.jit(self._prefill, static_argnames=("cache_len",))
+        # The cache and the output buffer are updated in place (donated to the loop, which
+        # hands the cache back so that XLA can alias it).
+        self.decode = jax.jit(self._decode, static_argnames=("watch",), donate_argnums=(4, 5))
 
     def __call__(
         self,
@@ -136,63 +156,131 @@ class Decoder:
         rows (bool [B]) to stop."""
         knobs = (jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p))
         key = jax.random.PRNGKey(s.seed)
-        eos_E = jnp.asarray(list(eos_ids) or [-1], jnp.int32)  # -1: no id stops a row
+        eos_E = np.asarray(list(eos_ids) or [-1], np.int32)  # -1: no id stops a row
         if allowed_V is None:
             allowed_V = np.ones((self.model.cfg.vocab_size,), bool)
-        args = (tokens_BxP, lengths_B, jnp.int32(max_new_tokens), key, *knobs, eos_E, allowed_V)
-        moe_state = moe_state or {}
-        if watcher is None:
-            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=False)
+        lengths_B = jnp.asarray(lengths_B, jnp.int32)
+        pick = (key, *knobs, eos_E, allowed_V)
+        fixed = (params, fp8_state, moe_state or {})
+        weights, cache, out_BxM, tok_B, done_B, bad = self.prefill(
+            *fixed, tokens_BxP, lengths_B, *pick, cache_len=cache_len
+        )
+        loop = (lengths_B, jnp.int32(max_new_tokens), *pick)
+        if watcher is not None:
+            # The first token reaches the host from the prefill's output; the loop's by callback.
+            # Only the padding rows count as done before it (an EOS row is the watcher's to end).
+            stop_B = watcher(0, np.asarray(tok_B), np.asarray(lengths_B) == 0)
+            done_B = done_B | jnp.asarray(stop_B, bool)
         self.watcher = watcher
         try:
-            return self._run(params, fp8_state, moe_state, *args, cache_len=cache_len, watch=True)
+            out_BxM, t, bad, _ = self.decode(
+                *fixed,
+                weights,
+                cache,
+                out_BxM,
+                tok_B,
+                done_B,
+                bad,
+                *loop,
+                watch=watcher is not None,
+            )
+            if watcher is not None:  # its callbacks run until the loop ends: keep it till then
+                jax.block_until_ready(out_BxM)
         finally:
             self.watcher = None
+        return out_BxM, t, bad
+
+    def compile(self, params, fp8_state, moe_state, b: Buckets, num_eos: int) -> None:
+        """Compile the prefill and the unwatched decode of bucket ``b`` ahead of a call, from
+        the shapes and shardings of ``params``, ``fp8_state`` and ``moe_state`` (arrays or
+        ``jax.ShapeDtypeStruct``s; the arrays may be donated meanwhile), for ``num_eos`` EOS
+        ids: the call that follows reuses the programs (safe from another thread)."""
+        fixed = jax.tree.map(_spec, (params, fp8_state, moe_state or {}))
+        committed = any(x.sharding is not None for x in jax.tree.leaves(fixed))
+        i32, S = jnp.int32, jax.ShapeDtypeStruct
+        knobs = (S((), jnp.float32), S((), i32), S((), jnp.float32))
+        key = jax.eval_shape(jax.random.PRNGKey, 0)
+        vocab = self.model.cfg.vocab_size
+        pick = (key, *knobs, S((max(num_eos, 1),), i32), S((vocab,), jnp.bool_))
+        prompt = (S((b.batch, b.prompt), i32), S((b.batch,), i32))
+        traced = self.prefill.trace(*fixed, *prompt, *pick, cache_len=b.cache)
+        out = traced.lower().compile().out_info
+        # The prefill's outputs carry its shardings where its inputs were committed to some.
+        out = jax.tree.map(
+            lambda o: S(o.shape, o.dtype, sharding=o.sharding if committed else None), out
+        )
+        loop = (S((b.batch,), i32), S((), i32), *pick)
+        self.decode.trace(*fixed, *out, *loop, watch=False).lower().compile()
 
     def _watch(self, t, tok_B, done_B) -> np.ndarray:
         """The host side of a watched step: the current ``watcher``'s stop rows."""
         return np.asarray(self.watcher(int(t), np.asarray(tok_B), np.asarray(done_B)), bool)
 
-    def _generate(
+    def _variables(self, params, fp8, moe_state, weights=None) -> dict:
+        variables = {"params": optim.materialize(params), self.collection: fp8}
+        if moe_state:
+            variables[moe.MOE_STATE] = moe_state
+        if weights:
+            variables[FP8_WEIGHTS] = weights
+        return variables
+
+    def _pick(self, logits_BxV, t, done_B, bad, key, temp, top_k, top_p, eos_E, allowed_V):
+        """Each row's token from its logits at step ``t``, and the first non-finite step."""
+        step_key = jax.random.fold_in(key, t)
+        masked_BxV = jnp.where(allowed_V, logits_BxV, -jnp.inf)  # ids past the tokenizer
+        tok_B = sampling_lib.next_tokens(masked_BxV, step_key, temp, top_k, top_p)
+        # The first step whose live rows' logits hold NaN or Inf stops every row.
+        live_BxV = allowed_V & ~done_B[:, None]
+        nan, inf = (jnp.any(f(logits_BxV) & live_BxV) for f in (jnp.isnan, jnp.isinf))
+        first = (bad.step < 0) & (nan | inf)
+        bad = NonFinite(
+            step=jnp.where(first, t, bad.step),
+            nan=jnp.where(first, nan, bad.nan),
+            inf=jnp.where(first, inf, bad.inf),
+        )
+        return jnp.where(done_B, eos_E[0], tok_B), bad
+
+    def _prefill(self, params, fp8, moe_state, tokens_BxP, lengths_B, *pick, cache_len):
+        self.traces["prefill"] += 1  # runs only while tracing: one per compilation
+        batch, prompt_len = tokens_BxP.shape
+        eos_E = pick[4]
+        variables = self._variables(params, fp8, moe_state)
+        cache = decode.init_cache(self.model, variables, batch, cache_len)
+        rows_B = jnp.arange(batch)
+        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+        logits_BxPxV, cache, weights = decode.prefill(
+            self.model, variables, cache, tokens_BxP, positions_BxP
+        )
+        done_B = lengths_B == 0  # padding rows of the batch bucket
+        no = jnp.zeros((), bool)
+        bad = NonFinite(step=jnp.int32(-1), nan=no, inf=no)
+        last_BxV = logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)]
+        tok_B, bad = self._pick(last_BxV, 0, done_B, bad, *pick)
+        out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
+        out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
+        done_B = done_B | jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
+        return weights, cache, out_BxM, tok_B, done_B, bad
+
+    def _decode(
         self,
         params,
         fp8,
         moe_state,
-        tokens_BxP,
+        weights,
+        cache,
+        out_BxM,
+        tok_B,
+        done_B,
+        bad,
         lengths_B,
         max_new,
-        key,
-        temp,
-        top_k,
-        top_p,
-        eos_E,
-        allowed_V,
-        *,
-        cache_len,
+        *pick,
         watch,
     ):
-        self.traces += 1  # runs only while tracing: one per compilation
-        batch, prompt_len = tokens_BxP.shape
-        variables = {"params": optim.materialize(params), self.collection: fp8}
-        if moe_state:
-            variables[moe.MOE_STATE] = moe_state
-        cache = decode.init_cache(self.model, variables, batch, cache_len)
-        rows_B = jnp.arange(batch)
-
-        def pick(logits_BxV, t, done_B, bad):
-            step_key = jax.random.fold_in(key, t)
-            masked_BxV = jnp.where(allowed_V, logits_BxV, -jnp.inf)  # ids past the tokenizer
-            tok_B = sampling_lib.next_tokens(masked_BxV, step_key, temp, top_k, top_p)
-            # The first step whose live rows' logits hold NaN or Inf stops every row.
-            live_BxV = allowed_V & ~done_B[:, None]
-            nan, inf = (jnp.any(f(logits_BxV) & live_BxV) for f in (jnp.isnan, jnp.isinf))
-            first = (bad.step < 0) & (nan | inf)
-            bad = NonFinite(
-                step=jnp.where(first, t, bad.step),
-                nan=jnp.where(first, nan, bad.nan),
-                inf=jnp.where(first, inf, bad.inf),
-            )
-            return jnp.where(done_B, eos_E[0], tok_B), bad
+        self.traces["decode"] += 1  # runs only while tracing: one per compilation
+        eos_E = pick[4]
+        variables = self._variables(params, fp8, moe_state, weights)
+        rows_B = jnp.arange(out_BxM.shape[0])
 
         def stops(tok_B, t, done_B):
             """Rows that ``tok_B`` ends: an EOS id, or (watched) a stop string on the host."""
@@ -201,16 +289,6 @@ class Decoder:
                 return ended_B
             shape = jax.ShapeDtypeStruct(done_B.shape, jnp.bool_)
             return ended_B | io_callback(self._watch, shape, t, tok_B, done_B, ordered=True)
-
-        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
-        logits_BxPxV, cache = decode.step(self.model, variables, cache, tokens_BxP, positions_BxP)
-        done_B = lengths_B == 0  # padding rows of the batch bucket
-        no = jnp.zeros((), bool)
-        bad = NonFinite(step=jnp.int32(-1), nan=no, inf=no)
-        tok_B, bad = pick(logits_BxPxV[rows_B, jnp.maximum(lengths_B - 1, 0)], 0, done_B, bad)
-        out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
-        out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
-        done_B = done_B | stops(tok_B, 0, done_B)
 
         def more(carry):
             t, _, done_B, _, _, bad = carry
@@ -221,13 +299,23 @@ class Decoder:
             t, tok_B, done_B, cache, out_BxM, bad = carry
             pos_Bx1 = (lengths_B + t - 1)[:, None]
             logits_Bx1xV, cache = decode.step(self.model, variables, cache, tok_B[:, None], pos_Bx1)
-            tok_B, bad = pick(logits_Bx1xV[:, 0], t, done_B, bad)
+            tok_B, bad = self._pick(logits_Bx1xV[:, 0], t, done_B, bad, *pick)
             out_BxM = out_BxM.at[rows_B, lengths_B + t].set(tok_B, mode="drop")
             return t + 1, tok_B, done_B | stops(tok_B, t, done_B), cache, out_BxM, bad
 
         carry = (jnp.int32(1), tok_B, done_B, cache, out_BxM, bad)
-        t, _, _, _, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
-        return out_BxM, t, bad
+        t, _, _, cache, out_BxM, bad = jax.lax.while_loop(more, one_token, carry)
+        return out_BxM, t, bad, cache
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype, and its sharding where it is committed to one (as a jitted
+    call's cache key tells them apart)."""
+    if isinstance(x, jax.Array):
+        sharding = x.sharding if x.committed else None
+    else:  # a ShapeDtypeStruct (its sharding, if any) or a host array (none)
+        sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 class NonFinite(NamedTuple):
@@ -369,7 +457,7 @@ def generate(
     """
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eos_id = getattr(tokenizer, "eos_id", None)
-    eos_ids = getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id])
+    eos_ids = _eos_ids(tokenizer)
     if prompt_ids is None:
         prompt_ids = [tokenizer.encode(p) for p in prompts]
     ids = [list(p) or ([] if eos_id is None else [eos_id]) for p in prompt_ids]
@@ -382,6 +470,12 @@ def generate(
     for row in range(len(out) if stream is not None else 0):
         stream.finish(row)  # rows that ran to max_new_tokens
     return [cut_at_stop(tokenizer.decode(o), stop)[0] for o in out]
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    """Every id that ends a row: the tokenizer's ``eos_ids``, else its ``eos_id`` if any."""
+    eos_id = getattr(tokenizer, "eos_id", None)
+    return list(getattr(tokenizer, "eos_ids", None) or ([] if eos_id is None else [eos_id]))
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -461,11 +555,54 @@ class TextStream:
         self.shown[row] = max(self.shown[row], len(text))
 
 
-def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The ") -> str:
+SAMPLE_TEMPERATURE = 0.8  # the end-of-run sample's
+
+
+def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> tuple[int, int]:
+    """``(prompt tokens, tokens to sample)`` of the end-of-run sample of ``prompt``."""
+    prompt_len = max(len(tokenizer.encode(prompt)), 1)  # an empty prompt starts from EOS
+    return prompt_len, min(max_new_tokens, model.cfg.max_len - prompt_len)
+
+
+def compile_sample(
+    model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The "
+) -> concurrent.futures.Future | None:
+    """Compile ``end_sample``'s programs in a background thread, from ``state``'s shapes and
+    shardings (read now: the train steps may donate its arrays meanwhile), so that the sample
+    at the end of a run finds them compiled; the future's ``result()`` waits for them. None
+    where the sample cannot be planned (the sample itself then says why)."""
+    prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
+    try:
+        b = buckets_for([prompt_len], n, model.cfg.max_len)
+    except errors.ConfigError:
+        return None
+    fixed = jax.tree.map(_spec, (state.params, state.fp8, state.moe_state or {}))
+    decoder = decoder_for(model.cfg, step_lib.state_collection(model))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_sample")
+    future = pool.submit(decoder.compile, *fixed, b, len(_eos_ids(tokenizer)))
+    pool.shutdown(wait=False)
+    return future
+
+
+def end_sample(
+    model,
+    state,
+    tokenizer: Any,
+    max_new_tokens: int,
+    prompt: str = "The ",
+    compiled: concurrent.futures.Future | None = None,
+) -> str:
     """``prompt`` and up to ``max_new_tokens`` sampled after it (temperature 0.8), logged with
-    its time: the text a training run ends with."""
-    n = min(max_new_tokens, model.cfg.max_len - len(tokenizer.encode(prompt)))
+    its time: the text a training run ends with. ``compiled``: ``compile_sample``'s future,
+    waited for first (a failed compile is logged and the call compiles as usual)."""
     t0 = time.perf_counter()
+    if compiled is not None:
+        try:
+            compiled.result()
+        except Exception as e:  # the sample then compiles its programs itself
+            logging.warning("compiling the sample ahead failed (%s); compiling it now", e)
+    wait = time.perf_counter() - t0
+    _, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
     (text,) = generate(
         model,
         state.params,
@@ -473,8 +610,9 @@ def end_sample(model, state, tokenizer: Any, max_new_tokens: int, prompt: str = 
         tokenizer,
         [prompt],
         n,
-        temperature=0.8,
+        temperature=SAMPLE_TEMPERATURE,
         moe_state=state.moe_state,
     )
-    logging.info("sample (%.1f s): %s", time.perf_counter() - t0, prompt + text)
+    total = time.perf_counter() - t0
+    logging.info("sample (%.1f s, %.1f s waiting for its compile): %s", total, wait, prompt + text)
     return prompt + text

@@ -307,13 +307,20 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
             # Only now: a checkpoint of another model must leave the work dir as it was.
             provenance.record_model(workdir, env.run.model)
             step_lib.record_schedule(workdir, run.optim, step)
+            sample = run.loop.sample_tokens > 0 and step < run.optim.num_train_steps
+            # The sample's programs compile in the background while the run trains.
+            compiled = (
+                generate.compile_sample(env.model, state, dataset.tokenizer, run.loop.sample_tokens)
+                if sample
+                else None
+            )
             state, summary = _train(env, ckpt, state, step, train_iter, eval_batches, preempt)
             if step >= run.optim.num_train_steps:
                 logging.info("the run in %s already reached step %d", workdir, step)
-            elif run.loop.sample_tokens > 0 and "preempted_at" not in summary:
+            elif sample and "preempted_at" not in summary:
                 # While the last checkpoint is still being written in the background.
                 summary["sample"] = generate.end_sample(
-                    env.model, state, dataset.tokenizer, run.loop.sample_tokens
+                    env.model, state, dataset.tokenizer, run.loop.sample_tokens, compiled=compiled
                 )
         finally:
             ckpt.close()

@@ -1,0 +1,217 @@
+"""Decoding speed of ``fp8jax.trainer.generate`` per level and batch: time to the first token,
+decode tokens/s, and the bound that reading the weights once per token sets.
+
+Random params of the run's config (``model.init``; at O1 the FP8 scales of one forward pass,
+as a trained run leaves them), ``--prompt`` tokens per row and ``--new`` generated tokens,
+greedy, no EOS (every row runs to the end). Per batch size of ``--batches``: the prefill's
+time to the first token (the prefill program, from the call to its tokens on the host), the
+decode program's tokens/s over the remaining ``--new`` - 1 steps, and their share of the
+weight-bandwidth bound: every decode step reads each weight once, so a step takes at least
+(parameters x 2 bytes, their bf16 size) / ``--bandwidth``; at O1 the FP8 matmuls' weights are
+read as E4M3 (1 byte), whose bound is the ``fp8 bound`` column. ``e2e s``: one whole
+``generate_ids`` call, compiled.
+
+    PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m benchmarks.decode \
+        --out "$OUT" --runs gpt_1b3:O0,gpt_1b3:O1 --batches 1,32 --prompt 128 --new 256
+
+Runs are ``config:level[:options]`` (``benchmarks.runner``), each in a fresh process; ``--set
+key=value`` overrides every run; ``--quick`` shrinks the model to a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from benchmarks import runner
+
+H200_BANDWIDTH = 4.8e12  # bytes/s, the H200 SXM data sheet's HBM3e bandwidth
+
+
+def config_for(run: str, quick: bool, sets=()):
+    """The ConfigDict of one run: ``--quick``'s shapes, then the run's options and ``--set``."""
+    return runner.load(run, sets, runner.QUICK if quick else {})
+
+
+def _trained_state(model, params, tokens_BxL):
+    """The FP8 state after one forward pass's amax was committed (empty at O0)."""
+    import functools
+
+    import jax
+
+    from fp8jax.nn.state import FP8
+    from fp8jax.ops import scaling
+    from fp8jax.trainer import inference
+
+    fp8 = inference.fresh_fp8_state(model.cfg) if model.cfg.recipe else {}
+    if not fp8:
+        return {}
+    apply = jax.jit(functools.partial(model.apply, mutable=[FP8]))
+    _, mutated = apply({"params": params, FP8: fp8}, tokens_BxL)
+    commit = lambda m: m.replace(x=scaling.commit(m.x), w=scaling.commit(m.w))  # noqa: E731
+    return jax.tree.map(commit, mutated[FP8], is_leaf=lambda m: isinstance(m, scaling.Fp8Meta))
+
+
+def measure(
+    run: str,
+    quick: bool,
+    batches: list[int],
+    prompt: int,
+    new: int,
+    bandwidth: float,
+    reps: int = 3,
+    sets=(),
+) -> dict:
+    """Build one run's model and time its prefill and decode programs per batch size."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8jax import models, spec
+    from fp8jax.ops import scaling
+    from fp8jax.trainer import generate, sampling
+    from fp8jax.trainer import step as step_lib
+
+    t0 = time.perf_counter()
+    cfg = spec.parse(config_for(run, quick, sets)).model
+    model = models.build_model(cfg)
+    init = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    params = init["params"]
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, prompt), 0, cfg.vocab_size)
+    fp8 = _trained_state(model, params, tokens)
+    build_s = time.perf_counter() - t0
+    decoder = generate.decoder_for(cfg, step_lib.state_collection(model))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    bound_s = 2 * n_params / bandwidth  # the bf16 weights, once per step
+    rows = []
+    for batch in batches:
+        prompts = np.asarray(
+            jax.random.randint(jax.random.PRNGKey(batch), (batch, prompt), 0, cfg.vocab_size)
+        )
+        b = generate.buckets_for([prompt] * batch, new, cfg.max_len)
+        tokens_BxP = np.zeros((b.batch, b.prompt), np.int32)
+        tokens_BxP[:batch, :prompt] = prompts
+        lengths_B = np.zeros((b.batch,), np.int32)
+        lengths_B[:batch] = prompt
+        knobs = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
+        pick = (jax.random.PRNGKey(0), *knobs, np.asarray([-1], np.int32))
+        pick = (*pick, np.ones((cfg.vocab_size,), bool))
+        fixed = (params, fp8, {})
+
+        def prefill():
+            out = decoder.prefill(
+                *fixed, tokens_BxP, jnp.asarray(lengths_B), *pick, cache_len=b.cache
+            )
+            np.asarray(out[3])  # the first tokens, on the host
+            return out
+
+        def decode(out):
+            weights, cache, out_BxM, tok_B, done_B, bad = out
+            loop = (jnp.asarray(lengths_B), jnp.int32(new), *pick)
+            res = decoder.decode(
+                *fixed, weights, cache, out_BxM, tok_B, done_B, bad, *loop, watch=False
+            )
+            return int(res[1])  # steps run, on the host
+
+        t = time.perf_counter()
+        generate.generate_ids(model, params, fp8, prompts.tolist(), new, sampling.GREEDY)
+        first_call_s = time.perf_counter() - t  # both programs compiled in it
+        t = time.perf_counter()
+        generate.generate_ids(model, params, fp8, prompts.tolist(), new, sampling.GREEDY)
+        e2e_s = time.perf_counter() - t
+        decode(prefill())  # these calls' own first dispatch
+        ttft, step = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = prefill()
+            ttft.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            steps = decode(out)
+            step.append((time.perf_counter() - t) / max(steps - 1, 1))
+        step_s = statistics.median(step)
+        copies = []
+        if cfg.recipe and cfg.recipe.quantizes_weights_once:
+            is_copy = lambda w: isinstance(w, scaling.QuantizedWeight)  # noqa: E731
+            copies = jax.tree.leaves(prefill()[0], is_leaf=is_copy)
+        fp8_elems = sum(w.q.size for w in copies)
+        fp8_bound_s = (fp8_elems + 2 * (n_params - fp8_elems)) / bandwidth
+        rows.append(
+            {
+                "batch": batch,
+                "ttft_ms": statistics.median(ttft) * 1e3,
+                "step_ms": step_s * 1e3,
+                "decode_tokens_per_s": batch / step_s,
+                "bound_ms": bound_s * 1e3,
+                "bound_share": bound_s / step_s,
+                "fp8_bound_ms": fp8_bound_s * 1e3 if copies else None,
+                "fp8_weights": len(copies),
+                "steps": steps,
+                "e2e_s": e2e_s,
+                "first_call_s": first_call_s,
+            }
+        )
+    return {
+        "run": run,
+        "params": n_params,
+        "dtype": str(cfg.dtype),
+        "prompt": prompt,
+        "new": new,
+        "bandwidth": bandwidth,
+        "build_s": build_s,
+        "batches": rows,
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0].device_kind),
+    }
+
+
+def table(records: list[dict]) -> str:
+    """One line per run and batch size."""
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append(r)
+            continue
+        for b in r["batches"]:
+            rows.append({"run": r["run"], **b})
+    fmt = lambda k, f: lambda r: f.format(r[k])  # noqa: E731
+    columns = {
+        "batch": fmt("batch", "{}"),
+        "TTFT ms": fmt("ttft_ms", "{:.1f}"),
+        "step ms": fmt("step_ms", "{:.2f}"),
+        "tok/s": fmt("decode_tokens_per_s", "{:.0f}"),
+        "bound ms": fmt("bound_ms", "{:.3f}"),
+        "of bound": fmt("bound_share", "{:.0%}"),
+        "fp8 bound ms": fmt("fp8_bound_ms", "{:.3f}"),
+        "e2e s": fmt("e2e_s", "{:.2f}"),
+        "1st call s": fmt("first_call_s", "{:.1f}"),
+    }
+    return runner.table(rows, columns)
+
+
+def main(argv=None):
+    p = runner.parser(__doc__, sets=True)
+    p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1")
+    p.add_argument("--batches", default="1,32", help="batch sizes, comma-separated")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    p.add_argument("--new", type=int, default=256, help="tokens generated per row")
+    p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="HBM bytes/s")
+    p.add_argument("--reps", type=int, default=3, help="timed prefill + decode calls")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
+    a = runner.parse_args(p, argv)
+    batches = [int(b) for b in a.batches.split(",")]
+
+    def child(run, a):
+        return measure(run, a.quick, batches, a.prompt, a.new, a.bandwidth, a.reps, a.set)
+
+    check = lambda run: config_for(run, a.quick, a.set)  # noqa: E731
+    rows = runner.drive(
+        "decode", a, child, a.runs.split(","), check=check, timeout=a.timeout or None
+    )
+    if rows is not None:
+        print("\n" + table(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Fixtures shared by the test modules, and the order in which the modules are handed out.
+"""Fixtures shared by the test modules, the XLA:CPU flag the tests compile with, and the order in
+which the modules are handed out.
 
 CI runs the suite on two pytest-xdist workers with ``--dist loadfile`` (README's test command):
 each module runs whole on one worker, so its module-scoped fixtures (a trained work dir, the
@@ -6,11 +7,19 @@ each module runs whole on one worker, so its module-scoped fixtures (a trained w
 longest go first, so the two workers finish at about the same time.
 """
 
+import os
 import pathlib
 
 import pytest
 
 from fp8_testing import novel
+
+# XLA:CPU's elemental emitters in every test process and in the processes it starts (train.py
+# runs, notebook kernels, benchmark children), read when JAX first compiles: the same HLO
+# compiled in about half the time of the fusion emitters, and compiles dominate the suite.
+EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if EMITTER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTER_FLAG}".strip()
 
 # The modules that take longest on two CPU cores (a full run's --durations), longest first;
 # the others follow in collection order. A module missing here only starts later.

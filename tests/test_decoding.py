@@ -208,3 +208,36 @@ def test_end_sample_is_generates_sample_compiled_ahead(gpt_o1):
         model, State.params, State.fp8, _Ids(), ["7 8"], 5, temperature=generate.SAMPLE_TEMPERATURE
     )
     assert text == "7 8" + want[0] and len(text.split()) == 7
+
+
+def test_o1_moe_decode_reads_the_expert_stacks_quantized_once():
+    """An O1 MoE model decodes the tokens of full recompute, and its expert stacks join the
+    weights the prefill casts once: every decode step casts only the activations."""
+    from fp8jax import spec
+    from fp8jax.trainer import loop as train_lib
+
+    c = train_lib.load_config("moe_tiny")
+    c.fp8.level, c.seq_len = "O1", 16
+    c.model.update(d_model=32, num_heads=2, num_kv_heads=2, vocab_size=VOCAB, max_len=32)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=16)
+    model, variables = build(spec.parse(c).model)
+    params, fp8 = variables["params"], trained_fp8(model, variables)
+    out = generate.generate_ids(model, params, fp8, PROMPTS, 4)
+    for prompt, got in zip(PROMPTS, out, strict=True):
+        assert got == greedy_reference(model, {"params": params, "fp8_state": fp8}, prompt, 4)
+    decoder = generate.decoder_for(model.cfg, "fp8_state")
+    tokens_BxP, lengths_B = np.zeros((2, 16), np.int32), np.asarray([3, 10], np.int32)
+    pick = (jax.random.PRNGKey(0), 0.0, 0, 1.0, jnp.asarray([-1]), np.ones(VOCAB, bool))
+    fixed = (params, fp8, {})
+    weights, cache, out_BxM, tok_B, done_B, bad = decoder.prefill(
+        *fixed, tokens_BxP, lengths_B, *pick, cache_len=32
+    )
+    copies = jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, scaling.QuantizedWeight))
+    metas = jax.tree.leaves(fp8, is_leaf=lambda m: isinstance(m, scaling.Fp8Meta))
+    stacks = [w for w in copies if w.q.ndim == 3]  # [E, K, N]: the experts' gate/up and down
+    assert len(copies) == len(metas) and stacks and all(w.q.dtype == E4M3 for w in copies)
+    loop = (lengths_B, jnp.int32(4), *pick)
+    step = decoder.decode.trace(
+        *fixed, weights, cache, out_BxM, tok_B, done_B, bad, *loop, watch=False
+    )
+    assert e4m3_casts(step.jaxpr) == len(metas)  # x only: the weights come in as E4M3

@@ -65,8 +65,14 @@ class GroupedLinear(nn.Module):
             state = Fp8Meta(self.recipe, name="fp8")
             # Health stats (fp8_stats) of the grouped rows only: the padding enters no GEMM.
             w_GxKxN, meta = state(grouped.valid_rows(x_MxK, group_sizes_G), w_GxKxN)
-            y, new_meta = grouped.grouped_matmul(
-                x_MxK, w_GxKxN, group_sizes_G, self.recipe, meta, out_dtype=dtype
-            )
-            state.write(new_meta)
+            copy = None
+            if self.recipe.quantizes_weights_once:  # decoding: the stack's E4M3 copy, made once
+                copy = state.weight_copy(lambda: self.recipe.quantize_weight(w_GxKxN, meta.w))
+            if copy is not None:
+                y = self.recipe.prequantized_grouped_matmul(x_MxK, copy, group_sizes_G, meta, dtype)
+            else:
+                y, new_meta = grouped.grouped_matmul(
+                    x_MxK, w_GxKxN, group_sizes_G, self.recipe, meta, out_dtype=dtype
+                )
+                state.write(new_meta)
         return y.reshape(x_MxK.shape[0], *features)

@@ -148,6 +148,12 @@ class Fp8Meta(_Fp8Op):
         """Store the meta with this step's amax (train steps; evaluation writes nothing)."""
         self._write(new_meta)
 
+    def weight_copy(self, make: Callable[[], scaling.QuantizedWeight]):
+        """While decoding, the weight's FP8 copy (``make()`` once per generate call, kept in
+        the ``FP8_WEIGHTS`` collection); None otherwise (the op quantizes it per call)."""
+        cache = self._weight_cache()
+        return None if cache is None else cache(make)
+
 
 class Fp8Einsum(_Fp8Op):
     """FP8 version of ``jnp.einsum(eq, x, kernel)``; state in the ``fp8_state`` collection."""

@@ -56,6 +56,7 @@ __all__ = [
     "padded_kernel",
     "padded_reference",
     "ragged_dot",
+    "tensor_grouped_forward",
     "tensor_grouped_matmul",
     "tiled_grouped_matmul",
     "valid_rows",
@@ -215,6 +216,17 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
     return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, lay)
+
+
+def tensor_grouped_forward(x_MxK, wq_GxKxN, sw, group_sizes_G, meta: Fp8Meta, out_dtype):
+    """``tensor_grouped_matmul``'s forward output on a weight already in E4M3 (``wq`` under
+    scale ``sw``): x cast as there, so the values are that forward's up to summation order; no
+    amax is recorded (decoding)."""
+    x = valid_rows(x_MxK, group_sizes_G)
+    sx = scaling.use_scale(meta.x, formats.amax(x))
+    xq = formats.quantize(x, sx, formats.E4M3)  # E4M3, as the forward's x
+    with jax.named_scope(SCOPE):
+        return fp8_grouped_gemm(FORWARD, xq, wq_GxKxN, group_sizes_G, 1.0 / (sx * sw), out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -107,6 +107,18 @@ class Recipe(abc.ABC):
         the same values as ``matmul``'s forward on the weight it was made from."""
         raise NotImplementedError(f"the FP8 recipe {self.name!r} quantizes weights per call")
 
+    def prequantized_grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w: QuantizedWeight,
+        group_sizes_G: jax.Array,
+        meta: Fp8Meta,
+        out_dtype,
+    ) -> jax.Array:
+        """The grouped GEMM's forward (``grouped_matmul``, no amax recorded) on a
+        ``quantize_weight`` copy of the stacked [G, K, N] weight."""
+        raise NotImplementedError(f"the FP8 recipe {self.name!r} quantizes weights per call")
+
     @abc.abstractmethod
     def saturation_stats(self, x: jax.Array, state: ScaleState) -> tuple[jax.Array, jax.Array]:
         """(saturated share, flushed share) of ``x`` under this recipe's scales for ``state``."""

@@ -55,6 +55,17 @@ class TensorRecipe(scaling.Recipe):
         """``ops.dot.tensor_forward`` on the E4M3 copy."""
         return dot.tensor_forward(cfg, x, w.q, w.scale, meta)
 
+    def prequantized_grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w: QuantizedWeight,
+        group_sizes_G: jax.Array,
+        meta: Fp8Meta,
+        out_dtype,
+    ) -> jax.Array:
+        """``ops.grouped.tensor_grouped_forward`` on the E4M3 copy."""
+        return grouped.tensor_grouped_forward(x_MxK, w.q, w.scale, group_sizes_G, meta, out_dtype)
+
     def grouped_matmul(
         self,
         x_MxK: jax.Array,

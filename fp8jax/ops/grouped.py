@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.ops import block_cast, dot, formats, gemm, grouped_mgpu, kernels, scaling
 from fp8jax.ops.gemm import GemmConfig
+from fp8jax.ops.grouped_mgpu import valid_rows  # re-exported: the rows a grouped GEMM reads
 from fp8jax.ops.remat import FP8_OUT, FP8_W, FP8_X
 from fp8jax.ops.scaling import Fp8Meta
 
@@ -151,12 +152,6 @@ def padded_gemm(kind: str, a, b, lay: grouped_mgpu.Layout, inv_scale, out_dtype)
         cuda=functools.partial(padded_kernel, kind, out_dtype=out_dtype),
         default=functools.partial(padded_reference, kind, out_dtype=out_dtype),
     )
-
-
-def valid_rows(x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-    """``x`` with the rows past ``sum(group_sizes)`` set to 0: they enter no GEMM and no amax."""
-    keep_M = jnp.arange(x_MxK.shape[0]) < jnp.sum(group_sizes_G)
-    return jnp.where(keep_M[:, None], x_MxK, jnp.zeros((), x_MxK.dtype))
 
 
 def check_shapes(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "reference_only",
     "takes",
     "unpad_rows",
+    "valid_rows",
     "ws_takes",
 ]
 
@@ -144,6 +145,12 @@ def layout(group_sizes_G: jax.Array, m: int) -> Layout:
     tile_group_T = jnp.searchsorted(jnp.cumsum(tiles_G), t, side="right").astype(jnp.int32)
     tile_group_T = jnp.where(tile_group_T < g, tile_group_T, -1)
     return Layout(rows, src_R, dst_M, tile_group_T, first_tile_G, tiles_G)
+
+
+def valid_rows(x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``x`` with the rows past ``sum(group_sizes)`` set to 0: they enter no GEMM and no amax."""
+    keep_M = jnp.arange(x_MxK.shape[0]) < jnp.sum(group_sizes_G)
+    return jnp.where(keep_M[:, None], x_MxK, jnp.zeros((), x_MxK.dtype))
 
 
 def pad_rows(a_MxK: jax.Array, lay: Layout) -> jax.Array:
@@ -618,12 +625,7 @@ def bf16_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax
     """``y`` [M, N] bf16 through JAX's Mosaic GPU ragged-dot kernels (forward, dgrad, wgrad)."""
     with jax.named_scope(BF16_KERNEL_NAME):
         y = _ragged(x_MxK, w_GxKxN, group_sizes_G, transpose_rhs=False)
-    return _valid_rows(y, group_sizes_G)  # the kernel leaves rows past the groups unwritten
-
-
-def _valid_rows(y_MxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-    keep_M = jnp.arange(y_MxN.shape[0]) < jnp.sum(group_sizes_G)
-    return jnp.where(keep_M[:, None], y_MxN, jnp.zeros((), y_MxN.dtype))
+    return valid_rows(y, group_sizes_G)  # the kernel leaves rows past the groups unwritten
 
 
 def _bf16_fwd(x, w, gs):
@@ -636,7 +638,7 @@ def _bf16_bwd(res, g):
     with jax.named_scope(BF16_KERNEL_NAME):
         dx = _ragged(g, w, gs, transpose_rhs=True)  # w[e] [K, N] read as [out K, contraction N]
         dw = _transposed_ragged(x, g, gs)
-    return _valid_rows(dx, gs).astype(x.dtype), dw.astype(w.dtype), None
+    return valid_rows(dx, gs).astype(x.dtype), dw.astype(w.dtype), None
 
 
 bf16_grouped_matmul.defvjp(_bf16_fwd, _bf16_bwd)

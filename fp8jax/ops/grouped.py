@@ -184,23 +184,22 @@ def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
 
 
 def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
-    x = valid_rows(x, gs)
+    lay = grouped_mgpu.layout(gs, x.shape[0]) if padded(x, w) else None
+    # The rows past the groups enter no GEMM and no amax (the padded layout drops them; its
+    # zero rows leave the amax as it is). On the padded layout each group is at a tile boundary.
+    x = valid_rows(x, gs) if lay is None else grouped_mgpu.pad_rows(x, lay)
     amax_x, amax_w = formats.amax(x), formats.amax(w)  # w's over all G groups: one scale
     sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
     wq = formats.quantize(w, sw, formats.E4M3)
-    if padded(x, w):
-        # Each group at a tile boundary; x cast once into the rows the forward GEMM reads and
-        # the transposed copy wgrad reads (the fused cast-transpose kernel on a GPU).
-        lay = grouped_mgpu.layout(gs, x.shape[0])
-        xq_pad, xq, _ = kernels.cast_transpose(
-            grouped_mgpu.pad_rows(x, lay), sx, formats.E4M3, record=False
-        )
+    if lay is not None:
+        # x cast once into the rows the forward GEMM reads and the transposed copy wgrad reads
+        # (the fused cast-transpose kernel on a GPU).
+        xq_pad, xq, _ = kernels.cast_transpose(x, sx, formats.E4M3, record=False)
         wq_t = formats.quantize(jnp.swapaxes(w, 1, 2), sw, formats.E4M3)  # K innermost
         y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
         y = grouped_mgpu.unpad_rows(y, lay)
     else:
-        lay = None
         xq = formats.quantize(x, sx, formats.E4M3)
         y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
@@ -239,16 +238,15 @@ def _tensor_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
 def _tensor_bwd(cfg: GemmConfig, res, cts):
     xq, wq, sx, sw, lay, gs, meta = res
     g, ct_meta = cts  # g [M, N] in the output dtype
-    g = valid_rows(g, gs)
+    # On the forward's layout: the padded one (x saved as x^T [K, R]) or the rows as they are.
+    g = valid_rows(g, gs) if lay is None else grouped_mgpu.pad_rows(g, lay)
     amax_g = formats.amax(g)
     sg = scaling.use_scale(meta.dy, amax_g)
-    # The recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
-    # mantissa).
-    # dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for an empty group
-    if lay is not None:  # the forward ran on the padded layout: x^T [K, R]
-        gq_pad, gq_t, _ = kernels.cast_transpose(
-            grouped_mgpu.pad_rows(g, lay), sg, meta.dy.fmt, record=False
-        )
+    # dy in the recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
+    # mantissa). dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for
+    # an empty group.
+    if lay is not None:
+        gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
         dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
         dx = grouped_mgpu.unpad_rows(dx, lay)
         dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)

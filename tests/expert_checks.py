@@ -8,7 +8,11 @@ pytest process) and asserts on the JSON it prints last:
   and gradients, for expert axes of 2, 4 and 8 and with data and fsdp axes carrying tokens too,
   dropless and with a capacity; E4M3 dispatch against its error bound;
 - a train step with tokens over data x expert against the one-device step (the expert axis as
-  a data-parallel axis: gradients reduced and FP8 amaxes merged over it);
+  a data-parallel axis: gradients reduced and FP8 amaxes merged over it); MoE train steps with
+  the experts split over 'expert' against it, and the expert kernels their layers see (each
+  device's own experts only);
+- an FP8 grouped GEMM on a weight stack split over 'expert' (current scaling) against the one
+  GEMM on the whole stack: one scale from the whole stack's amax;
 - the dtype of each kernel an MoE model's layers see in an fsdp-sharded bf16 step at O2 and O3
   (per-layer and upfront gathers), and how the per-layer gathers move and reduce the router.
 """
@@ -46,8 +50,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import sharded_checks as sc  # noqa: E402
 
 from fp8jax import spec  # noqa: E402
-from fp8jax.ops import formats  # noqa: E402
+from fp8jax.ops import formats, grouped, scaling  # noqa: E402
 from fp8jax.parallel import expert, layerwise, sharding  # noqa: E402
+from fp8jax.recipes import RECIPES  # noqa: E402
 
 TOKENS, D, F, E, K = 64, 16, 32, 8, 2  # global tokens, width, expert width, experts, top-k
 CAPACITY_FACTOR = 1.0  # with the skewed router below, some experts overflow
@@ -263,13 +268,24 @@ MOE_STEPS = {
 
 
 def moe_step_cases() -> dict:
-    """Two MoE train steps with the experts split over 'expert' against one device."""
+    """MoE train steps with the experts split over 'expert' against one device, and the number
+    of experts in the kernels their GroupedLinear layers see while the step is traced."""
     base, out = {}, {}
     for name, (dispatch, *sizes) in MOE_STEPS.items():
         if dispatch not in base:
             base[dispatch] = sc.run(sc.prepare(moe_config(dispatch), jax.devices()[:1]))
-        prepared = sc.prepare(moe_config(dispatch, *sizes), jax.devices())
+        seen = set()
+
+        def record(next_fun, args, kwargs, context, seen=seen):
+            kernel = context.module.variables.get("params", {}).get("kernel")
+            if type(context.module).__name__ == "GroupedLinear" and kernel is not None:
+                seen.add(int(kernel.shape[0]))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            prepared = sc.prepare(moe_config(dispatch, *sizes), jax.devices())
         out[name] = sc.compare(base[dispatch], sc.run(prepared))
+        out[name]["kernel_experts_seen"] = sorted(seen)
         # The dispatch's all-to-alls, told from the gradient reduction's (FP8 bytes) by the
         # expert ids they carry (s32) and the tokens (f32 at O1).
         out[name]["all_to_all_dtypes"] = sorted(
@@ -332,6 +348,54 @@ def gathered_dtypes(level: str, gather: str) -> dict:
     return out
 
 
+def split_stack_case() -> dict:
+    """The current-scaling FP8 grouped GEMM on a weight stack split over 'expert' (4 shards of
+    2 groups, magnitudes 0.1 to 10 apart), each shard on the same rows, against the GEMM of
+    one device on the whole stack with every shard's rows: the same outputs exactly when each
+    shard's weights take the whole stack's scale; and the w amax each shard records."""
+    rng = np.random.default_rng(3)
+    shards, g, m = 4, 2, 16
+    x_MxD = jnp.asarray(rng.standard_normal((m, D)), jnp.float32)
+    mags = np.array([0.1, 10.0, 0.3, 1.0, 2.5, 0.05, 7.0, 0.6])[:, None, None]
+    w_ExDxD = jnp.asarray(rng.standard_normal((shards * g, D, D)) * mags, jnp.float32)
+    sizes_G = jnp.asarray([5, 11], jnp.int32)  # every row, so the shards' rows line up below
+    recipe = RECIPES["current"]()
+    meta = scaling.init_meta(recipe)
+    mesh = sharding.make_mesh(
+        spec.MeshSpec(data=1, fsdp=1, tensor=1, expert=shards), jax.devices()[:shards]
+    )
+
+    def shard(x, w):
+        y, new = grouped.grouped_matmul(
+            x, w, sizes_G, recipe, meta, out_dtype=jnp.float32, w_split_axis="expert"
+        )
+        return y[None], new.w.amax_history[..., 0][None]
+
+    fn = jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(P(), P("expert")),
+        out_specs=(P("expert"), P("expert")),
+        check_vma=False,
+    )
+    y_SxMxD, amax_S = jax.jit(fn)(x_MxD, jax.device_put(w_ExDxD, NamedSharding(mesh, P("expert"))))
+    # One device: every shard's rows back to back, each shard's sizes in turn.
+    y_ref, _ = grouped.grouped_matmul(
+        jnp.tile(x_MxD, (shards, 1)),
+        w_ExDxD,
+        jnp.tile(sizes_G, shards),
+        recipe,
+        meta,
+        out_dtype=jnp.float32,
+    )
+    return dict(
+        max_rel=_rel(y_SxMxD, y_ref.reshape(shards, m, D)),
+        amax_recorded=np.asarray(amax_S).reshape(-1).tolist(),
+        amax_whole=float(jnp.max(jnp.abs(w_ExDxD))),
+        amax_shards=[float(jnp.max(jnp.abs(w_ExDxD[i * g : (i + 1) * g]))) for i in range(shards)],
+    )
+
+
 def main() -> None:
     jax.config.update("jax_disable_most_optimizations", True)  # compiles dominate; numerics don't
     data = inputs()
@@ -340,6 +404,7 @@ def main() -> None:
         for mode, cf in (("dropless", None), ("capacity", CAPACITY_FACTOR)):
             out["dispatch"][f"{name} {mode}"] = dispatch_case(sizes, cf, data)
     out["fp8_dispatch"] = fp8_dispatch_case(data)
+    out["split_stack"] = split_stack_case()
     out["step"] = step_case()
     out["moe_steps"] = moe_step_cases()
     out["gathers"] = {name: gathered_dtypes(*case) for name, case in GATHER_CASES.items()}

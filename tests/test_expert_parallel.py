@@ -61,9 +61,23 @@ def test_rules_split_the_experts_over_the_expert_axis():
     assert mlp["experts_wi"]["kernel"] == P(None, "expert", "fsdp")
     assert mlp["experts_wo"]["kernel"] == P(None, "expert", None, "fsdp")
     assert mlp["router"]["kernel"] == P(None, "fsdp")
-    # A replica's full gradient is laid out over the replicas, whole along expert and fsdp.
-    plan = comm.Plan(None, comm.CommConfig(), 1, None, None, None)
-    assert plan.replica_spec(mlp["experts_wi"]["kernel"]) == P(sharding.DP_AXES, None, None, None)
+    wi, router = mlp["experts_wi"]["kernel"], mlp["router"]["kernel"]
+    # Per-device replicas (O1, no tensor axis): each device keeps its own experts, whole along
+    # fsdp, and their gradients have data x fsdp replicas; the router comes whole.
+    plan = comm.Plan(
+        AbstractMesh((1, 2, 2, 1), sharding.MESH_AXES), comm.CommConfig(), 1, *[None] * 3
+    )
+    assert plan.local_spec(wi) == P(None, "expert")
+    assert plan.replica_spec(wi) == P(comm.EXPERT_REPLICA_AXES, None, "expert")
+    assert plan.replica_axes(wi) == ("data",)
+    assert plan.local_spec(router) == P()
+    assert plan.replica_spec(router) == P(sharding.DP_AXES, None, None)
+    # Tensor parallelism (replicas vmapped under XLA's partitioner): a replica's full gradient
+    # is laid out over the replicas, whole along expert and fsdp.
+    plan = comm.Plan(
+        AbstractMesh((1, 2, 2, 2), sharding.MESH_AXES), comm.CommConfig(), 1, *[None] * 3
+    )
+    assert plan.replica_spec(wi) == P(sharding.DP_AXES, None, None, None)
 
 
 def test_expert_count_the_axis_does_not_divide_is_refused():
@@ -169,6 +183,20 @@ def test_expert_parallel_moe_steps_match_one_device(checks):
         _assert_step_matches_one_device(name, c)
         assert "s32" in c["all_to_all_dtypes"], (name, c)  # expert ids: the dispatch ran
         assert "'expert'" in c["experts_sharded"], (name, c)  # stored split over the axis
+        # Each device's layers hold its own experts only (8 over the mesh's expert axis), so
+        # their weights, gradients and optimizer inputs are that share, not all 8 experts.
+        shards = {"data2 x ep4": 4, "data2 x ep2 x fsdp2": 2, "data2 x ep4 capacity": 4}[name]
+        assert c["kernel_experts_seen"] == [8 // shards], (name, c["kernel_experts_seen"])
+
+
+@pytest.mark.slow
+def test_split_expert_stack_keeps_one_scale(checks):
+    """A weight stack split over 'expert' quantizes with the whole stack's scale (its amax
+    merged over the shards): the outputs equal one device's on the whole stack."""
+    c = checks["split_stack"]
+    assert len(set(c["amax_shards"])) == 4, c  # the shards' own amaxes differ
+    assert c["amax_recorded"] == [c["amax_whole"]] * 4, c
+    assert c["max_rel"] <= EXACT_RTOL, c
 
 
 @pytest.mark.slow

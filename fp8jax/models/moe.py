@@ -223,7 +223,13 @@ class MoeMlp(nn.Module):
         inv_N = jnp.argsort(order_N)  # where each pair sits among the sorted ones
         sizes_E = jnp.bincount(key_N, length=e + 1)[:e].astype(jnp.int32)  # without dropped
         xs_NxD = dispatch_rows(x_TxD, order_N, inv_N, k)
-        common = dict(recipe=c.recipe, dtype=c.dtype, param_dtype=c.param_dtype)
+        # Under expert parallelism the kernels are this device's own experts (expert.split_axis).
+        common = dict(
+            recipe=c.recipe,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            split_axis=expert.split_axis(),
+        )
         wi = GroupedLinear(
             e,
             d,

@@ -30,7 +30,7 @@ class GroupedLinear(nn.Module):
     give 0). ``recipe`` None runs ``jax.lax.ragged_dot`` (level O0) and keeps no FP8 state.
     """
 
-    num_groups: int  # G: experts
+    num_groups: int  # G: experts (all of them, also where split_axis splits them)
     in_features: int  # K
     features: tuple[int, ...]  # the output axes, e.g. (2, F) for gate and up
     recipe: scaling.Recipe | None = None  # None: O0, no FP8
@@ -39,11 +39,18 @@ class GroupedLinear(nn.Module):
     std: float = INIT_STD  # normal initialiser's standard deviation
     dtype: Any = None  # compute dtype (None: x's)
     param_dtype: Any = jnp.float32
+    # The mesh axis (bound where the layer runs, e.g. expert parallelism's) whose shards hold
+    # the stack's other groups: the kernel here is this shard's groups, and one per-tensor scale
+    # still covers them all. None: the kernel is the whole stack.
+    split_axis: str | None = None
 
     @nn.compact
     def __call__(self, x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
         features = tuple(self.features)
-        shape = (self.num_groups, self.in_features, *features)
+        groups = self.num_groups
+        if self.split_axis is not None:  # this shard's consecutive share of the groups
+            groups //= jax.lax.axis_size(self.split_axis)
+        shape = (groups, self.in_features, *features)
         init = nn.initializers.normal(self.std)
         if self.names is not None:
             if len(self.names) != len(shape):
@@ -54,7 +61,7 @@ class GroupedLinear(nn.Module):
             init = nn.with_logical_partitioning(init, tuple(self.names))
         kernel = self.param("kernel", init, shape, self.param_dtype)
         dtype = jnp.dtype(self.dtype or x_MxK.dtype)
-        w_GxKxN = kernel.reshape(self.num_groups, self.in_features, math.prod(features))
+        w_GxKxN = kernel.reshape(groups, self.in_features, math.prod(features))
         x_MxK = x_MxK.astype(dtype)
         if self.recipe is None:
             y, _ = grouped.grouped_matmul(
@@ -72,7 +79,13 @@ class GroupedLinear(nn.Module):
                 y = self.recipe.prequantized_grouped_matmul(x_MxK, copy, group_sizes_G, meta, dtype)
             else:
                 y, new_meta = grouped.grouped_matmul(
-                    x_MxK, w_GxKxN, group_sizes_G, self.recipe, meta, out_dtype=dtype
+                    x_MxK,
+                    w_GxKxN,
+                    group_sizes_G,
+                    self.recipe,
+                    meta,
+                    out_dtype=dtype,
+                    w_split_axis=self.split_axis,
                 )
                 state.write(new_meta)
         return y.reshape(x_MxK.shape[0], *features)

@@ -57,6 +57,10 @@ class GemmConfig(NamedTuple):
     # no FP8 copy of them (models.layers' ``rebuilds_operands``). The ops take a bool too
     # (``rebuilt_operands``: True is 'xw').
     rebuild: str = ""
+    # The mesh axis a grouped GEMM's weight stack is split over inside a manual region (each
+    # shard holds some of the groups): w's amax is merged over it, so the whole stack keeps one
+    # per-tensor scale as on one device. None: w is whole.
+    w_split_axis: str | None = None
 
 
 REBUILD = ("", "x", "w", "xw")  # GemmConfig.rebuild's values

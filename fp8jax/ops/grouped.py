@@ -189,6 +189,8 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     # zero rows leave the amax as it is). On the padded layout each group is at a tile boundary.
     x = valid_rows(x, gs) if lay is None else grouped_mgpu.pad_rows(x, lay)
     amax_x, amax_w = formats.amax(x), formats.amax(w)  # w's over all G groups: one scale
+    if cfg.w_split_axis is not None:  # this shard's groups: the stack's amax is the max of all
+        amax_w = lax.pmax(amax_w, cfg.w_split_axis)
     sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
     # E4M3 for both forward operands: activations and weights need precision more than range.
     wq = formats.quantize(w, sw, formats.E4M3)
@@ -357,12 +359,14 @@ def grouped_matmul(
     meta: Fp8Meta | None,
     *,
     out_dtype=None,
+    w_split_axis: str | None = None,
 ) -> tuple[jax.Array, Fp8Meta | None]:
     """``(y [M, N], meta with this call's amaxes)``: each group's rows times its weight.
 
     ``recipe`` None is level O0 (``ragged_dot``, ``meta`` returned as given); otherwise the
     recipe's FP8 grouped GEMM under ``meta`` (``Recipe.grouped_matmul``). ``out_dtype``
-    defaults to the operands' common dtype.
+    defaults to the operands' common dtype. ``w_split_axis``: the mesh axis (bound here) whose
+    shards hold the other groups of the stack ``w`` is part of (``GemmConfig.w_split_axis``).
     """
     check_shapes(x_MxK, w_GxKxN, group_sizes_G)
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x_MxK.dtype, w_GxKxN.dtype))
@@ -376,4 +380,6 @@ def grouped_matmul(
         dot.check_operand("x", x_MxK)
         dot.check_operand("w", w_GxKxN)
         with jax.named_scope(f"fp8_{recipe.name}"):
-            return recipe.grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype)
+            return recipe.grouped_matmul(
+                x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype, w_split_axis
+            )

@@ -153,9 +153,11 @@ class Recipe(abc.ABC):
         group_sizes_G: jax.Array,
         meta: Fp8Meta,
         out_dtype,
+        w_split_axis: str | None = None,
     ) -> tuple[jax.Array, Fp8Meta]:
         """``(y [M, N], meta with this call's amaxes)``: ``ops.grouped.grouped_matmul``'s FP8
-        grouped GEMM (rows of x sorted by group, w [G, K, N] stacked), with its custom VJP."""
+        grouped GEMM (rows of x sorted by group, w [G, K, N] stacked; ``w_split_axis``: the
+        mesh axis over which the stack's other groups lie), with its custom VJP."""
         has = sorted(n for n, c in RECIPES.items() if c.grouped_matmul is not Recipe.grouped_matmul)
         raise NotImplementedError(
             f"the FP8 recipe {self.name!r} has no grouped GEMM: use one of {has} for expert layers"

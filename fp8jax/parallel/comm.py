@@ -14,8 +14,13 @@ replicas):
    cannot, and ``sum / N`` is again within the format's range.
 4. ``sum / N`` is re-quantized to FP8 with the same scale and ``all_gather``-ed (over ``data`` x
    ``expert`` only for parameters sharded over ``fsdp``, which keep just their shard: a
-   reduce-scatter). The N goes back into the inverse scale: ``g = q * (N / s)``. Experts split
-   over ``expert`` keep their own experts' slice of the sum.
+   reduce-scatter). The N goes back into the inverse scale: ``g = q * (N / s)``.
+
+Routed experts split over ``expert``: where the replicas run one per device, each device keeps
+only its own experts' weights and computes only their gradients (the tokens came to them by
+all-to-all), so those gradients are summed over the devices holding the same experts, data x
+fsdp, in buckets of their own. Replicas that hold every expert (tensor parallelism) keep their
+own experts' slice of the sum.
 
 So each device sends about 2 bytes per gradient element (all-to-all + all-gather) where an f32
 ring all-reduce sends 8. Gradients smaller than ``min_fp8_size`` elements (norms, biases) are
@@ -53,6 +58,9 @@ from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.parallel.sharding import DP_AXES, MESH_AXES, REPLICA_AXES
 
 P = PartitionSpec
+# The replicas of a routed expert's gradient when each device keeps only its own experts: the
+# devices with the same 'expert' index (the expert axis splits the experts, not their rows).
+EXPERT_REPLICA_AXES = ("data", "fsdp")
 
 
 # Valid values of CommConfig's fields (configs/base.py declares config.comm with these).
@@ -156,10 +164,36 @@ class Plan:
     def num_replicas(self) -> int:
         return sharding_lib.dp_size(self.mesh)
 
+    @property
+    def experts_local(self) -> bool:
+        """Whether each device holds only its own routed experts' weights and gradients in the
+        step: the replicas run per device and an 'expert' axis splits the experts."""
+        return self.per_device and int(self.mesh.shape["expert"]) > 1
+
+    def splits_experts(self, spec: PartitionSpec) -> bool:
+        """Whether the parameter laid out as ``spec`` stays split over 'expert' in the step."""
+        return self.experts_local and sharding_lib.axis_dim(spec, "expert") is not None
+
+    def local_spec(self, spec: PartitionSpec) -> PartitionSpec:
+        """Layout of an (fsdp-gathered) parameter handed to the per-device replicas: whole, but
+        for routed experts, which stay split over 'expert' (``splits_experts``)."""
+        return sharding_lib.keep_axis(spec, "expert") if self.splits_experts(spec) else P()
+
     def replica_spec(self, spec: PartitionSpec) -> PartitionSpec:
-        """Layout of a per-replica ``[N, *param]`` gradient (full along fsdp and expert, split
-        over N)."""
+        """Layout of the per-replica gradients of the parameter laid out as ``spec``.
+
+        ``[N, *param]`` (full along fsdp and expert, split over the N replicas); for experts
+        that stay split (``splits_experts``) ``[data x fsdp, *param]``: each device's gradient
+        of its own experts, so the replicas holding the same experts are data x fsdp.
+        """
+        if self.splits_experts(spec):
+            return P(EXPERT_REPLICA_AXES, *sharding_lib.keep_axis(spec, "expert"))
         return P(DP_AXES, *sharding_lib.drop_axis(sharding_lib.drop_axis(spec, "fsdp"), "expert"))
+
+    def replica_axes(self, spec: PartitionSpec) -> tuple[str, ...]:
+        """The data-parallel axes that hold the parameter laid out as ``spec`` whole (fsdp
+        aside): its gradient's replicas are these x fsdp."""
+        return ("data",) if self.splits_experts(spec) else REPLICA_AXES
 
     @property
     def layerwise(self) -> bool:
@@ -240,16 +274,27 @@ def _layer_groups(tree) -> list[list[int]]:
     return list(groups.values())
 
 
-def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh_shape, wire: str):
+def reduce_fp8(
+    g_leaves,
+    fsdp_dims,
+    stacks,
+    mu: jax.Array,
+    cfg: CommConfig,
+    mesh_shape,
+    wire: str,
+    replica_axes: tuple[str, ...] = REPLICA_AXES,
+):
     """Sum this replica's gradients ``g_leaves`` over the data-parallel axes in FP8 (one bucket,
     inside a fully manual shard_map): (f32 reduced leaves, clipped values of this replica).
 
     ``fsdp_dims``: each leaf's dimension sharded over fsdp (None: replicated), whose result is
     only this device's shard; ``stacks``: its leading layer axes (one scale per layer);
-    ``mesh_shape``: (data x expert, fsdp) sizes.
+    ``replica_axes``: the axes whose devices hold the same parameters (data x expert; 'data'
+    alone for experts each device keeps its own of) and ``mesh_shape`` their and fsdp's sizes.
     """
     a, f = mesh_shape
     n = a * f
+    dp_axes = (*replica_axes, "fsdp")
     fmt = formats.as_dtype(cfg.grad_format)
     fmax = formats.fmax(fmt)
     ids = range(len(g_leaves))
@@ -277,7 +322,7 @@ def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh
         rows.append(r)
         meta.append((i, r.shape[1], m))
     q_NxC = jnp.concatenate(rows, axis=1)
-    recv_NxC = lax.all_to_all(to_wire(q_NxC, wire), DP_AXES, 0, 0, tiled=True)
+    recv_NxC = lax.all_to_all(to_wire(q_NxC, wire), dp_axes, 0, 0, tiled=True)
     # Add the N replicas' FP8 values in f32: no overflow, no FP8 rounding per addition.
     acc_C = from_wire(recv_NxC, fmt, wire).astype(jnp.float32).sum(axis=0)
     # |acc / N| <= fmax, so the sum re-quantizes (same format and scale) without clipping;
@@ -289,12 +334,12 @@ def reduce_fp8(g_leaves, fsdp_dims, stacks, mu: jax.Array, cfg: CommConfig, mesh
     if n_sharded:
         part = q_C[:c_sharded]
         if a > 1:
-            got = lax.all_gather(to_wire(part, wire), REPLICA_AXES, axis=0, tiled=False)
+            got = lax.all_gather(to_wire(part, wire), replica_axes, axis=0, tiled=False)
             parts["sharded"] = from_wire(got, fmt, wire)  # [A, c_sharded]
         else:
             parts["sharded"] = part[None]
     if n_sharded < len(meta):
-        got = lax.all_gather(to_wire(q_C[c_sharded:], wire), DP_AXES, axis=0, tiled=False)
+        got = lax.all_gather(to_wire(q_C[c_sharded:], wire), dp_axes, axis=0, tiled=False)
         parts["replicated"] = from_wire(got, fmt, wire)  # [N, c_replicated]
     off = {"sharded": 0, "replicated": 0}
     out = [None] * len(g_leaves)
@@ -319,14 +364,17 @@ def reduces_in_fp8(path: tuple[str, ...], elements: int, cfg: CommConfig) -> boo
     return elements >= cfg.min_fp8_size and not set(path) & set(F32_LAYERS)
 
 
-def reduce_f32(g: jax.Array, fsdp_dim: int | None) -> jax.Array:
+def reduce_f32(
+    g: jax.Array, fsdp_dim: int | None, replica_axes: tuple[str, ...] = REPLICA_AXES
+) -> jax.Array:
     """Sum this replica's gradient over the data-parallel axes in f32 (a small one: norms,
-    biases), keeping only this device's fsdp shard of a sharded parameter."""
+    biases), keeping only this device's fsdp shard of a sharded parameter (``replica_axes``
+    as for ``reduce_fp8``)."""
     g = g.astype(jnp.float32)
     if fsdp_dim is None:
-        return lax.psum(g, DP_AXES)
+        return lax.psum(g, (*replica_axes, "fsdp"))
     g = lax.psum_scatter(g, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
-    return lax.psum(g, REPLICA_AXES)
+    return lax.psum(g, replica_axes)
 
 
 def expert_slice(g: jax.Array, expert_dim: int | None, shards: int) -> jax.Array:
@@ -342,21 +390,31 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
     # fsdp-sharded parameters get only their shard back (a reduce-scatter). A non-finite
     # gradient anywhere stays non-finite (NaN), so the train step skips the update as usual.
     mesh, cfg = plan.mesh, plan.cfg
-    mesh_shape = (int(mesh.shape["data"] * mesh.shape["expert"]), int(mesh.shape["fsdp"]))
     wire = wire_format(mesh, cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads_N)
     leaves = [x for _, x in flat]
     specs = treedef.flatten_up_to(plan.specs)
     stacks = treedef.flatten_up_to(plan.stack_ndims)
     fsdp_dims = [sharding_lib.axis_dim(s, "fsdp") for s in specs]
-    expert_dims = [sharding_lib.axis_dim(s, "expert") for s in specs]
+    # Experts split over 'expert' in the step come as each device's own (reduced over the
+    # devices holding the same experts); replicas holding every expert keep their slice after.
+    axes_of = [plan.replica_axes(s) for s in specs]
+    expert_dims = [
+        None if plan.splits_experts(s) else sharding_lib.axis_dim(s, "expert") for s in specs
+    ]
     shards = int(mesh.shape["expert"])
     # Full (global) element counts decide FP8 vs f32 identically on every device.
     use_fp8 = [reduces_in_fp8(path_key(p), math.prod(x.shape[1:]), cfg) for p, x in flat]
     groups = _layer_groups(grads_N) if cfg.bucket_by_layer else [list(range(len(leaves)))]
     # One bucket per layer (cfg.bucket_by_layer): a layer's gradients can travel while the
     # backward pass still works on the layers below it; the scales are per tensor either way.
-    fp8_buckets = [b for b in ([i for i in ids if use_fp8[i]] for ids in groups) if b]
+    # A bucket's leaves share their replicas: a layer's own experts travel in a bucket of theirs.
+    fp8_buckets = [
+        b
+        for ids in groups
+        for axes in dict.fromkeys(axes_of[i] for i in ids)
+        if (b := [i for i in ids if use_fp8[i] and axes_of[i] == axes])
+    ]
 
     def body(mu, *g_leaves):
         g_leaves = [x[0] for x in g_leaves]  # this replica's gradient (local tensor shard)
@@ -364,8 +422,10 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         clipped = []
         for ids in fp8_buckets:
             pick = lambda xs, ids=ids: [xs[i] for i in ids]
+            axes = axes_of[ids[0]]
+            mesh_shape = (math.prod(int(mesh.shape[a]) for a in axes), int(mesh.shape["fsdp"]))
             got, c = reduce_fp8(
-                pick(g_leaves), pick(fsdp_dims), pick(stacks), mu, cfg, mesh_shape, wire
+                pick(g_leaves), pick(fsdp_dims), pick(stacks), mu, cfg, mesh_shape, wire, axes
             )
             for i, x in zip(ids, got, strict=True):
                 out[i] = x
@@ -374,7 +434,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
         count = jnp.asarray(sum(g_leaves[i].size for i, u in enumerate(use_fp8) if u), jnp.float32)
         for i, g in enumerate(g_leaves):  # small gradients (norms, biases) in f32
             if not use_fp8[i]:
-                out[i] = reduce_f32(g, fsdp_dims[i])
+                out[i] = reduce_f32(g, fsdp_dims[i], axes_of[i])
         out = [expert_slice(x, d, shards) for x, d in zip(out, expert_dims, strict=True)]
         saturated = lax.psum(saturated, MESH_AXES) / jnp.maximum(lax.psum(count, MESH_AXES), 1.0)
         return saturated, *out
@@ -387,6 +447,7 @@ def reduce_gradients(grads_N, mu: jax.Array, plan: Plan):
 
 
 __all__ = [
+    "EXPERT_REPLICA_AXES",
     "GATHERS",
     "GRAD_FORMATS",
     "INTERVALS",

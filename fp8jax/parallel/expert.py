@@ -48,6 +48,7 @@ __all__ = [
     "dispatch_combine",
     "expert_parallel",
     "routed",
+    "split_axis",
 ]
 
 EXPERT_AXIS = "expert"
@@ -178,6 +179,12 @@ def dispatch_combine(
     return jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), p_Txk.astype(jnp.float32))
 
 
+def split_axis() -> str | None:
+    """The mesh axis an MoE layer's routed experts are split over where it runs (each device
+    holds its own: ``routed`` dispatches to them), or None where the layer holds them all."""
+    return EXPERT_AXIS if sharding_lib.expert_axis_size() > 1 else None
+
+
 def routed(
     x_TxD: jax.Array,
     idx_Txk: jax.Array,
@@ -192,25 +199,18 @@ def routed(
     with an 'expert' axis over 1 (``sharding.expert_shards``); None elsewhere (one device, or
     XLA's partitioner, which splits the one-device computation itself).
 
-    ``experts_fn`` here takes all ``num_experts`` groups (the layer's whole, replicated expert
-    weights); this shard's rows fill its own experts' groups, the others are empty.
+    There the layer's expert weights are this device's own G = ``num_experts`` / shards
+    experts (the train step keeps them split over 'expert'), and ``experts_fn(x_MxD,
+    sizes_G)`` computes them.
     """
-    ep = sharding_lib.expert_axis_size()
-    if ep == 1:
+    if sharding_lib.expert_axis_size() == 1:
         return None
-    g = num_experts // ep
-
-    def local(x_MxD, sizes_G):
-        start = lax.axis_index(EXPERT_AXIS) * g
-        sizes_E = lax.dynamic_update_slice(jnp.zeros((num_experts,), jnp.int32), sizes_G, (start,))
-        return experts_fn(x_MxD, sizes_E)
-
     on_cpu = jax.default_backend() == "cpu"
     return dispatch_combine(
         x_TxD,
         idx_Txk,
         p_Txk,
-        local,
+        experts_fn,
         num_experts=num_experts,
         capacity_factor=capacity_factor,
         fp8_dispatch=fp8_dispatch,

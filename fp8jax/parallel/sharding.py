@@ -40,6 +40,7 @@ __all__ = [
     "expert_axis_size",
     "expert_shards",
     "fit_spec",
+    "keep_axis",
     "initialize_distributed",
     "logical_shardings",
     "make_mesh",
@@ -238,6 +239,14 @@ def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
     for entry in spec:
         kept = tuple(a for a in _mesh_axes(entry) if a != axis)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def keep_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with every mesh axis but ``axis`` removed (e.g. the experts' split alone)."""
+    out = [axis if axis in _mesh_axes(entry) else None for entry in spec]
+    while out and out[-1] is None:
+        out.pop()
     return PartitionSpec(*out)
 
 

@@ -73,9 +73,17 @@ class TensorRecipe(scaling.Recipe):
         group_sizes_G: jax.Array,
         meta: Fp8Meta,
         out_dtype,
+        w_split_axis: str | None = None,
     ) -> tuple[jax.Array, Fp8Meta]:
-        """``ops.grouped.tensor_grouped_matmul``: one scale for x, one for all G weights."""
-        cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
+        """``ops.grouped.tensor_grouped_matmul``: one scale for x, one for the whole weight
+        stack (its amax merged over ``w_split_axis``'s shards)."""
+        cfg = GemmConfig(
+            jnp.dtype(x_MxK.dtype),
+            jnp.dtype(w_GxKxN.dtype),
+            out_dtype,
+            False,
+            w_split_axis=w_split_axis,
+        )
         return grouped.tensor_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
 
     def gelu_mlp(

@@ -107,8 +107,12 @@ class TiledRecipe(scaling.Recipe):
         group_sizes_G: jax.Array,
         meta: Fp8Meta,
         out_dtype,
+        w_split_axis: str | None = None,
     ) -> tuple[jax.Array, Fp8Meta]:
-        """``ops.grouped.tiled_grouped_matmul``: x and dy per tile, w per tile of each group."""
+        """``ops.grouped.tiled_grouped_matmul``: x and dy per tile, w per tile of each group
+        (so a stack split over ``w_split_axis`` needs no merged scale: its amax is recorded for
+        health only and merged with the other replicas' after the step)."""
+        del w_split_axis
         fine.check_recipes(meta)
         cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
         return grouped.tiled_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)

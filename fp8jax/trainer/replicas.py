@@ -1,9 +1,10 @@
 """The train step's data-parallel replicas and their gradient reduction (FP8 at O1+).
 
 The batch is viewed as ``[N, B/N, ...]`` with N split over data x expert x fsdp, and each replica
-computes its own gradients. Without tensor parallelism they run one per device under shard_map;
-with it they are vmapped under XLA's SPMD partitioner. Two ways to move fsdp weights
-(``comm.gather``):
+computes its own gradients. Without tensor parallelism they run one per device under shard_map
+(the routed experts of MoE layers split over 'expert' stay split: each device holds and
+differentiates its own); with it they are vmapped under XLA's SPMD partitioner. Two ways to
+move fsdp weights (``comm.gather``):
 
 - up front: ``gather.gather_params`` all-gathers every weight before the forward pass, each
   replica keeps full-size gradients, and ``comm.reduce_gradients`` sums them after the backward;
@@ -51,8 +52,9 @@ def _per_device(
     cuDNN attention run as on one device (partitioned, the cast kernel's operands were
     all-gathered; cuDNN attention rejected q, k and v with different shardings). ``groups``
     (per-layer gathers): ``params`` come sharded as ``param_specs`` say and ``grads`` are
-    already reduced, laid out the same; otherwise ``params`` are whole and ``grads`` are each
-    replica's own, ``[N, *param]``.
+    already reduced, laid out the same; otherwise ``params`` are whole (routed experts split
+    over 'expert', ``Plan.local_spec``) and ``grads`` are each replica's own, laid out as
+    ``Plan.replica_spec`` says.
     """
     n, dp = plan.num_replicas, sharding_lib.DP_AXES
 
@@ -73,8 +75,13 @@ def _per_device(
         return jax.tree.map(lambda x: x[None], (loss, fp8, g))  # [1, ...] per device
 
     rep = P()
-    p_spec = rep if param_specs is None else param_specs
-    g_spec = P(dp) if param_specs is None else param_specs
+    if param_specs is None:
+        # Whole weights, but for routed experts split over 'expert' (``Plan.local_spec``): each
+        # device holds and differentiates only its own experts. Gradients: one per replica.
+        p_spec = jax.tree.map(plan.local_spec, plan.specs)
+        g_spec = jax.tree.map(plan.replica_spec, plan.specs)
+    else:
+        p_spec = g_spec = param_specs
     fn = jax.shard_map(
         local,
         mesh=plan.mesh,

@@ -18,6 +18,7 @@ import contextlib
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -84,25 +85,35 @@ def _default_xla_flags() -> None:
 
 @contextlib.contextmanager
 def _ends_without_the_sample_compile():
-    """A failed run whose end sample still compiles in the background ends at once, with the
-    status it would have had: the interpreter's exit would wait for that compile, or abort when
-    it returns mid-exit (``generate.compile_sample``)."""
+    """A run that ends while its end sample still compiles in the background (it failed, or
+    SIGTERM stopped it) ends the process at once, with the status it would have had: the
+    interpreter's exit would wait for that compile, or abort when it returns mid-exit
+    (``generate.compile_sample``)."""
+    from fp8jax.trainer import generate
+
     try:
         yield
     except BaseException as e:
-        from fp8jax.trainer import generate
-
         if not generate.sample_compiling():
             raise
         if isinstance(e, SystemExit):  # _fail's: its line is printed
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
         else:
             traceback.print_exception(e)
             code = 130 if isinstance(e, KeyboardInterrupt) else 1  # what Python exits with
-        logging.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
+    if generate.sample_compiling():
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` after flushing the logs, skipping the interpreter's exit."""
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str]) -> None:
@@ -124,7 +135,7 @@ def main(argv: list[str]) -> None:
             if os.environ.get("FP8JAX_DEBUG"):
                 raise
             _fail(e)
-    logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
+        logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
 
 
 def run() -> None:

@@ -14,8 +14,11 @@ a run stopped by repeated NaN/Inf.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import traceback
+from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -80,6 +83,39 @@ def _default_xla_flags() -> None:
         os.environ["XLA_FLAGS"] = f"{flags_now} --xla_gpu_enable_triton_gemm=false".strip()
 
 
+@contextlib.contextmanager
+def _ends_without_the_sample_compile():
+    """A run that ends while its end sample still compiles in the background (it failed, or
+    SIGTERM stopped it) ends the process at once, with the status it would have had: the
+    interpreter's exit would wait for that compile, or abort when it returns mid-exit
+    (``generate.compile_sample``)."""
+    from fp8jax.trainer import generate
+
+    try:
+        yield
+    except BaseException as e:
+        if not generate.sample_compiling():
+            raise
+        if isinstance(e, SystemExit):  # _fail's: its line is printed
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        else:
+            traceback.print_exception(e)
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1  # what Python exits with
+        _exit_now(code)
+    if generate.sample_compiling():
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` after flushing the logs, skipping the interpreter's exit."""
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> None:
     """Train the ``--config`` run in ``--workdir`` (absl's main, after flag parsing)."""
     if len(argv) > 1:
@@ -92,13 +128,14 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.INFO)
     cli.quiet_jax_backend_probe()
     cli.drop_closed_event_loop_errors()
-    try:
-        summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except errors.USER_ERRORS as e:
-        if os.environ.get("FP8JAX_DEBUG"):
-            raise
-        _fail(e)
-    logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
+    with _ends_without_the_sample_compile():
+        try:
+            summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        except errors.USER_ERRORS as e:
+            if os.environ.get("FP8JAX_DEBUG"):
+                raise
+            _fail(e)
+        logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
 
 
 def run() -> None:

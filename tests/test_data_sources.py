@@ -7,6 +7,7 @@ shards or whole documents that training never sees, and bad shards a one-line Da
 
 import gzip
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -155,6 +156,74 @@ def test_array_record_shards_read_records_as_one_stream(setup, tmp_path):
     with pytest.raises(errors.DataError, match=rf"holds id {tok.vocab_size} at position {at},"):
         _build(setup, tmp_path / "beyond.array_record", tmp_path / "w2", format="tokens")
     assert not (tmp_path / "w2").exists()
+
+
+def test_array_record_lengths_are_kept_beside_the_file(tmp_path, monkeypatch):
+    """The first open of an ArrayRecord file reads each record once and keeps their lengths
+    beside it, so a second open reads none; a rewritten or touched file's, or unreadable ones,
+    are rebuilt; a read-only folder is measured at every open and gets nothing written."""
+    pytest.importorskip("array_record")
+    import grain
+
+    from fp8jax.trainer import array_records
+
+    reads = []
+
+    class Counted(grain.sources.ArrayRecordDataSource):  # counts the records read
+        def __getitem__(self, k):
+            reads.append(k)
+            return super().__getitem__(k)
+
+        def __getitems__(self, keys):
+            reads.extend(keys)
+            return super().__getitems__(keys)
+
+    monkeypatch.setattr(grain.sources, "ArrayRecordDataSource", Counted)
+
+    def opened(path, docs):  # a new process's open: the records it read, its ids checked
+        reads.clear()
+        ids = array_records.RecordIds(path)
+        count = len(reads)
+        np.testing.assert_array_equal(ids[0 : len(ids)], np.concatenate(docs))
+        assert ids.dtype == docs[0].dtype
+        return count
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 300, n, dtype=np.uint16) for n in rng.integers(1, 20, 50)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / "docs.array_record"
+    array_records.write(path, docs)
+    kept = array_records.lengths_path(path)
+    assert opened(path, docs) == len(docs) and kept.is_file()
+    assert opened(path, docs) == 0
+    assert kept.parent == folder
+    other = [d.astype(np.int32) for d in docs[:20]]  # rewritten: other records, another dtype
+    array_records.write(path, other)
+    assert opened(path, other) == len(other)
+    assert opened(path, other) == 0
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes, touched
+    assert opened(path, other) == len(other)
+    kept.write_bytes(b"not an npz")
+    assert opened(path, other) == len(other)
+    assert opened(path, other) == 0
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    array_records.write(read_only / "docs.array_record", docs)
+
+    def refused(*args, **kwargs):  # what a read-only folder answers (also to root)
+        raise PermissionError(13, "Permission denied", str(read_only))
+
+    monkeypatch.setattr(array_records.tempfile, "mkstemp", refused)
+    read_only.chmod(0o555)
+    try:
+        assert opened(read_only / "docs.array_record", docs) == len(docs)
+        assert opened(read_only / "docs.array_record", docs) == len(docs)
+        assert sorted(p.name for p in read_only.iterdir()) == ["docs.array_record"]
+    finally:
+        read_only.chmod(0o755)
 
 
 def test_parquet_and_jsonl_gz_encode_each_row_or_line_as_a_document(setup, tmp_path, monkeypatch):

@@ -594,6 +594,39 @@ def test_run_that_cannot_fit_in_memory_is_refused_before_the_first_step(
     assert not list((workdir / "checkpoints").glob("[0-9]*"))
 
 
+# train.py with the end sample's compile never returning and the device reported as 1 KiB.
+HANGING_SAMPLE = """
+import sys, threading
+from fp8jax.diagnostics import memory
+from fp8jax.trainer import generate
+class Blocked:  # the end sample's decoder: its background compile never returns
+    def compile(self, *args):
+        threading.Event().wait()
+generate.decoder_for = lambda *args: Blocked()
+memory.device_memory_limit = lambda: 2**10
+from fp8jax import train
+sys.argv[0] = "train.py"
+train.run()
+"""
+
+
+def test_a_refused_run_exits_without_waiting_for_its_sample_compile(base, env, tmp_path):
+    """A run refused after its end sample began compiling in the background (its step does not
+    fit the device) exits 2 with its one line, not waiting for that compile (here: forever)."""
+    values = {**SMALL, "data.path": str(base / "corpus.txt"), "sample_tokens": 4}
+    args = [
+        sys.executable,
+        "-c",
+        HANGING_SAMPLE,
+        "--config",
+        "configs/tiny.py",
+        f"--workdir={tmp_path / 'work'}",
+        *[f"--config.{k}={v}" for k, v in values.items()],
+    ]
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert one_error_line(proc).startswith("error: the train step needs")
+
+
 def test_compiled_peak_within_the_device_passes(monkeypatch):
     """``check_fits`` passes a peak at the limit and where either figure is unknown."""
     from fp8jax.diagnostics import memory

@@ -1,6 +1,7 @@
 """A sigmoid router's balancing bias (``TrainState.moe_state``) wherever a model runs outside
 the train step: evaluation, scoring and generation of a trained work dir, DPO's reference."""
 
+import dataclasses
 import math
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from fp8jax import models, spec
+from fp8jax import errors, models, spec
 from fp8jax.models import moe
 from fp8jax.trainer import checkpoint, data, dpo_data, generate, inference, scoring
 from fp8jax.trainer import loop as train_lib
@@ -75,6 +76,49 @@ def test_a_work_dir_evaluates_scores_and_generates_with_its_trained_biases(sigmo
         inf.model, inf.params, inf.fp8_state, inf.tokenizer, ["It is"], 3, moe_state=inf.moe_state
     )
     assert isinstance(text, str)
+
+
+def test_init_from_a_work_dir_starts_from_its_trained_biases(
+    sigmoid_workdir, tmp_path, monkeypatch
+):
+    """A run ``init_from`` the work dir starts from its checkpoint's biases (in the run's own
+    scan layout), not zeros; a model of other experts than those biases is refused."""
+    wd, c = sigmoid_workdir
+    source = inference.load(str(wd))
+    trained = moe.stacked_bias(source.moe_state, source.model.cfg.scan_layers)
+    assert np.abs(trained).max() > 0  # stepped by the training
+    seen = []
+    built = train_lib.setup
+
+    def spy(run, *args, **kwargs):  # the fine-tuning run's initial state, as built
+        env = built(run, *args, **kwargs)
+
+        def init(*a, **k):
+            state = env.init(*a, **k)
+            seen.append(jax.device_get(state.moe_state))
+            return state
+
+        return dataclasses.replace(env, init=init)
+
+    monkeypatch.setattr(train_lib, "setup", spy)
+    tuned = c.copy_and_resolve_references()
+    tuned.init_from = str(wd)
+    tuned.model.scan_layers = not source.model.cfg.scan_layers  # the biases change layout
+    tuned.update(num_train_steps=1, eval_every_steps=1, checkpoint_every_steps=1)
+    train_lib.train_and_evaluate(tuned, str(tmp_path / "tuned"))
+    (initial,) = seen
+    np.testing.assert_array_equal(moe.stacked_bias(initial, tuned.model.scan_layers), trained)
+
+    other = c.copy_and_resolve_references()
+    other.init_from = str(wd)
+    other.model.moe.num_experts = c.model.moe.num_experts // 2
+    layers, experts = trained.shape
+    with pytest.raises(
+        errors.ConfigError,
+        match=rf"holds router biases of {layers} layers x {experts} experts, the model "
+        rf"{layers} x {experts // 2}: point init_from at",
+    ):
+        train_lib.init_moe_state(spec.parse(other))
 
 
 def test_dpo_reference_keeps_the_initial_biases_of_an_moe_policy(tmp_path):

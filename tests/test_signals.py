@@ -1,7 +1,9 @@
 """What the loop reports: FP8 health summary, the end sample, summary.json, schedule changes."""
 
+import dataclasses
 import json
 import logging
+import threading
 import warnings
 
 import jax
@@ -180,3 +182,34 @@ def test_loop_reads_a_step_after_dispatching_the_next(corpus, tmp_path, monkeypa
         first_read = events.index(("read", n))
         dispatched = events[:first_read].count(("put",))
         assert dispatched == (n if n == 3 else n + 1), (n, events)
+
+
+def test_a_failing_run_does_not_wait_for_the_sample_compile(corpus, tmp_path, monkeypatch):
+    """A run that fails after starting its end sample's compile raises while that compile still
+    runs, in a daemon thread, which the interpreter's exit does not wait for either."""
+    started, never = threading.Event(), threading.Event()
+    threads = []
+
+    class Blocked:  # the sample's decoder: its compile does not finish while the test runs
+        def compile(self, *args):
+            threads.append(threading.current_thread())
+            started.set()
+            never.wait(timeout=120)
+
+    class OutOfMemory:  # the train step's compile fails, as on a device too small for it
+        def lower(self, *args):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling the step")
+
+    built = train_lib.setup
+    monkeypatch.setattr(generate, "decoder_for", lambda *args: Blocked())
+    monkeypatch.setattr(
+        train_lib, "setup", lambda run: dataclasses.replace(built(run), train_step=OutOfMemory())
+    )
+    try:
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            train_lib.train_and_evaluate(small_config(corpus), str(tmp_path))
+        assert started.wait(timeout=30)  # the run did start the compile
+        (thread,) = threads
+        assert thread.is_alive() and thread.daemon
+    finally:
+        never.set()

@@ -49,6 +49,8 @@ __all__ = [
     "layer_metrics",
     "permute_rows",
     "route",
+    "stacked_bias",
+    "unstacked_bias",
     "update_bias",
 ]
 
@@ -319,12 +321,25 @@ def update_bias(moe_state, loads_LxE: jax.Array, rate: float, scanned: bool):
     ``moe_state``: the ``MOE_STATE`` tree (each MoE layer's ``router/bias``); ``loads_LxE``:
     the layers' expert loads in layer order (``layer_metrics``' ``LOAD``); ``scanned`` as there.
     """
-    flat = traverse_util.flatten_dict(dict(moe_state))
-    paths = sorted(flat, key=_layer_order)
-    bias_LxE = jnp.concatenate([flat[p] if scanned else flat[p][None] for p in paths])
+    bias_LxE = stacked_bias(moe_state, scanned)
     loads_LxE = loads_LxE.astype(jnp.float32)
     mean_Lx1 = jnp.mean(loads_LxE, axis=-1, keepdims=True)
     bias_LxE = bias_LxE + rate * jnp.sign(mean_Lx1 - loads_LxE)
+    return unstacked_bias(bias_LxE, moe_state, scanned)
+
+
+def stacked_bias(moe_state, scanned: bool) -> jax.Array:
+    """The ``MOE_STATE`` tree's biases as one [layers, experts] array, in layer order
+    (``scanned``: the tree holds one [layers, experts] leaf, else one [experts] per block)."""
+    flat = traverse_util.flatten_dict(dict(moe_state))
+    paths = sorted(flat, key=_layer_order)
+    return jnp.concatenate([flat[p] if scanned else flat[p][None] for p in paths])
+
+
+def unstacked_bias(bias_LxE: jax.Array, like, scanned: bool) -> dict:
+    """``bias_LxE`` ([layers, experts], layer order) as a ``MOE_STATE`` tree of the paths of
+    ``like`` (a tree of that layout; ``scanned`` as in :func:`stacked_bias`)."""
+    paths = sorted(traverse_util.flatten_dict(dict(like)), key=_layer_order)
     new = {paths[0]: bias_LxE} if scanned else {p: bias_LxE[i] for i, p in enumerate(paths)}
     return traverse_util.unflatten_dict(new)
 

@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ __all__ = [
     "Decoder",
     "MIN_BUCKET",
     "SAMPLE_TEMPERATURE",
+    "SAMPLE_THREAD",
     "NonFinite",
     "TextStream",
     "allowed_ids",
@@ -60,6 +62,7 @@ __all__ = [
     "end_sample",
     "generate",
     "generate_ids",
+    "sample_compiling",
 ]
 
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
@@ -556,6 +559,7 @@ class TextStream:
 
 
 SAMPLE_TEMPERATURE = 0.8  # the end-of-run sample's
+SAMPLE_THREAD = "fp8jax_compile_sample"  # the name of compile_sample's thread
 
 
 def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> tuple[int, int]:
@@ -570,7 +574,13 @@ def compile_sample(
     """Compile ``end_sample``'s programs in a background thread, from ``state``'s shapes and
     shardings (read now: the train steps may donate its arrays meanwhile), so that the sample
     at the end of a run finds them compiled; the future's ``result()`` waits for them. None
-    where the sample cannot be planned (the sample itself then says why)."""
+    where the sample cannot be planned (the sample itself then says why).
+
+    The thread (named ``SAMPLE_THREAD``) is a daemon: a run that fails (or is pre-empted) before
+    its sample does not wait for the compile, which nothing then needs, and neither does the
+    interpreter's exit (an executor's threads are joined there). A compile that returns while
+    the interpreter shuts down can abort the process: ``sample_compiling`` tells a command line
+    to end a failed run with ``os._exit`` instead."""
     prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
     try:
         b = buckets_for([prompt_len], n, model.cfg.max_len)
@@ -578,10 +588,23 @@ def compile_sample(
         return None
     fixed = jax.tree.map(_spec, (state.params, state.fp8, state.moe_state or {}))
     decoder = decoder_for(model.cfg, step_lib.state_collection(model))
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_sample")
-    future = pool.submit(decoder.compile, *fixed, b, len(_eos_ids(tokenizer)))
-    pool.shutdown(wait=False)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def compile_programs() -> None:
+        if not future.set_running_or_notify_cancel():  # cancelled before it started
+            return
+        try:
+            future.set_result(decoder.compile(*fixed, b, len(_eos_ids(tokenizer))))
+        except BaseException as e:  # end_sample logs it and compiles the programs itself
+            future.set_exception(e)
+
+    threading.Thread(target=compile_programs, name=SAMPLE_THREAD, daemon=True).start()
     return future
+
+
+def sample_compiling() -> bool:
+    """Whether ``compile_sample``'s background compile is still running in this process."""
+    return any(t.name == SAMPLE_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def end_sample(

@@ -42,6 +42,7 @@ __all__ = [
     "load",
     "restore_fp8_state",
     "restore_moe_state",
+    "saved_moe_state",
     "text_tokens",
 ]
 
@@ -149,14 +150,30 @@ def fresh_moe_state(model_cfg: models.ModelConfig):
 def restore_moe_state(workdir: Path, model_cfg: models.ModelConfig):
     """The router biases (``TrainState.moe_state``) of the work dir's latest checkpoint, {} for
     a model that keeps none; zeros (warned) where the checkpoint saved none."""
+    fresh = fresh_moe_state(model_cfg)
+    if not fresh:
+        return fresh
+    restored = saved_moe_state(workdir)
+    if not restored:
+        logging.warning("%s holds no MoE router biases: the router selects without them", workdir)
+        return fresh
+    layout = lambda tree: (jax.tree.structure(tree), [x.shape for x in jax.tree.leaves(tree)])
+    if layout(restored) != layout(fresh):
+        raise errors.CheckpointMismatchError(
+            f"{workdir} holds MoE router biases of another layout than the recorded model's: "
+            "its scan_layers or expert count differs from model.json"
+        )
+    return jax.tree.map(lambda r, f: jnp.asarray(r, f.dtype), restored, fresh)
+
+
+def saved_moe_state(workdir: Path) -> dict:
+    """The router biases (``TrainState.moe_state``) the work dir's latest checkpoint saved, as
+    host arrays in the layout it trained with; {} where it saved none."""
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
     from fp8jax.hf import workdir as workdir_lib
 
-    fresh = fresh_moe_state(model_cfg)
-    if not fresh:
-        return fresh
     state_dir = workdir_lib.latest_step_dir(workdir) / "state"
     try:
         metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
@@ -167,8 +184,7 @@ def restore_moe_state(workdir: Path, model_cfg: models.ModelConfig):
         ) from e
     saved = metadata.get(moe.MOE_STATE)
     if not saved:
-        logging.warning("%s holds no MoE router biases: the router selects without them", state_dir)
-        return fresh
+        return {}
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     item = {moe.MOE_STATE: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
     restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
@@ -181,13 +197,7 @@ def restore_moe_state(workdir: Path, model_cfg: models.ModelConfig):
             f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
             "that step aside to use the one before it"
         ) from e
-    layout = lambda tree: (jax.tree.structure(tree), [x.shape for x in jax.tree.leaves(tree)])
-    if layout(restored) != layout(fresh):
-        raise errors.CheckpointMismatchError(
-            f"{state_dir} holds MoE router biases of another layout than the recorded model's: "
-            "its scan_layers or expert count differs from model.json"
-        )
-    return jax.tree.map(lambda r, f: jnp.asarray(r, f.dtype), restored, fresh)
+    return restored
 
 
 def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):

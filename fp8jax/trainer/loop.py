@@ -32,9 +32,10 @@ from jax.sharding import Mesh
 from fp8jax import configs, errors, models, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.diagnostics import memory
+from fp8jax.models import moe
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
-from fp8jax.trainer import environment, formats, generate, objectives, workdir_lock
+from fp8jax.trainer import environment, formats, generate, inference, objectives, workdir_lock
 from fp8jax.trainer import metrics as metrics_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -45,6 +46,7 @@ __all__ = [
     "abstract_batch",
     "data_tokenizer",
     "from_checkpoint",
+    "init_moe_state",
     "keep_tokenizer",
     "load_config",
     "objective_of",
@@ -218,6 +220,43 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
     return dataclasses.replace(run, model=model), tokenizer, params
 
 
+def init_moe_state(run: RunSpec) -> Any:
+    """The MoE router biases a fresh ``init_from`` run starts with: the latest checkpoint's of
+    the fp8jax work dir it names, in ``run``'s layout (scanned or per block).
+
+    None (the model's zeros) where there are none to carry: a Hugging Face dir (which has no
+    such biases), a work dir that saved none, or a model that keeps none (warned where the work
+    dir has some). Biases of other layers or experts than ``run``'s model's are a one-line
+    ConfigError, raised before any write.
+    """
+    from fp8jax import hf  # the checkpoint readers (config.json, orbax)
+
+    path = pathlib.Path(run.init_from).expanduser().absolute()  # orbax reads absolute paths
+    if (path / hf.architectures.CONFIG).is_file() or not hf.workdir.is_workdir(path):
+        return None  # a Hugging Face dir: no router biases
+    saved = inference.saved_moe_state(path)
+    if not saved:
+        return None
+    fresh = inference.fresh_moe_state(run.model)
+    if not fresh:
+        logging.warning(
+            "%s holds MoE router biases that this model does not keep (its "
+            "model.moe.bias_update_rate is 0): the router selects without them",
+            path,
+        )
+        return None
+    source_scanned = jax.tree.leaves(saved)[0].ndim == 2  # [layers, experts], else [experts]
+    bias_LxE = moe.stacked_bias(saved, source_scanned)
+    want = moe.stacked_bias(fresh, run.model.scan_layers).shape
+    if bias_LxE.shape != want:
+        raise errors.ConfigError(
+            f"config.init_from={run.init_from!r} holds router biases of {bias_LxE.shape[0]} "
+            f"layers x {bias_LxE.shape[1]} experts, the model {want[0]} x {want[1]}: point "
+            "init_from at a work dir of this model's layers and experts"
+        )
+    return moe.unstacked_bias(bias_LxE, fresh, run.model.scan_layers)
+
+
 def data_tokenizer(run: RunSpec, workdir: str, tokenizer: Any) -> tuple[RunSpec, Any]:
     """``run`` with the vocabulary of ``config.data.tokenizer``, and that tokenizer; ``(run,
     tokenizer)`` as given when it is ''. A tokenizer that does not load, one beside init_from,
@@ -279,6 +318,8 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
     run = config if isinstance(config, RunSpec) else spec.parse(config)
     environment.check_corpus(run)
     run, tokenizer, init_params = from_checkpoint(run, workdir)
+    # A fresh fine-tuning run's router biases: its source's (a resume restores its own).
+    init_moe = init_moe_state(run) if init_params is not None else None
     run, tokenizer = data_tokenizer(run, workdir, tokenizer)
     if run.distributed:
         sharding_lib.initialize_distributed()
@@ -303,7 +344,7 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
             workdir, keep=run.loop.keep_checkpoints, every=run.loop.checkpoint_every_steps
         )
         try:
-            state, step = _restore_or_init(env, ckpt, train_iter, init_params)
+            state, step = _restore_or_init(env, ckpt, train_iter, init_params, init_moe)
             # Only now: a checkpoint of another model must leave the work dir as it was.
             provenance.record_model(workdir, env.run.model)
             step_lib.record_schedule(workdir, run.optim, step)
@@ -340,14 +381,15 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
 
 
-def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None):
+def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None, moe_state=None):
     """The latest checkpoint's state (and data position) if there is one, else a fresh state
-    (from ``params``, an init_from checkpoint's weights, if given)."""
+    (from ``params`` and ``moe_state``, an init_from checkpoint's weights and router biases,
+    if given)."""
     step = ckpt.latest_step()
     rng = jax.random.PRNGKey(env.run.seed)
     if step is None and params is not None:
         logging.info("initialising from the weights of %s", env.run.init_from)
-        return env.init(rng, params), 0
+        return env.init(rng, params, moe_state=moe_state), 0
     if step is None:
         n = sum(x.size for x in jax.tree.leaves(env.abstract.params))
         logging.info("initialising %.4g M parameters (seed %d)", n / 1e6, env.run.seed)

@@ -185,10 +185,17 @@ def state_collection(model) -> str:
 
 
 def init_state(
-    model, tx, run: RunSpec, rng: jax.Array, params=None, objective: Objective | None = None
+    model,
+    tx,
+    run: RunSpec,
+    rng: jax.Array,
+    params=None,
+    objective: Objective | None = None,
+    moe_state=None,
 ) -> TrainState:
     """Initialise params (or start from ``params``, a checkpoint's), FP8 and optimizer state,
-    and the state ``objective`` declares (default: the language-model loss, none)."""
+    the MoE router biases (zeros, or ``moe_state``, a checkpoint's, in this model's layout) and
+    the state ``objective`` declares (default: the language-model loss, none)."""
     tokens_BxL = jnp.zeros((1, run.optim.seq_len), jnp.int32)  # under jit with out_shardings
     variables = flax.linen.meta.unbox(model.init(rng, tokens_BxL))
     given, params = params, variables["params"]
@@ -200,7 +207,9 @@ def init_state(
     zero = jnp.zeros((), jnp.int32)
     comm_state = comm.init_state(run.fp8.level, run.comm)
     fp8 = variables.get(state_collection(model), {})
-    moe_state = variables.get(moe.MOE_STATE, {})
+    given, moe_state = moe_state, variables.get(moe.MOE_STATE, {})
+    if given is not None:
+        moe_state = jax.tree.map(lambda g, z: jnp.asarray(g, z.dtype), given, moe_state)
     objective_state = (objective or LANGUAGE_MODEL).init_state(params, fp8, moe_state)
     return TrainState(
         zero, params, opt_state, fp8, zero, zero, comm_state, objective_state, moe_state

@@ -232,6 +232,18 @@ def _moe(e) -> model_lib.MoeSpec | None:
             f"model.moe.top_k={e.top_k} exceeds model.moe.num_experts={e.num_experts}: "
             f"route each token to at most num_experts experts"
         )
+    # Options that would change nothing are refused rather than silently ignored.
+    if e.shared_gate and not e.shared_d_ff:
+        raise ConfigError(
+            "model.moe.shared_gate=True gates the shared expert, which model.moe.shared_d_ff=0 "
+            "leaves out: set model.moe.shared_d_ff > 0 or shared_gate=False"
+        )
+    if e.bias_update_rate and e.router != "sigmoid":
+        raise ConfigError(
+            f"model.moe.bias_update_rate={e.bias_update_rate} balances a sigmoid router's "
+            f"selection, but model.moe.router={e.router!r}: set model.moe.router='sigmoid' or "
+            f"bias_update_rate=0"
+        )
     return model_lib.MoeSpec(**{f.name: e[f.name] for f in dataclasses.fields(model_lib.MoeSpec)})
 
 

@@ -255,6 +255,25 @@ def test_layer_gathers_need_no_tensor_parallelism():
     spec.parse(c)
 
 
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"shared_gate": True}, "shared_gate=True gates the shared expert"),
+        ({"bias_update_rate": 0.01}, "bias_update_rate=0.01 balances a sigmoid router"),
+    ],
+)
+def test_moe_options_that_would_change_nothing_are_refused(fields, fragment):
+    c = train_lib.load_config("moe_tiny")
+    c.model.moe.update(fields)
+    with pytest.raises(errors.ConfigError, match=fragment) as info:
+        spec.parse(c)
+    assert "\n" not in str(info.value)
+    # With what they act on, the same values are a valid config.
+    c.model.moe.update(shared_d_ff=16, router="sigmoid")
+    moe = spec.parse(c).model.moe
+    assert all(getattr(moe, k) == v for k, v in fields.items()), moe
+
+
 def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "FP8JAX_DEBUG"}
     env.update(

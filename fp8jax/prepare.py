@@ -94,7 +94,7 @@ def prepare(
     from fp8jax import errors
     from fp8jax import tokenizer as tokenizer_lib
     from fp8jax.trainer import corpus as corpus_lib
-    from fp8jax.trainer import encode, token_shards
+    from fp8jax.trainer import data_format, encode, token_shards
 
     errors.check_int(workers, "--workers", 0)
     errors.check_int(shard_tokens, "--shard_tokens", 1)
@@ -113,29 +113,42 @@ def prepare(
     t0, chars = time.perf_counter(), 0
     try:
         stage.mkdir()
+    except OSError as e:
+        raise errors.DataError(
+            f"--out {str(target)!r}: cannot create a folder beside it ({e.strerror}); name an "
+            f"--out in a folder you can write to"
+        ) from None
+    # The shards' size for a full disk's message: about one id per 4 bytes of text (BPE, prose).
+    needed = lambda: corpus_lib.text_size(files) * np.dtype(dtype).itemsize // 4  # noqa: E731
+    try:
         shards = _Shards(stage, shard_tokens, tok.eos_id, dtype)
-        with errors.reraise_as(errors.DataError, ValueError):
+        with (
+            errors.reraise_as(errors.DataError, ValueError),
+            data_format.disk_space(
+                target.parent, "the token shards", needed, "name an --out on a disk with room"
+            ),
+        ):
             for ids, n in encode.encode(files, tok, dtype, workers, "SRC", progress=True):
                 shards.add(ids)
                 chars += n
-        shards.close()
-        if not shards.tokens:
-            raise errors.DataError(f"no text found in {desc}")
-        _copy_tokenizer(tokenizer, stage / TOKENIZER_DIR)
-        manifest = dict(
-            source=desc,
-            corpus=corpus_lib.fingerprint(files),
-            tokenizer=str(Path(tokenizer).expanduser().resolve()),
-            dtype=dtype,
-            shards=shards.count,
-            tokens=shards.tokens,
-            text_bytes=corpus_lib.text_size(files),
-            seconds=round(time.perf_counter() - t0, 3),
-        )
-        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if target.exists():
-            target.rmdir()  # empty (checked above)
-        os.rename(stage, target)
+            shards.close()
+            if not shards.tokens:
+                raise errors.DataError(f"no text found in {desc}")
+            _copy_tokenizer(tokenizer, stage / TOKENIZER_DIR)
+            manifest = dict(
+                source=desc,
+                corpus=corpus_lib.fingerprint(files),
+                tokenizer=str(Path(tokenizer).expanduser().resolve()),
+                dtype=dtype,
+                shards=shards.count,
+                tokens=shards.tokens,
+                text_bytes=corpus_lib.text_size(files),
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+            (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            if target.exists():
+                target.rmdir()  # empty (checked above)
+            os.rename(stage, target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return manifest

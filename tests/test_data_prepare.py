@@ -2,15 +2,17 @@
 ``data.format='tokens'`` reads as the trainer would have encoded it; bad input is one line on
 stderr, exit 2, and nothing written."""
 
+import errno
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from fp8jax import tokenizer
+from fp8jax import errors, prepare, tokenizer
 from fp8jax.trainer import encode, formats, loop, token_shards
 
 from fp8_testing import ROOT, data_run, novel
@@ -98,3 +100,33 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if kind == "out_used":
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("failure", ["no_space", "cannot_create"])
+def test_a_write_failure_is_one_line_and_leaves_nothing(corpus_dir, tmp_path, monkeypatch, failure):
+    """A full disk while the shards are written, or a folder beside --out that cannot be
+    created: one DataError line naming the folder and the fix, and nothing left behind."""
+    work = tmp_path / "parent"
+    work.mkdir()
+    if failure == "no_space":
+
+        def full(path, ids):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        monkeypatch.setattr(token_shards, "write_bin", full)
+        match = f"no space left on the device of {work} while writing the token shards"
+    else:
+        real_mkdir = pathlib.Path.mkdir
+
+        def refuse(self, *args, **kwargs):
+            if self.parent == work:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+        match = "cannot create a folder beside it"
+    src, tok = corpus_dir / "src", corpus_dir / "tokenizer.json"
+    with pytest.raises(errors.DataError, match=match) as info:
+        prepare.prepare(str(src), str(tok), str(work / "shards"), workers=1, shard_tokens=4000)
+    assert "\n" not in str(info.value) and "--out" in str(info.value)
+    assert list(work.iterdir()) == []

@@ -136,6 +136,12 @@ def parse_sources(sources: str, weights: str) -> tuple[SourceSpec, ...]:
                 f"config.data.sources entry {k} ({entry!r}, weight {given[k] if given else 1}): "
                 "each source is '[text:|tokens:]path' with a finite weight > 0 in data.weights"
             )
+        same = [j for j, o in enumerate(out) if (o.format, o.path) == (kind, path)]
+        if same:  # its windows twice over: a typo, or a weight given the long way
+            raise ConfigError(
+                f"config.data.sources entry {k} ({entry!r}) repeats entry {same[0]}: name each "
+                f"source once and give it a larger weight in data.weights"
+            )
         out.append(SourceSpec(kind, path, weight))
     return tuple(out)
 

@@ -6,6 +6,7 @@ exactly the batches the first one gave, and ``data.sources``/``data.weights`` pa
 sources or a one-line ConfigError.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -126,6 +127,7 @@ def test_text_sources_share_one_learned_bpe(tmp_path):
         ("a,b", "1,0", r"entry 1 .*weight > 0"),
         ("a,tokens:", "", r"entry 1 .*'\[text:\|tokens:\]path'"),
         ("a", "x", r"entry 0 .*finite weight > 0"),
+        ("a/, text:a/", "", r"entry 1 \('text:a/'\) repeats entry 0: .*larger weight"),
     ],
 )
 def test_bad_sources_are_one_line_config_errors(sources, weights, match):
@@ -147,3 +149,18 @@ def test_sources_parse_to_typed_specs_and_need_the_mix_format():
         data_spec.parse_data(config.data)
     config.data.format = "mix"
     assert len(data_spec.parse_data(config.data).sources) == 2
+
+
+def test_a_bad_source_is_named_by_its_sources_entry(setup, tmp_path):
+    """A source's error names its data.sources entry (what the user sets), not data.path."""
+    run = _run(setup, [1.0, 1.0])
+    specs = list(run.data.sources)
+    specs[1] = data_spec.SourceSpec("tokens", str(tmp_path / "nope"), 1.0)
+    data = dataclasses.replace(run.data, sources=tuple(specs))
+    run = dataclasses.replace(run, data=data)
+    with pytest.raises(errors.DataError) as info:
+        formats.build(run, tmp_path / "work")
+    msg = str(info.value)
+    assert "config.data.sources entry 1" in msg and "nope" in msg, msg
+    assert "config.data.path" not in msg and "\n" not in msg, msg
+    assert not (tmp_path / "work").exists()

@@ -13,10 +13,10 @@ resumes exactly from its step. Validation windows spread over every source's hel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
-import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +47,23 @@ class Part:
     spec: SourceSpec
     run: RunSpec  # the mixture's run with data.format and data.path of this source
     source: data_format.Source
+
+
+@contextlib.contextmanager
+def _naming_source(k: int, spec: SourceSpec):
+    """A source's DataError names its ``config.data.sources`` entry, which the user sets,
+    where its format's message names ``config.data.path`` (unused by a mixture)."""
+    try:
+        yield
+    except DataError as e:
+        entry = f"config.data.sources entry {k}"
+        msg = str(e)
+        if "config.data.path" in msg:
+            msg = msg.replace("config.data.path", f"{entry} ({spec.path!r})")
+            msg = msg.replace(" ('' = the shipped corpus)", "")  # an entry is never empty
+        else:
+            msg = f"{entry} ({spec.path!r}): {msg}"
+        raise type(e)(msg) from e
 
 
 def _source_run(run: RunSpec, spec: SourceSpec) -> RunSpec:
@@ -125,9 +142,10 @@ class Mix(data_format.DataFormat):
         if not specs:
             raise DataError("config.data.format='mix' needs config.data.sources: name them")
         parts = []
-        for spec in specs:
+        for k, spec in enumerate(specs):
             sub = _source_run(run, spec)
-            parts.append(Part(spec, sub, data_format.get(spec.format).source(sub)))
+            with _naming_source(k, spec):
+                parts.append(Part(spec, sub, data_format.get(spec.format).source(sub)))
         identity = [(p.spec.format, p.source.corpus, p.spec.weight) for p in parts]
         corpus = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
         desc = "mix of " + ", ".join(f"{p.source.desc} (weight {p.spec.weight:g})" for p in parts)
@@ -136,9 +154,9 @@ class Mix(data_format.DataFormat):
 
     def texts(self, source: data_format.Source) -> Iterator[str]:
         """Each source's texts in turn (a token-shard source has none: a DataError)."""
-        return itertools.chain.from_iterable(
-            data_format.get(p.spec.format).texts(p.source) for p in source.content
-        )
+        for k, p in enumerate(source.content):
+            with _naming_source(k, p.spec):
+                yield from data_format.get(p.spec.format).texts(p.source)
 
     def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> _Encoded:
         """Each source encoded and split by its format into ``<workdir>/sources/<k>``."""
@@ -147,7 +165,8 @@ class Mix(data_format.DataFormat):
             for k, part in enumerate(source.content):
                 sub = workdir / _SOURCES_DIR / str(k)
                 fmt = data_format.get(part.spec.format)
-                parts.append(fmt.encode(part.run, part.source, tokenizer, sub))
+                with _naming_source(k, part.spec):
+                    parts.append(fmt.encode(part.run, part.source, tokenizer, sub))
                 workdirs.append(sub)
         except BaseException:
             for p in parts:

@@ -38,6 +38,7 @@ __all__ = [
     "write_now",
 ]
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
+flags.DEFINE_alias("workdir", "ckpt")  # train.py's name for a work dir
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat the flag for a batch).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file of prompts, one a line.")
 _MAX_NEW = flags.DEFINE_integer(

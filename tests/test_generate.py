@@ -471,9 +471,10 @@ def test_evaluate_names_its_own_flags_and_takes_relative_paths(workdir, tmp_path
     line = out.stderr.strip()
     assert "\n" not in line and "--batch_size" in line and "--seq_len" in line, line
     assert "val_fraction" not in line and "config." not in line, line
-    ev = run_cli("fp8jax.evaluate", f"--ckpt={wd.name}", f"--data={corpus}", cwd=wd.parent)
+    # --workdir (train.py's name) is --ckpt's alias.
+    ev = run_cli("fp8jax.evaluate", f"--workdir={wd.name}", f"--data={corpus}", cwd=wd.parent)
     assert ev.returncode == 0, ev.stderr
-    gen = run_cli("fp8jax.generate", f"--ckpt={wd.name}", "--prompt=It is", cwd=wd.parent)
+    gen = run_cli("fp8jax.generate", f"--workdir={wd.name}", "--prompt=It is", cwd=wd.parent)
     assert gen.returncode == 0 and gen.stdout.startswith("It is"), gen.stderr
 
 

@@ -149,6 +149,12 @@ def test_array_record_shards_read_records_as_one_stream(setup, tmp_path):
     writer.close()
     with pytest.raises(errors.DataError, match=r"bad.array_record: record 0 is not a 1-D"):
         _build(setup, tmp_path / "bad.array_record", tmp_path / "w2", format="tokens")
+    # A file array_record cannot read (cut short, or not ArrayRecord at all): one line too.
+    whole_file = (folder / "0.array_record").read_bytes()
+    for name, data in (("cut", whole_file[: len(whole_file) // 2]), ("junk", b"not records")):
+        (tmp_path / f"{name}.array_record").write_bytes(data)
+        with pytest.raises(errors.DataError, match=rf"{name}.array_record is not a readable"):
+            _build(setup, tmp_path / f"{name}.array_record", tmp_path / "w2", format="tokens")
     beyond = [ids.astype(np.uint16) for ids in documents[0][:20]]
     beyond[3][2] = tok.vocab_size
     array_records.write(tmp_path / "beyond.array_record", beyond)

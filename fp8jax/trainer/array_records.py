@@ -50,6 +50,11 @@ def _source(path: Path):
         raise DataError(
             f"reading {path} needs the array_record package: pip install 'fp8jax[arrayrecord]'"
         ) from None
+    except (RuntimeError, ValueError, OSError) as e:  # array_record's reader on a bad file
+        raise DataError(
+            f"{path} is not a readable ArrayRecord file ({e}): rewrite it or remove it from "
+            "the data folder"
+        ) from None
 
 
 def _decode(path: Path, k: int, record: bytes) -> np.ndarray:

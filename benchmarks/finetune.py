@@ -13,9 +13,19 @@
 4. Scores the pre-trained, each fine-tuned and each preference-tuned work dir on the held-out
    passages: the completion is decoded greedily (``trainer.generate``) and counts when it is
    the true title exactly; chance is 1/6.
+5. The downstream table: after every training run, scores the pre-trained and each fine-tuned
+   work dir through lm-evaluation-harness with the ``fp8jax`` backend (``fp8jax.lm_eval``, at the
+   level it picks: an O1+ work dir at O1 with its trained FP8 scales, an O0 one at O0; in its
+   default dtype: bfloat16 on a GPU, float32 on a CPU) on the local tasks
+   ``fp8jax_novel_choice`` (multiple choice over the six titles: ``acc``) and
+   ``fp8jax_novel_title`` (the title generated: ``exact_match``), beside each task's chance from
+   its own documents (``chance``). ``--downstream-limit`` documents per task (0: all; ``--size
+   tiny``: 12), ``--no-downstream`` skips it; without lm-eval one line says what to install and
+   the rest runs.
 
 Each stage is a ``train_and_evaluate`` run in its own work dir under ``<out>/finetune_work``;
-each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
+each writes ``<out>/finetune_<stage>.json`` (the downstream scores under ``downstream``) and the
+tables are printed at the end.
 
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
         python -m benchmarks.finetune --out "$OUT"

@@ -820,6 +820,14 @@ def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
     assert [e["expected"] for e in got["examples"]] == [s["doc"]["title"] for s in samples]
 
 
+def test_finetune_negative_downstream_limit_stops_at_once(tmp_path):
+    from benchmarks import finetune
+
+    with pytest.raises(SystemExit, match=r"^error: --downstream-limit -1: use 0"):
+        finetune.main(["--size", "tiny", "--downstream-limit", "-1", "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_finetune_without_lm_eval_says_how_to_install(monkeypatch):
     """Without lm-eval the benchmark's downstream check is one line naming the extra."""
     from benchmarks import finetune

@@ -306,12 +306,13 @@ def downstream_unavailable() -> str | None:
 
 
 def task_manager():
-    """lm-eval's task index with the local tasks (``fp8jax.lm_eval.TASKS_DIR``) included."""
+    """lm-eval's task index of the local tasks only (``fp8jax.lm_eval.TASKS_DIR``: indexing
+    lm-eval's own thousands of tasks takes seconds and none is scored here)."""
     from lm_eval.tasks import TaskManager
 
     from fp8jax import lm_eval as backend
 
-    return TaskManager(include_path=str(backend.TASKS_DIR))
+    return TaskManager(include_path=str(backend.TASKS_DIR), include_defaults=False)
 
 
 def chance(task, num_docs: int) -> float:

@@ -778,7 +778,8 @@ def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
     from fp8jax import lm_eval as backend
     from fp8jax.trainer import tasks
 
-    defs = finetune.task_manager().load(list(finetune.DOWNSTREAM_TASKS))["tasks"]
+    manager = finetune.task_manager()
+    defs = manager.load(list(finetune.DOWNSTREAM_TASKS))["tasks"]
     assert "downstream" not in rows["dpo_O1"]
     for stem in ("pretrain", "sft_O1"):
         down = rows[stem]["downstream"]
@@ -807,7 +808,7 @@ def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
     direct = lm_eval.simple_evaluate(
         model=backend.FP8JaxLM(ckpt=str(sft_dir), level="O1", dtype="float32"),
         tasks=[choice],
-        task_manager=finetune.task_manager(),
+        task_manager=manager,
         limit=DOWNSTREAM_LIMIT,
         log_samples=True,
     )

@@ -43,8 +43,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from benchmarks import runner
+
+if TYPE_CHECKING:  # lm-eval is optional: its types only where it is installed
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +311,7 @@ def downstream_unavailable() -> str | None:
     return None
 
 
-def task_manager():
+def task_manager() -> TaskManager:
     """lm-eval's task index of the local tasks only (``fp8jax.lm_eval.TASKS_DIR``: indexing
     lm-eval's own thousands of tasks takes seconds and none is scored here)."""
     from lm_eval.tasks import TaskManager
@@ -315,7 +321,7 @@ def task_manager():
     return TaskManager(include_path=str(backend.TASKS_DIR), include_defaults=False)
 
 
-def chance(task, num_docs: int) -> float:
+def chance(task: Task, num_docs: int) -> float:
     """The expected score of a uniform guess on the first ``num_docs`` documents of the lm-eval
     ``task``, from the task's own documents: the mean of 1/(number of choices) for multiple
     choice; for generation (exact match), 1/(number of distinct targets of the task), a guess
@@ -331,7 +337,7 @@ def chance(task, num_docs: int) -> float:
     raise ValueError(f"{task.config.task}: no chance for output type {task.OUTPUT_TYPE!r}")
 
 
-def downstream_example(task, sample: dict) -> dict:
+def downstream_example(task: Task, sample: dict) -> dict:
     """One logged lm-eval sample as expected and predicted answer (multiple choice: with each
     choice's log-likelihood)."""
     if task.OUTPUT_TYPE == "multiple_choice":
@@ -346,7 +352,9 @@ def downstream_example(task, sample: dict) -> dict:
     return {"expected": str(sample["target"]), "predicted": predicted}
 
 
-def downstream(workdir: str, limit: int, manager, tasks=DOWNSTREAM_TASKS) -> dict:
+def downstream(
+    workdir: str, limit: int, manager: TaskManager, tasks: Sequence[str] = DOWNSTREAM_TASKS
+) -> dict:
     """The work dir scored by lm-eval through the ``fp8jax`` backend on the local ``tasks``
     (their first ``limit`` documents; 0: all) at the level the backend picks (an O1+ work dir at
     O1 with its trained FP8 scales, an O0 one at O0): each task's metrics as lm-eval reports

@@ -13,9 +13,19 @@
 4. Scores the pre-trained, each fine-tuned and each preference-tuned work dir on the held-out
    passages: the completion is decoded greedily (``trainer.generate``) and counts when it is
    the true title exactly; chance is 1/6.
+5. The downstream table: after every training run, scores the pre-trained and each fine-tuned
+   work dir through lm-evaluation-harness with the ``fp8jax`` backend (``fp8jax.lm_eval``, at the
+   level it picks: an O1+ work dir at O1 with its trained FP8 scales, an O0 one at O0; in its
+   default dtype: bfloat16 on a GPU, float32 on a CPU) on the local tasks
+   ``fp8jax_novel_choice`` (multiple choice over the six titles: ``acc``) and
+   ``fp8jax_novel_title`` (the title generated: ``exact_match``), beside each task's chance from
+   its own documents (``chance``). ``--downstream-limit`` documents per task (0: all; ``--size
+   tiny``: 12), ``--no-downstream`` skips it; without lm-eval one line says what to install and
+   the rest runs.
 
 Each stage is a ``train_and_evaluate`` run in its own work dir under ``<out>/finetune_work``;
-each writes ``<out>/finetune_<stage>.json`` and a table is printed at the end.
+each writes ``<out>/finetune_<stage>.json`` (the downstream scores under ``downstream``) and the
+tables are printed at the end.
 
     PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
         python -m benchmarks.finetune --out "$OUT"
@@ -33,14 +43,21 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from benchmarks import runner
+
+if TYPE_CHECKING:  # lm-eval is optional: its types only where it is installed
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
 
 
 @dataclasses.dataclass(frozen=True)
 class Size:
     """One benchmark size: the pre-training run spec and settings, the fine-tuning and the
-    preference-tuning configs and settings, and the task's passage length and example counts."""
+    preference-tuning configs and settings, the task's passage length and example counts, and
+    the documents per task of the downstream table (0: all)."""
 
     pretrain: str  # run spec of the pre-training (config:level[:options])
     pretrain_settings: dict
@@ -51,6 +68,7 @@ class Size:
     passage_words: int
     num_train: int
     num_test: int
+    downstream_limit: int
 
 
 SIZES = {
@@ -78,6 +96,7 @@ SIZES = {
         passage_words=12,
         num_train=192,
         num_test=48,
+        downstream_limit=12,
     ),
     # One GPU: a 34M-parameter GPT (8 x 512, 8k BPE), ~8M tokens of pre-training.
     "gpu": Size(
@@ -125,6 +144,7 @@ SIZES = {
         passage_words=48,
         num_train=6000,
         num_test=600,
+        downstream_limit=0,
     ),
 }
 STAGE_FIELDS = ("val_loss", "train_loss", "train_tokens_per_s")
@@ -136,6 +156,9 @@ DPO_FIELDS = (
     "val_reward_accuracy",
     "val_reward_margin",
 )
+# The local lm-eval tasks of the downstream table (fp8jax/trainer/lm_eval_tasks).
+DOWNSTREAM_TASKS = ("fp8jax_novel_choice", "fp8jax_novel_title")
+DOWNSTREAM_EXAMPLES = 6  # documents per task whose answers a stage's JSON keeps
 
 
 def stage_settings(steps: int, extra: dict) -> dict:
@@ -276,6 +299,127 @@ def score(workdir: str, test: list[dict]) -> dict:
     }
 
 
+def downstream_unavailable() -> str | None:
+    """None when lm-eval can score the work dirs, else the one line saying what to install."""
+    from fp8jax import errors
+    from fp8jax import lm_eval as backend
+
+    try:
+        backend.model_class()
+    except errors.ConfigError:
+        return f"no downstream table: it needs lm-eval ({backend.INSTALL_FIX})"
+    return None
+
+
+def task_manager() -> TaskManager:
+    """lm-eval's task index of the local tasks only (``fp8jax.lm_eval.TASKS_DIR``: indexing
+    lm-eval's own thousands of tasks takes seconds and none is scored here)."""
+    from lm_eval.tasks import TaskManager
+
+    from fp8jax import lm_eval as backend
+
+    return TaskManager(include_path=str(backend.TASKS_DIR), include_defaults=False)
+
+
+def chance(task: Task, num_docs: int) -> float:
+    """The expected score of a uniform guess on the first ``num_docs`` documents of the lm-eval
+    ``task``, from the task's own documents: the mean of 1/(number of choices) for multiple
+    choice; for generation (exact match), 1/(number of distinct targets of the task), a guess
+    among its answers."""
+    docs = list(task.eval_docs)
+    scored = docs[:num_docs]
+    if not scored:
+        raise ValueError(f"{task.config.task}: no documents to score")
+    if task.OUTPUT_TYPE == "multiple_choice":
+        return sum(1 / len(task.doc_to_choice(d)) for d in scored) / len(scored)
+    if task.OUTPUT_TYPE == "generate_until":
+        return 1 / len({str(task.doc_to_target(d)) for d in docs})
+    raise ValueError(f"{task.config.task}: no chance for output type {task.OUTPUT_TYPE!r}")
+
+
+def downstream_example(task: Task, sample: dict) -> dict:
+    """One logged lm-eval sample as expected and predicted answer (multiple choice: with each
+    choice's log-likelihood)."""
+    if task.OUTPUT_TYPE == "multiple_choice":
+        choices = task.doc_to_choice(sample["doc"])
+        lls = [float(r[0]) for r in sample["filtered_resps"]]
+        return {
+            "expected": choices[sample["target"]],
+            "predicted": choices[max(range(len(lls)), key=lls.__getitem__)],
+            "loglikelihoods": lls,
+        }
+    (predicted,) = sample["filtered_resps"]
+    return {"expected": str(sample["target"]), "predicted": predicted}
+
+
+def downstream(
+    workdir: str, limit: int, manager: TaskManager, tasks: Sequence[str] = DOWNSTREAM_TASKS
+) -> dict:
+    """The work dir scored by lm-eval through the ``fp8jax`` backend on the local ``tasks``
+    (their first ``limit`` documents; 0: all) at the level the backend picks (an O1+ work dir at
+    O1 with its trained FP8 scales, an O0 one at O0): each task's metrics as lm-eval reports
+    them (``metric,filter``: score), chance beside them and the first documents' answers."""
+    import lm_eval
+
+    from fp8jax import lm_eval as backend
+    from fp8jax.trainer import inference
+
+    dtype = inference.default_dtype()
+    t0 = time.perf_counter()
+    model = backend.FP8JaxLM(ckpt=workdir, dtype=dtype)
+    out = lm_eval.simple_evaluate(
+        model=model,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit or None,
+        log_samples=True,
+    )
+    defs = manager.load(list(tasks))["tasks"]
+    scores = {}
+    for name in tasks:
+        task, n = defs[name], out["n-samples"][name]["effective"]
+        samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
+        scores[name] = {
+            "metrics": {
+                k: float(v)
+                for k, v in out["results"][name].items()
+                if "," in k and "_stderr," not in k
+            },
+            "chance": chance(task, n),
+            "num_docs": n,
+            "examples": [downstream_example(task, s) for s in samples[:DOWNSTREAM_EXAMPLES]],
+        }
+    return {
+        "level": model.backend_.inf.level,
+        "dtype": dtype,
+        "limit": limit,
+        "eval_s": time.perf_counter() - t0,
+        "tasks": scores,
+    }
+
+
+def downstream_rows(rows: list[dict]) -> list[dict]:
+    """A row per stage, task and metric of the stages scored downstream."""
+    out = []
+    for r in rows:
+        d = r.get("downstream")
+        for task, t in (d or {}).get("tasks", {}).items():
+            for key, value in t["metrics"].items():
+                metric, filt = key.split(",", 1)
+                out.append(
+                    {
+                        "stage": r["stage"],
+                        "level": d["level"],
+                        "task": task,
+                        "metric": metric if filt == "none" else f"{metric} ({filt})",
+                        "score": value,
+                        "chance": t["chance"],
+                        "docs": t["num_docs"],
+                    }
+                )
+    return out
+
+
 def fresh(path: str) -> str:
     """``path`` emptied (a rerun starts its stage over)."""
     shutil.rmtree(path, ignore_errors=True)
@@ -295,8 +439,23 @@ def main(argv=None):
         "default: those of O0 and O1 in --levels; '' for none",
     )
     p.add_argument("--dpo-steps", type=int, default=0, help="0: the size's")
+    p.add_argument(
+        "--downstream-limit",
+        type=int,
+        default=None,
+        help="documents per lm-eval task of the downstream table; 0: all; default: the size's "
+        "(gpu: all, tiny: 12)",
+    )
+    p.add_argument(
+        "--no-downstream",
+        action="store_true",
+        help="no downstream table (the pre-trained and SFT work dirs scored through lm-eval)",
+    )
     a = runner.parse_args(p, argv)
     size = SIZES[a.size]
+    limit = size.downstream_limit if a.downstream_limit is None else a.downstream_limit
+    if limit < 0:
+        raise SystemExit(f"error: --downstream-limit {limit}: use 0 (all documents) or more")
     levels = a.levels.split(",")
     if a.dpo_levels is None:
         dpo_levels = [lv for lv in levels if lv in ("O0", "O1")]
@@ -326,6 +485,9 @@ def main(argv=None):
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     from fp8jax.trainer import loop, tasks
 
+    unavailable = None if a.no_downstream else downstream_unavailable()
+    if unavailable:
+        print(unavailable, flush=True)  # the rest of the benchmark runs without it
     os.makedirs(data_dir, exist_ok=True)
     train, test = tasks.novel_split(size.num_train, size.num_test, size.passage_words)
     tasks.write_jsonl(train_path, train)
@@ -334,7 +496,7 @@ def main(argv=None):
     test_pairs = tasks.preference_pairs(test, seed=1)
     tasks.write_jsonl(os.path.join(data_dir, "dpo_test.jsonl"), test_pairs)
 
-    rows = []
+    rows, stems = [], {}  # stems: JSON name of each stage scored downstream
     t0 = time.perf_counter()
     summary = loop.train_and_evaluate(pre_cfg, fresh(pre_dir))
     row = {
@@ -345,6 +507,7 @@ def main(argv=None):
     }
     row.update(score(pre_dir, test))  # before fine-tuning: the baseline beside chance
     runner.write_json(a.out, "finetune_pretrain", row)
+    stems[pre_dir] = ("finetune_pretrain", row)
     rows.append(row)
     print(row, flush=True)
     for level, c in sft_cfgs.items():
@@ -358,6 +521,7 @@ def main(argv=None):
             **score(sft_dir(level), test),
         }
         runner.write_json(a.out, runner.safe_name(f"finetune_sft_{level}"), row)
+        stems[sft_dir(level)] = (runner.safe_name(f"finetune_sft_{level}"), row)
         rows.append(row)
         print(row, flush=True)
     for level, c in dpo_cfgs.items():
@@ -390,6 +554,23 @@ def main(argv=None):
         "s": lambda r: f"{r['run_s']:.0f}",
     }
     print("\n" + runner.table(rows, columns, "stage"))
+    # After every training run (lm-eval seeds the global random generators), so the
+    # training runs are those of a call without it.
+    if not (a.no_downstream or unavailable):
+        manager = task_manager()
+        for workdir, (stem, row) in stems.items():
+            row["downstream"] = downstream(workdir, limit, manager)
+            runner.write_json(a.out, stem, row)
+            print({"stage": row["stage"], "downstream": row["downstream"]}, flush=True)
+        down = {
+            "scored at": lambda r: r["level"],
+            "task": lambda r: r["task"],
+            "metric": lambda r: r["metric"],
+            "score": lambda r: f"{r['score']:.3f}",
+            "chance": lambda r: f"{r['chance']:.3f}",
+            "docs": lambda r: r["docs"],
+        }
+        print("\n" + runner.table(downstream_rows(rows), down, "stage"))
 
 
 if __name__ == "__main__":

@@ -698,10 +698,14 @@ def test_power_samples_parse_and_summarize():
     assert power.summary(200.0) is None
 
 
+DOWNSTREAM_LIMIT = 4  # documents per lm-eval task in the tiny finetune run's downstream table
+
+
 def test_finetune_tiny_scores_each_stage(tmp_path):
     """Pre-train, SFT at O1 from it, DPO at O1 from that: one JSON per stage with its exact
     match on the held-out passages (a share), chance beside it, and the level each work dir
-    decoded at; the DPO stage's held-out pair statistics before and after."""
+    decoded at; the DPO stage's held-out pair statistics before and after; the downstream table
+    of the pre-trained and SFT work dirs (``check_downstream``)."""
     args = [
         "--size",
         "tiny",
@@ -713,6 +717,8 @@ def test_finetune_tiny_scores_each_stage(tmp_path):
         "3",
         "--dpo-steps",
         "3",
+        "--downstream-limit",
+        str(DOWNSTREAM_LIMIT),
     ]
     proc = _module("finetune", *args, "--set", "compilation_cache_dir=", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-800:]
@@ -753,6 +759,92 @@ def test_finetune_tiny_scores_each_stage(tmp_path):
         assert stats["chosen_logp"] < 0 and stats["rejected_logp"] < 0, stats
     # The end is the trained policy, not the start (three steps moved its log-probs).
     assert after["chosen_logp"] != before["chosen_logp"], (before, after)
+    check_downstream(tmp_path, rows, proc.stdout)
+
+
+def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
+    """The finetune run's downstream table: the pre-trained and SFT stages scored on both local
+    lm-eval tasks (scores in [0, 1]) at the level their exact match decoded at, chance from each
+    task's documents, and the SFT stage's multiple-choice scores those of lm-eval run here on
+    its work dir through the ``fp8jax`` backend at O1; without lm-eval, one line naming it."""
+    from benchmarks import finetune
+
+    if importlib.util.find_spec("lm_eval") is None:
+        assert "pip install 'fp8jax[lm-eval]'" in stdout, stdout[-800:]
+        assert not any("downstream" in r for r in rows.values())
+        return
+    import lm_eval
+
+    from fp8jax import lm_eval as backend
+    from fp8jax.trainer import tasks
+
+    manager = finetune.task_manager()
+    defs = manager.load(list(finetune.DOWNSTREAM_TASKS))["tasks"]
+    assert "downstream" not in rows["dpo_O1"]
+    for stem in ("pretrain", "sft_O1"):
+        down = rows[stem]["downstream"]
+        assert down["level"] == rows[stem]["decode_level"] and down["limit"] == DOWNSTREAM_LIMIT
+        assert sorted(down["tasks"]) == sorted(finetune.DOWNSTREAM_TASKS), down
+        for name, t in down["tasks"].items():
+            assert t["num_docs"] == DOWNSTREAM_LIMIT and t["metrics"], (stem, name, t)
+            assert all(0 <= v <= 1 for v in t["metrics"].values()), (stem, name, t)
+            for metric in t["metrics"]:  # a line of the printed table per metric
+                shown = metric.split(",")[0]
+                assert any(
+                    name in ln and shown in ln and stem.split("_")[0] in ln
+                    for ln in stdout.splitlines()
+                ), (metric, stdout[-1500:])
+            docs = list(defs[name].eval_docs)
+            if name == "fp8jax_novel_choice":  # a uniform guess among each document's choices
+                chance = np.mean([1 / len(d["choices"]) for d in docs[:DOWNSTREAM_LIMIT]])
+                assert set(t["metrics"]) == {"acc,none"}
+            else:  # a uniform guess among the task's titles
+                chance = 1 / len({d["title"] for d in docs})
+                assert set(t["metrics"]) == {"exact_match,strip"}
+            assert chance == pytest.approx(1 / len(tasks.novel_titles()))
+            assert t["chance"] == pytest.approx(chance), (stem, name, t)
+    choice = "fp8jax_novel_choice"
+    sft_dir = out / "finetune_work" / "sft_O1"
+    direct = lm_eval.simple_evaluate(
+        model=backend.FP8JaxLM(ckpt=str(sft_dir), level="O1", dtype="float32"),
+        tasks=[choice],
+        task_manager=manager,
+        limit=DOWNSTREAM_LIMIT,
+        log_samples=True,
+    )
+    got = rows["sft_O1"]["downstream"]["tasks"][choice]
+    assert got["metrics"]["acc,none"] == direct["results"][choice]["acc,none"]
+    samples = sorted(direct["samples"][choice], key=lambda s: s["doc_id"])
+    want = [[r[0] for r in s["filtered_resps"]] for s in samples]
+    assert len(got["examples"]) == DOWNSTREAM_LIMIT
+    np.testing.assert_allclose([e["loglikelihoods"] for e in got["examples"]], want, rtol=1e-6)
+    assert [e["expected"] for e in got["examples"]] == [s["doc"]["title"] for s in samples]
+
+
+def test_finetune_negative_downstream_limit_stops_at_once(tmp_path):
+    from benchmarks import finetune
+
+    with pytest.raises(SystemExit, match=r"^error: --downstream-limit -1: use 0"):
+        finetune.main(["--size", "tiny", "--downstream-limit", "-1", "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finetune_without_lm_eval_says_how_to_install(monkeypatch):
+    """Without lm-eval the benchmark's downstream check is one line naming the extra."""
+    from benchmarks import finetune
+    from fp8jax import lm_eval as backend
+
+    for name in ("lm_eval", "lm_eval.api", "lm_eval.api.model"):
+        monkeypatch.setitem(sys.modules, name, None)
+    backend.model_class.cache_clear()
+    try:
+        line = finetune.downstream_unavailable()
+    finally:
+        monkeypatch.undo()
+        backend.model_class.cache_clear()
+    assert line is not None and "\n" not in line and backend.INSTALL_FIX in line, line
+    if importlib.util.find_spec("lm_eval") is not None:
+        assert finetune.downstream_unavailable() is None
 
 
 def test_novel_split_keeps_test_passages_apart_and_scores_exactly():

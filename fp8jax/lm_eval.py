@@ -33,6 +33,7 @@ from typing import Any
 from fp8jax import cli, errors
 
 DEFAULT_BATCH_SIZE = 8  # rows per forward pass when neither model_args nor --batch_size says
+MODEL_ARGS = ("ckpt", "level", "dtype", "batch_size", "max_gen_toks")  # fp8jax's --model_args
 TASKS_DIR = Path(__file__).resolve().parent / "trainer" / "lm_eval_tasks"
 INSTALL_FIX = "pip install 'fp8jax[lm-eval]'"
 _LAZY = {"FP8JaxLM"}
@@ -48,6 +49,7 @@ __all__ = [
     "Backend",
     "DEFAULT_BATCH_SIZE",
     "FP8JaxLM",  # noqa: F822 (built by __getattr__ on first use)
+    "MODEL_ARGS",
     "TASKS_DIR",
     "main",
     "model_class",
@@ -225,6 +227,12 @@ def model_class() -> type:
         @classmethod
         def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
             """An instance from a dict of model args; they win over lm-eval's flags."""
+            unknown = sorted(set(arg_dict) - set(MODEL_ARGS))
+            if unknown:  # a misspelt one would otherwise be dropped unseen
+                raise errors.ConfigError(
+                    f"unknown --model_args {', '.join(unknown)} of fp8jax: use "
+                    f"{', '.join(MODEL_ARGS)}"
+                )
             extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
             return cls(**{**extra, **arg_dict})
 

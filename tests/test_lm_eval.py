@@ -174,6 +174,15 @@ def test_command_line_bad_input_is_one_line(args, message):
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+def test_an_unknown_model_arg_is_refused():
+    """A misspelt --model_args key is named (lm-eval's own flags still pass through)."""
+    lm = backend.model_class()
+    with pytest.raises(errors.ConfigError, match=r"unknown --model_args levle of fp8jax"):
+        lm.create_from_arg_string("ckpt=/nowhere,levle=O1", {"device": "cuda"})
+    with pytest.raises(errors.USER_ERRORS, match=r"/nowhere"):  # past the keys: the ckpt
+        lm.create_from_arg_string("ckpt=/nowhere,level=O1", {"device": "cuda"})
+
+
 def test_without_lm_eval_the_backend_says_how_to_install(monkeypatch):
     """The module imports without lm-eval; asking for the lm-eval class names the extra."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)

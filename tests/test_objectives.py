@@ -192,8 +192,8 @@ SAMPLES = {  # format -> (file name, writer of a small valid source)
 def format_run(name, path, **changes):
     # A pre-tokenized source is read with the tokenizer that wrote it (beside it).
     tok = str(pathlib.Path(path).parent / "tokenizer.json") if name == "tokens" else ""
-    # A mixture mixes its sample with itself, weighted 3:1.
-    mixed = data_spec.parse_sources(f"{path},text:{path}", "3,1") if name == "mix" else ()
+    # A mixture of the one sample (a source may be named once; test_data_mix mixes several).
+    mixed = data_spec.parse_sources(f"text:{path}", "3") if name == "mix" else ()
     run = data_run(
         path, VOCAB, seq_len=48, format=name, packing=False, tokenizer=tok, sources=mixed
     )
@@ -281,9 +281,11 @@ def test_batches_hold_data_only(name, tmp_path):
 def test_bad_source_is_one_data_error_and_writes_nothing(name, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.md").write_text("not a source file")
+    # The field to fix: a mixture's source is its data.sources entry.
+    field = r"config.data.sources entry 0" if name == "mix" else r"config.data.path"
     for path, pattern in (
-        (tmp_path / "nope.jsonl", r"nope.jsonl.*does not exist.*config.data.path"),
-        (tmp_path / "empty", r"empty.*has no .* files.*config.data.path"),
+        (tmp_path / "nope.jsonl", rf"nope.jsonl.*does not exist.*{field}"),
+        (tmp_path / "empty", rf"empty.*has no .* files.*{field}"),
     ):
         with pytest.raises(errors.DataError, match=pattern):
             formats.build(format_run(name, path), tmp_path / "work")

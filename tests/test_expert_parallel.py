@@ -139,6 +139,7 @@ def test_dispatch_matches_the_per_token_reference(checks):
         for key in ("fwd", "grad_x", "grad_p", "grad_w1", "grad_w2"):
             assert c[key] <= EXACT_RTOL, (name, key, c)
         assert c["w1_grad_sharded"], name  # each shard holds its experts' weights and grads
+        assert c["row_scatters"] == [], (name, c["row_scatters"])  # gathers both ways
         if name.endswith("capacity"):  # the capacity bites: pairs dropped, output changed
             assert c["dropped"] > 0 and c["capacity_changes_output"], (name, c)
         else:

@@ -14,6 +14,7 @@ from flax import linen as nn
 
 from fp8jax import errors, models, spec
 from fp8jax.models import moe
+from fp8jax.ops import rows
 from fp8jax.optim import master
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
@@ -189,20 +190,42 @@ def test_sown_aux_loss_is_the_weighted_sum_and_gradients_reach_router_and_expert
 
 
 def test_dispatch_and_unsort_gradients_are_gathers_equal_to_autodiff():
-    """``dispatch_rows`` and ``permute_rows`` give autodiff's gradients of their plain gathers,
-    and the block's backward scatters no activation rows (gathers only)."""
+    """``ops.rows``' moves give autodiff's gradients of their plain gathers (empty slots and
+    dropped pairs included), and the block's backward scatters no activation rows."""
     t, k = 6, 3
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((t, D)), jnp.float32)
     order = jnp.asarray(rng.permutation(t * k), jnp.int32)
     inv = jnp.argsort(order)
     g = jnp.asarray(rng.standard_normal((t * k, D)), jnp.float32)
-    got = jax.vjp(lambda x: moe.dispatch_rows(x, order, inv, k), x)[1](g)[0]
+    got = jax.vjp(lambda x: rows.repeat_rows(x, order // k, inv.reshape(t, k)), x)[1](g)[0]
     want = jax.vjp(lambda x: x[order // k], x)[1](g)[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    got = jax.vjp(lambda y: moe.permute_rows(y, inv, order), g)[1](g * 2)[0]
+    got = jax.vjp(lambda y: rows.take_rows(y, inv, order), g)[1](g * 2)[0]
     want = jax.vjp(lambda y: y[inv], g)[1](g * 2)[0]
     np.testing.assert_array_equal(got, want)
+    # Partial: 4 of 18 rows read nowhere (dropped) and 4 of 18 outputs empty (index past the
+    # rows), as the expert-parallel buffers are.
+    idx = np.asarray(order).copy()
+    idx[rng.choice(t * k, 4, replace=False)] = t * k
+    back = np.full(t * k, t * k)
+    for b, a in enumerate(idx):
+        if a < t * k:
+            back[a] = b
+    idx, back = jnp.asarray(idx), jnp.asarray(back)
+
+    def plain(y):
+        return jnp.where((idx < t * k)[:, None], y[jnp.minimum(idx, t * k - 1)], 0.0)
+
+    y_out = rows.take_rows(g, idx, back)
+    np.testing.assert_array_equal(y_out, plain(g))
+    got = jax.vjp(lambda y: rows.take_rows(y, idx, back), g)[1](g * 3)[0]
+    np.testing.assert_array_equal(got, jax.vjp(plain, g)[1](g * 3)[0])
+    tok = jnp.where(idx < t * k, jnp.minimum(idx, t * k - 1) // k, t)
+    slots = back.reshape(t, k)
+    got = jax.vjp(lambda x: rows.repeat_rows(x, tok, slots), x)[1](g)[0]
+    want = jax.vjp(lambda x: jnp.where((tok < t)[:, None], x[jnp.minimum(tok, t - 1)], 0.0), x)
+    np.testing.assert_allclose(got, want[1](g)[0], rtol=1e-6, atol=1e-6)
 
     cfg = moe_cfg()
     variables, x = init_block(cfg)

@@ -20,7 +20,6 @@ its bias in ``MOE_STATE``, which ``update_bias`` steps from the expert loads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -33,6 +32,7 @@ from fp8jax.models import layers
 from fp8jax.models.config import ModelConfig, MoeSpec
 from fp8jax.models.params import INIT_STD, normal_init
 from fp8jax.nn.grouped import GroupedLinear
+from fp8jax.ops import rows
 from fp8jax.parallel import expert
 
 __all__ = [
@@ -45,9 +45,7 @@ __all__ = [
     "Routing",
     "aux_losses",
     "dispatch_keys",
-    "dispatch_rows",
     "layer_metrics",
-    "permute_rows",
     "route",
     "stacked_bias",
     "unstacked_bias",
@@ -133,49 +131,6 @@ def dispatch_keys(idx_Txk: jax.Array, spec: MoeSpec) -> tuple[jax.Array, jax.Arr
     return jnp.where(kept_N, expert_N, e), kept_N
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def dispatch_rows(x_TxD: jax.Array, order_N: jax.Array, inv_N: jax.Array, k: int) -> jax.Array:
-    """``xs [N, D]``: each sorted pair's token row, ``x[order // k]`` (``inv`` = order's inverse).
-
-    The gradient gathers each token's k pair rows back (at ``inv``) and sums them in f32, where
-    autodiff of the gather would scatter-add N rows into T (atomics, or a sort and a loop on a
-    GPU, for bf16).
-    """
-    del inv_N
-    return x_TxD[order_N // k]
-
-
-def _dispatch_rows_fwd(x_TxD, order_N, inv_N, k):
-    return dispatch_rows(x_TxD, order_N, inv_N, k), inv_N
-
-
-def _dispatch_rows_bwd(k, inv_N, g_NxD):
-    g_TxkxD = g_NxD[inv_N].reshape(-1, k, g_NxD.shape[-1])
-    return jnp.sum(g_TxkxD.astype(jnp.float32), axis=1).astype(g_NxD.dtype), None, None
-
-
-dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
-
-
-@jax.custom_vjp
-def permute_rows(y_NxD: jax.Array, perm_N: jax.Array, inv_N: jax.Array) -> jax.Array:
-    """``y[perm]`` for a permutation ``perm`` with inverse ``inv``: its gradient is the gather
-    ``g[inv]`` (autodiff would scatter, not knowing the indices are a permutation)."""
-    del inv_N
-    return y_NxD[perm_N]
-
-
-def _permute_rows_fwd(y_NxD, perm_N, inv_N):
-    return y_NxD[perm_N], inv_N
-
-
-def _permute_rows_bwd(inv_N, g_NxD):
-    return g_NxD[inv_N], None, None
-
-
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
-
-
 class Router(nn.Module):
     """The router's f32 kernel [D, E] (no FP8 ever) and, for the balancing bias, its bias [E]."""
 
@@ -224,7 +179,8 @@ class MoeMlp(nn.Module):
         order_N = jnp.argsort(key_N, stable=True)  # pairs grouped by expert, in token order
         inv_N = jnp.argsort(order_N)  # where each pair sits among the sorted ones
         sizes_E = jnp.bincount(key_N, length=e + 1)[:e].astype(jnp.int32)  # without dropped
-        xs_NxD = dispatch_rows(x_TxD, order_N, inv_N, k)
+        # Each pair's token row, and back (ops.rows: the gradients gather too).
+        xs_NxD = rows.repeat_rows(x_TxD, order_N // k, inv_N.reshape(b * length, k))
         # Under expert parallelism the kernels are this device's own experts (expert.split_axis).
         common = dict(
             recipe=c.recipe,
@@ -268,7 +224,7 @@ class MoeMlp(nn.Module):
         if y_TxD is None:
             ys_NxD = experts(xs_NxD, sizes_E)
             # Unsort: pair n's output back at n (dropped pairs' rows are the GEMM's zeros).
-            y_TxkxD = permute_rows(ys_NxD, inv_N, order_N).reshape(b * length, k, d)
+            y_TxkxD = rows.take_rows(ys_NxD, inv_N, order_N).reshape(b * length, k, d)
             y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
         if spec.shared_d_ff:
             shared_cfg = dataclasses.replace(c, d_ff=spec.shared_d_ff)

@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from fp8jax.ops import formats
+from fp8jax.ops import rows as rows_lib
 from fp8jax.parallel import comm
 from fp8jax.parallel import sharding as sharding_lib
 
@@ -154,11 +155,19 @@ def dispatch_combine(
     kept_D = jnp.zeros((ep,), jnp.int32).at[dest_S].add(keep_i_S)
     kept_before_S = jnp.cumsum(keep_i_S) - keep_i_S
     slot_S = dest_S * rows + kept_before_S - (jnp.cumsum(kept_D) - kept_D)[dest_S]
-    slot_S = jnp.where(keep_S, slot_S, ep * rows)  # dropped pairs: out of range, not written
-    send_NxD = (
-        jnp.zeros((ep * rows, d), x_TxD.dtype).at[slot_S].set(x_TxD[order_P // k], mode="drop")
+    n = ep * rows
+    slot_S = jnp.where(keep_S, slot_S, n)  # dropped pairs: out of range, not written
+    # Both directions of each row move as gathers (ops.rows): the pair in each buffer slot (tk:
+    # an empty slot) and each pair's slot (n: dropped), pair p = token p // k's (p % k)-th.
+    src_N = (
+        jnp.full((n,), tk, jnp.int32).at[slot_S].set(jnp.arange(tk, dtype=jnp.int32), mode="drop")
     )
-    send_e_N = jnp.full((ep * rows,), g, jnp.int32).at[slot_S].set(e_S % g, mode="drop")
+    pair_N = jnp.where(src_N < tk, order_P[jnp.minimum(src_N, tk - 1)], tk)
+    slot_P = slot_S[jnp.argsort(order_P)]
+    send_NxD = rows_lib.repeat_rows(
+        x_TxD, jnp.where(pair_N < tk, pair_N // k, t), slot_P.reshape(t, k)
+    )
+    send_e_N = jnp.full((n,), g, jnp.int32).at[slot_S].set(e_S % g, mode="drop")
 
     if fp8_dispatch:
         recv_NxD = _fp8_all_to_all(send_NxD, axis_name, wire)
@@ -167,14 +176,14 @@ def dispatch_combine(
     recv_e_N = lax.all_to_all(send_e_N, axis_name, 0, 0, tiled=True)  # g: an empty slot
 
     order_N = jnp.argsort(recv_e_N, stable=True)  # by local expert; empty slots last
+    inv_N = jnp.argsort(order_N)
     sizes_G = jnp.zeros((g + 1,), jnp.int32).at[recv_e_N].add(1)[:g]
-    y_MxD = experts_fn(recv_NxD[order_N], sizes_G)
-    y_NxD = jnp.zeros_like(y_MxD).at[order_N].set(y_MxD)
+    y_MxD = experts_fn(rows_lib.take_rows(recv_NxD, order_N, inv_N), sizes_G)
+    y_NxD = rows_lib.take_rows(y_MxD, inv_N, order_N)
     y_NxD = jnp.where((recv_e_N < g)[:, None], y_NxD, 0)
     back_NxD = lax.all_to_all(y_NxD, axis_name, 0, 0, tiled=True)
 
-    y_SxD = jnp.where(keep_S[:, None], back_NxD[jnp.minimum(slot_S, ep * rows - 1)], 0)
-    y_PxD = jnp.zeros_like(y_SxD).at[order_P].set(y_SxD)
+    y_PxD = rows_lib.take_rows(back_NxD, slot_P, pair_N)  # each pair's result (dropped: 0)
     y_TxkxD = y_PxD.reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), p_Txk.astype(jnp.float32))
 

@@ -18,8 +18,9 @@
    level it picks: an O1+ work dir at O1 with its trained FP8 scales, an O0 one at O0; in its
    default dtype: bfloat16 on a GPU, float32 on a CPU) on the local tasks
    ``fp8jax_novel_choice`` (multiple choice over the six titles: ``acc``) and
-   ``fp8jax_novel_title`` (the title generated: ``exact_match``), beside each task's chance from
-   its own documents (``chance``). ``--downstream-limit`` documents per task (0: all; ``--size
+   ``fp8jax_novel_title`` (the title generated: ``exact_match``), their passages as long as the
+   fine-tuning's (the tasks' ``passage_words``), beside each task's chance from its own
+   documents (``chance``). ``--downstream-limit`` documents per task (0: all; ``--size
    tiny``: 12), ``--no-downstream`` skips it; without lm-eval one line says what to install and
    the rest runs.
 
@@ -311,14 +312,19 @@ def downstream_unavailable() -> str | None:
     return None
 
 
-def task_manager() -> TaskManager:
+def task_manager(passage_words: int) -> TaskManager:
     """lm-eval's task index of the local tasks only (``fp8jax.lm_eval.TASKS_DIR``: indexing
-    lm-eval's own thousands of tasks takes seconds and none is scored here)."""
+    lm-eval's own thousands of tasks takes seconds and none is scored here), their passages
+    ``passage_words`` long: the length the fine-tuning trained on (the tasks' metadata)."""
     from lm_eval.tasks import TaskManager
 
     from fp8jax import lm_eval as backend
 
-    return TaskManager(include_path=str(backend.TASKS_DIR), include_defaults=False)
+    return TaskManager(
+        include_path=str(backend.TASKS_DIR),
+        include_defaults=False,
+        metadata={"passage_words": passage_words},
+    )
 
 
 def chance(task: Task, num_docs: int) -> float:
@@ -393,6 +399,7 @@ def downstream(
         "level": model.backend_.inf.level,
         "dtype": dtype,
         "limit": limit,
+        "passage_words": int(manager.metadata["passage_words"]),
         "eval_s": time.perf_counter() - t0,
         "tasks": scores,
     }
@@ -557,7 +564,7 @@ def main(argv=None):
     # After every training run (lm-eval seeds the global random generators), so the
     # training runs are those of a call without it.
     if not (a.no_downstream or unavailable):
-        manager = task_manager()
+        manager = task_manager(size.passage_words)
         for workdir, (stem, row) in stems.items():
             row["downstream"] = downstream(workdir, limit, manager)
             runner.write_json(a.out, stem, row)

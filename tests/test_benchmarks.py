@@ -778,12 +778,14 @@ def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
     from fp8jax import lm_eval as backend
     from fp8jax.trainer import tasks
 
-    manager = finetune.task_manager()
+    words = finetune.SIZES["tiny"].passage_words  # the fine-tuning's passages' length
+    manager = finetune.task_manager(words)
     defs = manager.load(list(finetune.DOWNSTREAM_TASKS))["tasks"]
     assert "downstream" not in rows["dpo_O1"]
     for stem in ("pretrain", "sft_O1"):
         down = rows[stem]["downstream"]
         assert down["level"] == rows[stem]["decode_level"] and down["limit"] == DOWNSTREAM_LIMIT
+        assert down["passage_words"] == words
         assert sorted(down["tasks"]) == sorted(finetune.DOWNSTREAM_TASKS), down
         for name, t in down["tasks"].items():
             assert t["num_docs"] == DOWNSTREAM_LIMIT and t["metrics"], (stem, name, t)
@@ -795,6 +797,8 @@ def check_downstream(out: pathlib.Path, rows: dict, stdout: str) -> None:
                     for ln in stdout.splitlines()
                 ), (metric, stdout[-1500:])
             docs = list(defs[name].eval_docs)
+            # The scored passages are as long as the trained ones (prompt: passage, "Novel:").
+            assert {len(d["prompt"].split()) for d in docs} == {words + 1}, name
             if name == "fp8jax_novel_choice":  # a uniform guess among each document's choices
                 chance = np.mean([1 / len(d["choices"]) for d in docs[:DOWNSTREAM_LIMIT]])
                 assert set(t["metrics"]) == {"acc,none"}

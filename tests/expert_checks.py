@@ -54,6 +54,8 @@ from fp8jax.ops import formats, grouped, scaling  # noqa: E402
 from fp8jax.parallel import expert, layerwise, sharding  # noqa: E402
 from fp8jax.recipes import RECIPES  # noqa: E402
 
+from fp8_testing import scatter_results  # noqa: E402
+
 TOKENS, D, F, E, K = 64, 16, 32, 8, 2  # global tokens, width, expert width, experts, top-k
 CAPACITY_FACTOR = 1.0  # with the skewed router below, some experts overflow
 
@@ -129,18 +131,6 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def _row_scatters(text: str) -> list[str]:
-    """The result types of the StableHLO scatters in ``text`` that write [n, D] rows."""
-    lines, found = text.splitlines(), []
-    for i, line in enumerate(lines):
-        if "stablehlo.scatter" in line:
-            end = next(j for j in range(i, len(lines)) if "}) : (" in lines[j])
-            result = lines[end].rsplit("->", 1)[1]
-            if re.search(rf"tensor<\d+x{D}x", result):
-                found.append(result.strip())
-    return found
-
-
 def dispatch_case(sizes, capacity_factor, data) -> dict:
     """Sharded forward and gradients (x, p, both expert weights) against the reference."""
     mesh = sharding.make_mesh(
@@ -185,7 +175,7 @@ def dispatch_case(sizes, capacity_factor, data) -> dict:
     out["w1_grad_sharded"] = g[2].sharding.spec == P("expert")
     # Row moves gather both ways (ops.rows): the only scatters left write ids, not rows.
     text = grad(sharded).lower(*args).as_text()
-    out["row_scatters"] = _row_scatters(text)
+    out["row_scatters"] = [r for r in scatter_results(text) if re.search(rf"tensor<\d+x{D}x", r)]
     if capacity_factor is not None:  # the capacity changed the result (pairs were dropped)
         every = np.ones_like(keep)
         dropless = reference(data["x"], data["idx"], data["p"], data["w1"], data["w2"], every)

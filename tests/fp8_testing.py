@@ -186,6 +186,17 @@ def same_step_grads(fused, plain, tok):
     return g_f, g_p
 
 
+def scatter_results(stablehlo: str) -> list[str]:
+    """The result type of each ``stablehlo.scatter`` in a lowered program's text (its region
+    ends on the ``}) : (...) -> T`` line)."""
+    lines, out = stablehlo.splitlines(), []
+    for i, line in enumerate(lines):
+        if "stablehlo.scatter" in line:
+            end = next(j for j in range(i, len(lines)) if "}) : (" in lines[j])
+            out.append(lines[end].rsplit("->", 1)[1].strip())
+    return out
+
+
 def pallas_calls(jaxpr) -> list:
     """Every ``pallas_call`` equation of a jaxpr, nested ones (jit, scan, custom VJPs)
     included, in program order."""

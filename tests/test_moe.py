@@ -19,7 +19,10 @@ from fp8jax.optim import master
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
+from fp8_testing import (
+    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
+    scatter_results,
+)
 
 B, L, D = 2, 8, 32  # 16 tokens of width 32
 
@@ -233,12 +236,7 @@ def test_dispatch_and_unsort_gradients_are_gathers_equal_to_autodiff():
     def loss(x):
         return jnp.sum(moe.MoeMlp(cfg).apply(variables, x, mutable=[moe.MOE_LOSSES])[0] ** 2)
 
-    lines = jax.jit(jax.grad(loss)).lower(x).as_text().splitlines()
-    results = []  # each scatter's result type: its region ends on the '}) : (...) -> T' line
-    for i, line in enumerate(lines):
-        if "stablehlo.scatter" in line:
-            end = next(j for j in range(i, len(lines)) if "}) : (" in lines[j])
-            results.append(lines[end].rsplit("->", 1)[1])
+    results = scatter_results(jax.jit(jax.grad(loss)).lower(x).as_text())
     assert results  # the router's small scatters are there: the scan sees the program
     assert not [r for r in results if re.search(rf"tensor<\d+x{D}x", r)], results
 

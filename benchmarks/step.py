@@ -201,7 +201,10 @@ def torch_rows(a: argparse.Namespace) -> list[dict]:
     for run in filter(None, a.torch.split(",")):
         run = f"{run}:optim"  # the whole step, as this benchmark's
         quick = ["--quick", "--no-compile"] if a.quick else []  # the CPU smoke test: eager
-        args = ("--out", a.out, "--steps", str(a.steps), *quick, f"--child={run}")
+        # The same depth as the JAX runs when --set reduces it (the only shape torch takes).
+        layers = [v for k, v in (s.split("=", 1) for s in a.set) if k == "model.num_layers"]
+        depth = ["--layers", layers[-1]] if layers else []
+        args = ("--out", a.out, "--steps", str(a.steps), *quick, *depth, f"--child={run}")
         cmd = runner.command("torch_reference", *args)
         rows.append(runner.run_child(cmd, run, timeout=a.timeout or None))
         runner.write_json(a.out, f"torch_reference_{runner.safe_name(run)}", rows[-1])

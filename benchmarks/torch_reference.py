@@ -30,6 +30,8 @@ and AdamW run eagerly (multi-tensor kernels). 3 warm-up steps, then the median o
 ``--no-optim`` adds a fwd+bwd-only row per run; ``--bf16-params`` keeps the weights in bf16
 without autocast (the setup of references that train with bf16 weights). A run is
 ``config:level`` (level ``bf16`` or ``float8``); each writes ``torch_reference_<run>.json``.
+``--layers N`` builds N blocks instead of the config's (the reduced-depth runs of
+``benchmarks.step``, which passes its ``--set model.num_layers`` on to its ``--torch`` runs).
 
     python -m benchmarks.torch_reference --quick --no-compile --runs gpt_1b3:bf16 --out /tmp  # CPU
 """
@@ -296,6 +298,8 @@ def child(name: str, level: str, optim: bool, a) -> dict:
     """Build, compile and time one config at one level (runs inside the child process)."""
     c, seq = dict(CONFIGS[name]), SEQ
     batch = c.get("batch", BATCH)
+    if a.layers:
+        c["layers"] = a.layers  # a reduced depth, as benchmarks.step's --set model.num_layers
     if a.quick:
         c.update(vocab=256, d_model=64, layers=2, heads=4, d_ff=128, head_width=0)
         c["kv_heads"] = 2 if c["style"] != "gpt" else 4  # keep GQA in the LLaMA smoke test
@@ -431,6 +435,7 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true", help="eager (CPU smoke test)")
     p.add_argument("--bf16-params", action="store_true", help="bf16 weights, no autocast")
     p.add_argument("--attn", choices=("flash", "default"), default="flash", help="SDPA backends")
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: the config's)")
     p.add_argument("--timeout", type=int, default=540, help="seconds per run")
     a = runner.parse_args(p, argv)
     optims = ("optim", "fwdbwd") if a.no_optim else ("optim",)

@@ -103,14 +103,23 @@ def measure(
             out = decoder.prefill(
                 *fixed, tokens_BxP, jnp.asarray(lengths_B), *pick, cache_len=b.cache
             )
-            np.asarray(out[3])  # the first tokens, on the host
+            np.asarray(out[4])  # the first tokens, on the host
             return out
 
         def decode(out):
-            weights, cache, out_BxM, tok_B, done_B, bad = out
+            cast, weights, cache, out_BxM, tok_B, done_B, bad = out
             loop = (jnp.asarray(lengths_B), jnp.int32(new), *pick)
             res = decoder.decode(
-                *fixed, weights, cache, out_BxM, tok_B, done_B, bad, *loop, watch=False
+                cast or params,
+                *fixed[1:],
+                weights,
+                cache,
+                out_BxM,
+                tok_B,
+                done_B,
+                bad,
+                *loop,
+                watch=False,
             )
             return int(res[1])  # steps run, on the host
 
@@ -133,7 +142,7 @@ def measure(
         copies = []
         if cfg.recipe and cfg.recipe.quantizes_weights_once:
             is_copy = lambda w: isinstance(w, scaling.QuantizedWeight)  # noqa: E731
-            copies = jax.tree.leaves(prefill()[0], is_leaf=is_copy)
+            copies = jax.tree.leaves(prefill()[1], is_leaf=is_copy)
         fp8_elems = sum(w.q.size for w in copies)
         fp8_bound_s = (fp8_elems + 2 * (n_params - fp8_elems)) / bandwidth
         rows.append(

@@ -89,9 +89,10 @@ def test_o1_decode_reads_weights_quantized_once(gpt_o1):
     pick = (jax.random.PRNGKey(0), 0.0, 0, 1.0, jnp.asarray([-1]), np.ones(VOCAB, bool))
     fixed = (params, fp8, {})
     prefill = decoder.prefill.trace(*fixed, tokens_BxP, lengths_B, *pick, cache_len=32)
-    weights, cache, out_BxM, tok_B, done_B, bad = decoder.prefill(
+    cast, weights, cache, out_BxM, tok_B, done_B, bad = decoder.prefill(
         *fixed, tokens_BxP, lengths_B, *pick, cache_len=32
     )
+    assert cast == {}  # O1: the E4M3 copies are what the steps read
     copies = jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, scaling.QuantizedWeight))
     matmuls = len(jax.tree.leaves(fp8, is_leaf=lambda m: isinstance(m, scaling.Fp8Meta)))
     assert matmuls == 4 * 2 and len(copies) == matmuls  # qkv, o, wi, wo per layer
@@ -137,6 +138,73 @@ def test_o1_cached_logits_equal_the_training_models(gpt_o1):
         logits, cache = step(with_weights, cache, toks_Bx1, pos_Bx1)
         for i, n in enumerate(lengths):
             np.testing.assert_allclose(logits[i, 0], full_BxLxV[i, n + t], atol=tol, rtol=0)
+
+
+def f32_to_bf16_converts(closed_jaxpr, sizes: set[int]) -> int:
+    """How many f32 -> bf16 casts of an array of one of ``sizes`` elements a program holds."""
+    found = 0
+
+    def walk(jaxpr):
+        nonlocal found
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "convert_element_type":
+                (x,), (y,) = eqn.invars, eqn.outvars
+                if (x.aval.dtype, y.aval.dtype) == (jnp.float32, jnp.bfloat16):
+                    found += int(np.prod(x.aval.shape)) in sizes
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_o0_bf16_decode_reads_weights_cast_once(style, monkeypatch):
+    """At O0 computing in bf16 on f32 params, the prefill casts each matmul weight and
+    embedding table to bf16 once and the decode steps read those casts: the step program casts
+    none of them, the logits from the casts are the f32 params' bit for bit (the cast each
+    layer makes), and the generated tokens are those of decoding on the f32 params' own step
+    program."""
+    model, variables = build(model_cfg(style, scan_layers=style == "gpt", dtype="bfloat16"))
+    params = variables["params"]
+    decoder = generate.decoder_for(model.cfg, "fp8_state")
+    cast = decoder.step_params(params)
+    leaves = dict(jax.tree_util.tree_leaves_with_path(params))
+    kinds = {str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(cast)}
+    read = {k for k in kinds if "kernel" in k or "embedding" in k}
+    assert read and all(kinds[k] == jnp.bfloat16 for k in read)
+    assert all(kinds[k] == jnp.float32 for k in kinds.keys() - read)  # norms, biases
+    for path, x in jax.tree_util.tree_leaves_with_path(cast):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(leaves[path].astype(x.dtype)))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, VOCAB)
+    apply = jitted_apply(model)
+    np.testing.assert_array_equal(
+        np.asarray(apply({"params": cast}, tokens)), np.asarray(apply(variables, tokens))
+    )
+    tokens_BxP, lengths_B = np.zeros((2, 16), np.int32), np.asarray([3, 10], np.int32)
+    pick = (jax.random.PRNGKey(0), 0.0, 0, 1.0, jnp.asarray([-1]), np.ones(VOCAB, bool))
+    fixed = (params, {}, {})
+    out = decoder.prefill(*fixed, tokens_BxP, lengths_B, *pick, cache_len=32)
+    assert jax.tree.structure(out[0]) == jax.tree.structure(params)
+    loop = (lengths_B, jnp.int32(6), *pick)
+    sizes = {x.size for k, x in jax.tree_util.tree_leaves_with_path(params) if str(k) in read}
+    step = decoder.decode.trace(out[0], *fixed[1:], *out[1:], *loop, watch=False)
+    uncast = decoder.decode.trace(*fixed, *out[1:], *loop, watch=False)
+    assert f32_to_bf16_converts(step.jaxpr, sizes) == 0
+    assert f32_to_bf16_converts(uncast.jaxpr, sizes) >= len(sizes)  # what the cast saves
+    read = []  # the params each decode call of generate_ids gets
+    decode_call = decoder.decode
+    spy = lambda p, *a, **k: (read.append(p), decode_call(p, *a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(decoder, "decode", spy)
+    generate.generate_ids(model, params, {}, [[1, 2, 3]], 6)
+    monkeypatch.undo()
+    assert len(read) == 1 and jax.tree.map(lambda x: x.dtype, read[0]) == jax.tree.map(
+        lambda x: x.dtype, out[0]
+    )
+    got = decoder.decode(out[0], *fixed[1:], *out[1:], *loop, watch=False)[0]
+    out = decoder.prefill(*fixed, tokens_BxP, lengths_B, *pick, cache_len=32)
+    want = decoder.decode(*fixed, *out[1:], *loop, watch=False)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def decoder_model(model):
@@ -229,7 +297,7 @@ def test_o1_moe_decode_reads_the_expert_stacks_quantized_once():
     tokens_BxP, lengths_B = np.zeros((2, 16), np.int32), np.asarray([3, 10], np.int32)
     pick = (jax.random.PRNGKey(0), 0.0, 0, 1.0, jnp.asarray([-1]), np.ones(VOCAB, bool))
     fixed = (params, fp8, {})
-    weights, cache, out_BxM, tok_B, done_B, bad = decoder.prefill(
+    cast, weights, cache, out_BxM, tok_B, done_B, bad = decoder.prefill(
         *fixed, tokens_BxP, lengths_B, *pick, cache_len=32
     )
     copies = jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, scaling.QuantizedWeight))

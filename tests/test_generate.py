@@ -322,6 +322,9 @@ def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
     inf = inference.load(str(wd))
     assert inf.level == "O1"
     assert scaling.recipe_name(inf.model.cfg.recipe) == config.fp8.recipe
+    # Nothing is pinned to a device: an array committed to the CPU would run every program
+    # on the CPU, the GPU's params included.
+    assert not any(x.committed for x in jax.tree.leaves((inf.params, inf.fp8_state)))
     ours = inference.evaluate(inf, np.asarray(dataset.val_tokens), 4, 32, 2)
     assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)
     o0 = inference.evaluate(inference.load(str(wd), "O0"), np.asarray(dataset.val_tokens), 4, 32, 2)

@@ -58,6 +58,7 @@ def test_a_work_dir_evaluates_scores_and_generates_with_its_trained_biases(sigmo
     trained = bias_of(jax.device_get(state.moe_state))
     assert np.abs(trained).max() > 0  # stepped by the training
     np.testing.assert_array_equal(bias_of(inf.moe_state), trained)
+    assert not any(x.committed for x in jax.tree.leaves(inf.moe_state))  # follows the params
     tokens = np.asarray(dataset.val_tokens)
     ours = inference.evaluate(inf, tokens, 4, 16, 2)
     assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)

@@ -36,6 +36,7 @@ from absl import logging
 from jax.experimental import io_callback
 
 from fp8jax import errors, models
+from fp8jax._tree import leaf_name
 from fp8jax.models import decode, moe
 from fp8jax.nn.state import FP8_WEIGHTS
 from fp8jax.optim import adam as optim
@@ -122,9 +123,10 @@ class Decoder:
 
     ``prefill`` (one program per batch, prompt and cache bucket) runs the prompts, fills the
     key/value cache, quantizes the FP8 weights once where the recipe allows it
-    (``decode.prefill``) and picks each row's first token; ``decode`` (one program per batch and
+    (``decode.prefill``), at O0 casts the matmul weights to the compute dtype once
+    (``step_params``), and picks each row's first token; ``decode`` (one program per batch and
     cache bucket, whatever the prompt bucket) runs the rest as a ``lax.while_loop`` on that
-    cache and those weights.
+    cache and those weights: every step reads each weight once, in the bytes it computes in.
     """
 
     def __init__(self, model_cfg: models.ModelConfig, collection: str):
@@ -165,9 +167,10 @@ class Decoder:
         lengths_B = jnp.asarray(lengths_B, jnp.int32)
         pick = (key, *knobs, eos_E, allowed_V)
         fixed = (params, fp8_state, moe_state or {})
-        weights, cache, out_BxM, tok_B, done_B, bad = self.prefill(
+        cast, weights, cache, out_BxM, tok_B, done_B, bad = self.prefill(
             *fixed, tokens_BxP, lengths_B, *pick, cache_len=cache_len
         )
+        fixed = (cast or params, *fixed[1:])  # the decode steps read the cast weights, if any
         loop = (lengths_B, jnp.int32(max_new_tokens), *pick)
         if watcher is not None:
             # The first token reaches the host from the prefill's output; the loop's by callback.
@@ -209,9 +212,10 @@ class Decoder:
         traced = self.prefill.trace(*fixed, *prompt, *pick, cache_len=b.cache)
         out = traced.lower().compile().out_info
         # The prefill's outputs carry its shardings where its inputs were committed to some.
-        out = jax.tree.map(
+        cast, *out = jax.tree.map(
             lambda o: S(o.shape, o.dtype, sharding=o.sharding if committed else None), out
         )
+        fixed = (cast or fixed[0], *fixed[1:])
         loop = (S((b.batch,), i32), S((), i32), *pick)
         self.decode.trace(*fixed, *out, *loop, watch=False).lower().compile()
 
@@ -243,11 +247,39 @@ class Decoder:
         )
         return jnp.where(done_B, eos_E[0], tok_B), bad
 
+    def step_params(self, params) -> dict:
+        """At O0, the params the decode steps read: materialized, each matmul weight and
+        embedding table in the compute dtype (the cast their layers make at every step, made
+        once: the same values); ``{}`` where that changes nothing, or at O1, whose FP8 weights
+        ``decode.prefill`` quantizes once from the masters."""
+        dtype = jnp.dtype(self.model.cfg.dtype)
+        if self.model.cfg.recipe is not None:
+            return {}
+
+        def read_in_dtype(path, p) -> bool:
+            return optim.is_matmul_weight(path, p) or leaf_name(path) == "embedding"
+
+        def cast(path, p):
+            p = optim.materialize(p)
+            return p.astype(dtype) if read_in_dtype(path, p) else p
+
+        changes = lambda path, p: (
+            optim.is_scaled(p)
+            or (  # noqa: E731
+                read_in_dtype(path, p) and p.dtype != dtype
+            )
+        )
+        leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=optim.is_scaled)
+        if not any(changes(path, p) for path, p in leaves):
+            return {}
+        return jax.tree_util.tree_map_with_path(cast, params, is_leaf=optim.is_scaled)
+
     def _prefill(self, params, fp8, moe_state, tokens_BxP, lengths_B, *pick, cache_len):
         self.traces["prefill"] += 1  # runs only while tracing: one per compilation
         batch, prompt_len = tokens_BxP.shape
         eos_E = pick[4]
-        variables = self._variables(params, fp8, moe_state)
+        cast = self.step_params(params)
+        variables = self._variables(cast or params, fp8, moe_state)
         cache = decode.init_cache(self.model, variables, batch, cache_len)
         rows_B = jnp.arange(batch)
         positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
@@ -262,7 +294,7 @@ class Decoder:
         out_BxM = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prompt_len].set(tokens_BxP)
         out_BxM = out_BxM.at[rows_B, lengths_B].set(tok_B, mode="drop")
         done_B = done_B | jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1)
-        return weights, cache, out_BxM, tok_B, done_B, bad
+        return cast, weights, cache, out_BxM, tok_B, done_B, bad
 
     def _decode(
         self,

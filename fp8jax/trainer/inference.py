@@ -197,7 +197,7 @@ def saved_moe_state(workdir: Path) -> dict:
             f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
             "that step aside to use the one before it"
         ) from e
-    return restored
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored)  # uncommitted, as above
 
 
 def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
@@ -247,7 +247,9 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
                     "model needs: its fp8_lm_head or layout differs from the recorded model"
                 )
             node = node[name]
-        return jnp.asarray(node, like.dtype).reshape(like.shape)
+        # Through the host: an array committed to the CPU (orbax's target) would pull every
+        # program it enters onto the CPU, whatever device the params are on.
+        return jnp.asarray(np.asarray(node), like.dtype).reshape(like.shape)
 
     return history_len, jax.tree_util.tree_map_with_path(take, target)
 

@@ -12,37 +12,51 @@ import pathlib
 
 import pytest
 
-from fp8_testing import novel
-
 # XLA:CPU's elemental emitters in every test process and in the processes it starts (train.py
 # runs, notebook kernels, benchmark children), read when JAX first compiles: the same HLO
 # compiled in about half the time of the fusion emitters, and compiles dominate the suite.
 EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if EMITTER_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTER_FLAG}".strip()
+# Most of XLA's optimisations off in the same processes (``jax_disable_most_optimizations``:
+# the backend's code generation at its lowest level; the HLO passes, fusions and rewrites as
+# always): the programs are tiny and their compiles take about half as long. A test that
+# compares the bits of two different programs, as a user's optimised compile makes them,
+# takes the marker ``optimized`` (the ``_optimized_compiles`` fixture below).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import jax  # noqa: E402 (after the flags above, which JAX reads at import)
+
+from fp8_testing import novel  # noqa: E402
 
 # The modules that take longest on two CPU cores (a full run's --durations), longest first;
 # the others follow in collection order. A module missing here only starts later.
 LONGEST_FIRST = (
     "test_sharding.py",
-    "test_expert_parallel.py",
     "test_notebooks.py",
-    "test_benchmarks.py",
-    "test_train.py",
-    "test_moe.py",
-    "test_lm_eval.py",
     "test_reliability.py",
-    "test_wheel.py",
-    "test_optim.py",
+    "test_train.py",
+    "test_benchmarks.py",
     "test_generate.py",
-    "test_signals.py",
-    "test_sft.py",
-    "test_dpo.py",
+    "test_optim.py",
+    "test_lm_eval.py",
     "test_integrity.py",
+    "test_remat.py",
+    "test_expert_parallel.py",
+    "test_moe.py",
+    "test_moe_state.py",
+    "test_wheel.py",
+    "test_models.py",
     "test_fine_mlp.py",
-    "test_qkv.py",
+    "test_dpo.py",
     "test_mlp.py",
+    "test_sft.py",
+    "test_loss_chunk.py",
+    "test_signals.py",
     "test_multiprocess.py",
+    "test_qkv.py",
+    "test_families.py",
+    "test_norm.py",
     "test_hf.py",
 )
 
@@ -51,6 +65,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Run the ``LONGEST_FIRST`` modules first (a stable sort: each module keeps its order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _optimized_compiles(request: pytest.FixtureRequest):
+    """XLA's optimisations on for a test marked ``optimized``, with JAX's caches emptied on the
+    way in and out, so that no program compiled under the other setting is reused."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+        jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

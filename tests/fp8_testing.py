@@ -220,13 +220,3 @@ def pallas_name(eqn) -> str:
     """A ``pallas_call`` equation's kernel name (``name=`` of the call)."""
     name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
     return getattr(name, "name", name)  # a NameAndSrcInfo in some jax versions
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-    """Most XLA optimisations off in a test module that imports this: compiles dominate there,
-    and every check is numerical (a test may turn them back on for itself)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)

@@ -15,8 +15,6 @@ from fp8jax.ops import scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.trainer import generate
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
-
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 

@@ -17,8 +17,6 @@ from fp8jax.hf import architectures, weights
 from fp8jax.models import families
 from fp8jax.trainer import loop as train_lib
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAMILY_DIR = ROOT / "fp8jax" / "models" / "families"
 NAMES = sorted(families.FAMILIES)

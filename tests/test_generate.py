@@ -14,8 +14,6 @@ from fp8jax.ops import scaling
 from fp8jax.trainer import generate, sampling
 from fp8jax.trainer import loop as train_lib
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
-
 VOCAB, MAX_LEN = 300, 32
 
 

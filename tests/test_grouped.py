@@ -24,7 +24,7 @@ from fp8jax.diagnostics import coverage
 from fp8jax.nn.grouped import GroupedLinear
 from fp8jax.ops import formats, grouped, scaling
 
-from fp8_testing import MIN_ERR, f32_div, fast_compiles, rel_err  # noqa: F401 (autouse)
+from fp8_testing import MIN_ERR, f32_div, rel_err
 
 NAMES = sorted(scaling.RECIPES)
 G, K, N = 3, 32, 16

@@ -25,7 +25,6 @@ from fp8jax.trainer import metrics, workdir_lock
 
 from fp8_testing import (
     TINY_RUN,
-    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
     novel,
 )
 

@@ -19,7 +19,7 @@ from fp8jax.trainer import loop
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.objectives import dpo
 
-from fp8_testing import fast_compiles, with_overrides  # noqa: F401 (fast_compiles: autouse)
+from fp8_testing import with_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, L, V = 3, 10, 512  # B * L = 30 tokens: chunks of 7 leave 2 padding tokens in the last

@@ -18,12 +18,14 @@ ACT = "gelu_tanh"
 TRITON = "__gpu$xla.gpu.triton"
 
 
+@pytest.mark.optimized
 def test_gelu_derivative_formula_matches_autodiff():
     x = jnp.linspace(-8.0, 8.0, 4097, dtype=jnp.float32)
     auto = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x)
     np.testing.assert_allclose(activations.gelu_tanh_grad(x), auto, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.optimized
 def test_gelu_and_grad_from_one_tanh_keep_each_functions_bits():
     """The GELU' pass that also rebuilds GELU shares one tanh: both halves bit-equal the
     functions alone, jitted (XLA fuses them) and not."""

@@ -12,8 +12,6 @@ from flax import linen as nn
 from fp8jax import FP8, FP8_STATS, models, spec
 from fp8jax.trainer import loop as train_lib
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
-
 B, L = 2, 16  # batch, sequence length of every test input
 LINEARS_PER_LAYER = 5  # q, kv, o, wi, wo
 LOGICAL_PARAM_AXES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", "norm"}

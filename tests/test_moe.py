@@ -20,7 +20,6 @@ from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
 
 from fp8_testing import (
-    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
     scatter_results,
 )
 

@@ -18,8 +18,6 @@ from fp8jax.trainer import loss as loss_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.objectives import dpo
 
-from fp8_testing import fast_compiles  # noqa: F401 (autouse: most XLA optimisations off)
-
 RATE = 0.05  # a bias step large enough to change routing within a few steps
 
 

@@ -15,7 +15,6 @@ from fp8jax.trainer import loop as train_lib
 
 from fp8_testing import (
     bits,
-    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
     lm_grads,
 )
 

@@ -565,6 +565,7 @@ def _assert_same_bits(a, b, msg):
 SLICE = 16 * 48 * 4
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("slice_bytes", [SLICE, 2 * SLICE, 0])
 @pytest.mark.parametrize("sr", [False, True])
 def test_fused_adamw_equals_update_then_apply(sr, slice_bytes):
@@ -642,6 +643,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("storage,lr,wd,masked,clip,sr,slice_bytes", SETTINGS)
 def test_fused_adamw_equals_update_then_apply_over_settings(
     storage, lr, wd, masked, clip, sr, slice_bytes
@@ -758,6 +760,7 @@ def test_grad_clip_is_optax_clip_chained_before():
     assert jax.tree.structure(layout) == jax.tree.structure(ref[0])
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_fused_train_step_equals_the_unfused_one(rounding):
     """The trainer's O2 step (stacked blocks, bf16 compute) with and without ``FusedAdamW``:

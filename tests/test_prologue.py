@@ -68,6 +68,7 @@ def test_kernel_prologue_is_gelu_then_quantize_bit_for_bit(dtype):
     assert float(amax) == float(ref_amax)
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("cast", ["xla", "interpret"])
 def test_fused_gelu_equals_gelu_then_fp8_linear(cast):
     """f32: the output, dw and all amaxes exactly; dx through act' to f32 rounding."""

@@ -124,6 +124,7 @@ def _tiny(style, fuse_qkv, dtype, kernel="interpret", policy="none"):
         ("gpt", "float32", "activations_saveable"),
     ],
 )
+@pytest.mark.optimized
 def test_fused_qkv_equals_one_fp8_matmul(style, dtype, policy):
     """Same params, loss, scale state and FP8 cotangents as the sliced ``dot_general``; the
     weight and input gradients bit for bit (the same E5M2 operands), the bias gradient summed

@@ -25,7 +25,6 @@ from fp8jax.trainer import loop as train_lib
 
 from fp8_testing import (
     ROOT,
-    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
     pallas_calls,
 )
 

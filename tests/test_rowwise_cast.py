@@ -9,7 +9,7 @@ import pytest
 
 from fp8jax.ops import block_cast, dot, formats, row_cast_kernels, scaling
 
-from fp8_testing import bits, fast_compiles, randn  # noqa: F401 (fast_compiles: autouse)
+from fp8_testing import bits, randn
 
 TRITON = "__gpu$xla.gpu.triton"
 DENSE = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]

@@ -17,7 +17,6 @@ from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import metrics as metrics_lib
 
 from fp8_testing import (
-    fast_compiles,  # noqa: F401 (autouse: most XLA optimisations off)
     with_overrides,
 )
 

@@ -59,7 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "fp8jax" / "data"
 FORMATS = ("txt", "folder", "jsonl", "parquet")
 _GENERATOR = 1  # the corpus generator's version (a corpus of another is generated again)
-_POOL = 1 << 16  # sentences in a part's pool
+_POOL = 1 << 18  # sentences the documents are drawn from (about 40 MB)
 _PART_MAX = 64 << 20  # bytes of a part file, at most
 _PART_MIN = 1 << 20  # bytes of a part file, at least (a corpus smaller than that: one part)
 _SAMPLE_S = 0.2  # seconds between memory samples
@@ -109,37 +109,39 @@ def _sources() -> tuple[list[str], list[str], np.ndarray]:
 
 
 def _pool(rng: np.random.Generator, sentences, words, freq) -> list[str]:
-    """``_POOL`` sentences of many kinds, drawn by ``rng``."""
-    p = freq / freq.sum()
-    kinds = rng.choice(7, size=_POOL, p=[0.45, 0.12, 0.06, 0.06, 0.13, 0.1, 0.08])
-    picks = rng.integers(0, len(sentences), _POOL)
+    """``_POOL`` sentences of many kinds, drawn by ``rng``: the novels' own; with a number, a
+    date, a price or a percentage; upper- or title-cased; word salad drawn by the words'
+    frequency or uniformly (rarer words); list lines of words and numbers."""
+    n = _POOL
+    kinds = rng.choice(7, size=n, p=[0.45, 0.12, 0.06, 0.06, 0.13, 0.1, 0.08]).tolist()
+    picks = rng.integers(0, len(sentences), n).tolist()
+    ints = rng.integers(0, 1 << 40, (n, 6)).tolist()  # the numbers each kind may use
+    cdf = np.cumsum(freq) / freq.sum()
+    lengths = rng.integers(4, 25, n).tolist()
+    salad = rng.random(n * 24)
     out = []
-    for k, i in zip(kinds.tolist(), picks.tolist(), strict=True):
-        s = sentences[i]
-        if k == 1:  # a number, a date, a price or a percentage inserted
-            n = int(rng.integers(0, 4))
+    for i, (k, pick, r) in enumerate(zip(kinds, picks, ints, strict=True)):
+        s = sentences[pick]
+        if k == 1:
             extra = (
-                f"{rng.integers(1, 10 ** rng.integers(1, 8))}",
-                f"{rng.integers(1, 29)} {_MONTHS[rng.integers(12)]} {rng.integers(1600, 2100)}",
-                f"${rng.integers(1, 5000)}.{rng.integers(0, 100):02d}",
-                f"{rng.integers(0, 100)}.{rng.integers(0, 10)}%",
-            )[n]
+                f"{r[1] % 10 ** (1 + r[2] % 7)}",
+                f"{1 + r[1] % 28} {_MONTHS[r[2] % 12]} {1600 + r[3] % 500}",
+                f"${r[1] % 5000}.{r[2] % 100:02d}",
+                f"{r[1] % 100}.{r[2] % 10}%",
+            )[r[0] % 4]
             s = f"{s[:-1]} ({extra}){s[-1]}"
         elif k == 2:
             s = s.upper()
         elif k == 3:
             s = s.title()
-        elif k in (4, 5):  # word salad by frequency, the rarer words more often in kind 5
-            n = int(rng.integers(4, 25))
-            ws = rng.choice(len(words), n, p=p) if k == 4 else rng.integers(0, len(words), n)
-            s = " ".join(words[j] for j in ws.tolist())
-            s = s[0].upper() + s[1:] + ("." if rng.random() < 0.8 else "?")
-        elif k == 6:  # a list line
-            ws = rng.integers(0, len(words), 3).tolist()
-            s = (
-                f"{rng.integers(1, 1000)}. {words[ws[0]]}-{words[ws[1]]}: "
-                f"{rng.integers(0, 10**6)} x {rng.random() * 100:.2f} ({words[ws[2]]})"
-            )
+        elif k in (4, 5):
+            u = salad[i * 24 : i * 24 + lengths[i]]
+            ws = np.searchsorted(cdf, u) if k == 4 else (u * len(words)).astype(int)
+            s = " ".join(words[min(j, len(words) - 1)] for j in ws.tolist())
+            s = s[0].upper() + s[1:] + ".?"[r[0] % 5 == 0]
+        elif k == 6:
+            w = [words[v % len(words)] for v in r[3:6]]
+            s = f"{r[0] % 1000}. {w[0]}-{w[1]}: {r[1] % 10**6} x {r[2] % 10**4 / 100:.2f} ({w[2]})"
         out.append(s)
     return out
 
@@ -148,30 +150,29 @@ _MONTHS = "January February March April May June July August September October N
 _MONTHS = _MONTHS.split()
 
 
-def _documents(rng: np.random.Generator, pool: list[str], size: int, first: int):
-    """Documents of about ``size`` bytes in total: a title line and 1-12 paragraphs each."""
-    done, doc = 0, first
+def _documents(rng: np.random.Generator, pool: list[str], size: int, first: int) -> list[str]:
+    """Documents of about ``size`` characters in total: a title line and 1-12 paragraphs of
+    1-8 sentences each, numbered from ``first``."""
+    docs, done, doc = [], 0, first
     while done < size:
-        n_par = int(rng.integers(1, 13))
-        lens = rng.integers(1, 9, n_par)
-        picks = rng.integers(0, len(pool), int(lens.sum())).tolist()
+        lens = rng.integers(1, 9, int(rng.integers(1, 13))).tolist()
+        picks = rng.integers(0, len(pool), sum(lens)).tolist()
         title = " ".join(pool[picks[0]].split()[:6]).rstrip(".,;:!?")
         paragraphs, at = [f"Document {doc}: {title}"], 0
-        for n in lens.tolist():
-            paragraphs.append(" ".join(pool[j] for j in picks[at : at + n]))
-            at += n
-        text = "\n\n".join(paragraphs)
-        done += len(text.encode()) + 2
+        for k in lens:
+            paragraphs.append(" ".join([pool[j] for j in picks[at : at + k]]))
+            at += k
+        docs.append("\n\n".join(paragraphs))
+        done += len(docs[-1]) + 2
         doc += 1
-        yield text
+    return docs
 
 
 def _part(task: tuple) -> int:
     """Write part ``index`` of the corpus: its .txt (and .jsonl, .parquet) files."""
     index, size, seed, root, formats = task
     rng = np.random.default_rng([seed, index])
-    pool = _pool(rng, *_SOURCES)
-    docs = list(_documents(rng, pool, size, index * 10**7))
+    docs = _documents(rng, _SHARED_POOL, size, index * 10**7)
     name = f"part_{index:05d}"
     text = "".join(d + "\n\n" for d in docs)
     (root / "folder" / f"{name}.txt").write_text(text, encoding="utf-8")
@@ -186,7 +187,7 @@ def _part(task: tuple) -> int:
     return len(text.encode())
 
 
-_SOURCES: tuple = ()  # the pool's sources, set before the generating processes fork
+_SHARED_POOL: list[str] = []  # the sentences, drawn before the generating processes fork
 
 
 def _concat(parts: list[pathlib.Path], out: pathlib.Path) -> None:
@@ -198,7 +199,7 @@ def _concat(parts: list[pathlib.Path], out: pathlib.Path) -> None:
 
 def corpus(root: pathlib.Path, size_mb: float, seed: int, formats: list[str], cores: int) -> dict:
     """Generate (or reuse) the corpus in ``root``; returns its record (paths and sizes)."""
-    global _SOURCES
+    global _SHARED_POOL
     want = dict(generator=_GENERATOR, size_mb=size_mb, seed=seed, formats=sorted(formats))
     record_path = root / "corpus.json"
     if record_path.is_file():
@@ -214,7 +215,7 @@ def corpus(root: pathlib.Path, size_mb: float, seed: int, formats: list[str], co
     total = int(size_mb * 1e6)
     part = min(_PART_MAX, max(_PART_MIN, total // 64))
     sizes = [part] * (total // part) + ([total % part] if total % part else [])
-    _SOURCES = _sources()
+    _SHARED_POOL = _pool(np.random.default_rng([seed, 1 << 30]), *_sources())
     tasks = [(i, s, seed, root, formats) for i, s in enumerate(sizes)]
     written = 0
     with multiprocessing.get_context("fork").Pool(cores) as pool:
@@ -254,19 +255,24 @@ def _size(path: pathlib.Path) -> int:
 # --- measuring a process tree -------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    """Every process' children, from /proc."""
-    kids = collections.defaultdict(list)
+_TICK = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat's CPU times are in these
+
+
+def _processes() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Every process' children and its CPU seconds (user and system) so far, from /proc."""
+    kids, cpu = collections.defaultdict(list), {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                fields = f.read().rsplit(")", 1)[1].split()
+            ppid, ticks = int(fields[1]), int(fields[11]) + int(fields[12])
         except (OSError, IndexError, ValueError):
             continue
         kids[ppid].append(int(entry.name))
-    return kids
+        cpu[int(entry.name)] = ticks / _TICK
+    return kids, cpu
 
 
 def _memory(pid: int) -> tuple[int, int]:
@@ -286,15 +292,22 @@ def _memory(pid: int) -> tuple[int, int]:
 
 class TreePeak(threading.Thread):
     """Samples the memory of a process and its descendants until ``stop``: the peaks of the
-    summed PSS and RSS, and the most processes seen at once."""
+    summed PSS and RSS, the most processes seen at once, and the CPU seconds of every process
+    of the tree at its last sample (``cpu_s``)."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid, self.pss, self.rss, self.procs = pid, 0, 0, 0
+        self.cpu: dict[int, float] = {}
         self._done = threading.Event()
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the tree's processes, each as last sampled."""
+        return sum(self.cpu.values())
+
     def sample(self) -> None:
-        kids, tree, todo = _children(), [], [self.pid]
+        (kids, cpu), tree, todo = _processes(), [], [self.pid]
         while todo:
             p = todo.pop()
             tree.append(p)
@@ -303,6 +316,7 @@ class TreePeak(threading.Thread):
         self.pss = max(self.pss, sum(m[0] for m in mem))
         self.rss = max(self.rss, sum(m[1] for m in mem))
         self.procs = max(self.procs, sum(1 for m in mem if m[1]))
+        self.cpu.update((p, cpu[p]) for p in tree if p in cpu)
 
     def run(self) -> None:
         while not self._done.wait(_SAMPLE_S):
@@ -348,6 +362,7 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict) -> dict:
         wall_s=round(wall, 3),
         peak_pss_mb=round(peak.pss / 1e6, 1),
         peak_rss_mb=round(peak.rss / 1e6, 1),
+        cpu_s=round(peak.cpu_s, 2),
         max_processes=peak.procs,
         first_step_s=None if first_step is None else round(first_step, 3),
         data_s=None if None in data else round(data[1] - data[0], 3),
@@ -429,6 +444,7 @@ def prepare_rows(args, record: dict, tok: str, work: pathlib.Path, env: dict, re
                     prepare_s=manifest["seconds"],
                     mb_per_s=round(mb / r["wall_s"], 2),
                     mb_per_s_per_worker=round(mb / r["wall_s"] / r.get("processes", 1), 2),
+                    mb_per_cpu_s=round(mb / r["cpu_s"], 2) if r["cpu_s"] else None,
                 )
             results.add(row)
             if w == most and not r["rc"] and not kept and fmt in _KEEP:
@@ -507,6 +523,8 @@ COLUMNS = {
     "wall s": lambda r: f"{r['wall_s']:.1f}",
     "MB/s": lambda r: f"{r['mb_per_s']:.2f}",
     "MB/s/proc": lambda r: f"{r['mb_per_s_per_worker']:.2f}",
+    "CPU s": lambda r: f"{r['cpu_s']:.1f}",
+    "MB/CPU-s": lambda r: f"{r['mb_per_cpu_s']:.2f}",
     "encoded MB": lambda r: f"{r['encoded_mb']:.0f}",
     "data s": lambda r: f"{r['data_s']:.1f}",
     "1st step s": lambda r: f"{r['first_step_s']:.1f}",
@@ -561,7 +579,8 @@ def main(argv=None) -> int:
     root = work / f"corpus_{args.size_mb:g}MB_seed{args.seed}"
     record = corpus(root, args.size_mb, args.seed, args.formats, cores)
     tok = _tokenizer(args, work)
-    header = dict(cores=cores, corpus={k: record[k] for k in ("bytes", "files", "seconds")})
+    kept = ("paths", "bytes", "files", "seconds")
+    header = dict(cores=cores, corpus={k: record[k] for k in kept})
     header.update(tokenizer=tok, config=args.config, steps=args.steps, argv=args.argv)
     results = Results(str(out), header)
     shards = None

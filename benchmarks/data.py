@@ -1,38 +1,45 @@
 """The data pipeline at corpus scale: encoding throughput per format and worker count, and the
 time to the first train step on text (encoding, then the shared cache) and on token shards.
 
-    python -m benchmarks.data --size-mb 10240 --workers 1,4,16 --out "$OUT"
+    python -m benchmarks.data --size-mb 10240 --workers 1,4,16 --row-timeout 300 --out "$OUT"
     python -m benchmarks.data --size-mb 64 --workers 1,2 --out /tmp/data   # 2 CPU cores
     python -m benchmarks.data --quick --out /tmp/data_quick                 # CPU smoke test
 
 1. A synthetic corpus of ``--size-mb`` MB, generated in parallel into part files of at most 64
    MB (never whole in memory): documents of a title line and paragraphs of sentences drawn with
-   a seeded RNG from a pool built on the shipped novels (original sentences, sentences with
-   numbers, dates, prices and percentages, upper- and title-cased ones, word salad drawn by
-   word frequency, list lines), so a BPE sees varied text. The formats (``--formats``):
-   ``folder`` (the part files), ``txt`` (the same bytes as one file), ``jsonl`` (one line per
-   document) and ``parquet`` (a ``text`` column, one file per part; needs pyarrow). The corpus
-   is kept in ``--corpus-dir`` (default ``<out>/corpus``) and reused by a later call with the
-   same size, seed and formats.
+   a seeded RNG from a pool of 2^18 built on the shipped novels (their sentences; with
+   numbers, dates, prices and percentages; upper- and title-cased; word salad drawn by word
+   frequency and uniformly; list lines), so a BPE sees varied text. The formats
+   (``--formats``): ``folder`` (the part files), ``txt`` (the same bytes as one file),
+   ``jsonl`` (a line per document) and ``parquet`` (a ``text`` column, a file per part; needs
+   pyarrow). The corpus stays in ``--work-dir`` for a later call with the same size and seed;
+   the shards, caches and work dirs there are removed at the end.
 2. The tokenizer: ``--tokenizer`` (a tokenizer.json or a Hugging Face model dir), else a
-   byte-level BPE of ``--vocab`` ids learned on the shipped corpus (``<out>/tokenizer.json``).
-3. Per format and ``--workers`` count: ``python -m fp8jax.prepare`` in a fresh process; wall
-   time from its start to its exit (imports and the corpus fingerprint included), MB/s of text
-   and MB/s per worker process, the processes the encoder used (its log line: a corpus of one
-   16 MB range is encoded in one), the ids and the shards' bytes.
-4. ``train.py --config`` (``configs/tiny.py``) for ``--steps`` steps with the corpus as
-   ``data.format='text'`` (one file) in a fresh work dir and a fresh shared cache
-   (``data.cache_dir``): it encodes; the same command in another fresh work dir: it reuses the
-   cache and encodes nothing; ``data.format='tokens'`` on the shards step 3 wrote. The time to
+   byte-level BPE of ``--vocab`` ids learned on the shipped corpus.
+3. Per format and ``--workers`` count (stage ``prepare``): ``python -m fp8jax.prepare`` in a
+   fresh process; wall time from its start to its exit (imports and the corpus fingerprint
+   included), MB/s of text, MB/s per worker process, MB per CPU-second, the processes the
+   encoder used (its log line: a corpus of one 16 MB range is encoded by one; one process
+   encodes with the tokenizer's own threads), the ids and the shards' bytes.
+4. ``train.py --config`` (``configs/tiny.py``) for ``--steps`` steps (stage ``train``) on the
+   ``txt`` corpus (else the folder) as ``data.format='text'`` in a fresh work dir and a fresh
+   shared cache (``data.cache_dir``): it encodes (``data.encode_workers=--train-workers``);
+   the same command in another fresh work dir: it reuses the cache and encodes nothing (the
+   encoder's log line is absent); ``data.format='tokens'`` on the shards of step 3 (the
+   folder's at the most workers; without stage ``prepare``, prepared for it). The time to
    first step is from the process' start to its first ``step N: ... loss=`` line, compile
-   included (no compilation cache, so each run compiles the same step).
+   included (no compilation cache: each run compiles the same step); ``data s`` from its
+   ``data source`` line to its ``initialising`` line.
 
-Peak memory: a thread samples the process tree of each run (the process and every descendant,
-the encoder's fork server and workers included) every 0.2 s from /proc and keeps the peak of
-the summed PSS (each shared page counted once, split between the processes that map it; the
-memory-mapped token files' resident pages included) and of the summed RSS (shared pages counted
-in every process). A peak shorter than the interval can be missed. Each row is printed and
-``<out>/data.json`` rewritten as soon as it is measured; a table at the end.
+Memory and CPU: a thread samples the process tree of each run (the process and every
+descendant, the encoder's fork server and workers included) every 0.2 s from /proc; it keeps
+the peak of the summed PSS (each shared page counted once, split between the processes that map
+it; the memory-mapped token files' resident pages included) and of the summed RSS (shared pages
+counted in every process), and each process' CPU seconds (user + system) at its last sample. A
+peak shorter than the interval, and a process' last 0.2 s of CPU, can be missed.
+``--row-timeout`` kills a run's process group after that long (a prepare row keeps the MB its
+progress bar reached and the rate so far). Each row is printed and ``<out>/data.json``
+rewritten as soon as it is measured; a table at the end.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ _SAMPLE_S = 0.2  # seconds between memory samples
 
 STEP = re.compile(r"step (\d+): .*\bloss=")
 ENCODED = re.compile(r"encoded ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s, (\d+) process")
+PROGRESS = re.compile(r"encoding: .*?\| *([\d.]+)([kMGT]?)/")  # tqdm's bytes done so far
 COMPILED = re.compile(r"train step compiled in ([\d.]+) s")
 REUSED = re.compile(r"reusing token cache")
 # the token cache's ids: just encoded (train, val), or reused (train)
@@ -327,9 +335,15 @@ class TreePeak(threading.Thread):
         self.join()
 
 
-def measure(cmd: list[str], log: pathlib.Path, env: dict) -> dict:
+def _units(number: str, prefix: str) -> float:
+    return float(number) * {"": 1e-6, "k": 1e-3, "M": 1.0, "G": 1e3, "T": 1e6}[prefix]
+
+
+def measure(cmd: list[str], log: pathlib.Path, env: dict, timeout: float = 0) -> dict:
     """Run ``cmd`` (output to ``log``); its wall time, exit code, memory peaks, the time its
-    first train step line came, and the trainer's or encoder's log lines of interest."""
+    first train step line came, and the trainer's or encoder's log lines of interest. After
+    ``timeout`` s (0: none) its process group is killed; the row then keeps the encoder's
+    progress (MB done) and its error says so."""
     t0 = time.perf_counter()
     first_step = None
     lines, data = [], [None, None]
@@ -339,11 +353,16 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict) -> dict:
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
+        text=True,  # universal newlines: each of tqdm's '\r' updates is a line
         errors="replace",
+        start_new_session=True,  # its own process group: the encoder's workers die with it
     ) as proc:
         peak = TreePeak(proc.pid)
         peak.start()
+        killed = threading.Event()
+        timer = threading.Timer(timeout, lambda: (killed.set(), os.killpg(proc.pid, 9)))
+        if timeout:
+            timer.start()
         for line in proc.stdout:
             t = time.perf_counter() - t0
             lines.append(f"{t:9.3f} {line}")
@@ -354,6 +373,7 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict) -> dict:
                     data[k] = t
         rc = proc.wait()
         wall = time.perf_counter() - t0
+        timer.cancel()
         peak.stop()
     text = "".join(lines)
     log.write_text(text)
@@ -378,7 +398,12 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict) -> dict:
     if m := CACHE_TOKENS.search(text):
         r["cache_tokens"] = int(m[1]) + int(m[2]) if m[1] else None
         r["cache_train_tokens"] = int(m[1] or m[3])
-    if rc:
+    if done := PROGRESS.findall(text):
+        r["progress_mb"] = round(_units(*done[-1]), 1)
+    if killed.is_set():
+        done_mb = r.get("progress_mb", 0)
+        r["error"] = f"killed after {timeout:g} s (--row-timeout), {done_mb} MB encoded"
+    elif rc:
         tail = [ln.split(" ", 1)[-1].strip() for ln in lines[-3:]]
         r["error"] = f"exit {rc}: " + " | ".join(tail)[-400:]
     return r
@@ -414,24 +439,30 @@ class Results:
         print(json.dumps(row), flush=True)
 
 
-def prepare_rows(args, record: dict, tok: str, work: pathlib.Path, env: dict, results: Results):
+def prepare_rows(
+    args, formats, workers, record: dict, tok: str, work: pathlib.Path, env: dict, results: Results
+):
     """One ``fp8jax.prepare`` row per format and worker count; returns the shards kept for
     the training on tokens: those at the most workers of the first format of ``_KEEP`` (each
     folder file or .jsonl line is a document; one .txt file is one, so its shards have no
     document end to draw a validation split at)."""
-    kept, most = {}, max(args.workers)
+    kept, most = {}, max(workers)
     logs = pathlib.Path(args.out).resolve() / "logs"
-    for fmt in args.formats:
+    for fmt in formats:
         src = record["paths"][fmt]
         mb = record["bytes"][fmt] / 1e6
-        for w in args.workers:
+        for w in workers:
             shards = work / f"shards_{fmt}_w{w}"
             shutil.rmtree(shards, ignore_errors=True)
             cmd = [sys.executable, "-m", "fp8jax.prepare", src, "--tokenizer", tok]
             cmd += ["--out", str(shards), "--workers", str(w)]
             print(f"prepare {fmt} x {w} workers ...", flush=True)
-            r = measure(cmd, logs / f"prepare_{fmt}_w{w}.txt", env)
+            r = measure(cmd, logs / f"prepare_{fmt}_w{w}.txt", env, args.row_timeout)
+            for stage in work.glob(f".{shards.name}.tmp*"):  # a killed run's staging folder
+                shutil.rmtree(stage, ignore_errors=True)
             row = dict(stage="prepare", format=fmt, workers=w, size_mb=round(mb, 1), **r)
+            if r.get("progress_mb") and r["rc"]:  # cut by --row-timeout: the rate so far
+                row["mb_per_s"] = round(r["progress_mb"] / r["wall_s"], 2)
             if not r["rc"]:
                 manifest = json.loads((shards / "prepare.json").read_text())
                 bins = sorted(shards.glob("*.bin"))
@@ -496,7 +527,8 @@ def train_rows(args, record, tok, shards, work: pathlib.Path, env: dict, results
         workdir = work / f"work_{name}"
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"train {name} ...", flush=True)
-        r = measure([*common, f"--workdir={workdir}", *flags], logs / f"train_{name}.txt", env)
+        cmd = [*common, f"--workdir={workdir}", *flags]
+        r = measure(cmd, logs / f"train_{name}.txt", env, args.row_timeout)
         row = dict(stage="train", format=name, workers=args.train_workers, size_mb=round(mb, 1))
         row.update(r)
         if name.startswith("text"):
@@ -546,6 +578,12 @@ def main(argv=None) -> int:
     p.add_argument("--train-workers", type=int, default=0, help="data.encode_workers (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--row-timeout",
+        type=float,
+        default=0,
+        help="kill a run after this many s (0: never); a prepare row keeps its rate so far",
+    )
+    p.add_argument(
         "--work-dir",
         default=os.path.join(tempfile.gettempdir(), "fp8jax_bench_data"),
         help="the corpus (kept for reuse), shards, caches and work dirs (removed at the end)",
@@ -585,7 +623,10 @@ def main(argv=None) -> int:
     results = Results(str(out), header)
     shards = None
     if "prepare" in stages:
-        shards = prepare_rows(args, record, tok, work, env, results)
+        shards = prepare_rows(args, args.formats, args.workers, record, tok, work, env, results)
+    if "train" in stages and shards is None:  # the shards to train on: folder, most workers
+        formats = [f for f in _KEEP if f in record["paths"]][:1]
+        shards = prepare_rows(args, formats, args.workers[-1:], record, tok, work, env, results)
     if "train" in stages:
         train_rows(args, record, tok, shards, work, env, results)
     if shards is not None:

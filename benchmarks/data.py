@@ -21,15 +21,16 @@ time to the first train step on text (encoding, then the shared cache) and on to
    included), MB/s of text, MB/s per worker process, MB per CPU-second, the processes the
    encoder used (its log line: a corpus of one 16 MB range is encoded by one; one process
    encodes with the tokenizer's own threads), the ids and the shards' bytes.
-4. ``train.py --config`` (``configs/tiny.py``) for ``--steps`` steps (stage ``train``) on the
+4. ``train.py --config`` (``configs/tiny.py``) to its first step (stage ``train``) on the
    ``txt`` corpus (else the folder) as ``data.format='text'`` in a fresh work dir and a fresh
    shared cache (``data.cache_dir``): it encodes (``data.encode_workers=--train-workers``);
    the same command in another fresh work dir: it reuses the cache and encodes nothing (the
    encoder's log line is absent); ``data.format='tokens'`` on the shards of step 3 (the
    folder's at the most workers; without stage ``prepare``, prepared for it). The time to
    first step is from the process' start to its first ``step N: ... loss=`` line, compile
-   included (no compilation cache: each run compiles the same step); ``data s`` from its
-   ``data source`` line to its ``initialising`` line.
+   included (no compilation cache: each run compiles the same step); then its process group
+   is killed (what follows is not measured). ``data s`` is from its ``data source`` line to
+   its ``initialising`` line.
 
 Memory and CPU: a thread samples the process tree of each run (the process and every
 descendant, the encoder's fork server and workers included) every 0.2 s from /proc; it keeps
@@ -339,13 +340,16 @@ def _units(number: str, prefix: str) -> float:
     return float(number) * {"": 1e-6, "k": 1e-3, "M": 1.0, "G": 1e3, "T": 1e6}[prefix]
 
 
-def measure(cmd: list[str], log: pathlib.Path, env: dict, timeout: float = 0) -> dict:
+def measure(
+    cmd: list[str], log: pathlib.Path, env: dict, timeout: float = 0, first_step: bool = False
+) -> dict:
     """Run ``cmd`` (output to ``log``); its wall time, exit code, memory peaks, the time its
     first train step line came, and the trainer's or encoder's log lines of interest. After
     ``timeout`` s (0: none) its process group is killed; the row then keeps the encoder's
-    progress (MB done) and its error says so."""
+    progress (MB done) and its error says so. ``first_step``: kill it at its first train step
+    line (exit code 0 then)."""
     t0 = time.perf_counter()
-    first_step = None
+    step_at = None
     lines, data = [], [None, None]
     with subprocess.Popen(
         cmd,
@@ -366,12 +370,16 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict, timeout: float = 0) ->
         for line in proc.stdout:
             t = time.perf_counter() - t0
             lines.append(f"{t:9.3f} {line}")
-            if first_step is None and STEP.search(line):
-                first_step = t
+            if step_at is None and STEP.search(line):
+                step_at = t
+                if first_step:
+                    os.killpg(proc.pid, 9)
             for k, pattern in enumerate(DATA):
                 if data[k] is None and pattern.search(line):
                     data[k] = t
         rc = proc.wait()
+        if first_step and step_at is not None and not killed.is_set():
+            rc = 0  # killed here, at its first step
         wall = time.perf_counter() - t0
         timer.cancel()
         peak.stop()
@@ -384,7 +392,7 @@ def measure(cmd: list[str], log: pathlib.Path, env: dict, timeout: float = 0) ->
         peak_rss_mb=round(peak.rss / 1e6, 1),
         cpu_s=round(peak.cpu_s, 2),
         max_processes=peak.procs,
-        first_step_s=None if first_step is None else round(first_step, 3),
+        first_step_s=None if step_at is None else round(step_at, 3),
         data_s=None if None in data else round(data[1] - data[0], 3),
         log=str(log),
     )
@@ -498,7 +506,7 @@ def train_rows(args, record, tok, shards, work: pathlib.Path, env: dict, results
         sys.executable,
         "train.py",
         f"--config={args.config}",
-        f"--config.num_train_steps={args.steps}",
+        "--config.num_train_steps=2",
         "--config.log_every_steps=1",
         "--config.eval_every_steps=1000000",
         "--config.eval_batches=1",
@@ -528,7 +536,7 @@ def train_rows(args, record, tok, shards, work: pathlib.Path, env: dict, results
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"train {name} ...", flush=True)
         cmd = [*common, f"--workdir={workdir}", *flags]
-        r = measure(cmd, logs / f"train_{name}.txt", env, args.row_timeout)
+        r = measure(cmd, logs / f"train_{name}.txt", env, args.row_timeout, first_step=True)
         row = dict(stage="train", format=name, workers=args.train_workers, size_mb=round(mb, 1))
         row.update(r)
         if name.startswith("text"):
@@ -540,8 +548,8 @@ def train_rows(args, record, tok, shards, work: pathlib.Path, env: dict, results
     shutil.rmtree(cache, ignore_errors=True)
 
 
-DEFAULTS = dict(size_mb=256.0, workers=[1, 2, 4, 8, 16], vocab=16384, steps=2)
-QUICK = dict(size_mb=4.0, workers=[1, 2], vocab=512, steps=1)
+DEFAULTS = dict(size_mb=256.0, workers=[1, 2, 4, 8, 16], vocab=16384)
+QUICK = dict(size_mb=4.0, workers=[1, 2], vocab=512)
 
 
 def _ints(text: str) -> list[int]:
@@ -574,7 +582,6 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default="", help="tokenizer.json or HF dir ('': learn a BPE)")
     p.add_argument("--vocab", type=int, default=None, help="ids of the learned BPE (16384)")
     p.add_argument("--config", default="configs/tiny.py", help="train.py's config")
-    p.add_argument("--steps", type=int, default=None, help="train steps of each training run (2)")
     p.add_argument("--train-workers", type=int, default=0, help="data.encode_workers (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -592,8 +599,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="CPU smoke test: by default 4 MB, workers 1,2, a BPE of 512 ids, 1 step of a "
-        "smaller model at O0",
+        help="CPU smoke test: by default 4 MB, workers 1,2, a BPE of 512 ids, a smaller model "
+        "at O0",
     )
     args = runner.parse_args(p, argv)
     defaults = QUICK if args.quick else DEFAULTS
@@ -619,7 +626,7 @@ def main(argv=None) -> int:
     tok = _tokenizer(args, work)
     kept = ("paths", "bytes", "files", "seconds")
     header = dict(cores=cores, corpus={k: record[k] for k in kept})
-    header.update(tokenizer=tok, config=args.config, steps=args.steps, argv=args.argv)
+    header.update(tokenizer=tok, config=args.config, argv=args.argv)
     results = Results(str(out), header)
     shards = None
     if "prepare" in stages:

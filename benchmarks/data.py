@@ -410,7 +410,9 @@ def measure(
         r["progress_mb"] = round(_units(*done[-1]), 1)
     if killed.is_set():
         done_mb = r.get("progress_mb", 0)
-        r["error"] = f"killed after {timeout:g} s (--row-timeout), {done_mb} MB encoded"
+        # With progress, a row of its own (its rate so far); without, an error.
+        r["cut" if done_mb else "error"] = f"killed after {timeout:g} s, {done_mb} MB encoded"
+        r["encoded_mb"] = done_mb
     elif rc:
         tail = [ln.split(" ", 1)[-1].strip() for ln in lines[-3:]]
         r["error"] = f"exit {rc}: " + " | ".join(tail)[-400:]
@@ -469,8 +471,10 @@ def prepare_rows(
             for stage in work.glob(f".{shards.name}.tmp*"):  # a killed run's staging folder
                 shutil.rmtree(stage, ignore_errors=True)
             row = dict(stage="prepare", format=fmt, workers=w, size_mb=round(mb, 1), **r)
-            if r.get("progress_mb") and r["rc"]:  # cut by --row-timeout: the rate so far
+            if "cut" in r:  # by --row-timeout: the rate so far
                 row["mb_per_s"] = round(r["progress_mb"] / r["wall_s"], 2)
+                row["mb_per_s_per_worker"] = round(row["mb_per_s"] / w, 2)
+                row["mb_per_cpu_s"] = round(r["progress_mb"] / r["cpu_s"], 2)
             if not r["rc"]:
                 manifest = json.loads((shards / "prepare.json").read_text())
                 bins = sorted(shards.glob("*.bin"))
@@ -638,10 +642,12 @@ def main(argv=None) -> int:
         train_rows(args, record, tok, shards, work, env, results)
     if shards is not None:
         shutil.rmtree(shards, ignore_errors=True)
-    rows = [{"run": f"{r['stage']} {r['format']}", **r} for r in results.rows]
+    rows = [
+        {"run": f"{r['stage']} {r['format']}{' (cut)' * ('cut' in r)}", **r} for r in results.rows
+    ]
     print(f"\n{cores} CPU cores, corpus {record['bytes']} bytes, tokenizer {tok}")
     print(runner.table(rows, COLUMNS))
-    return 0 if all(not r["rc"] for r in results.rows) else 1
+    return 0 if all(not r["rc"] or "cut" in r for r in results.rows) else 1
 
 
 if __name__ == "__main__":

@@ -209,7 +209,8 @@ def _concat(parts: list[pathlib.Path], out: pathlib.Path) -> None:
 def corpus(root: pathlib.Path, size_mb: float, seed: int, formats: list[str], cores: int) -> dict:
     """Generate (or reuse) the corpus in ``root``; returns its record (paths and sizes)."""
     global _SHARED_POOL
-    want = dict(generator=_GENERATOR, size_mb=size_mb, seed=seed, formats=sorted(formats))
+    formats = sorted({*formats, "folder"})  # the part files are always there
+    want = dict(generator=_GENERATOR, size_mb=size_mb, seed=seed, formats=formats)
     record_path = root / "corpus.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())

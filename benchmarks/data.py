@@ -638,7 +638,8 @@ def main(argv=None) -> int:
         shards = prepare_rows(args, args.formats, args.workers, record, tok, work, env, results)
     if "train" in stages and shards is None:  # the shards to train on: folder, most workers
         formats = [f for f in _KEEP if f in record["paths"]][:1]
-        shards = prepare_rows(args, formats, args.workers[-1:], record, tok, work, env, results)
+        most = [max(args.workers)]
+        shards = prepare_rows(args, formats, most, record, tok, work, env, results)
     if "train" in stages:
         train_rows(args, record, tok, shards, work, env, results)
     if shards is not None:

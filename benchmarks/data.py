@@ -66,8 +66,9 @@ from benchmarks import runner
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "fp8jax" / "data"
 FORMATS = ("txt", "folder", "jsonl", "parquet")
-_GENERATOR = 1  # the corpus generator's version (a corpus of another is generated again)
-_POOL = 1 << 18  # sentences the documents are drawn from (about 40 MB)
+_GENERATOR = 2  # the corpus generator's version (a corpus of another is generated again)
+_POOL = 1 << 18  # sentences every part's documents are drawn from (about 27 MB)
+_PART_POOL = 1 << 14  # and sentences of each part's own (1 in 17 of its sentences)
 _PART_MAX = 64 << 20  # bytes of a part file, at most
 _PART_MIN = 1 << 20  # bytes of a part file, at least (a corpus smaller than that: one part)
 _SAMPLE_S = 0.2  # seconds between memory samples
@@ -117,11 +118,10 @@ def _sources() -> tuple[list[str], list[str], np.ndarray]:
     return sentences, words, np.asarray([counts[w] for w in words], np.float64)
 
 
-def _pool(rng: np.random.Generator, sentences, words, freq) -> list[str]:
-    """``_POOL`` sentences of many kinds, drawn by ``rng``: the novels' own; with a number, a
+def _pool(rng: np.random.Generator, n: int, sentences, words, freq) -> list[str]:
+    """``n`` sentences of many kinds, drawn by ``rng``: the novels' own; with a number, a
     date, a price or a percentage; upper- or title-cased; word salad drawn by the words'
     frequency or uniformly (rarer words); list lines of words and numbers."""
-    n = _POOL
     kinds = rng.choice(7, size=n, p=[0.45, 0.12, 0.06, 0.06, 0.13, 0.1, 0.08]).tolist()
     picks = rng.integers(0, len(sentences), n).tolist()
     ints = rng.integers(0, 1 << 40, (n, 6)).tolist()  # the numbers each kind may use
@@ -181,7 +181,8 @@ def _part(task: tuple) -> int:
     """Write part ``index`` of the corpus: its .txt (and .jsonl, .parquet) files."""
     index, size, seed, root, formats = task
     rng = np.random.default_rng([seed, index])
-    docs = _documents(rng, _SHARED_POOL, size, index * 10**7)
+    own = _pool(rng, _PART_POOL, *_SOURCES)  # sentences (numbers, salad) of this part alone
+    docs = _documents(rng, _SHARED_POOL + own, size, index * 10**7)
     name = f"part_{index:05d}"
     text = "".join(d + "\n\n" for d in docs)
     (root / "folder" / f"{name}.txt").write_text(text, encoding="utf-8")
@@ -196,7 +197,8 @@ def _part(task: tuple) -> int:
     return len(text.encode())
 
 
-_SHARED_POOL: list[str] = []  # the sentences, drawn before the generating processes fork
+_SOURCES: tuple = ()  # the novels' sentences and words, read before the processes fork
+_SHARED_POOL: list[str] = []  # the sentences every part draws from, drawn before the fork
 
 
 def _concat(parts: list[pathlib.Path], out: pathlib.Path) -> None:
@@ -208,7 +210,7 @@ def _concat(parts: list[pathlib.Path], out: pathlib.Path) -> None:
 
 def corpus(root: pathlib.Path, size_mb: float, seed: int, formats: list[str], cores: int) -> dict:
     """Generate (or reuse) the corpus in ``root``; returns its record (paths and sizes)."""
-    global _SHARED_POOL
+    global _SOURCES, _SHARED_POOL
     formats = sorted({*formats, "folder"})  # the part files are always there
     want = dict(generator=_GENERATOR, size_mb=size_mb, seed=seed, formats=formats)
     record_path = root / "corpus.json"
@@ -225,7 +227,8 @@ def corpus(root: pathlib.Path, size_mb: float, seed: int, formats: list[str], co
     total = int(size_mb * 1e6)
     part = min(_PART_MAX, max(_PART_MIN, total // 64))
     sizes = [part] * (total // part) + ([total % part] if total % part else [])
-    _SHARED_POOL = _pool(np.random.default_rng([seed, 1 << 30]), *_sources())
+    _SOURCES = _sources()
+    _SHARED_POOL = _pool(np.random.default_rng([seed, 1 << 30]), _POOL, *_SOURCES)
     tasks = [(i, s, seed, root, formats) for i, s in enumerate(sizes)]
     written = 0
     with multiprocessing.get_context("fork").Pool(cores) as pool:

@@ -7,9 +7,10 @@ time to the first train step on text (encoding, then the shared cache) and on to
 
 1. A synthetic corpus of ``--size-mb`` MB, generated in parallel into part files of at most 64
    MB (never whole in memory): documents of a title line and paragraphs of sentences drawn with
-   a seeded RNG from a pool of 2^18 built on the shipped novels (their sentences; with
-   numbers, dates, prices and percentages; upper- and title-cased; word salad drawn by word
-   frequency and uniformly; list lines), so a BPE sees varied text. The formats
+   a seeded RNG from a pool of 2^18 shared by all parts and 2^14 of the part's own, built on
+   the shipped novels (their sentences; with numbers, dates, prices and percentages; upper-
+   and title-cased; word salad drawn by word frequency and uniformly; list lines), so a BPE
+   sees varied text. The formats
    (``--formats``): ``folder`` (the part files), ``txt`` (the same bytes as one file),
    ``jsonl`` (a line per document) and ``parquet`` (a ``text`` column, a file per part; needs
    pyarrow). The corpus stays in ``--work-dir`` for a later call with the same size and seed;

@@ -47,6 +47,7 @@ KEPT = [
     "memory_sim",
     "grouped_gemm",
     "decode",
+    "data",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
 
@@ -982,3 +983,46 @@ def test_decode_times_prefill_and_decode_against_the_weight_bound():
         assert b["fp8_weights"] == matmuls > 0
         assert b["fp8_bound_ms"] < b["bound_ms"]
     assert "TTFT ms" in decode.table([r])
+
+
+def test_data_quick_counts_the_prepared_ids_and_reuses_the_shared_cache(tmp_path):
+    """``benchmarks.data --quick`` on a folder corpus: the prepare row's ids are those the
+    trainer's encoder gives the corpus, and its shards hold them (a header each); the first
+    text run encodes the corpus (its log says so) into the shared cache, the same ids; the
+    second, in a new work dir, encodes nothing and reuses that cache; the run on the shards
+    reaches a step; every row has its memory peak and CPU time, and the table prints."""
+    from fp8jax import tokenizer
+    from fp8jax.trainer import encode, token_shards
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["--quick", "--formats", "folder", "--workers", "2", "--work-dir", str(work)]
+    proc = _module("data", *args, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-800:]
+    record = json.loads((out / "data.json").read_text())
+    rows = {(r["stage"], r["format"]): r for r in record["rows"]}
+    assert list(rows) == [
+        ("prepare", "folder"),
+        ("train", "text"),
+        ("train", "text_cached"),
+        ("train", "tokens"),
+    ]
+    files = sorted(pathlib.Path(record["corpus"]["paths"]["folder"]).iterdir())
+    tok = tokenizer.load(record["tokenizer"])
+    want = sum(len(ids) for ids, _ in encode.encode(files, tok, "uint16", 1))
+    prep = rows["prepare", "folder"]
+    itemsize = np.dtype(prep["dtype"]).itemsize
+    assert prep["tokens"] == want and prep["workers"] == 2
+    assert prep["shard_bytes"] == want * itemsize + token_shards.HEADER_BYTES * prep["shards"]
+    first, again, shards = (rows["train", k] for k in ("text", "text_cached", "tokens"))
+    mb = record["corpus"]["bytes"]["folder"] / 1e6
+    assert first["encoded_mb"] == pytest.approx(mb, abs=0.05) and not first["reused_cache"]
+    assert first["cache_tokens"] == want
+    assert again["encoded_mb"] == 0 and again["reused_cache"], again
+    assert again["cache_train_tokens"] == first["cache_train_tokens"]
+    assert shards["encoded_mb"] == 0 and not shards["reused_cache"]
+    for r in record["rows"]:
+        assert r["rc"] == 0 and r["peak_pss_mb"] > 0 and r["cpu_s"] > 0, r
+    for r in (first, again, shards):
+        assert 0 < r["data_s"] < r["first_step_s"] <= r["wall_s"], r
+    table = proc.stdout[proc.stdout.rindex("run ") :]
+    assert all(f"{s} {f}" in table for s, f in rows), table

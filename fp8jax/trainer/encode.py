@@ -321,20 +321,26 @@ class _Worker:
                 f"it, or remove it from {self.source}"
             ) from None
 
+    # Each block's ids become an array of the cache dtype at once: a range's ids as one Python
+    # list of ints would take about 36 bytes an id (a pointer and an int object) in every
+    # worker, against the dtype's 2 or 4.
+
     def _text(self, task: Task) -> tuple[np.ndarray, int]:
-        ids, chars = [], 0
+        parts, chars = [], 0
         for block in _text_blocks(task, self.source, self.cuts):
             chars += len(block)
-            ids += _encode_texts(self.tok, [block], self.cuts)[0]
-        return np.asarray(ids, self.dtype), chars
+            parts.append(np.asarray(_encode_texts(self.tok, [block], self.cuts)[0], self.dtype))
+        return np.concatenate(parts) if parts else np.zeros((0,), self.dtype), chars
 
     def _documents(self, docs: Iterator[str]) -> tuple[np.ndarray, int]:
-        out, chars, batch, batch_chars = [], 0, [], 0
+        parts, chars, batch, batch_chars = [], 0, [], 0
 
         def flush() -> None:
+            out = []
             for ids in _encode_texts(self.tok, batch, self.cuts):
                 if ids:  # an empty document gets no BOS or EOS either
                     out.extend((*self.bos, *ids, self.tok.eos_id))
+            parts.append(np.asarray(out, self.dtype))
             batch.clear()
 
         for text in docs:
@@ -345,7 +351,7 @@ class _Worker:
                 flush()
                 batch_chars = 0
         flush()
-        return np.asarray(out, self.dtype), chars
+        return np.concatenate(parts), chars
 
 
 _WORKER: _Worker | None = None  # the encoding process's own (set by _init)

@@ -301,7 +301,7 @@ def file_hashes(root):
 
 
 @pytest.mark.parametrize("run", ["workdir", "block_workdir"])
-def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
+def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request, monkeypatch):
     """The O1 loss of the loaded checkpoint (its stored FP8 scales, or the block recipe that
     model.json records) equals the trainer's eval step on the trainer's own validation
     batches, restored the trainer's way."""
@@ -325,6 +325,7 @@ def test_evaluate_equals_the_trainers_eval_and_changes_nothing(run, request):
     assert not any(x.committed for x in jax.tree.leaves((inf.params, inf.fp8_state)))
     ours = inference.evaluate(inf, np.asarray(dataset.val_tokens), 4, 32, 2)
     assert ours["loss"] == pytest.approx(trainer["val_loss"], rel=1e-6)
+    monkeypatch.setattr(inference, "restore_fp8_state", lambda *a: pytest.fail("read at O0"))
     o0 = inference.evaluate(inference.load(str(wd), "O0"), np.asarray(dataset.val_tokens), 4, 32, 2)
     assert o0["loss"] != ours["loss"]  # O1 really ran FP8 matmuls
     assert file_hashes(wd) == before

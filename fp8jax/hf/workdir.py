@@ -150,7 +150,7 @@ def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
             f"{state_dir} holds params {extra[0]} that the recorded model has no use for"
         )
     dtype = np.dtype(model_cfg.param_dtype)
-    return {path: np.asarray(flat[path]).astype(dtype) for path in expected}
+    return {path: np.asarray(flat[path]).astype(dtype, copy=False) for path in expected}
 
 
 def tokenizer(workdir: Path) -> Tokenizer:

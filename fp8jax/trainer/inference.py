@@ -98,7 +98,9 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     # A rowwise or block run's state holds amaxes only: its recipe comes from model.json.
     trained = fine_recipe(record) or scaling.DelayedScaling()
     has_ckpt = (path / "checkpoints").is_dir()
-    stored = restore_fp8_state(path, loaded.model_cfg, trained) if has_ckpt else None
+    # The FP8 state only where O1 may run (at O0 reading it would only cost time).
+    reads_fp8 = has_ckpt and level != "O0"
+    stored = restore_fp8_state(path, loaded.model_cfg, trained) if reads_fp8 else None
     level = level or ("O1" if stored is not None else "O0")
     cfg, fp8 = loaded.model_cfg, {}
     if level == "O1":

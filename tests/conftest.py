@@ -27,6 +27,11 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402 (after the flags above, which JAX reads at import)
 
+# Also where a plugin imported JAX before this file set the variable.
+jax.config.update(
+    "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+)
+
 from fp8_testing import novel  # noqa: E402
 
 # The modules that take longest on two CPU cores (a full run's --durations), longest first;

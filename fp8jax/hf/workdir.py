@@ -30,7 +30,9 @@ __all__ = [
     "is_workdir",
     "latest_step_dir",
     "layout",
+    "restore_host",
     "restore_params",
+    "state_metadata",
     "storage_error",
     "tokenizer",
     "verify_step",
@@ -100,33 +102,59 @@ def storage_error(e: Exception) -> str:
     return first[:300]
 
 
-def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
-    """The latest checkpoint's params as a flat dict of host arrays in ``param_dtype``."""
+def state_metadata(state_dir: Path) -> dict:
+    """The tree metadata of a checkpoint step's train state (``<step>/state``); unreadable: a
+    one-line CheckpointError."""
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
-    step_dir = latest_step_dir(workdir)
-    verify_step(step_dir)  # before orbax reads a changed file as weights
-    state_dir = step_dir / "state"
     try:
-        saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree["params"]
+        return ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
     except Exception as e:  # orbax raises many types for unreadable metadata
         raise CheckpointError(
             f"cannot read the checkpoint metadata in {state_dir} ({storage_error(e)}); move that "
             "step aside to use the one before it"
         ) from e
+
+
+def restore_host(state_dir: Path, key: str, saved) -> Any:
+    """Entry ``key`` of a step's train state as host (numpy) arrays, laid out as its metadata
+    ``saved``; unreadable: a one-line CheckpointError.
+
+    Orbax reads it onto the CPU device; the arrays handed out are numpy's, committed to no
+    device: a jax array committed to the CPU would pull every program it enters onto the CPU,
+    whatever device the params are on.
+    """
+    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
+    from etils import epath
+
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), target)
-    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    item = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(epath.Path(state_dir), args=args)["params"]
+            restored = checkpointer.restore(epath.Path(state_dir), args=args)[key]
     except Exception as e:  # orbax/tensorstore raise many types for unreadable files
         raise CheckpointError(
             f"checkpoint {state_dir} is unreadable ({storage_error(e)}); move that step "
             "aside to use the one before it"
         ) from e
+    return jax.tree.map(np.asarray, restored)
+
+
+def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
+    """The latest checkpoint's params as a flat dict of host arrays in ``param_dtype``."""
+    step_dir = latest_step_dir(workdir)
+    verify_step(step_dir)  # before orbax reads a changed file as weights
+    state_dir = step_dir / "state"
+    saved = state_metadata(state_dir)
+    if "params" not in saved:
+        raise CheckpointError(
+            f"cannot read the checkpoint metadata in {state_dir} ('params'); move that step "
+            "aside to use the one before it"
+        )
+    restored = restore_host(state_dir, "params", saved["params"])
     # O2/O3 masters: FP16 data with one f32 scale, dequantized as the train step does.
     restored = jax.tree.map(
         lambda x: master.ScaledTensor(**x) if _is_scaled_dict(x) else x,

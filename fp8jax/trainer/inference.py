@@ -171,53 +171,22 @@ def restore_moe_state(workdir: Path, model_cfg: models.ModelConfig):
 def saved_moe_state(workdir: Path) -> dict:
     """The router biases (``TrainState.moe_state``) the work dir's latest checkpoint saved, as
     host arrays in the layout it trained with; {} where it saved none."""
-    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
-    from etils import epath
-
     from fp8jax.hf import workdir as workdir_lib
 
     state_dir = workdir_lib.latest_step_dir(workdir) / "state"
-    try:
-        metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
-    except Exception as e:  # orbax raises many types for unreadable metadata
-        raise errors.CheckpointError(
-            f"cannot read the checkpoint metadata in {state_dir} "
-            f"({workdir_lib.storage_error(e)}); move that step aside to use the one before it"
-        ) from e
-    saved = metadata.get(moe.MOE_STATE)
+    saved = workdir_lib.state_metadata(state_dir).get(moe.MOE_STATE)
     if not saved:
         return {}
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    item = {moe.MOE_STATE: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(epath.Path(state_dir), args=args)[moe.MOE_STATE]
-    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-        raise errors.CheckpointError(
-            f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
-            "that step aside to use the one before it"
-        ) from e
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored)  # uncommitted, as above
+    return workdir_lib.restore_host(state_dir, moe.MOE_STATE, saved)
 
 
 def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
     """``(history_len, fp8_state)`` of the work dir's latest checkpoint under the ``recipe`` it
     trained with (its history length read from the checkpoint), or None at O0."""
-    import orbax.checkpoint as ocp  # heavy: only when a work dir is read
-    from etils import epath
-
     from fp8jax.hf import workdir as workdir_lib
 
     state_dir = workdir_lib.latest_step_dir(workdir) / "state"
-    try:
-        saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree.get("fp8")
-    except Exception as e:  # orbax raises many types for unreadable metadata
-        raise errors.CheckpointError(
-            f"cannot read the checkpoint metadata in {state_dir} "
-            f"({workdir_lib.storage_error(e)}); move that step aside to use the one before it"
-        ) from e
+    saved = workdir_lib.state_metadata(state_dir).get("fp8")
     if not saved:
         return None
     histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
@@ -226,18 +195,7 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
         model_cfg, recipe=dataclasses.replace(recipe, history_len=history_len)
     )
     target = _abstract_fp8(cfg)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    item = {"fp8": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(epath.Path(state_dir), args=args)["fp8"]
-    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-        raise errors.CheckpointError(
-            f"checkpoint {state_dir} is unreadable ({workdir_lib.storage_error(e)}); move "
-            "that step aside to use the one before it"
-        ) from e
+    restored = workdir_lib.restore_host(state_dir, "fp8", saved)
 
     def take(key_path, like):
         node = restored
@@ -249,9 +207,7 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
                     "model needs: its fp8_lm_head or layout differs from the recorded model"
                 )
             node = node[name]
-        # Through the host: an array committed to the CPU (orbax's target) would pull every
-        # program it enters onto the CPU, whatever device the params are on.
-        return jnp.asarray(np.asarray(node), like.dtype).reshape(like.shape)
+        return jnp.asarray(node, like.dtype).reshape(like.shape)
 
     return history_len, jax.tree_util.tree_map_with_path(take, target)
 

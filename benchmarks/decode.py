@@ -107,20 +107,8 @@ def measure(
             return out
 
         def decode(out):
-            cast, weights, cache, out_BxM, tok_B, done_B, bad = out
             loop = (jnp.asarray(lengths_B), jnp.int32(new), *pick)
-            res = decoder.decode(
-                cast or params,
-                *fixed[1:],
-                weights,
-                cache,
-                out_BxM,
-                tok_B,
-                done_B,
-                bad,
-                *loop,
-                watch=False,
-            )
+            res = decoder.decode(*decoder.decode_args(fixed, out), *loop, watch=False)
             return int(res[1])  # steps run, on the host
 
         t = time.perf_counter()

@@ -170,7 +170,6 @@ class Decoder:
         cast, weights, cache, out_BxM, tok_B, done_B, bad = self.prefill(
             *fixed, tokens_BxP, lengths_B, *pick, cache_len=cache_len
         )
-        fixed = (cast or params, *fixed[1:])  # the decode steps read the cast weights, if any
         loop = (lengths_B, jnp.int32(max_new_tokens), *pick)
         if watcher is not None:
             # The first token reaches the host from the prefill's output; the loop's by callback.
@@ -179,16 +178,9 @@ class Decoder:
             done_B = done_B | jnp.asarray(stop_B, bool)
         self.watcher = watcher
         try:
+            prefilled = (cast, weights, cache, out_BxM, tok_B, done_B, bad)
             out_BxM, t, bad, _ = self.decode(
-                *fixed,
-                weights,
-                cache,
-                out_BxM,
-                tok_B,
-                done_B,
-                bad,
-                *loop,
-                watch=watcher is not None,
+                *self.decode_args(fixed, prefilled), *loop, watch=watcher is not None
             )
             if watcher is not None:  # its callbacks run until the loop ends: keep it till then
                 jax.block_until_ready(out_BxM)
@@ -212,12 +204,19 @@ class Decoder:
         traced = self.prefill.trace(*fixed, *prompt, *pick, cache_len=b.cache)
         out = traced.lower().compile().out_info
         # The prefill's outputs carry its shardings where its inputs were committed to some.
-        cast, *out = jax.tree.map(
+        out = jax.tree.map(
             lambda o: S(o.shape, o.dtype, sharding=o.sharding if committed else None), out
         )
-        fixed = (cast or fixed[0], *fixed[1:])
         loop = (S((b.batch,), i32), S((), i32), *pick)
-        self.decode.trace(*fixed, *out, *loop, watch=False).lower().compile()
+        self.decode.trace(*self.decode_args(fixed, out), *loop, watch=False).lower().compile()
+
+    @staticmethod
+    def decode_args(fixed: tuple, prefilled: tuple) -> tuple:
+        """The ``decode`` program's arguments before the loop's, from the call's ``(params,
+        fp8_state, moe_state)`` and the ``prefill``'s outputs: the steps read the params the
+        prefill cast (``step_params``) where it cast any, then the prefill's other outputs."""
+        cast, *rest = prefilled
+        return (cast or fixed[0], *fixed[1:], *rest)
 
     def _watch(self, t, tok_B, done_B) -> np.ndarray:
         """The host side of a watched step: the current ``watcher``'s stop rows."""

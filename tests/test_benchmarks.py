@@ -1015,6 +1015,7 @@ def test_data_quick_counts_the_prepared_ids_and_reuses_the_shared_cache(tmp_path
     assert prep["shard_bytes"] == want * itemsize + token_shards.HEADER_BYTES * prep["shards"]
     first, again, shards = (rows["train", k] for k in ("text", "text_cached", "tokens"))
     mb = record["corpus"]["bytes"]["folder"] / 1e6
+    # The encoder's log line gives MB to one decimal: within half of 0.1 MB of the bytes.
     assert first["encoded_mb"] == pytest.approx(mb, abs=0.05) and not first["reused_cache"]
     assert first["cache_tokens"] == want
     assert again["encoded_mb"] == 0 and again["reused_cache"], again

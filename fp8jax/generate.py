@@ -14,19 +14,22 @@ end a completion (and are left out of it). ``--output jsonl`` prints one JSON ob
 load and compile time, the time to the first token, decode tokens/s and the bound that reading
 the weights once per token sets. Greedy unless ``--temperature`` > 0. ``--level O1`` runs the FP8
 matmuls with the checkpoint's trained scales (the default when it has them); the compute dtype
-is bfloat16 on a GPU, float32 on a CPU, unless ``--dtype`` says. Nothing is written. Bad input
-exits 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback).
+is bfloat16 on a GPU, float32 on a CPU, unless ``--dtype`` says. The programs compile while the
+weights load; nothing is written but JAX's compilation cache (``--compilation_cache_dir``). Bad
+input exits 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 import time
 
-from absl import flags
+from absl import flags, logging
 
-from fp8jax import cli
+from fp8jax import _timing, cli
+from fp8jax.configs import base
 
 __all__ = [
     "bound_share",
@@ -75,6 +78,13 @@ _STREAM = flags.DEFINE_bool(
 )
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Report times, decode tokens/s and the weight-bandwidth bound on stderr."
+)
+_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir",
+    base.COMPILATION_CACHE_DIR,
+    "JAX's persistent compilation cache: a later call with the same shapes loads its programs "
+    "from here ('' = off; JAX_COMPILATION_CACHE_DIR, if set, wins). A streamed decode calls "
+    "the host every token, which JAX does not cache.",
 )
 flags.mark_flag_as_required("ckpt")
 
@@ -155,11 +165,18 @@ def bound_share(bound_s: float, tokens_per_s: float, rows: int) -> float:
     return bound_s * tokens_per_s / rows
 
 
-def report(t: dict, load_s: float, level: str, dtype: str) -> str:
-    """The ``--verbose`` lines of ``timings``."""
+def report(t: dict, load_s: float, level: str, dtype: str, stages: dict | None = None) -> str:
+    """The ``--verbose`` lines of ``timings`` (``stages``: seconds of the load's stages)."""
+    parts = ", ".join(f"{name} {s:.1f} s" for name, s in (stages or {}).items())
+    compiled = f"compiled in {t['compile_s']:.1f} s"
+    if t.get("compile_ahead_s"):  # the programs compiled while the weights were read
+        compiled = (
+            f"compiled {t['compile_ahead_s']:.1f} s during the load (then waited "
+            f"{t.get('compile_wait_s', 0.0):.1f} s), {t['compile_s']:.1f} s in the call"
+        )
     lines = [
-        f"loaded in {load_s:.1f} s at {level}, computing in {dtype}; "
-        f"compiled in {t['compile_s']:.1f} s; generated in {t['total_s']:.2f} s"
+        f"loaded in {load_s:.1f} s{f' ({parts})' if parts else ''} at {level}, computing in "
+        f"{dtype}; {compiled}; generated in {t['total_s']:.2f} s"
     ]
     if "first_token_s" in t:
         rate = t["decode_tokens_per_s"]
@@ -185,35 +202,53 @@ def main(argv):
     with cli.user_errors():
         import jax
 
-        from fp8jax.trainer import generate, inference
+        from fp8jax import models
+        from fp8jax.trainer import generate, inference, loop
 
         texts = prompts()
+        loop.use_compilation_cache(_CACHE.value)
         t0 = time.perf_counter()
         dtype = _DTYPE.value or inference.default_dtype()
-        inf = inference.load(_CKPT.value, _LEVEL.value, dtype)
-        load_s = time.perf_counter() - t0
-        ids, stop = encoded(inf.tokenizer, texts)
-        max_new = _MAX_NEW.value
-        if not flags.FLAGS["max_new_tokens"].present:  # the default fits the model's context
-            longest = max(len(p) for p in ids) or 1
-            max_new = max(min(max_new, inf.model.cfg.max_len - longest), 1)
-        jsonl = _OUTPUT.value == "jsonl"
-        streaming = _STREAM.value and not jsonl and len(texts) == 1
-        stream = None
-        if streaming or stop or jsonl or _VERBOSE.value:
-            on_text = write_now if streaming else None
-            stream = generate.TextStream(inf.tokenizer, len(ids), stop, on_text)
+        stages: dict[str, float] = {}
         compiles = []
 
         def listener(event, duration, **kw):
-            if event.startswith("/jax/core/compile/"):  # tracing, lowering, XLA's compile
+            if event.startswith(_timing.EVENT):  # checksums, metadata, read, trace, to device
+                name = event[len(_timing.EVENT) :]
+                stages[name] = stages.get(name, 0.0) + duration
+            elif event.startswith("/jax/core/compile/"):  # tracing, lowering, XLA's compile
                 compiles.append((time.perf_counter(), duration))
 
-        if streaming and not _CHAT.value:
-            write_now(0, texts[0])
         jax.monitoring.register_event_duration_secs_listener(listener)
-        start = time.perf_counter()
         try:
+            planned = inference.plan(_CKPT.value, _LEVEL.value, dtype)
+            ids, stop = encoded(planned.tokenizer, texts)
+            max_new = _MAX_NEW.value
+            if not flags.FLAGS["max_new_tokens"].present:  # the default fits the model's context
+                longest = max(len(p) for p in ids) or 1
+                max_new = max(min(max_new, planned.model_cfg.max_len - longest), 1)
+            jsonl = _OUTPUT.value == "jsonl"
+            streaming = _STREAM.value and not jsonl and len(texts) == 1
+            watched = streaming or stop or jsonl or _VERBOSE.value
+            # The model traces and its programs compile while the weights are read.
+            ahead = generate.compile_ahead(
+                models.build_model(planned.model_cfg),
+                planned.shapes,
+                planned.tokenizer,
+                [len(p) for p in ids],
+                max_new,
+                watch=bool(watched),
+            )
+            inf = _load_beside(planned, ahead)
+            load_s = time.perf_counter() - t0
+            wait_s = _wait_for(ahead)
+            stream = None
+            if watched:
+                on_text = write_now if streaming else None
+                stream = generate.TextStream(inf.tokenizer, len(ids), stop, on_text)
+            if streaming and not _CHAT.value:
+                write_now(0, texts[0])
+            start = time.perf_counter()
             out = generate.generate(
                 inf.model,
                 inf.params,
@@ -230,9 +265,12 @@ def main(argv):
                 prompt_ids=ids,
                 moe_state=inf.moe_state,
             )
+            end = time.perf_counter()
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
-        t = timings(inf, stream, start, time.perf_counter(), compiles)
+        t = timings(inf, stream, start, end, [c for c in compiles if c[0] >= start])
+        t["compile_ahead_s"] = sum(d for at, d in compiles if at < start)
+        t["compile_wait_s"] = wait_s
     for i, (prompt, completion) in enumerate(zip(texts, out, strict=True)):
         if jsonl:
             record = dict(prompt=prompt, completion=completion, prompt_tokens=len(ids[i]))
@@ -243,7 +281,31 @@ def main(argv):
         else:
             sys.stdout.write(f"{completion if _CHAT.value else prompt + completion}\n")
     if _VERBOSE.value:
-        sys.stderr.write(report(t, load_s, inf.level, dtype))
+        sys.stderr.write(report(t, load_s, inf.level, dtype, stages))
+
+
+def _load_beside(planned, ahead):
+    """``planned.load()`` while ``ahead`` compiles; a load that fails waits for the compile
+    first (an interpreter that exits while a compile returns can abort)."""
+    try:
+        return planned.load()
+    except BaseException:
+        if ahead is not None:
+            concurrent.futures.wait([ahead])
+        raise
+
+
+def _wait_for(ahead) -> float:
+    """Seconds spent waiting for ``compile_ahead``'s programs; a failed compile is logged (the
+    call compiles them itself)."""
+    if ahead is None:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        ahead.result()
+    except Exception as e:
+        logging.warning("compiling ahead failed (%s); compiling in the call", e)
+    return time.perf_counter() - t0
 
 
 def write_now(row: int, text: str) -> None:

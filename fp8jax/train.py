@@ -94,7 +94,7 @@ def _ends_without_the_sample_compile():
     try:
         yield
     except BaseException as e:
-        if not generate.sample_compiling():
+        if not generate.compiling_ahead():
             raise
         if isinstance(e, SystemExit):  # _fail's: its line is printed
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
@@ -104,7 +104,7 @@ def _ends_without_the_sample_compile():
             traceback.print_exception(e)
             code = 130 if isinstance(e, KeyboardInterrupt) else 1  # what Python exits with
         _exit_now(code)
-    if generate.sample_compiling():
+    if generate.compiling_ahead():
         _exit_now(0)
 
 

@@ -576,6 +576,42 @@ def test_stop_strings_end_the_text_and_the_decode(workdir):
     assert generate.generate(*args, stop=["\x00never"]) == free
 
 
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_programs_compiled_ahead_from_the_plan_serve_the_call(workdir, level):
+    """``inference.plan``'s shapes are those ``load`` gives, and the programs ``compile_ahead``
+    builds from them while the weights load (a streamed decode, as the command line runs it)
+    are the ones the call runs: the call compiles nothing."""
+    from fp8jax.trainer import inference
+
+    wd, _, _ = workdir
+    planned = inference.plan(str(wd), level)
+    texts = ["It is", "Mr"]
+    lengths = [len(planned.tokenizer.encode(t)) for t in texts]
+    model = models.build_model(planned.model_cfg)
+    generate.decoder_for.cache_clear()  # a fresh decoder: nothing compiled before
+    ahead = generate.compile_ahead(model, planned.shapes(), planned.tokenizer, lengths, 5, True)
+    inf = planned.load()
+    assert inf.level == level
+    layout = lambda tree: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), tree)
+    assert layout((inf.params, inf.fp8_state, inf.moe_state)) == layout(planned.shapes())
+    ahead.result()
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    stream = generate.TextStream(inf.tokenizer, len(texts), [])
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        args = (inf.model, inf.params, inf.fp8_state, inf.tokenizer, texts, 5)
+        generate.generate(*args, stream=stream, moe_state=inf.moe_state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiles, f"the call compiled {len(compiles)} programs again"
+    assert all(len(ids) == 5 for ids in stream.ids)
+
+
 def hf_with_template(workdir, tmp_path, template):
     """The work dir exported to a Hugging Face dir whose tokenizer has chat ``template``."""
     from fp8jax.hf import io as hf_io

@@ -199,6 +199,34 @@ def test_every_checkpoint_records_checksums_that_verify(trained):
         assert checksums.verify(str(step_dir)) is None
 
 
+def test_checksums_cover_every_block_of_a_file_and_read_whole_file_manifests(tmp_path, monkeypatch):
+    """A flipped bit in any block of a file split into blocks is named; a step recorded with
+    one CRC-32 per file (no ``block_bytes``) verifies against zlib's CRC of the whole file."""
+    import json
+    import zlib
+
+    monkeypatch.setattr(checksums, "BLOCK_BYTES", 1000)  # 2500 bytes: blocks of 1000, 1000, 500
+    state = tmp_path / checksums.ARRAYS
+    (state / "d").mkdir(parents=True)
+    data = np.random.default_rng(0).bytes(2500)
+    (state / "d" / "a").write_bytes(data)
+    (state / "empty").write_bytes(b"")
+    checksums.write(str(tmp_path))
+    manifest = json.loads((tmp_path / checksums.CHECKSUMS).read_text())
+    assert [len(v) for _, v in sorted(manifest["files"].items())] == [3, 1]
+    assert checksums.verify(str(tmp_path)) is None
+    for offset in (10, 1500, 2499):  # the first, the middle and the last block
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x04
+        (state / "d" / "a").write_bytes(bytes(flipped))
+        assert "d/a differs" in checksums.verify(str(tmp_path))
+    whole = {"state/d/a": f"{zlib.crc32(data):08x}", "state/empty": f"{zlib.crc32(b''):08x}"}
+    (tmp_path / checksums.CHECKSUMS).write_text(json.dumps(dict(algorithm="crc32", files=whole)))
+    assert "d/a differs" in checksums.verify(str(tmp_path))  # still flipped at 2499
+    (state / "d" / "a").write_bytes(data)
+    assert checksums.verify(str(tmp_path)) is None
+
+
 def test_flipped_bit_in_a_checkpoint_is_refused_naming_the_older_step(workdir, base, env):
     """Flips one bit of an array file of the latest checkpoint (same size and mtime): the
     resume exits 2 with one line naming the step, the changed file and the fallback to step 2,

@@ -1,8 +1,9 @@
 """Package layout rules, read from the source with ``ast`` (nothing is imported).
 
 * No module uses another module's private names: what two modules share is public in one of
-  them (``from fp8jax.x import _y`` and ``<fp8jax module>._y`` both fail). A private utility
-  module (``fp8jax/_tree.py``) is the exception: its public names may be imported anywhere.
+  them (``from fp8jax.x import _y`` and ``<fp8jax module>._y`` both fail). The private utility
+  modules (``fp8jax/_tree.py``, ``fp8jax/_timing.py``) are the exception: their public names may
+  be imported anywhere.
 * Every import counts: module level, inside functions, and under ``if TYPE_CHECKING:`` (it
   does not run, but a type named in a lower layer's signature is still a dependency on the
   higher one).
@@ -24,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp8jax"
 # Units from the lowest layer up; a unit imports only itself and units of earlier layers.
 LAYERS = (
-    ("errors", "_tree"),  # the UserError family; pytree helpers
+    ("errors", "_tree", "_timing"),  # the UserError family; pytree helpers; stage timings
     ("ops",),  # FP8 formats, scaling recipes, the custom-VJP matmuls and their kernels
     ("recipes",),  # the scaling recipes, one module each, registered by name
     ("nn",),  # Flax modules around ops

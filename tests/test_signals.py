@@ -190,7 +190,7 @@ def test_a_failing_run_does_not_wait_for_the_sample_compile(corpus, tmp_path, mo
     threads = []
 
     class Blocked:  # the sample's decoder: its compile does not finish while the test runs
-        def compile(self, *args):
+        def compile(self, *args, **kwargs):
             threads.append(threading.current_thread())
             started.set()
             never.wait(timeout=120)

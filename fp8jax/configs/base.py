@@ -19,13 +19,14 @@ from fp8jax.ops import kernels, scaling
 from fp8jax.optim.levels import MASTER_ROUNDING, STATE_FORMATS, Level
 from fp8jax.parallel import comm as comm_lib
 
-__all__ = ["declarations", "get_config"]
+__all__ = ["COMPILATION_CACHE_DIR", "declarations", "get_config"]
 
 INIT_FROM_FIX = (
     "use a checkpoint directory (Hugging Face model or fp8jax work dir) or '' for a random init"
 )
 GRAD_ACCUM_DTYPE_FIX = "use 'float32' or '' (the gradients' own dtype)"
 CACHE_DIR_FIX = "use a directory path, or '' to compile without JAX's persistent cache"
+COMPILATION_CACHE_DIR = "~/.cache/fp8jax/jax"  # JAX's persistent cache: runs and command lines
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -263,7 +264,7 @@ def declarations() -> ml_collections.ConfigDict:
     # JAX's persistent compilation cache: a rerun or resume loads the compiled steps from here
     # instead of compiling them again ('' = off; JAX_COMPILATION_CACHE_DIR, if set, wins).
     # directory of compiled XLA programs
-    c.compilation_cache_dir = Text("~/.cache/fp8jax/jax", CACHE_DIR_FIX)
+    c.compilation_cache_dir = Text(COMPILATION_CACHE_DIR, CACHE_DIR_FIX)
 
     # --- parallelism (see README: sharded training) ---
     c.mesh = ml_collections.ConfigDict()

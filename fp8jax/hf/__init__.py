@@ -8,7 +8,16 @@ Command line: ``python -m fp8jax.hf.export_cli SRC OUT``.
 """
 
 from fp8jax.hf.architectures import ARCHITECTURE_FIELDS, SUPPORTED, hf_config
-from fp8jax.hf.io import Loaded, architecture, default_model_cfg, export, load, save_hf
+from fp8jax.hf.io import (
+    Loaded,
+    architecture,
+    default_model_cfg,
+    export,
+    load,
+    model_config,
+    save_hf,
+    tokenizer,
+)
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -19,5 +28,7 @@ __all__ = [
     "export",
     "hf_config",
     "load",
+    "model_config",
     "save_hf",
+    "tokenizer",
 ]

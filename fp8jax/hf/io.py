@@ -22,7 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from fp8jax import provenance, spec
+from fp8jax import _timing, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError
 from fp8jax.hf import architectures, weights, workdir
@@ -42,8 +42,10 @@ __all__ = [
     "export",
     "load",
     "load_hf_params",
+    "model_config",
     "safetensors_files",
     "save_hf",
+    "tokenizer",
 ]
 
 SAFETENSORS = "model.safetensors"
@@ -137,6 +139,22 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     takes its architecture from ``model_cfg_base``.
     """
     path = Path(path).expanduser().absolute()  # orbax restores work dirs from absolute paths
+    model_cfg = model_config(path, model_cfg_base)
+    tok = tokenizer(path)  # a bad tokenizer is refused before the weights are read
+    if _kind(path) == "workdir":
+        saved_cfg = dataclasses.replace(model_cfg, **workdir.layout(path))
+        flat = workdir.restore_params(path, saved_cfg)
+        flat = weights.relayout(saved_cfg, flat, model_cfg)  # to the caller's scan / fused QKV
+    else:
+        with _timing.stage("read"):
+            flat = load_hf_params(path, model_cfg)
+    return Loaded(model_cfg, weights.unflatten(flat), tok)
+
+
+def model_config(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> ModelConfig:
+    """The ``model_cfg`` that ``load(path, model_cfg_base)`` gives, from the checkpoint's records
+    alone (no weight read): a caller can trace and compile the model while ``load`` reads them."""
+    path = Path(path).expanduser().absolute()
     kind = _kind(path)
     base = model_cfg_base or default_model_cfg()
     recorded = kind == "hf" or (path / provenance.MODEL_RECORD).is_file()
@@ -145,19 +163,14 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     if base.moe is not None and fields.get("moe") is not None:
         kept = {k: getattr(base.moe, k) for k in MOE_RUN_FIELDS}
         fields = dict(fields, moe=dataclasses.replace(fields["moe"], **kept))
-    model_cfg = dataclasses.replace(base, **fields)
-    if kind == "workdir":
-        saved_cfg = dataclasses.replace(model_cfg, **workdir.layout(path))
-        flat = workdir.restore_params(path, saved_cfg)
-        flat = weights.relayout(saved_cfg, flat, model_cfg)  # to the caller's scan / fused QKV
-        tok = workdir.tokenizer(path)
-    else:
-        tok = _hf_tokenizer(path)
-        flat = load_hf_params(path, model_cfg)
-    return Loaded(model_cfg, weights.unflatten(flat), tok)
+    return dataclasses.replace(base, **fields)
 
 
-def _hf_tokenizer(path: Path) -> Tokenizer:
+def tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a HF dir or an fp8jax work dir (the one ``load`` gives)."""
+    path = Path(path).expanduser().absolute()
+    if _kind(path) == "workdir":
+        return workdir.tokenizer(path)
     try:
         return tokenizer_lib.load_hf(path)
     except ValueError as e:

@@ -13,7 +13,7 @@ import numpy as np
 from flax import linen as nn
 from flax import traverse_util
 
-from fp8jax.models import build_model
+from fp8jax.models import abstract_variables
 from fp8jax.models.config import ModelConfig
 from fp8jax.models.hf_table import HfTensor, Piece
 
@@ -64,10 +64,7 @@ def is_ignored(name: str, model_cfg: ModelConfig) -> bool:
 
 def param_shapes(model_cfg: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     """The Transformer's params as a flat dict of path -> ShapeDtypeStruct (nothing allocated)."""
-    model = build_model(model_cfg)
-    tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
-    shapes = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)
-    return traverse_util.flatten_dict(nn.unbox(shapes)["params"])
+    return traverse_util.flatten_dict(abstract_variables(model_cfg)["params"])
 
 
 def empty_params(model_cfg: ModelConfig) -> dict[tuple[str, ...], np.ndarray]:

@@ -9,13 +9,14 @@ saved with it (``fp8jax.checksums``): a changed file is refused, never read as w
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from fp8jax import checksums, errors, provenance
+from fp8jax import _timing, checksums, errors, provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError, CheckpointMismatchError
 from fp8jax.hf import architectures, weights
@@ -104,12 +105,24 @@ def storage_error(e: Exception) -> str:
 
 def state_metadata(state_dir: Path) -> dict:
     """The tree metadata of a checkpoint step's train state (``<step>/state``); unreadable: a
-    one-line CheckpointError."""
+    one-line CheckpointError. Read once per state of the file (its path, size and mtime): the
+    params, the FP8 state and the router biases of one load each ask for it."""
+    try:
+        stat = (Path(state_dir) / "_METADATA").stat()
+    except OSError:
+        stat = None
+    key = (str(state_dir), None if stat is None else (stat.st_size, stat.st_mtime_ns))
+    return _state_metadata(*key)
+
+
+@functools.lru_cache(maxsize=4)
+def _state_metadata(state_dir: str, _stat: tuple[int, int] | None) -> dict:
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
     try:
-        return ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
+        with _timing.stage("metadata"):
+            return ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir)).tree
     except Exception as e:  # orbax raises many types for unreadable metadata
         raise CheckpointError(
             f"cannot read the checkpoint metadata in {state_dir} ({storage_error(e)}); move that "
@@ -121,19 +134,18 @@ def restore_host(state_dir: Path, key: str, saved) -> Any:
     """Entry ``key`` of a step's train state as host (numpy) arrays, laid out as its metadata
     ``saved``; unreadable: a one-line CheckpointError.
 
-    Orbax reads it onto the CPU device; the arrays handed out are numpy's, committed to no
-    device: a jax array committed to the CPU would pull every program it enters onto the CPU,
-    whatever device the params are on.
+    Orbax reads the files straight into numpy arrays, committed to no device (a jax array
+    committed to the CPU would pull every program it enters onto the CPU, whatever device the
+    params are on), without a jax array in between to copy from.
     """
     import orbax.checkpoint as ocp  # heavy: only when a work dir is read
     from etils import epath
 
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     item = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=cpu), item)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
     args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
+        with _timing.stage("read"), ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(epath.Path(state_dir), args=args)[key]
     except Exception as e:  # orbax/tensorstore raise many types for unreadable files
         raise CheckpointError(
@@ -146,7 +158,8 @@ def restore_host(state_dir: Path, key: str, saved) -> Any:
 def restore_params(workdir: Path, model_cfg: ModelConfig) -> dict:
     """The latest checkpoint's params as a flat dict of host arrays in ``param_dtype``."""
     step_dir = latest_step_dir(workdir)
-    verify_step(step_dir)  # before orbax reads a changed file as weights
+    with _timing.stage("checksums"):
+        verify_step(step_dir)  # before orbax reads a changed file as weights
     state_dir = step_dir / "state"
     saved = state_metadata(state_dir)
     if "params" not in saved:

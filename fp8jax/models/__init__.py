@@ -15,7 +15,7 @@ from fp8jax.models.config import (
     matmul_params,
 )
 from fp8jax.models.layers import Attention, Block, Mlp
-from fp8jax.models.transformer import Transformer, build_model
+from fp8jax.models.transformer import Transformer, abstract_variables, build_model
 
 __all__ = [
     "Architecture",
@@ -26,6 +26,7 @@ __all__ = [
     "Mlp",
     "ModelConfig",
     "Transformer",
+    "abstract_variables",
     "build_model",
     "count_params",
     "families",

@@ -9,10 +9,14 @@ float8 reference of benchmarks/torch_reference.py).
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fp8jax import _timing
 from fp8jax.models import head_loss
 from fp8jax.models.config import REMAT_POLICIES, ModelConfig
 from fp8jax.models.decode import CACHE
@@ -33,6 +37,7 @@ from fp8jax.parallel import layerwise
 __all__ = [
     "HeadKernel",
     "Transformer",
+    "abstract_variables",
     "build_model",
     "tie_grads",
 ]
@@ -240,3 +245,27 @@ class HeadKernel(nn.Module):
 def build_model(model_cfg: ModelConfig) -> Transformer:
     """The transformer ``model_cfg`` describes (``spec.parse(config).model`` for a config)."""
     return Transformer(model_cfg)
+
+
+def abstract_variables(model_cfg: ModelConfig) -> dict:
+    """Every variable collection of the model ``model_cfg`` describes (params, FP8 state, router
+    biases...) as unboxed ``jax.ShapeDtypeStruct``s: nothing allocated, traced once per config."""
+    return jax.tree.map(lambda s: s, _traced_variables(model_cfg))  # a copy the caller may edit
+
+
+_TRACING = threading.Lock()  # one trace per config, also when two threads ask at once
+
+
+def _traced_variables(model_cfg: ModelConfig) -> dict:
+    with _TRACING:
+        return _trace_variables(model_cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_variables(model_cfg: ModelConfig) -> dict:
+    # Tracing an unrolled deep model's init takes seconds (each FP8 matmul's custom VJP): a
+    # checkpoint's load asks for its params, FP8 state and router biases, each from this trace.
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    model = build_model(model_cfg)
+    with _timing.stage("trace"):
+        return nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens))

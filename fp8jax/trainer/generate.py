@@ -50,20 +50,21 @@ __all__ = [
     "Decoder",
     "MIN_BUCKET",
     "SAMPLE_TEMPERATURE",
-    "SAMPLE_THREAD",
     "NonFinite",
     "TextStream",
     "allowed_ids",
     "bucket",
     "buckets_for",
+    "COMPILE_THREAD",
+    "compile_ahead",
     "compile_sample",
+    "compiling_ahead",
     "cut_at_stop",
     "decoder_for",
     "device_bandwidth",
     "end_sample",
     "generate",
     "generate_ids",
-    "sample_compiling",
 ]
 
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
@@ -175,7 +176,7 @@ class Decoder:
             # The first token reaches the host from the prefill's output; the loop's by callback.
             # Only the padding rows count as done before it (an EOS row is the watcher's to end).
             stop_B = watcher(0, np.asarray(tok_B), np.asarray(lengths_B) == 0)
-            done_B = done_B | jnp.asarray(stop_B, bool)
+            done_B = np.asarray(done_B) | np.asarray(stop_B, bool)  # on the host: no program
         self.watcher = watcher
         try:
             prefilled = (cast, weights, cache, out_BxM, tok_B, done_B, bad)
@@ -188,11 +189,14 @@ class Decoder:
             self.watcher = None
         return out_BxM, t, bad
 
-    def compile(self, params, fp8_state, moe_state, b: Buckets, num_eos: int) -> None:
-        """Compile the prefill and the unwatched decode of bucket ``b`` ahead of a call, from
-        the shapes and shardings of ``params``, ``fp8_state`` and ``moe_state`` (arrays or
-        ``jax.ShapeDtypeStruct``s; the arrays may be donated meanwhile), for ``num_eos`` EOS
-        ids: the call that follows reuses the programs (safe from another thread)."""
+    def compile(
+        self, params, fp8_state, moe_state, b: Buckets, num_eos: int, watch: bool = False
+    ) -> None:
+        """Compile the prefill and the decode (``watch``: the watched one) of bucket ``b`` ahead
+        of a call, from the shapes and shardings of ``params``, ``fp8_state`` and ``moe_state``
+        (arrays or ``jax.ShapeDtypeStruct``s; the arrays may be donated meanwhile), for
+        ``num_eos`` EOS ids: the call that follows reuses the programs (safe from another
+        thread)."""
         fixed = jax.tree.map(_spec, (params, fp8_state, moe_state or {}))
         committed = any(x.sharding is not None for x in jax.tree.leaves(fixed))
         i32, S = jnp.int32, jax.ShapeDtypeStruct
@@ -202,13 +206,32 @@ class Decoder:
         pick = (key, *knobs, S((max(num_eos, 1),), i32), S((vocab,), jnp.bool_))
         prompt = (S((b.batch, b.prompt), i32), S((b.batch,), i32))
         traced = self.prefill.trace(*fixed, *prompt, *pick, cache_len=b.cache)
-        out = traced.lower().compile().out_info
-        # The prefill's outputs carry its shardings where its inputs were committed to some.
-        out = jax.tree.map(
-            lambda o: S(o.shape, o.dtype, sharding=o.sharding if committed else None), out
-        )
         loop = (S((b.batch,), i32), S((), i32), *pick)
-        self.decode.trace(*self.decode_args(fixed, out), *loop, watch=False).lower().compile()
+        if committed:  # the decode takes the shardings the prefill's compile gives its outputs
+            out = traced.lower().compile().out_info
+            out = jax.tree.map(lambda o: S(o.shape, o.dtype, sharding=o.sharding), out)
+            self.decode.trace(*self.decode_args(fixed, out), *loop, watch=watch).lower().compile()
+            return
+        # Uncommitted inputs give uncommitted outputs: the decode traces from the prefill's
+        # traced shapes, and XLA compiles the two programs at once (it releases the GIL). The
+        # second compile's thread is a daemon, as ``compile_ahead``'s.
+        out = jax.tree.map(lambda o: S(o.shape, o.dtype), traced.out_info)
+        decode_args = (*self.decode_args(fixed, out), *loop)
+        decode_lowered = self.decode.trace(*decode_args, watch=watch).lower()
+        failed: list[BaseException] = []
+
+        def compile_decode() -> None:
+            try:
+                decode_lowered.compile()
+            except BaseException as e:  # raised in the caller's thread below
+                failed.append(e)
+
+        thread = threading.Thread(target=compile_decode, name=COMPILE_THREAD, daemon=True)
+        thread.start()
+        traced.lower().compile()
+        thread.join()
+        if failed:
+            raise failed[0]
 
     @staticmethod
     def decode_args(fixed: tuple, prefilled: tuple) -> tuple:
@@ -590,7 +613,7 @@ class TextStream:
 
 
 SAMPLE_TEMPERATURE = 0.8  # the end-of-run sample's
-SAMPLE_THREAD = "fp8jax_compile_sample"  # the name of compile_sample's thread
+COMPILE_THREAD = "fp8jax_compile"  # the name of ``compile_ahead``'s threads
 
 
 def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> tuple[int, int]:
@@ -599,43 +622,64 @@ def _sample_length(model, tokenizer: Any, max_new_tokens: int, prompt: str) -> t
     return prompt_len, min(max_new_tokens, model.cfg.max_len - prompt_len)
 
 
-def compile_sample(
-    model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The "
+def compile_ahead(
+    model,
+    shapes: tuple | Callable[[], tuple],
+    tokenizer: Any,
+    prompt_lengths: Sequence[int],
+    max_new_tokens: int,
+    watch: bool = False,
 ) -> concurrent.futures.Future | None:
-    """Compile ``end_sample``'s programs in a background thread, from ``state``'s shapes and
-    shardings (read now: the train steps may donate its arrays meanwhile), so that the sample
-    at the end of a run finds them compiled; the future's ``result()`` waits for them. None
-    where the sample cannot be planned (the sample itself then says why).
+    """Compile the programs that ``generate`` will run for prompts of ``prompt_lengths`` tokens
+    in a background thread, from ``shapes`` = ``(params, fp8_state, moe_state)`` (arrays or
+    ``jax.ShapeDtypeStruct``s, read now: the arrays may be donated meanwhile; or a function
+    returning them, called in the thread: tracing the model there too); ``watch``: the
+    decode that streams its tokens (a call with a ``TextStream``). The future's ``result()``
+    waits for them; wait for it before the call (a call meanwhile would compile them again).
+    None where the call cannot be planned (the call itself then says why).
 
-    The thread (named ``SAMPLE_THREAD``) is a daemon: a run that fails (or is pre-empted) before
-    its sample does not wait for the compile, which nothing then needs, and neither does the
-    interpreter's exit (an executor's threads are joined there). A compile that returns while
-    the interpreter shuts down can abort the process: ``sample_compiling`` tells a command line
-    to end a failed run with ``os._exit`` instead."""
-    prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
+    The thread (named ``COMPILE_THREAD``) is a daemon: a process that fails before the call
+    does not wait for the compile, which nothing then needs, and neither does the interpreter's
+    exit (an executor's threads are joined there). A compile that returns while the interpreter
+    shuts down can abort the process: ``compiling_ahead`` tells a command line to end with
+    ``os._exit`` instead, or it waits for the future."""
+    lengths = [max(n, 1) for n in prompt_lengths]  # an empty prompt starts from EOS
     try:
-        b = buckets_for([prompt_len], n, model.cfg.max_len)
+        b = buckets_for(lengths, max_new_tokens, model.cfg.max_len)
     except errors.ConfigError:
         return None
-    fixed = jax.tree.map(_spec, (state.params, state.fp8, state.moe_state or {}))
+    specs = lambda tree: jax.tree.map(_spec, (*tree[:2], tree[2] or {}))
+    fixed = None if callable(shapes) else specs(shapes)
     decoder = decoder_for(model.cfg, step_lib.state_collection(model))
+    num_eos = len(_eos_ids(tokenizer))
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def compile_programs() -> None:
         if not future.set_running_or_notify_cancel():  # cancelled before it started
             return
         try:
-            future.set_result(decoder.compile(*fixed, b, len(_eos_ids(tokenizer))))
-        except BaseException as e:  # end_sample logs it and compiles the programs itself
+            args = specs(shapes()) if fixed is None else fixed
+            future.set_result(decoder.compile(*args, b, num_eos, watch=watch))
+        except BaseException as e:  # the call logs it and compiles the programs itself
             future.set_exception(e)
 
-    threading.Thread(target=compile_programs, name=SAMPLE_THREAD, daemon=True).start()
+    threading.Thread(target=compile_programs, name=COMPILE_THREAD, daemon=True).start()
     return future
 
 
-def sample_compiling() -> bool:
-    """Whether ``compile_sample``'s background compile is still running in this process."""
-    return any(t.name == SAMPLE_THREAD and t.is_alive() for t in threading.enumerate())
+def compile_sample(
+    model, state, tokenizer: Any, max_new_tokens: int, prompt: str = "The "
+) -> concurrent.futures.Future | None:
+    """Compile ``end_sample``'s programs in the background (``compile_ahead``), from ``state``'s
+    shapes and shardings, so that the sample at the end of a run finds them compiled."""
+    prompt_len, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
+    shapes = (state.params, state.fp8, state.moe_state)
+    return compile_ahead(model, shapes, tokenizer, [prompt_len], n)
+
+
+def compiling_ahead() -> bool:
+    """Whether a ``compile_ahead`` thread is still compiling in this process."""
+    return any(t.name == COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def end_sample(

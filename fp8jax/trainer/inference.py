@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fp8jax import errors, models, provenance
+from fp8jax import _timing, errors, models, provenance
 from fp8jax.diagnostics import memory
 from fp8jax.models import moe
 from fp8jax.nn.state import FP8
@@ -33,6 +33,7 @@ __all__ = [
     "LAYOUT_FIELDS",
     "LEVELS",
     "Inference",
+    "Plan",
     "default_dtype",
     "default_seq_len",
     "evaluate",
@@ -40,8 +41,10 @@ __all__ = [
     "fresh_fp8_state",
     "fresh_moe_state",
     "load",
+    "plan",
     "restore_fp8_state",
     "restore_moe_state",
+    "saved_history_len",
     "saved_moe_state",
     "text_tokens",
 ]
@@ -74,13 +77,46 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load(path: str, level: str | None = None, dtype: str = "float32") -> Inference:
-    """The checkpoint at ``path`` (HF dir or work dir) at ``level`` ('O0', 'O1'; None: O1 if
-    the checkpoint holds trained FP8 scales, else O0), computing in ``dtype``.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A checkpoint's model as it will run, its level and tokenizer, read from its records
+    before any weight: ``shapes`` lets a caller compile the model's programs while ``load``
+    reads the arrays."""
 
-    O1 on a checkpoint without scales (O0 work dir, HF dir) scales each FP8 operand by its own
-    amax at every call (current scaling), since there are no trained ones to use.
-    """
+    path: Path
+    base: models.ModelConfig  # the training fields ``hf.load`` takes
+    model_cfg: models.ModelConfig  # as the model runs: the recipe at O1
+    level: str
+    tokenizer: Any
+    stored_fp8: bool  # the latest checkpoint holds trained FP8 scales (read at O1)
+    has_ckpt: bool  # a work dir with checkpoints (not a Hugging Face dir)
+
+    def shapes(self) -> tuple[Any, Any, Any]:
+        """``(params, fp8_state, moe_state)`` as ``load`` gives them, ``jax.ShapeDtypeStruct``
+        leaves (host params in ``param_dtype``; no FP8 state at O0)."""
+        variables = models.abstract_variables(self.model_cfg)
+        fp8 = variables.get(FP8, {}) if self.level == "O1" else {}
+        return variables["params"], fp8, variables.get(moe.MOE_STATE, {})
+
+    def load(self) -> Inference:
+        """The arrays: params (on the default device, committed to none), FP8 state, router
+        biases."""
+        from fp8jax import hf  # the Hugging Face readers, only when a checkpoint is read
+
+        loaded = hf.load(self.path, self.base)
+        cfg, fp8 = self.model_cfg, {}
+        if self.level == "O1":
+            stored = self.stored_fp8 and restore_fp8_state(self.path, cfg, cfg.recipe)
+            fp8 = stored[1] if stored else fresh_fp8_state(cfg)
+        with _timing.stage("to device"):  # one batched transfer, committed to no device
+            params = jax.block_until_ready(jax.device_put(loaded.params))
+        moe_state = restore_moe_state(self.path, cfg) if self.has_ckpt else fresh_moe_state(cfg)
+        model = models.build_model(cfg)
+        return Inference(model, params, fp8, loaded.tokenizer, self.level, moe_state)
+
+
+def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
+    """What ``load(path, level, dtype)`` will load, from the checkpoint's records alone."""
     from fp8jax import hf  # the Hugging Face readers, only when a checkpoint is read
 
     if level is not None:
@@ -94,29 +130,36 @@ def load(path: str, level: str | None = None, dtype: str = "float32") -> Inferen
     record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
-    loaded = hf.load(path, base)
+    cfg = hf.model_config(path, base)
+    tokenizer = hf.tokenizer(path)
     # A rowwise or block run's state holds amaxes only: its recipe comes from model.json.
     trained = fine_recipe(record) or scaling.DelayedScaling()
     has_ckpt = (path / "checkpoints").is_dir()
     # The FP8 state only where O1 may run (at O0 reading it would only cost time).
-    reads_fp8 = has_ckpt and level != "O0"
-    stored = restore_fp8_state(path, loaded.model_cfg, trained) if reads_fp8 else None
-    level = level or ("O1" if stored is not None else "O0")
-    cfg, fp8 = loaded.model_cfg, {}
+    history_len = saved_history_len(path) if has_ckpt and level != "O0" else None
+    level = level or ("O1" if history_len is not None else "O0")
     if level == "O1":
-        recipe = dataclasses.replace(trained, history_len=stored[0]) if stored else None
-        if recipe is None:
+        if history_len is None:
             logging.warning(
                 "%s holds no trained FP8 scales: O1 scales every operand by its "
                 "own amax (current scaling)",
                 path,
             )
             recipe = scaling.CurrentScaling()
+        else:
+            recipe = dataclasses.replace(trained, history_len=history_len)
         cfg = dataclasses.replace(cfg, recipe=recipe)
-        fp8 = stored[1] if stored else fresh_fp8_state(cfg)
-    params = jax.tree.map(jnp.asarray, loaded.params)
-    moe_state = restore_moe_state(path, cfg) if has_ckpt else fresh_moe_state(cfg)
-    return Inference(models.build_model(cfg), params, fp8, loaded.tokenizer, level, moe_state)
+    return Plan(path, base, cfg, level, tokenizer, history_len is not None, has_ckpt)
+
+
+def load(path: str, level: str | None = None, dtype: str = "float32") -> Inference:
+    """The checkpoint at ``path`` (HF dir or work dir) at ``level`` ('O0', 'O1'; None: O1 if
+    the checkpoint holds trained FP8 scales, else O0), computing in ``dtype``.
+
+    O1 on a checkpoint without scales (O0 work dir, HF dir) scales each FP8 operand by its own
+    amax at every call (current scaling), since there are no trained ones to use.
+    """
+    return plan(path, level, dtype).load()
 
 
 def fine_recipe(record: dict) -> scaling.Recipe | None:
@@ -129,9 +172,7 @@ def fine_recipe(record: dict) -> scaling.Recipe | None:
 
 
 def _abstract_variables(model_cfg: models.ModelConfig, collection: str):
-    model = models.build_model(model_cfg)
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens).get(collection, {})
+    return models.abstract_variables(model_cfg).get(collection, {})
 
 
 def _abstract_fp8(model_cfg: models.ModelConfig):
@@ -180,9 +221,9 @@ def saved_moe_state(workdir: Path) -> dict:
     return workdir_lib.restore_host(state_dir, moe.MOE_STATE, saved)
 
 
-def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
-    """``(history_len, fp8_state)`` of the work dir's latest checkpoint under the ``recipe`` it
-    trained with (its history length read from the checkpoint), or None at O0."""
+def saved_history_len(workdir: Path) -> int | None:
+    """The amax history length of the FP8 state the work dir's latest checkpoint saved (from
+    its metadata), None where it saved none (an O0 run)."""
     from fp8jax.hf import workdir as workdir_lib
 
     state_dir = workdir_lib.latest_step_dir(workdir) / "state"
@@ -190,7 +231,19 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
     if not saved:
         return None
     histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
-    history_len = max(histories) - 1  # amax_history holds history_len + 1 slots
+    return max(histories) - 1  # amax_history holds history_len + 1 slots
+
+
+def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
+    """``(history_len, fp8_state)`` of the work dir's latest checkpoint under the ``recipe`` it
+    trained with (its history length read from the checkpoint), or None at O0."""
+    from fp8jax.hf import workdir as workdir_lib
+
+    history_len = saved_history_len(workdir)
+    if history_len is None:
+        return None
+    state_dir = workdir_lib.latest_step_dir(workdir) / "state"
+    saved = workdir_lib.state_metadata(state_dir)["fp8"]
     cfg = dataclasses.replace(
         model_cfg, recipe=dataclasses.replace(recipe, history_len=history_len)
     )

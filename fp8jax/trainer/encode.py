@@ -40,6 +40,7 @@ from absl import logging
 from tqdm import tqdm
 
 from fp8jax.tokenizer import Tokenizer
+from fp8jax.trainer import bpe_words
 from fp8jax.trainer import corpus as corpus_lib
 
 __all__ = [
@@ -299,12 +300,15 @@ def _line_of(task: Task, local: int) -> int:
 
 
 class _Worker:
-    """What one encoding process holds: the tokenizer, its framing and the cache dtype."""
+    """What one encoding process holds: the tokenizer, its framing, the cache dtype and the word
+    encoder of a byte-level BPE (None for another tokenizer)."""
 
     def __init__(self, tok: Tokenizer, dtype: str, cuts: Cuts, source: str):
         self.tok, self.dtype, self.cuts, self.source = tok, dtype, cuts, source
         bos = tok.bos_id
-        self.bos = [] if bos is None or bos == tok.eos_id else [bos]
+        self.bos = b"" if bos is None or bos == tok.eos_id else _bytes([bos], dtype)
+        self.eos = _bytes([tok.eos_id], dtype)
+        self.words = bpe_words.WordEncoder.of(tok, dtype)
 
     def __call__(self, task: Task) -> tuple[np.ndarray, int]:
         """The task's ids (a .jsonl range's documents framed; a text range's bare) and the
@@ -321,26 +325,39 @@ class _Worker:
                 f"it, or remove it from {self.source}"
             ) from None
 
-    # Each block's ids become an array of the cache dtype at once: a range's ids as one Python
+    # Each block's ids become bytes of the cache dtype at once: a range's ids as one Python
     # list of ints would take about 36 bytes an id (a pointer and an int object) in every
     # worker, against the dtype's 2 or 4.
+
+    def _ids(self, texts: list[str]) -> list[bytes]:
+        """The ids of each of ``texts`` (bytes of the dtype): by the word encoder where it
+        accepts the text, the others by the tokenizer's batch encoder in pieces."""
+        out, rest = [b""] * len(texts), []
+        for k, text in enumerate(texts):
+            if self.words is not None and self.words.accepts(text):
+                out[k] = self.words.encode(text)
+            else:
+                rest.append(k)
+        if rest:
+            encoded = _encode_texts(self.tok, [texts[k] for k in rest], self.cuts)
+            for k, ids in zip(rest, encoded, strict=True):
+                out[k] = _bytes(ids, self.dtype)
+        return out
 
     def _text(self, task: Task) -> tuple[np.ndarray, int]:
         parts, chars = [], 0
         for block in _text_blocks(task, self.source, self.cuts):
             chars += len(block)
-            parts.append(np.asarray(_encode_texts(self.tok, [block], self.cuts)[0], self.dtype))
-        return np.concatenate(parts) if parts else np.zeros((0,), self.dtype), chars
+            parts.append(self._ids([block])[0])
+        return np.frombuffer(b"".join(parts), self.dtype), chars
 
     def _documents(self, docs: Iterator[str]) -> tuple[np.ndarray, int]:
         parts, chars, batch, batch_chars = [], 0, [], 0
 
         def flush() -> None:
-            out = []
-            for ids in _encode_texts(self.tok, batch, self.cuts):
+            for ids in self._ids(batch):
                 if ids:  # an empty document gets no BOS or EOS either
-                    out.extend((*self.bos, *ids, self.tok.eos_id))
-            parts.append(np.asarray(out, self.dtype))
+                    parts.extend((self.bos, ids, self.eos))
             batch.clear()
 
         for text in docs:
@@ -351,7 +368,12 @@ class _Worker:
                 flush()
                 batch_chars = 0
         flush()
-        return np.concatenate(parts), chars
+        return np.frombuffer(b"".join(parts), self.dtype), chars
+
+
+def _bytes(ids: list[int], dtype: str) -> bytes:
+    """``ids`` as the bytes of ``dtype`` items."""
+    return np.asarray(ids, dtype).tobytes()
 
 
 _WORKER: _Worker | None = None  # the encoding process's own (set by _init)

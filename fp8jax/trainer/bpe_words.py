@@ -1,0 +1,185 @@
+"""A byte-level BPE's corpus ids a word at a time: each distinct word is tokenized once.
+
+A tokenizer whose pipeline is a byte-level BPE's (no normalizer, the ``ByteLevel`` pre-tokenizer
+with its regex and no prefix space, a BPE model without dropout, no truncation or padding) cuts
+text into words with one regex and tokenizes each word alone: the ids of a text are those of its
+words in order. :class:`WordEncoder` cuts with Python's ``re`` and looks each word up in a dict of
+the words seen so far (the BPE model tokenizes a new one), several times cheaper than the
+tokenizer's own encoder, which builds an ``Encoding`` holding each token's string.
+
+The regex's classes (letters, numbers, blanks, the rest) are the tokenizer's own: each character
+is put in the class that the tokenizer's pre-tokenizer shows for it, and kept only where probe
+texts holding it are cut the same way by both (:data:`PROBES`). A text holding a character that
+is not, or an added token (``<|endoftext|>``), is left to the tokenizer
+(:meth:`WordEncoder.accepts`).
+"""
+
+from __future__ import annotations
+
+import array
+import re
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from tokenizers import models, pre_tokenizers, processors
+
+from fp8jax.tokenizer import Tokenizer
+
+__all__ = ["MAX_WORDS", "PROBES", "STRUCTURE_PROBES", "WordEncoder"]
+
+MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
+# Texts around a character ``c`` whose cuts show its class (the first three: a letter, a
+# number, neither and not blank) and that are cut the same way by both regex engines.
+PROBES = ("a{c}", "1{c}", ".{c}", "x{c}{c}x", " {c}x", "{c}'s", "'{c}", "{c} {c}\n\n{c}1")
+# Texts that exercise each branch of the regex (contractions, digit runs, blank runs before a
+# word or a line end): the tokenizer's regex must cut them as this module's does.
+_LEADS = (("L", "a"), ("N", "1"), ("O", "."))  # a class and a character of it
+STRUCTURE_PROBES = (
+    "don't I'll we've she's they're I'm he'd 'S 'LL o'clock ''s",
+    "12345 1234567 3.14 x2 2x $9,99 10%",
+    "a  b   c\t\td \n e\n\n\nf  \n  g",
+    " lead...!!  ?! <tag> end \n ",
+)
+
+
+def _byte_chars() -> dict[int, str]:
+    """The byte-level alphabet: each byte's character (printable bytes keep their own)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + k) for k, b in enumerate(moved)}}
+
+
+_BYTE_CHARS = str.maketrans({chr(b): c for b, c in _byte_chars().items()})
+
+
+def _mapped(word: str) -> str:
+    """``word`` as the byte-level pre-tokenizer hands it to the model: a character a byte."""
+    return word.encode("utf-8").decode("latin-1").translate(_BYTE_CHARS)
+
+
+def _char_set(chars: Iterable[str], negate: bool = False) -> str:
+    """A regex character set of ``chars`` (``negate``: any other character), as ranges."""
+    points, parts = sorted(map(ord, chars)), []
+    k = 0
+    while k < len(points):
+        j = k
+        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
+            j += 1
+        a, b = points[k], points[j]
+        parts.append(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}")
+        k = j + 1
+    if not parts:
+        return "[\\s\\S]" if negate else "[^\\s\\S]"
+    return f"[{'^' * negate}{''.join(parts)}]"
+
+
+class _Words(dict):
+    """Word -> its ids' bytes; a word not yet seen is tokenized on lookup."""
+
+    def __init__(self, tokenize: Callable[[str], bytes]):
+        super().__init__()
+        self.tokenize = tokenize
+
+    def __missing__(self, word: str) -> bytes:
+        ids = self[word] = self.tokenize(word)
+        return ids
+
+
+class WordEncoder:
+    """The ids of texts for a byte-level BPE, each distinct word tokenized once (bytes of
+    ``dtype``)."""
+
+    def __init__(self, tok: Tokenizer, dtype: str):
+        backend = tok.backend
+        self._pre, self._model = backend.pre_tokenizer, backend.model
+        self._code = np.dtype(dtype).char  # the array module's code for the same items
+        added = sorted(
+            {t.content for t in backend.get_added_tokens_decoder().values() if t.content},
+            key=len,
+            reverse=True,
+        )
+        self._added = re.compile("|".join(map(re.escape, added))) if added else None
+        self._lead = re.compile(_char_set({t[0] for t in added})) if added else None
+        self._classes: dict[str, set[str]] = {"L": set(), "N": set(), "S": set()}
+        self._seen: set[str] = set()  # characters probed
+        self._rejected: set[str] = set()  # ... that the two regex engines class differently
+        self._words = _Words(self._tokenize)
+        ascii_chars = {chr(i) for i in range(128)}
+        self._learn(ascii_chars)
+        self._ascii = self._rejected.isdisjoint(ascii_chars)  # an ASCII text needs no probe
+
+    @classmethod
+    def of(cls, tok: Tokenizer, dtype: str) -> WordEncoder | None:
+        """A word encoder for ``tok``, or None when its pipeline is not a byte-level BPE's
+        (or its regex cuts a structure probe otherwise than this module's)."""
+        b = tok.backend
+        pre, post = b.pre_tokenizer, b.post_processor
+        if b.normalizer is not None or b.truncation is not None or b.padding is not None:
+            return None
+        if not isinstance(pre, pre_tokenizers.ByteLevel) or pre.add_prefix_space:
+            return None
+        if not pre.use_regex or not isinstance(b.model, models.BPE) or b.model.dropout:
+            return None
+        if post is not None and not isinstance(post, processors.ByteLevel):
+            return None
+        words = cls(tok, dtype)
+        if not all(words.accepts(p) and words._agrees(p) for p in STRUCTURE_PROBES):
+            return None
+        return words
+
+    def accepts(self, text: str) -> bool:
+        """Whether :meth:`encode` gives ``text``'s ids: it holds no added token and only
+        characters classed alike by both regex engines (new ones are probed now)."""
+        if self._lead is not None and self._lead.search(text) and self._added.search(text):
+            return False
+        if self._ascii and text.isascii():
+            return True
+        chars = set(text)
+        if not chars <= self._seen:
+            self._learn(chars - self._seen)
+        return self._rejected.isdisjoint(chars)
+
+    def encode(self, text: str) -> bytes:
+        """The ids of ``text`` (one :meth:`accepts`), as the bytes of the dtype's items."""
+        ids = b"".join(map(self._words.__getitem__, self._regex.findall(text)))
+        if len(self._words) > MAX_WORDS:
+            self._words.clear()
+        return ids
+
+    def _tokenize(self, word: str) -> bytes:
+        tokens = self._model.tokenize(_mapped(word))
+        return array.array(self._code, [t.id for t in tokens]).tobytes()
+
+    def _learn(self, chars: set[str]) -> None:
+        """Class each of ``chars`` as the tokenizer's pre-tokenizer does; reject those whose
+        probes the two engines cut differently."""
+        for c in chars:
+            # one word after a letter, a number or neither-and-not-blank: that class; else blank
+            kinds = [k for k, lead in _LEADS if len(self._pre.pre_tokenize_str(lead + c)) == 1]
+            kind = kinds[0] if kinds else "S"
+            if kind != "O":
+                self._classes[kind].add(c)
+        self._compile()
+        bad = {c for c in chars if not all(self._agrees(p.format(c=c)) for p in PROBES)}
+        if bad:
+            for members in self._classes.values():
+                members -= bad
+            self._rejected |= bad
+            self._compile()
+        self._seen |= chars
+
+    def _agrees(self, text: str) -> bool:
+        """Whether this module's regex cuts ``text`` as the tokenizer's pre-tokenizer does."""
+        ours = [_mapped(w) for w in self._regex.findall(text)]
+        return ours == [w for w, _ in self._pre.pre_tokenize_str(text)]
+
+    def _compile(self) -> None:
+        """The byte-level BPE's regex over the classes found so far."""
+        c = self._classes
+        letter, number, blank = _char_set(c["L"]), _char_set(c["N"]), _char_set(c["S"])
+        other = _char_set(c["L"] | c["N"] | c["S"], negate=True)
+        non_blank = _char_set(c["S"], negate=True)
+        self._regex = re.compile(
+            f"'s|'t|'re|'ve|'m|'ll|'d| ?{letter}+| ?{number}+| ?{other}+"
+            f"|{blank}+(?!{non_blank})|{blank}+"
+        )

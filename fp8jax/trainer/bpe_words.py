@@ -25,8 +25,9 @@ from tokenizers import models, pre_tokenizers, processors
 
 from fp8jax.tokenizer import Tokenizer
 
-__all__ = ["MAX_WORDS", "PROBES", "STRUCTURE_PROBES", "WordEncoder"]
+__all__ = ["MAX_WORDS", "PROBES", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncoder"]
 
+SLICE_CHARS = 1 << 16  # text cut into words at a time
 MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
 # Texts around a character ``c`` whose cuts show its class (the first three: a letter, a
 # number, neither and not blank) and that are cut the same way by both regex engines.
@@ -141,10 +142,17 @@ class WordEncoder:
 
     def encode(self, text: str) -> bytes:
         """The ids of ``text`` (one :meth:`accepts`), as the bytes of the dtype's items."""
-        ids = b"".join(map(self._words.__getitem__, self._regex.findall(text)))
+        # In slices of about SLICE_CHARS cut between two words (a space between two letters):
+        # a slice's words are few enough that their memory is reused rather than mapped anew.
+        parts, start, get = [], 0, self._words.__getitem__
+        while start < len(text):
+            cut = self._cut.search(text, start + SLICE_CHARS)
+            end = cut.start() if cut else len(text)
+            parts.append(b"".join(map(get, self._regex.findall(text, start, end))))
+            start = end
         if len(self._words) > MAX_WORDS:
             self._words.clear()
-        return ids
+        return b"".join(parts)
 
     def _tokenize(self, word: str) -> bytes:
         tokens = self._model.tokenize(_mapped(word))
@@ -174,12 +182,14 @@ class WordEncoder:
         return ours == [w for w, _ in self._pre.pre_tokenize_str(text)]
 
     def _compile(self) -> None:
-        """The byte-level BPE's regex over the classes found so far."""
+        """The byte-level BPE's regex (its contractions sharing the apostrophe) over the classes
+        found so far."""
         c = self._classes
         letter, number, blank = _char_set(c["L"]), _char_set(c["N"]), _char_set(c["S"])
         other = _char_set(c["L"] | c["N"] | c["S"], negate=True)
         non_blank = _char_set(c["S"], negate=True)
+        self._cut = re.compile(f"(?<={letter}) (?={letter})")
         self._regex = re.compile(
-            f"'s|'t|'re|'ve|'m|'ll|'d| ?{letter}+| ?{number}+| ?{other}+"
+            f"'(?:s|t|re|ve|m|ll|d)| ?{letter}+| ?{number}+| ?{other}+"
             f"|{blank}+(?!{non_blank})|{blank}+"
         )

@@ -310,9 +310,10 @@ class _Worker:
         self.eos = _bytes([tok.eos_id], dtype)
         self.words = bpe_words.WordEncoder.of(tok, dtype)
 
-    def __call__(self, task: Task) -> tuple[np.ndarray, int]:
-        """The task's ids (a .jsonl range's documents framed; a text range's bare) and the
-        characters they encode."""
+    def __call__(self, task: Task) -> tuple[bytes, int]:
+        """The task's ids as bytes of the dtype (a .jsonl range's documents framed; a text
+        range's bare) and the characters they encode. Bytes pass between processes with a
+        copy less than an array."""
         try:
             if task.kind == "jsonl":
                 return self._documents(_jsonl_docs(task))
@@ -344,14 +345,14 @@ class _Worker:
                 out[k] = _bytes(ids, self.dtype)
         return out
 
-    def _text(self, task: Task) -> tuple[np.ndarray, int]:
+    def _text(self, task: Task) -> tuple[bytes, int]:
         parts, chars = [], 0
         for block in _text_blocks(task, self.source, self.cuts):
             chars += len(block)
             parts.append(self._ids([block])[0])
-        return np.frombuffer(b"".join(parts), self.dtype), chars
+        return b"".join(parts), chars
 
-    def _documents(self, docs: Iterator[str]) -> tuple[np.ndarray, int]:
+    def _documents(self, docs: Iterator[str]) -> tuple[bytes, int]:
         parts, chars, batch, batch_chars = [], 0, [], 0
 
         def flush() -> None:
@@ -368,7 +369,7 @@ class _Worker:
                 flush()
                 batch_chars = 0
         flush()
-        return np.frombuffer(b"".join(parts), self.dtype), chars
+        return b"".join(parts), chars
 
 
 def _bytes(ids: list[int], dtype: str) -> bytes:
@@ -387,7 +388,7 @@ def _init(tok_json: str, eos: int, bos: int | None, dtype: str, cuts: Cuts, sour
     _WORKER = _Worker(tok, dtype, cuts, source)
 
 
-def _run(task: Task) -> tuple[np.ndarray, int]:
+def _run(task: Task) -> tuple[bytes, int]:
     assert _WORKER is not None
     return _WORKER(task)
 
@@ -477,19 +478,22 @@ def encode(
                 if pool
                 else map(_Worker(tok, dtype, cuts, source), tasks)
             )
-            for task, (ids, chars) in zip(tasks, results, strict=True):
+            for task, (raw, chars) in zip(tasks, results, strict=True):
                 bar.update(task.size)
+                ids = np.frombuffer(raw, dtype)
                 if task.kind != "text":
                     yield ids, chars
                     continue
+                # BOS and EOS come as arrays of their own (joined to the range's ids, they
+                # would copy them).
                 if len(ids) and not doc_tokens and bos:
-                    ids = np.concatenate([np.asarray(bos, dtype), ids])
+                    yield np.asarray(bos, dtype), 0
                 doc_tokens += len(ids)
+                yield ids, chars
                 if task.last and doc_tokens:  # empty documents get no separator either
-                    ids = np.concatenate([ids, np.asarray([eos], dtype)])
+                    yield np.asarray([eos], dtype), 0
                 if task.last:
                     doc_tokens = 0
-                yield ids, chars
     finally:
         bar.close()  # a failure's one-line error starts on a line of its own
     secs = time.perf_counter() - t0

@@ -29,12 +29,14 @@ __all__ = ["MAX_WORDS", "PROBES", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncode
 
 SLICE_CHARS = 1 << 16  # text cut into words at a time
 MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
-# Texts around a character ``c`` whose cuts show its class (the first three: a letter, a
-# number, neither and not blank) and that are cut the same way by both regex engines.
+# A class and a character of it: a character that stays one word after it is of its class (a
+# letter, a number, neither and not blank); one that stays after none is blank.
+_LEADS = (("L", "a"), ("N", "1"), ("O", "."))
+# Texts around a character ``c`` that both regex engines must cut the same way for ``c`` to be
+# kept: its class found by ``_LEADS``, then beside blanks, apostrophes and itself.
 PROBES = ("a{c}", "1{c}", ".{c}", "x{c}{c}x", " {c}x", "{c}'s", "'{c}", "{c} {c}\n\n{c}1")
 # Texts that exercise each branch of the regex (contractions, digit runs, blank runs before a
 # word or a line end): the tokenizer's regex must cut them as this module's does.
-_LEADS = (("L", "a"), ("N", "1"), ("O", "."))  # a class and a character of it
 STRUCTURE_PROBES = (
     "don't I'll we've she's they're I'm he'd 'S 'LL o'clock ''s",
     "12345 1234567 3.14 x2 2x $9,99 10%",
@@ -162,7 +164,6 @@ class WordEncoder:
         """Class each of ``chars`` as the tokenizer's pre-tokenizer does; reject those whose
         probes the two engines cut differently."""
         for c in chars:
-            # one word after a letter, a number or neither-and-not-blank: that class; else blank
             kinds = [k for k, lead in _LEADS if len(self._pre.pre_tokenize_str(lead + c)) == 1]
             kind = kinds[0] if kinds else "S"
             if kind != "O":

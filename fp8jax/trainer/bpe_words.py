@@ -17,6 +17,7 @@ is not, or an added token (``<|endoftext|>``), is left to the tokenizer
 from __future__ import annotations
 
 import array
+import itertools
 import re
 from collections.abc import Callable, Iterable
 
@@ -60,17 +61,9 @@ def _mapped(word: str) -> str:
     return word.encode("utf-8").decode("latin-1").translate(_BYTE_CHARS)
 
 
-def _char_set(chars: Iterable[str], negate: bool = False) -> str:
-    """A regex character set of ``chars`` (``negate``: any other character), as ranges."""
-    points, parts = sorted(map(ord, chars)), []
-    k = 0
-    while k < len(points):
-        j = k
-        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
-            j += 1
-        a, b = points[k], points[j]
-        parts.append(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}")
-        k = j + 1
+def _char_set(spans: Iterable[tuple[str, str]], negate: bool = False) -> str:
+    """A regex character set of the ranges ``spans`` (``negate``: of any other character)."""
+    parts = [f"\\U{ord(a):08x}" + (f"-\\U{ord(b):08x}" if b > a else "") for a, b in spans]
     if not parts:
         return "[\\s\\S]" if negate else "[^\\s\\S]"
     return f"[{'^' * negate}{''.join(parts)}]"
@@ -102,8 +95,8 @@ class WordEncoder:
             reverse=True,
         )
         self._added = re.compile("|".join(map(re.escape, added))) if added else None
-        self._lead = re.compile(_char_set({t[0] for t in added})) if added else None
-        self._classes: dict[str, set[str]] = {"L": set(), "N": set(), "S": set()}
+        self._lead = re.compile(_char_set((t[0], t[0]) for t in added)) if added else None
+        self._kind: dict[str, str] = {}  # a probed character's class: L, N, S (blank) or O
         self._seen: set[str] = set()  # characters probed
         self._rejected: set[str] = set()  # ... that the two regex engines class differently
         self._words = _Words(self._tokenize)
@@ -142,6 +135,13 @@ class WordEncoder:
             self._learn(chars - self._seen)
         return self._rejected.isdisjoint(chars)
 
+    def learn(self, texts: list[str]) -> None:
+        """Probe the characters of ``texts`` not seen yet, all at once (one regex compile;
+        :meth:`accepts` probes one text's)."""
+        chars = set().union(*(t for t in texts if not t.isascii()))
+        if not chars <= self._seen:
+            self._learn(chars - self._seen)
+
     def encode(self, text: str) -> bytes:
         """The ids of ``text`` (one :meth:`accepts`), as the bytes of the dtype's items."""
         # In slices of about SLICE_CHARS cut between two words (a space between two letters):
@@ -165,14 +165,12 @@ class WordEncoder:
         probes the two engines cut differently."""
         for c in chars:
             kinds = [k for k, lead in _LEADS if len(self._pre.pre_tokenize_str(lead + c)) == 1]
-            kind = kinds[0] if kinds else "S"
-            if kind != "O":
-                self._classes[kind].add(c)
+            self._kind[c] = kinds[0] if kinds else "S"
         self._compile()
         bad = {c for c in chars if not all(self._agrees(p.format(c=c)) for p in PROBES)}
         if bad:
-            for members in self._classes.values():
-                members -= bad
+            for c in bad:
+                del self._kind[c]
             self._rejected |= bad
             self._compile()
         self._seen |= chars
@@ -184,11 +182,16 @@ class WordEncoder:
 
     def _compile(self) -> None:
         """The byte-level BPE's regex (its contractions sharing the apostrophe) over the classes
-        found so far."""
-        c = self._classes
-        letter, number, blank = _char_set(c["L"]), _char_set(c["N"]), _char_set(c["S"])
-        other = _char_set(c["L"] | c["N"] | c["S"], negate=True)
-        non_blank = _char_set(c["S"], negate=True)
+        found so far. A class's ranges also span the characters not probed between two of its
+        own (no text it encodes holds them): a few ranges where each script's characters are
+        seen one by one."""
+        spans: dict[str, list[tuple[str, str]]] = {"L": [], "N": [], "S": [], "O": []}
+        for kind, run in itertools.groupby(sorted(self._kind.items()), key=lambda x: x[1]):
+            chars = [c for c, _ in run]
+            spans[kind].append((chars[0], chars[-1]))
+        letter, number, blank = (_char_set(spans[k]) for k in "LNS")
+        other = _char_set(spans["L"] + spans["N"] + spans["S"], negate=True)
+        non_blank = _char_set(spans["S"], negate=True)
         self._cut = re.compile(f"(?<={letter}) (?={letter})")
         self._regex = re.compile(
             f"'(?:s|t|re|ve|m|ll|d)| ?{letter}+| ?{number}+| ?{other}+"

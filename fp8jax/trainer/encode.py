@@ -337,6 +337,8 @@ class _Worker:
         """The ids of each of ``texts`` (bytes of the dtype): by the word encoder where it
         accepts the text, the others by the tokenizer's batch encoder in pieces."""
         out, rest = [b""] * len(texts), []
+        if self.words is not None:
+            self.words.learn(texts)
         for k, text in enumerate(texts):
             if self.words is not None and self.words.accepts(text):
                 out[k] = self.words.encode(text)

@@ -128,9 +128,8 @@ def test_word_encoder_equals_the_tokenizer(tok, tmp_path, monkeypatch):
     # A character whose probes the two regex engines cut differently is rejected, and the
     # encoder hands the documents holding it to the tokenizer.
     agrees = bpe_words.WordEncoder._agrees
-    monkeypatch.setattr(
-        bpe_words.WordEncoder, "_agrees", lambda s, t: "ж" not in t and agrees(s, t)
-    )
+    unlike = lambda self, text, theirs=None: "ж" not in text and agrees(self, text, theirs)  # noqa: E731
+    monkeypatch.setattr(bpe_words.WordEncoder, "_agrees", unlike)
     docs = ["ёж и жук", "plain text", "a <|endoftext|> b", _UNICODE]
     (path := tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": d}) + "\n" for d in docs)

@@ -8,10 +8,10 @@ the words seen so far (the BPE model tokenizes a new one), several times cheaper
 tokenizer's own encoder, which builds an ``Encoding`` holding each token's string.
 
 The regex's classes (letters, numbers, blanks, the rest) are the tokenizer's own: each character
-is put in the class that the tokenizer's pre-tokenizer shows for it, and kept only where probe
-texts holding it are cut the same way by both (:data:`PROBES`). A text holding a character that
-is not, or an added token (``<|endoftext|>``), is left to the tokenizer
-(:meth:`WordEncoder.accepts`).
+is put in the class that the tokenizer's pre-tokenizer shows for it (how it cuts the character
+after a letter, a number and a full stop), and kept only where both engines then cut that probe
+text the same way. A text holding a character that is not, or an added token
+(``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`).
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ from tokenizers import models, pre_tokenizers, processors
 
 from fp8jax.tokenizer import Tokenizer
 
-__all__ = ["MAX_WORDS", "PROBES", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncoder"]
+__all__ = ["MAX_WORDS", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncoder"]
 
 SLICE_CHARS = 1 << 16  # text cut into words at a time
 MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
 # A class and a character of it: a character that stays one word after it is of its class (a
 # letter, a number, neither and not blank); one that stays after none is blank.
 _LEADS = (("L", "a"), ("N", "1"), ("O", "."))
-# Texts around a character ``c`` that both regex engines must cut the same way for ``c`` to be
-# kept: its class found by ``_LEADS``, then beside blanks, apostrophes and itself.
-PROBES = ("a{c}", "1{c}", ".{c}", "x{c}{c}x", " {c}x", "{c}'s", "'{c}", "{c} {c}\n\n{c}1")
 # Texts that exercise each branch of the regex (contractions, digit runs, blank runs before a
 # word or a line end): the tokenizer's regex must cut them as this module's does.
 STRUCTURE_PROBES = (
@@ -44,6 +41,16 @@ STRUCTURE_PROBES = (
     "a  b   c\t\td \n e\n\n\nf  \n  g",
     " lead...!!  ?! <tag> end \n ",
 )
+
+
+def _probes(chars: list[str]) -> str:
+    """The probe text of ``chars``: each after each lead of ``_LEADS``, the probes apart."""
+    return "".join(f"\n\n{lead}{c}" for c in chars for _, lead in _LEADS)
+
+
+def _probe_lead(k: int) -> int:
+    """Where the lead of probe ``k`` is in a probe text (each probe takes four characters)."""
+    return 4 * k + 2
 
 
 def _byte_chars() -> dict[int, str]:
@@ -126,7 +133,7 @@ class WordEncoder:
     def accepts(self, text: str) -> bool:
         """Whether :meth:`encode` gives ``text``'s ids: it holds no added token and only
         characters classed alike by both regex engines (new ones are probed now)."""
-        if self._lead is not None and self._lead.search(text) and self._added.search(text):
+        if self._holds_added(text):
             return False
         if self._ascii and text.isascii():
             return True
@@ -136,9 +143,9 @@ class WordEncoder:
         return self._rejected.isdisjoint(chars)
 
     def learn(self, texts: list[str]) -> None:
-        """Probe the characters of ``texts`` not seen yet, all at once (one regex compile;
-        :meth:`accepts` probes one text's)."""
-        chars = set().union(*(t for t in texts if not t.isascii()))
+        """Probe the characters not seen yet of those ``texts`` without an added token, all at
+        once (:meth:`accepts` probes one text's)."""
+        chars = set().union(*(t for t in texts if not t.isascii() and not self._holds_added(t)))
         if not chars <= self._seen:
             self._learn(chars - self._seen)
 
@@ -156,18 +163,28 @@ class WordEncoder:
             self._words.clear()
         return b"".join(parts)
 
+    def _holds_added(self, text: str) -> bool:
+        """Whether ``text`` holds an added token (which the tokenizer splits off first)."""
+        return self._lead is not None and bool(self._lead.search(text) and self._added.search(text))
+
     def _tokenize(self, word: str) -> bytes:
         tokens = self._model.tokenize(_mapped(word))
         return array.array(self._code, [t.id for t in tokens]).tobytes()
 
     def _learn(self, chars: set[str]) -> None:
-        """Class each of ``chars`` as the tokenizer's pre-tokenizer does; reject those whose
-        probes the two engines cut differently."""
-        for c in chars:
-            kinds = [k for k, lead in _LEADS if len(self._pre.pre_tokenize_str(lead + c)) == 1]
+        """Class each of ``chars`` as the tokenizer's pre-tokenizer cuts it after each lead of
+        ``_LEADS``, all in one probe text; reject those whose probes the two engines then cut
+        differently."""
+        new = sorted(chars)
+        text = _probes(new)
+        theirs = self._pre.pre_tokenize_str(text)
+        spans = {span for _, span in theirs}
+        for k, c in enumerate(new):
+            at = [_probe_lead(len(_LEADS) * k + j) for j in range(len(_LEADS))]
+            kinds = [kind for (kind, _), a in zip(_LEADS, at, strict=True) if (a, a + 2) in spans]
             self._kind[c] = kinds[0] if kinds else "S"
         self._compile()
-        bad = {c for c in chars if not all(self._agrees(p.format(c=c)) for p in PROBES)}
+        bad = set() if self._agrees(text, theirs) else set(self._unlike(new))
         if bad:
             for c in bad:
                 del self._kind[c]
@@ -175,10 +192,23 @@ class WordEncoder:
             self._compile()
         self._seen |= chars
 
-    def _agrees(self, text: str) -> bool:
-        """Whether this module's regex cuts ``text`` as the tokenizer's pre-tokenizer does."""
-        ours = [_mapped(w) for w in self._regex.findall(text)]
-        return ours == [w for w, _ in self._pre.pre_tokenize_str(text)]
+    def _unlike(self, chars: list[str]) -> list[str]:
+        """Those of ``chars`` whose probes the two engines cut differently: found by halving
+        the characters of a probe text cut otherwise."""
+        if self._agrees(_probes(chars)):
+            return []
+        if len(chars) == 1:
+            return chars
+        half = len(chars) // 2
+        return self._unlike(chars[:half]) + self._unlike(chars[half:])
+
+    def _agrees(self, text: str, theirs: list | None = None) -> bool:
+        """Whether this module's regex cuts ``text`` where the tokenizer's pre-tokenizer does
+        (``theirs``: its ``pre_tokenize_str`` of ``text``, when already at hand)."""
+        if theirs is None:
+            theirs = self._pre.pre_tokenize_str(text)
+        ours = itertools.accumulate(map(len, self._regex.findall(text)))
+        return list(ours) == [end for _, (_, end) in theirs]
 
     def _compile(self) -> None:
         """The byte-level BPE's regex (its contractions sharing the apostrophe) over the classes

@@ -134,8 +134,7 @@ def test_word_encoder_equals_the_tokenizer(tok, tmp_path, monkeypatch):
     (path := tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": d}) + "\n" for d in docs)
     )
-    worker = encode._Worker(tok, "uint16", encode.cuts_for(tok), "SRC")
-    assert worker.words is not None and not worker.words.accepts(docs[0])
+    assert not bpe_words.WordEncoder.of(tok, "uint16").accepts(docs[0])
     np.testing.assert_array_equal(_encoded([path], tok, 1), _reference(tok, docs))
     # Another pre-tokenizer, or a prefix space: the tokenizer encodes everything.
     spm = tokenizers.Tokenizer.from_str(tok.to_str())

@@ -457,7 +457,8 @@ def encode(
     progress: bool | None = None,
 ) -> Iterator[tuple[np.ndarray, int]]:
     """Yield ``(ids, chars)`` of the corpus in order: every document framed (BOS when the
-    tokenizer has its own, ids, EOS), ``chars`` the characters just encoded. ``workers``:
+    tokenizer has its own, ids, EOS; a text file's BOS and EOS as arrays of their own, with
+    ``chars`` 0), ``chars`` the characters just encoded; ``ids`` are read-only. ``workers``:
     processes (0: one per CPU core); ``progress``: show a progress bar in MB/s with the time
     left (None: for corpora from ``PROGRESS_BYTES``). A file that is not text or not a
     complete gzip, or a malformed .jsonl line, raises a one-line ValueError naming it and

@@ -68,7 +68,8 @@ class _Shards:
     def _write(self, ids: np.ndarray) -> None:
         from fp8jax.trainer import token_shards
 
-        token_shards.write_bin(self.out / f"{self.count:05d}.bin", ids.astype(self.dtype))
+        path = self.out / f"{self.count:05d}.bin"
+        token_shards.write_bin(path, ids.astype(self.dtype, copy=False))
         self.count += 1
         self.tokens += len(ids)
 

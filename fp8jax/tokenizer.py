@@ -66,6 +66,11 @@ class Tokenizer:
         self.chat_template: str | None = chat_template
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` tokenizer itself (its pre-tokenizer, model and added tokens)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids (ids are in ``[0, vocab_size)``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)

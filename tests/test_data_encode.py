@@ -18,7 +18,7 @@ import pytest
 import tokenizers
 
 from fp8jax import errors, tokenizer
-from fp8jax.trainer import corpus, data, encode, loop
+from fp8jax.trainer import bpe_words, corpus, data, encode, loop
 
 from fp8_testing import data_run
 
@@ -100,6 +100,49 @@ def test_ranged_processes_equal_whole_documents(tok, tmp_path, monkeypatch):
     # .jsonl ranges cut at line starts: each line one document.
     jsonl = _encoded([tmp_path / "docs.jsonl"], tok, 2)
     np.testing.assert_array_equal(jsonl, _reference(tok, paragraphs))
+
+
+# Beyond ASCII: accents, guillemets, CJK, an emoji, Unicode blanks, C0 separators (blank to
+# Python's str.isspace, not to the tokenizer), NEL, Arabic-Indic digits, a Roman numeral, a
+# fraction, a titlecase letter, combining marks, a zero-width space, a BOM.
+_UNICODE = (
+    "données «x» 12 数据 😀 a\u00a0b x\u2003y\u3000z p\x1cq\x1d r\x85s \u0660\u0661 Ⅻ ½ ǅ "
+    "e\u0301\u0301 \u0e01\u0e33 zero\u200bwidth \ufeffbom 'ñ' ñ's"
+)
+
+
+def test_word_encoder_equals_the_tokenizer(tok, tmp_path, monkeypatch):
+    """The word encoder (each distinct word tokenized once) gives the tokenizer's own ids; a
+    text it does not accept (an added token, a character its probes reject) is encoded by the
+    tokenizer, and a tokenizer of another pipeline gets none."""
+    words = bpe_words.WordEncoder.of(tok, "uint16")
+    assert words is not None
+    monkeypatch.setattr(bpe_words, "SLICE_CHARS", 50)  # many slices, cut between two words
+    monkeypatch.setattr(bpe_words, "MAX_WORDS", 100)  # the dict starts over several times
+    paragraphs = _text("emma", 20_000).split("\n\n")
+    texts = [_text("emma", 20_000), _spaced(paragraphs), _UNICODE, "don't  I'll 'S\n\n  12345"]
+    for text in texts:
+        assert words.accepts(text)
+        np.testing.assert_array_equal(np.frombuffer(words.encode(text), "uint16"), tok.encode(text))
+    assert not words.accepts("a <|endoftext|> b")
+    # A character whose probes the two regex engines cut differently is rejected, and the
+    # encoder hands the documents holding it to the tokenizer.
+    agrees = bpe_words.WordEncoder._agrees
+    unlike = lambda self, text, theirs=None: "ж" not in text and agrees(self, text, theirs)  # noqa: E731
+    monkeypatch.setattr(bpe_words.WordEncoder, "_agrees", unlike)
+    docs = ["ёж и жук", "plain text", "a <|endoftext|> b", _UNICODE]
+    (path := tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    )
+    assert not bpe_words.WordEncoder.of(tok, "uint16").accepts(docs[0])
+    np.testing.assert_array_equal(_encoded([path], tok, 1), _reference(tok, docs))
+    # Another pre-tokenizer, or a prefix space: the tokenizer encodes everything.
+    spm = tokenizers.Tokenizer.from_str(tok.to_str())
+    spm.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    prefixed = tokenizers.Tokenizer.from_str(tok.to_str())
+    prefixed.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    for other in (spm, prefixed):
+        assert bpe_words.WordEncoder.of(tokenizer.Tokenizer(other), "uint16") is None
 
 
 def test_tokenizer_that_changes_ids_at_cuts_gets_coarse_pieces(tok):

@@ -11,6 +11,9 @@ line between two), so the ids equal those of the whole document encoded at once;
 that adds a prefix to each piece (SentencePiece ``Metaspace``, ``add_prefix_space``) fails the
 probes of :func:`cuts_for` and is given pieces of
 ``COARSE_PIECE_CHARS``. ``.jsonl`` ranges are cut at any line start (a document boundary).
+A byte-level BPE's (fp8jax's learned one, GPT-2's) text skips the pieces: its worker encodes it
+with :class:`bpe_words.WordEncoder`, each distinct word tokenized once, except a text that the
+word encoder refuses (an added token in it, a character its probes reject).
 
 :func:`encode` yields each range's ids in corpus order: a text file is one document, a
 ``.jsonl`` line is one; a document with tokens starts with the tokenizer's BOS (when it has
@@ -40,6 +43,7 @@ from absl import logging
 from tqdm import tqdm
 
 from fp8jax.tokenizer import Tokenizer
+from fp8jax.trainer import bpe_words
 from fp8jax.trainer import corpus as corpus_lib
 
 __all__ = [
@@ -299,16 +303,20 @@ def _line_of(task: Task, local: int) -> int:
 
 
 class _Worker:
-    """What one encoding process holds: the tokenizer, its framing and the cache dtype."""
+    """What one encoding process holds: the tokenizer, its framing, the cache dtype and the word
+    encoder of a byte-level BPE (None for another tokenizer)."""
 
     def __init__(self, tok: Tokenizer, dtype: str, cuts: Cuts, source: str):
         self.tok, self.dtype, self.cuts, self.source = tok, dtype, cuts, source
         bos = tok.bos_id
-        self.bos = [] if bos is None or bos == tok.eos_id else [bos]
+        self.bos = b"" if bos is None or bos == tok.eos_id else _bytes([bos], dtype)
+        self.eos = _bytes([tok.eos_id], dtype)
+        self.words = bpe_words.WordEncoder.of(tok, dtype)
 
-    def __call__(self, task: Task) -> tuple[np.ndarray, int]:
-        """The task's ids (a .jsonl range's documents framed; a text range's bare) and the
-        characters they encode."""
+    def __call__(self, task: Task) -> tuple[bytes, int]:
+        """The task's ids as bytes of the dtype (a .jsonl range's documents framed; a text
+        range's bare) and the characters they encode. Bytes pass between processes with a
+        copy less than an array."""
         try:
             if task.kind == "jsonl":
                 return self._documents(_jsonl_docs(task))
@@ -321,26 +329,41 @@ class _Worker:
                 f"it, or remove it from {self.source}"
             ) from None
 
-    # Each block's ids become an array of the cache dtype at once: a range's ids as one Python
+    # Each block's ids become bytes of the cache dtype at once: a range's ids as one Python
     # list of ints would take about 36 bytes an id (a pointer and an int object) in every
     # worker, against the dtype's 2 or 4.
 
-    def _text(self, task: Task) -> tuple[np.ndarray, int]:
+    def _ids(self, texts: list[str]) -> list[bytes]:
+        """The ids of each of ``texts`` (bytes of the dtype): by the word encoder where it
+        accepts the text, the others by the tokenizer's batch encoder in pieces."""
+        out, rest = [b""] * len(texts), []
+        if self.words is not None:
+            self.words.learn(texts)
+        for k, text in enumerate(texts):
+            if self.words is not None and self.words.accepts(text):
+                out[k] = self.words.encode(text)
+            else:
+                rest.append(k)
+        if rest:
+            encoded = _encode_texts(self.tok, [texts[k] for k in rest], self.cuts)
+            for k, ids in zip(rest, encoded, strict=True):
+                out[k] = _bytes(ids, self.dtype)
+        return out
+
+    def _text(self, task: Task) -> tuple[bytes, int]:
         parts, chars = [], 0
         for block in _text_blocks(task, self.source, self.cuts):
             chars += len(block)
-            parts.append(np.asarray(_encode_texts(self.tok, [block], self.cuts)[0], self.dtype))
-        return np.concatenate(parts) if parts else np.zeros((0,), self.dtype), chars
+            parts.append(self._ids([block])[0])
+        return b"".join(parts), chars
 
-    def _documents(self, docs: Iterator[str]) -> tuple[np.ndarray, int]:
+    def _documents(self, docs: Iterator[str]) -> tuple[bytes, int]:
         parts, chars, batch, batch_chars = [], 0, [], 0
 
         def flush() -> None:
-            out = []
-            for ids in _encode_texts(self.tok, batch, self.cuts):
+            for ids in self._ids(batch):
                 if ids:  # an empty document gets no BOS or EOS either
-                    out.extend((*self.bos, *ids, self.tok.eos_id))
-            parts.append(np.asarray(out, self.dtype))
+                    parts.extend((self.bos, ids, self.eos))
             batch.clear()
 
         for text in docs:
@@ -351,7 +374,12 @@ class _Worker:
                 flush()
                 batch_chars = 0
         flush()
-        return np.concatenate(parts), chars
+        return b"".join(parts), chars
+
+
+def _bytes(ids: list[int], dtype: str) -> bytes:
+    """``ids`` as the bytes of ``dtype`` items."""
+    return np.asarray(ids, dtype).tobytes()
 
 
 _WORKER: _Worker | None = None  # the encoding process's own (set by _init)
@@ -365,7 +393,7 @@ def _init(tok_json: str, eos: int, bos: int | None, dtype: str, cuts: Cuts, sour
     _WORKER = _Worker(tok, dtype, cuts, source)
 
 
-def _run(task: Task) -> tuple[np.ndarray, int]:
+def _run(task: Task) -> tuple[bytes, int]:
     assert _WORKER is not None
     return _WORKER(task)
 
@@ -429,7 +457,8 @@ def encode(
     progress: bool | None = None,
 ) -> Iterator[tuple[np.ndarray, int]]:
     """Yield ``(ids, chars)`` of the corpus in order: every document framed (BOS when the
-    tokenizer has its own, ids, EOS), ``chars`` the characters just encoded. ``workers``:
+    tokenizer has its own, ids, EOS; a text file's BOS and EOS as arrays of their own, with
+    ``chars`` 0), ``chars`` the characters just encoded; ``ids`` are read-only. ``workers``:
     processes (0: one per CPU core); ``progress``: show a progress bar in MB/s with the time
     left (None: for corpora from ``PROGRESS_BYTES``). A file that is not text or not a
     complete gzip, or a malformed .jsonl line, raises a one-line ValueError naming it and
@@ -455,19 +484,22 @@ def encode(
                 if pool
                 else map(_Worker(tok, dtype, cuts, source), tasks)
             )
-            for task, (ids, chars) in zip(tasks, results, strict=True):
+            for task, (raw, chars) in zip(tasks, results, strict=True):
                 bar.update(task.size)
+                ids = np.frombuffer(raw, dtype)
                 if task.kind != "text":
                     yield ids, chars
                     continue
+                # BOS and EOS come as arrays of their own (joined to the range's ids, they
+                # would copy them).
                 if len(ids) and not doc_tokens and bos:
-                    ids = np.concatenate([np.asarray(bos, dtype), ids])
+                    yield np.asarray(bos, dtype), 0
                 doc_tokens += len(ids)
+                yield ids, chars
                 if task.last and doc_tokens:  # empty documents get no separator either
-                    ids = np.concatenate([ids, np.asarray([eos], dtype)])
+                    yield np.asarray([eos], dtype), 0
                 if task.last:
                     doc_tokens = 0
-                yield ids, chars
     finally:
         bar.close()  # a failure's one-line error starts on a line of its own
     secs = time.perf_counter() - t0

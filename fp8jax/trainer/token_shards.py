@@ -86,7 +86,7 @@ def write_bin(path: str | os.PathLike, ids: np.ndarray) -> None:
     header += np.array([len(ids), 0], "<u8").tobytes()
     with open(path, "wb") as fh:
         fh.write(header)
-        fh.write(ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes())
+        fh.write(memoryview(ids.astype(ids.dtype.newbyteorder("<"), copy=False)).cast("B"))
 
 
 def read_shard(path: Path) -> np.ndarray:

@@ -1,0 +1,229 @@
+"""A byte-level BPE's corpus ids a word at a time: each distinct word is tokenized once.
+
+A tokenizer whose pipeline is a byte-level BPE's (no normalizer, the ``ByteLevel`` pre-tokenizer
+with its regex and no prefix space, a BPE model without dropout, no truncation or padding) cuts
+text into words with one regex and tokenizes each word alone: the ids of a text are those of its
+words in order. :class:`WordEncoder` cuts with Python's ``re`` and looks each word up in a dict of
+the words seen so far (the BPE model tokenizes a new one), several times cheaper than the
+tokenizer's own encoder, which builds an ``Encoding`` holding each token's string.
+
+The regex's classes (letters, numbers, blanks, the rest) are the tokenizer's own: each character
+is put in the class that the tokenizer's pre-tokenizer shows for it (how it cuts the character
+after a letter, a number and a full stop), and kept only where both engines then cut that probe
+text the same way. A text holding a character that is not, or an added token
+(``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import re
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from tokenizers import models, pre_tokenizers, processors
+
+from fp8jax.tokenizer import Tokenizer
+
+__all__ = ["MAX_WORDS", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncoder"]
+
+SLICE_CHARS = 1 << 16  # text cut into words at a time
+MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
+# A class and a character of it: a character that stays one word after it is of its class (a
+# letter, a number, neither and not blank); one that stays after none is blank.
+_LEADS = (("L", "a"), ("N", "1"), ("O", "."))
+# Texts that exercise each branch of the regex (contractions, digit runs, blank runs before a
+# word or a line end): the tokenizer's regex must cut them as this module's does.
+STRUCTURE_PROBES = (
+    "don't I'll we've she's they're I'm he'd 'S 'LL o'clock ''s",
+    "12345 1234567 3.14 x2 2x $9,99 10%",
+    "a  b   c\t\td \n e\n\n\nf  \n  g",
+    " lead...!!  ?! <tag> end \n ",
+)
+
+
+def _probes(chars: list[str]) -> str:
+    """The probe text of ``chars``: each after each lead of ``_LEADS``, the probes apart."""
+    return "".join(f"\n\n{lead}{c}" for c in chars for _, lead in _LEADS)
+
+
+def _probe_lead(k: int) -> int:
+    """Where the lead of probe ``k`` is in a probe text (each probe takes four characters)."""
+    return 4 * k + 2
+
+
+def _byte_chars() -> dict[int, str]:
+    """The byte-level alphabet: each byte's character (printable bytes keep their own)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + k) for k, b in enumerate(moved)}}
+
+
+_BYTE_CHARS = str.maketrans({chr(b): c for b, c in _byte_chars().items()})
+
+
+def _mapped(word: str) -> str:
+    """``word`` as the byte-level pre-tokenizer hands it to the model: a character a byte."""
+    return word.encode("utf-8").decode("latin-1").translate(_BYTE_CHARS)
+
+
+def _char_set(spans: Iterable[tuple[str, str]], negate: bool = False) -> str:
+    """A regex character set of the ranges ``spans`` (``negate``: of any other character)."""
+    parts = [f"\\U{ord(a):08x}" + (f"-\\U{ord(b):08x}" if b > a else "") for a, b in spans]
+    if not parts:
+        return "[\\s\\S]" if negate else "[^\\s\\S]"
+    return f"[{'^' * negate}{''.join(parts)}]"
+
+
+class _Words(dict):
+    """Word -> its ids' bytes; a word not yet seen is tokenized on lookup."""
+
+    def __init__(self, tokenize: Callable[[str], bytes]):
+        super().__init__()
+        self.tokenize = tokenize
+
+    def __missing__(self, word: str) -> bytes:
+        ids = self[word] = self.tokenize(word)
+        return ids
+
+
+class WordEncoder:
+    """The ids of texts for a byte-level BPE, each distinct word tokenized once (bytes of
+    ``dtype``)."""
+
+    def __init__(self, tok: Tokenizer, dtype: str):
+        backend = tok.backend
+        self._pre, self._model = backend.pre_tokenizer, backend.model
+        self._code = np.dtype(dtype).char  # the array module's code for the same items
+        added = sorted(
+            {t.content for t in backend.get_added_tokens_decoder().values() if t.content},
+            key=len,
+            reverse=True,
+        )
+        self._added = re.compile("|".join(map(re.escape, added))) if added else None
+        self._lead = re.compile(_char_set((t[0], t[0]) for t in added)) if added else None
+        self._kind: dict[str, str] = {}  # a probed character's class: L, N, S (blank) or O
+        self._seen: set[str] = set()  # characters probed
+        self._rejected: set[str] = set()  # ... that the two regex engines class differently
+        self._words = _Words(self._tokenize)
+        ascii_chars = {chr(i) for i in range(128)}
+        self._learn(ascii_chars)
+        self._ascii = self._rejected.isdisjoint(ascii_chars)  # an ASCII text needs no probe
+
+    @classmethod
+    def of(cls, tok: Tokenizer, dtype: str) -> WordEncoder | None:
+        """A word encoder for ``tok``, or None when its pipeline is not a byte-level BPE's
+        (or its regex cuts a structure probe otherwise than this module's)."""
+        b = tok.backend
+        pre, post = b.pre_tokenizer, b.post_processor
+        if b.normalizer is not None or b.truncation is not None or b.padding is not None:
+            return None
+        if not isinstance(pre, pre_tokenizers.ByteLevel) or pre.add_prefix_space:
+            return None
+        if not pre.use_regex or not isinstance(b.model, models.BPE) or b.model.dropout:
+            return None
+        if post is not None and not isinstance(post, processors.ByteLevel):
+            return None
+        words = cls(tok, dtype)
+        if not all(words.accepts(p) and words._agrees(p) for p in STRUCTURE_PROBES):
+            return None
+        return words
+
+    def accepts(self, text: str) -> bool:
+        """Whether :meth:`encode` gives ``text``'s ids: it holds no added token and only
+        characters classed alike by both regex engines (new ones are probed now)."""
+        if self._holds_added(text):
+            return False
+        if self._ascii and text.isascii():
+            return True
+        chars = set(text)
+        if not chars <= self._seen:
+            self._learn(chars - self._seen)
+        return self._rejected.isdisjoint(chars)
+
+    def learn(self, texts: list[str]) -> None:
+        """Probe the characters not seen yet of those ``texts`` without an added token, all at
+        once (:meth:`accepts` probes one text's)."""
+        chars = set().union(*(t for t in texts if not t.isascii() and not self._holds_added(t)))
+        if not chars <= self._seen:
+            self._learn(chars - self._seen)
+
+    def encode(self, text: str) -> bytes:
+        """The ids of ``text`` (one :meth:`accepts`), as the bytes of the dtype's items."""
+        # In slices of about SLICE_CHARS cut between two words (a space between two letters):
+        # a slice's words are few enough that their memory is reused rather than mapped anew.
+        parts, start, get = [], 0, self._words.__getitem__
+        while start < len(text):
+            cut = self._cut.search(text, start + SLICE_CHARS)
+            end = cut.start() if cut else len(text)
+            parts.append(b"".join(map(get, self._regex.findall(text, start, end))))
+            start = end
+        if len(self._words) > MAX_WORDS:
+            self._words.clear()
+        return b"".join(parts)
+
+    def _holds_added(self, text: str) -> bool:
+        """Whether ``text`` holds an added token (which the tokenizer splits off first)."""
+        return self._lead is not None and bool(self._lead.search(text) and self._added.search(text))
+
+    def _tokenize(self, word: str) -> bytes:
+        tokens = self._model.tokenize(_mapped(word))
+        return array.array(self._code, [t.id for t in tokens]).tobytes()
+
+    def _learn(self, chars: set[str]) -> None:
+        """Class each of ``chars`` as the tokenizer's pre-tokenizer cuts it after each lead of
+        ``_LEADS``, all in one probe text; reject those whose probes the two engines then cut
+        differently."""
+        new = sorted(chars)
+        text = _probes(new)
+        theirs = self._pre.pre_tokenize_str(text)
+        spans = {span for _, span in theirs}
+        for k, c in enumerate(new):
+            at = [_probe_lead(len(_LEADS) * k + j) for j in range(len(_LEADS))]
+            kinds = [kind for (kind, _), a in zip(_LEADS, at, strict=True) if (a, a + 2) in spans]
+            self._kind[c] = kinds[0] if kinds else "S"
+        self._compile()
+        bad = set() if self._agrees(text, theirs) else set(self._unlike(new))
+        if bad:
+            for c in bad:
+                del self._kind[c]
+            self._rejected |= bad
+            self._compile()
+        self._seen |= chars
+
+    def _unlike(self, chars: list[str]) -> list[str]:
+        """Those of ``chars`` whose probes the two engines cut differently: found by halving
+        the characters of a probe text cut otherwise."""
+        if self._agrees(_probes(chars)):
+            return []
+        if len(chars) == 1:
+            return chars
+        half = len(chars) // 2
+        return self._unlike(chars[:half]) + self._unlike(chars[half:])
+
+    def _agrees(self, text: str, theirs: list | None = None) -> bool:
+        """Whether this module's regex cuts ``text`` where the tokenizer's pre-tokenizer does
+        (``theirs``: its ``pre_tokenize_str`` of ``text``, when already at hand)."""
+        if theirs is None:
+            theirs = self._pre.pre_tokenize_str(text)
+        ours = itertools.accumulate(map(len, self._regex.findall(text)))
+        return list(ours) == [end for _, (_, end) in theirs]
+
+    def _compile(self) -> None:
+        """The byte-level BPE's regex (its contractions sharing the apostrophe) over the classes
+        found so far. A class's ranges also span the characters not probed between two of its
+        own (no text it encodes holds them): a few ranges where each script's characters are
+        seen one by one."""
+        spans: dict[str, list[tuple[str, str]]] = {"L": [], "N": [], "S": [], "O": []}
+        for kind, run in itertools.groupby(sorted(self._kind.items()), key=lambda x: x[1]):
+            chars = [c for c, _ in run]
+            spans[kind].append((chars[0], chars[-1]))
+        letter, number, blank = (_char_set(spans[k]) for k in "LNS")
+        other = _char_set(spans["L"] + spans["N"] + spans["S"], negate=True)
+        non_blank = _char_set(spans["S"], negate=True)
+        self._cut = re.compile(f"(?<={letter}) (?={letter})")
+        self._regex = re.compile(
+            f"'(?:s|t|re|ve|m|ll|d)| ?{letter}+| ?{number}+| ?{other}+"
+            f"|{blank}+(?!{non_blank})|{blank}+"
+        )

@@ -156,7 +156,13 @@ def tokenizer_for(
     version); otherwise it is retrained from ``texts()``, unless ``resumed``: then the
     checkpoint's tokenizer is kept, or the run refused if the user's settings changed.
     """
-    cached, recorded = tokenizer_lib.load_cached(path)
+    fresh = "or start a fresh --workdir"
+    try:
+        cached, recorded = tokenizer_lib.load_cached(path)
+    except (OSError, ValueError) as e:  # not UTF-8 text, not a file
+        if resumed:
+            raise DataError(f"{path} is unreadable ({e}); restore it {fresh}") from None
+        cached, recorded = None, None  # a cache without a checkpoint: rebuilt
     if cached is not None and recorded == built_from:
         logging.info("reusing tokenizer %s (vocab %d)", path, built_from["vocab_size"])
         return tokenizer_lib.from_str(cached), False
@@ -168,7 +174,6 @@ def tokenizer_for(
         logging.info("training byte-level BPE tokenizer (vocab %d) -> %s", vocab_size, path)
         return tokenizer_lib.train(texts(), vocab_size, built_from["min_frequency"]), True
     ckpt = path.parent / "checkpoints"
-    fresh = "or start a fresh --workdir"
     if cached is None:
         raise DataError(
             f"{ckpt} holds a checkpoint but {path} is missing; restore the tokenizer the "

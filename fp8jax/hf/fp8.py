@@ -39,6 +39,7 @@ import numpy as np
 import safetensors.numpy
 
 from fp8jax import errors
+from fp8jax.hf import architectures
 
 __all__ = [
     "BF16",
@@ -346,7 +347,12 @@ class _Parser(argparse.ArgumentParser):
 def _shards(src: pathlib.Path) -> dict[str, dict]:
     """{file name: header} of the checkpoint's safetensors files (the index's, if any)."""
     if (src / INDEX).is_file():
-        files = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+        weight_map = architectures.read_json(src / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise errors.CheckpointError(
+                f"{src / INDEX} has no weight_map; it is not a shard index"
+            )
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in src.glob("*.safetensors"))
     if not files:
@@ -389,10 +395,10 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
         raise errors.ConfigError(f"{src} is not a directory: pass a Hugging Face checkpoint dir")
     if not (src / "config.json").is_file():
         raise errors.CheckpointMismatchError(f"no config.json in {src}: not a Hugging Face dir")
-    config = json.loads((src / "config.json").read_text())
+    config = architectures.read_json(src / "config.json")
     src_q = config.pop("quantization_config", None)
-    if src_q is not None and src_q.get("quant_method") != "fp8":
-        method = src_q.get("quant_method")
+    if src_q is not None and (not isinstance(src_q, dict) or src_q.get("quant_method") != "fp8"):
+        method = src_q.get("quant_method") if isinstance(src_q, dict) else src_q
         raise errors.CheckpointMismatchError(f"{src} is quantized with {method!r}, not 'fp8'")
     to = to or ("bf16" if src_q else "fp8-block")
     errors.check_choice(to, TARGETS, "--to")
@@ -403,7 +409,13 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
         raise errors.ConfigError(f"the parent of {out} does not exist: create it first")
     headers = _shards(src)
     scheme = TARGETS[to]
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:  # a read-only mount, another user's folder
+        raise errors.ConfigError(
+            f"cannot create a folder beside {out} ({e.strerror or e}); pass an output folder in "
+            f"a folder you can write to"
+        ) from None
     try:
         weight_map, total, skipped = {}, 0, set()
         for file in headers:

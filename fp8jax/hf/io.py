@@ -167,14 +167,24 @@ def model_config(path: str | os.PathLike, model_cfg_base: ModelConfig | None = N
 
 
 def tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a HF dir or an fp8jax work dir (the one ``load`` gives)."""
+    """The tokenizer of a HF dir or an fp8jax work dir (the one ``load`` gives); one whose
+    tokenizer.json does not parse is a one-line CheckpointError naming it."""
     path = Path(path).expanduser().absolute()
     if _kind(path) == "workdir":
-        return workdir.tokenizer(path)
+        read, restore = workdir.tokenizer, "the tokenizer the checkpoint was trained with"
+    else:
+        read, restore = tokenizer_lib.load_hf, "it (re-download or re-export the model)"
     try:
-        return tokenizer_lib.load_hf(path)
+        return read(path)
+    except CheckpointError:
+        raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
+    except Exception as e:  # tokenizers raises its own exception types for bad JSON
+        raise CheckpointError(
+            f"{path / tokenizer_lib.HF_TOKENIZER} is not a readable tokenizer.json ({e}); "
+            f"restore {restore}"
+        ) from None
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -310,7 +320,13 @@ def save_hf(
     flat = weights.flatten(params)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:  # a read-only mount, another user's folder
+        raise CheckpointError(
+            f"cannot create a folder beside {out_dir} ({e.strerror or e}); pass an output "
+            f"folder in a folder you can write to"
+        ) from None
     try:
         _write_tensors(tmp, model_cfg, flat, np.dtype(dtype), max_shard_bytes)
         config = architectures.hf_config(model_cfg, tokenizer.eos_id, tokenizer.bos_id)

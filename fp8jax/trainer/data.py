@@ -442,7 +442,14 @@ class Text(data_format.DataFormat):
         shared = run.data.cache_dir
         if shared:  # one folder per key, published by a rename while its builders hold a lock
             root = Path(shared).expanduser()
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file of that name, a read-only mount
+                why = "a file, not a folder" if root.is_file() else e.strerror or e
+                raise DataError(
+                    f"config.data.cache_dir={shared!r} cannot hold the token caches ({why}); "
+                    "name a folder you can write, or '' for the work dir's tokens/"
+                ) from None
             name = _cache_key(tokenizer, identity)[0][:32]
             out_dir, stage = root / name, root / f"{name}.tmp{os.getpid()}"
             lock, fix = _exclusive(root / f"{name}.lock"), _SHARED_FIX

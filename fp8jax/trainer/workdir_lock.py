@@ -65,7 +65,13 @@ def hold(workdir: str | os.PathLike) -> Iterator[None]:
     """
     path = os.path.join(workdir, LOCK_FILE)
     created = not os.path.exists(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only mount, another user's folder
+        raise ConfigError(
+            f"cannot write in --workdir {workdir} ({e.strerror or e}); make it writable or pass "
+            f"a folder you can write"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -34,6 +34,7 @@ from fp8jax import cli, errors
 
 DEFAULT_BATCH_SIZE = 8  # rows per forward pass when neither model_args nor --batch_size says
 MODEL_ARGS = ("ckpt", "level", "dtype", "batch_size", "max_gen_toks")  # fp8jax's --model_args
+DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes of --model_args dtype
 TASKS_DIR = Path(__file__).resolve().parent / "trainer" / "lm_eval_tasks"
 INSTALL_FIX = "pip install 'fp8jax[lm-eval]'"
 _LAZY = {"FP8JaxLM"}
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 __all__ = [
     "Backend",
     "DEFAULT_BATCH_SIZE",
+    "DTYPES",
     "FP8JaxLM",  # noqa: F822 (built by __getattr__ on first use)
     "MODEL_ARGS",
     "TASKS_DIR",
@@ -75,8 +77,8 @@ class Backend:
         from fp8jax.trainer import inference, scoring
         from fp8jax.trainer import step as step_lib
 
-        errors.check_int(batch_size, "batch_size", 1)
-        errors.check_int(max_gen_toks, "max_gen_toks", 1)
+        errors.check_int(batch_size, "--model_args batch_size", 1)
+        errors.check_int(max_gen_toks, "--model_args max_gen_toks", 1)
         self.inf = inference.load(str(ckpt), level, dtype or inference.default_dtype())
         self.tokenizer = self.inf.tokenizer
         self.max_len = self.inf.model.cfg.max_len
@@ -178,7 +180,9 @@ def _batch_size(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise errors.ConfigError(f"batch_size={value!r}: use a whole number >= 1") from None
+        raise errors.ConfigError(
+            f"--model_args batch_size={value!r}: use a whole number >= 1"
+        ) from None
 
 
 @functools.cache
@@ -211,6 +215,14 @@ def model_class() -> type:
             super().__init__()
             if not ckpt:
                 raise errors.ConfigError("no checkpoint: pass --model_args ckpt=DIR")
+            from fp8jax.trainer import inference
+
+            for name, value, choices in (
+                ("level", level, inference.LEVELS),
+                ("dtype", dtype, DTYPES),
+            ):
+                if value is not None:  # named as the user set them, before the checkpoint loads
+                    errors.check_choice(value, choices, f"--model_args {name}")
             self.backend_ = Backend(ckpt, level, dtype, _batch_size(batch_size), max_gen_toks)
             self.tokenizer = self.backend_.tokenizer
             self.ckpt = str(ckpt)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from fp8jax import cli
 
@@ -172,8 +172,8 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-    """The ``fp8jax-prepare`` console script."""
-    app.run(main)
+    """The ``fp8jax-prepare`` console script (a bad flag is one stderr line, exit 2)."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -173,16 +173,14 @@ class Backend:
         return out
 
 
-def _batch_size(value: Any) -> int:
-    """A batch size from model_args or lm-eval's --batch_size ('auto': the default)."""
+def _batch_size(value: Any) -> Any:
+    """A batch size from model_args or lm-eval's --batch_size ('auto': the default); what is
+    not a whole number is left for ``Backend`` to refuse, not rounded."""
     if value is None or str(value).startswith("auto"):
         return DEFAULT_BATCH_SIZE
-    try:
+    if isinstance(value, str) and value.strip().isdigit():
         return int(value)
-    except (TypeError, ValueError):
-        raise errors.ConfigError(
-            f"--model_args batch_size={value!r}: use a whole number >= 1"
-        ) from None
+    return value
 
 
 @functools.cache

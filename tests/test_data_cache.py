@@ -283,6 +283,36 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     assert len(encodes) == 2 and len([p for p in caches.iterdir() if p.is_dir()]) == 2
 
 
+def test_unreadable_tokenizer_or_cache_dir_is_one_line(corpora, tmp_path, checkpoint):
+    """A tokenizer.json that is not UTF-8 text is a cache without a checkpoint (relearned) and
+    refused in one line naming it beside one (its ids are in the embeddings), the work dir
+    unchanged; a data.cache_dir naming a file is refused naming the field."""
+    import dataclasses
+
+    wd, path = tmp_path / "work", tmp_path / "work" / "tokenizer.json"
+    data.build(_config(corpora[0]), wd)
+    path.write_bytes(b"\xff\xfe" + path.read_bytes())
+    ds = data.build(_config(corpora[0]), wd)
+    assert ds.tokenizer.to_str() == _reference(corpora[0].read_text()).to_str()
+    assert path.read_bytes() == ds.tokenizer.to_str().encode()
+    path.write_bytes(b"\xff\xfe" + path.read_bytes())
+    shutil.copytree(checkpoint, wd / "checkpoints")
+    before = _snapshot(wd)
+    with pytest.raises(errors.DataError) as info:
+        data.build(_config(corpora[0]), wd)
+    msg = str(info.value)
+    assert msg.startswith(f"{path} is unreadable (") and "restore it or start a fresh" in msg
+    assert _snapshot(wd) == before
+    run, file = _config(corpora[0]), tmp_path / "caches"
+    file.write_text("mine")
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, cache_dir=str(file)))
+    with pytest.raises(errors.DataError) as info:
+        data.build(run, tmp_path / "w2")
+    assert str(info.value).startswith(f"config.data.cache_dir={str(file)!r} cannot hold the token")
+    assert "(a file, not a folder); name a folder you can write" in str(info.value)
+    assert file.read_text() == "mine"
+
+
 def test_large_corpus_fingerprint_reads_samples_yet_sees_size_and_sampled_edits(
     tmp_path, monkeypatch
 ):

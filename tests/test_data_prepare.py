@@ -67,7 +67,7 @@ def test_prepared_shards_hold_the_trainers_ids_cut_at_documents(corpus_dir, tmp_
     assert ds.num_train_tokens + ds.num_val_tokens == len(want) and ds.num_val_tokens > 0
 
 
-@pytest.mark.parametrize("kind", ["missing", "shard", "tokenizer", "out_used", "binary"])
+@pytest.mark.parametrize("kind", ["missing", "shard", "tokenizer", "out_used", "binary", "flag"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, kind):
     src, tok, out = corpus_dir / "src", corpus_dir / "tokenizer.json", tmp_path / "shards"
     match = {
@@ -76,6 +76,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
         "tokenizer": "is not a tokenizers tokenizer.json",
         "out_used": "exists and is not empty",
         "binary": "is not a text file: it holds NUL bytes",  # found while encoding
+        "flag": "flag --workers=many: invalid literal for int()",  # absl's, as one line
     }[kind]
     if kind == "missing":
         src = tmp_path / "nope.txt"
@@ -92,7 +93,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
         out.mkdir()
         (out / "keep.txt").write_text("mine")
     before = sorted(p.name for p in tmp_path.iterdir())
-    r = _prepare(src, "--tokenizer", tok, "--out", out)
+    flags = ["--workers", "many"] if kind == "flag" else []
+    r = _prepare(src, "--tokenizer", tok, "--out", out, *flags)
     assert r.returncode == 2, r.stderr
     progress = "encoding:"  # the progress bar's lines, when the error came while encoding
     lines = [x for x in r.stderr.strip().splitlines() if not x.lstrip("\r").startswith(progress)]

@@ -6,6 +6,7 @@ shipped corpus; the runs that train resume one 4-step work dir (``trained``) sha
 module, copied per test. The runs refused before training take seconds.
 """
 
+import errno
 import gzip
 import hashlib
 import os
@@ -174,6 +175,19 @@ def test_lock_is_exclusive_in_process_and_released_on_exit(tmp_path):
                 pass
     with workdir_lock.hold(tmp_path):
         pass
+
+
+def test_work_dir_that_cannot_be_written_is_one_line(tmp_path):
+    """A work dir whose lock file cannot be opened for writing (a read-only mount, another
+    user's folder; here a folder in its place): a one-line ConfigError naming the work dir."""
+    (tmp_path / workdir_lock.LOCK_FILE).mkdir()
+    with pytest.raises(errors.ConfigError) as info:
+        with workdir_lock.hold(tmp_path):
+            pass
+    assert str(info.value) == (
+        f"cannot write in --workdir {tmp_path} (Is a directory); make it writable or pass a "
+        "folder you can write"
+    )
 
 
 # --- checkpoint checksums --------------------------------------------------------------------
@@ -587,6 +601,92 @@ def test_truncated_safetensors_in_hf_fp8_is_one_line(exported, tmp_path, capsys)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"error: {path} is truncated" in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "name,text,fragment",
+    [
+        ("config.json", '{"architectures": ["GPT', "config.json is not valid JSON"),
+        ("config.json", "[1]", "config.json holds a JSON list, not an object"),
+        (hf_io.SAFETENSORS_INDEX, '{"weight_map": ', "index.json is not valid JSON"),
+        (hf_io.SAFETENSORS_INDEX, '{"metadata": {}}', "index.json has no weight_map"),
+    ],
+)
+def test_hf_fp8_on_a_corrupt_json_record_is_one_line(
+    exported, tmp_path, capsys, name, text, fragment
+):
+    """``python -m fp8jax.hf.fp8`` on a dir whose config.json or shard index is cut short or
+    not an object: exit 2 with one line naming the file, no output folder."""
+    from fp8jax.hf import fp8
+
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    (copy / name).write_text(text)
+    out = tmp_path / "out"
+    assert fp8.main([str(copy), str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {copy / name}"), lines
+    assert fragment in lines[0], lines
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("source", ["trained", "exported"])
+def test_unreadable_tokenizer_json_is_one_line(source, request, tmp_path):
+    """A work dir's (or a Hugging Face dir's) tokenizer.json cut short: ``hf.load`` (and so
+    generate, evaluate, lm_eval, hf.export, init_from) raises a one-line CheckpointError naming
+    the file and how to restore it."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(request.getfixturevalue(source), copy)
+    path = copy / "tokenizer.json"
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(copy)
+    msg = str(info.value)
+    assert msg.startswith(f"{path} is not a readable tokenizer.json (") and "; restore" in msg
+
+
+def _read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+def test_output_folder_that_cannot_be_created_is_one_line(exported, tmp_path, monkeypatch, capsys):
+    """An output folder whose parent refuses the staging folder (a read-only mount, another
+    user's folder): ``python -m fp8jax.hf.export_cli`` and ``python -m fp8jax.hf.fp8`` exit 2
+    with one line naming it and the fix, and write nothing."""
+    from fp8jax.hf import export_cli, fp8
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "mkdir", _read_only)
+        m.setattr(fp8.tempfile, "mkdtemp", _read_only)
+        assert export_cli.main([str(exported), str(out)]) == 2
+        assert fp8.main([str(exported), str(out)]) == 2
+    line = (
+        f"error: cannot create a folder beside {out} (Read-only file system); pass an output "
+        "folder in a folder you can write to"
+    )
+    assert capsys.readouterr().err.strip().splitlines() == [line, line]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["SRC", "OUT", "--max_shard_gb", "inf"], "--max_shard_gb=inf: use a finite size > 0"),
+        (["SRC", "OUT", "--max_shard_gb", "abc"], "--max_shard_gb: invalid float value: 'abc'"),
+        (["SRC"], "the following arguments are required: out"),
+    ],
+)
+def test_export_cli_bad_arguments_are_one_line(tmp_path, capsys, args, fragment):
+    """``python -m fp8jax.hf.export_cli`` with a missing argument, a value that does not parse
+    or an infinite shard size: exit 2 with one line (not argparse's usage, not a traceback)."""
+    from fp8jax.hf import export_cli
+
+    argv = [{"SRC": str(tmp_path / "src"), "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
+    assert export_cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+    assert not (tmp_path / "out").exists()
 
 
 # --- memory: a run that cannot fit is refused before its first step --------------------------

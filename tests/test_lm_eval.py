@@ -183,6 +183,25 @@ def test_an_unknown_model_arg_is_refused():
         lm.create_from_arg_string("ckpt=/nowhere,level=O1", {"device": "cuda"})
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ("level=O9", "unknown --model_args level 'O9': use one of ['O0', 'O1']"),
+        ("dtype=float8", "unknown --model_args dtype 'float8'"),
+        ("batch_size=0", "--model_args batch_size=0: use an integer >= 1"),
+        ("batch_size=2.5", "--model_args batch_size=2.5: use an integer >= 1"),
+        ("max_gen_toks=abc", "--model_args max_gen_toks='abc': use an integer >= 1"),
+    ],
+)
+def test_a_bad_model_arg_is_named_as_given(args, message):
+    """A bad --model_args value is named as the user wrote it (not as a config field or a flag
+    of another command), before the checkpoint is read."""
+    lm = backend.model_class()
+    with pytest.raises(errors.ConfigError) as info:
+        lm.create_from_arg_string(f"ckpt=/nowhere,{args}", {})
+    assert message in str(info.value), info.value
+
+
 def test_without_lm_eval_the_backend_says_how_to_install(monkeypatch):
     """The module imports without lm-eval; asking for the lm-eval class names the extra."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)

@@ -7,7 +7,8 @@
 ``--config`` takes a config file's path or a shipped config's name (``tiny``, ``gpt_1b3``, ...:
 fp8jax/configs/), each with an optional ``:argument`` for its ``get_config``. The logic lives in
 ``fp8jax.trainer.loop`` so notebooks and tests call the same ``train_and_evaluate``. Rerunning
-with the same ``--workdir`` resumes; SIGTERM checkpoints and exits 0. Bad flags, config, data or
+with the same ``--workdir`` resumes; SIGTERM checkpoints and exits 0, a Ctrl-C while steps run
+checkpoints and exits 130 (a second Ctrl-C stops at once). Bad flags, config, data or
 checkpoints exit 2 with one line on stderr (FP8JAX_DEBUG=1 shows the traceback instead), as does
 a run stopped by repeated NaN/Inf.
 """
@@ -32,6 +33,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and caches.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+# A Ctrl-C outside the steps (while the data is encoded, the step compiles, the run saves).
+_INTERRUPTED = "Ctrl-C; rerun the same command to resume from the last checkpoint"
 
 
 def _fail(message) -> None:
@@ -135,6 +140,11 @@ def main(argv: list[str]) -> None:
             if os.environ.get("FP8JAX_DEBUG"):
                 raise
             _fail(e)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line and the shell's status, no traceback
+            if os.environ.get("FP8JAX_DEBUG"):
+                raise
+            print(f"interrupted: {str(e) or _INTERRUPTED}", file=sys.stderr)
+            sys.exit(130)
         logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
 
 

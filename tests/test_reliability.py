@@ -541,6 +541,77 @@ def test_sigterm_resume_is_bit_exact(corpus, tmp_path, baseline, monkeypatch):
 
 
 @pytest.mark.slow
+def test_ctrl_c_checkpoints_the_step_and_resume_is_bit_exact(
+    corpus, tmp_path, baseline, monkeypatch
+):
+    """Injects a Ctrl-C (SIGINT) into this process while the loop reads the batch of step 6.
+
+    train_and_evaluate finishes step 6, checkpoints it and raises KeyboardInterrupt naming the
+    step and how to resume; from the first Ctrl-C on, a second one would raise at once (the
+    handler is Python's again). The rerun resumes there and every loss equals the
+    uninterrupted baseline run's bit for bit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("Ctrl-C does not raise KeyboardInterrupt here")
+    c = load_config(corpus, checkpoint_every_steps=0)
+    read = data_lib.TrainIterator.__next__
+    handlers = []
+
+    def read_and_interrupt(self):
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+            handlers.append(signal.getsignal(signal.SIGINT))
+        return read(self)
+
+    monkeypatch.setattr(data_lib.TrainIterator, "__next__", read_and_interrupt)
+    with pytest.raises(KeyboardInterrupt) as info:
+        train_lib.train_and_evaluate(c, str(tmp_path))
+    assert str(info.value) == (
+        f"Ctrl-C at step 6, checkpointed in {tmp_path / 'checkpoints'}; rerun the same command "
+        "to resume"
+    )
+    assert handlers == [signal.default_int_handler]
+    assert checkpoint_steps(tmp_path) == [6]
+    assert json.loads((tmp_path / "summary.json").read_text())["preempted_at"] == 6
+    monkeypatch.undo()
+    assert train_lib.train_and_evaluate(c, str(tmp_path))["step"] == STEPS
+    assert_same_losses(train_records(tmp_path), baseline[1])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# train.py whose run is stopped by a Ctrl-C (after checkpointing, or before any step).
+INTERRUPTED = """
+import sys
+from fp8jax.trainer import loop
+message = sys.argv.pop()
+def interrupted(config, workdir):
+    raise KeyboardInterrupt(message)
+loop.train_and_evaluate = interrupted
+from fp8jax import train
+sys.argv[0] = "train.py"
+train.run()
+"""
+
+
+@pytest.mark.parametrize(
+    "message,line",
+    [
+        ("Ctrl-C at step 6, checkpointed", "interrupted: Ctrl-C at step 6, checkpointed"),
+        ("", "interrupted: Ctrl-C; rerun the same command to resume from the last checkpoint"),
+    ],
+)
+def test_ctrl_c_ends_train_py_with_one_line_and_status_130(tmp_path, env, message, line):
+    """train.py stopped by a Ctrl-C says so in one line (no traceback) and exits 130, as a
+    shell reports a Ctrl-C, so `train.py && next` does not go on."""
+    args = [sys.executable, "-c", INTERRUPTED, "--config", "tiny", f"--workdir={tmp_path}"]
+    proc = subprocess.run([*args, message], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_kill9_never_corrupts_latest_checkpoint_and_resume_is_exact(
     corpus, env, tmp_path, baseline
 ):

@@ -21,6 +21,7 @@ import functools
 import os
 import pathlib
 import signal
+import threading
 import time
 from typing import Any
 
@@ -68,11 +69,15 @@ _MEMORY_FIXES = (
 
 
 class _Preempted:
-    """SIGTERM flag: the loop checkpoints and returns at the next step boundary."""
+    """SIGTERM flag: the loop checkpoints and returns at the next step boundary; so does a first
+    Ctrl-C while the steps run (``catch_interrupts``), after which the run raises
+    KeyboardInterrupt."""
 
     def __init__(self):
         self.flag = False
+        self.interrupted = False  # the flag is a Ctrl-C's
         self._old = None
+        self._old_sigint = None
 
     def __enter__(self):
         try:
@@ -86,8 +91,36 @@ class _Preempted:
         self.flag = True
 
     def __exit__(self, *exc):
+        self.release_interrupts()
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+    def catch_interrupts(self) -> None:
+        """From now until ``release_interrupts``, a first Ctrl-C (SIGINT) sets the flag and a
+        second one raises KeyboardInterrupt at once; nothing changes where Ctrl-C does not
+        raise it (ignored, a handler of the caller's) or off the main thread."""
+        old = signal.getsignal(signal.SIGINT)
+        main = threading.current_thread() is threading.main_thread()
+        if old is not signal.default_int_handler or not main:
+            return
+
+        def handle(signum, frame):
+            del signum, frame
+            self.flag = self.interrupted = True
+            self.release_interrupts()
+            logging.warning(
+                "Ctrl-C: the run stops after this step, checkpointed; Ctrl-C again stops it at "
+                "once, losing the steps since the last checkpoint"
+            )
+
+        signal.signal(signal.SIGINT, handle)
+        self._old_sigint = old
+
+    def release_interrupts(self) -> None:
+        """Ctrl-C raises KeyboardInterrupt again (as before ``catch_interrupts``)."""
+        if self._old_sigint is not None:
+            signal.signal(signal.SIGINT, self._old_sigint)
+            self._old_sigint = None
 
 
 load_config = configs.load  # a shipped config by name ("tiny") or a config file by path
@@ -302,7 +335,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     ``config``: a config (parsed here, once) or a ``RunSpec``. Bad input raises a ``UserError``
     (config, data, checkpoint) before anything in ``workdir`` is overwritten; ``max_bad_steps``
     non-finite steps in a row raise ``NonFiniteLossError``. One process at a time trains in a
-    work dir (``workdir_lock``); a new one that a refused run leaves empty is removed.
+    work dir (``workdir_lock``); a new one that a refused run leaves empty is removed. A Ctrl-C
+    while steps run ends the step, checkpoints it and then raises KeyboardInterrupt.
     """
     new = not os.path.lexists(workdir)
     try:
@@ -370,6 +404,11 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
     before.pop("preempted_at", None)
     summary = {**before, **summary}  # a rerun or resume adds to what earlier runs reported
     provenance.write_json(pathlib.Path(summary_path), summary)
+    if preempt.interrupted and "preempted_at" in summary:
+        raise KeyboardInterrupt(
+            f"Ctrl-C at step {summary['step']}, checkpointed in {ckpt.directory}; rerun the same "
+            "command to resume"
+        )
     return summary
 
 
@@ -434,6 +473,7 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
     # for the host's logging, data loading or progress bar; steps that wait for the device
     # anyway (evaluation, FP8 health, checkpoint, the last) report theirs before that work.
     pending = None
+    preempt.catch_interrupts()
     try:
         while step < num_steps and not preempt.flag:
             batch = sharding_lib.put_batch(next(train_iter), env.batch_sharding)
@@ -472,10 +512,12 @@ def _train(env: Setup, ckpt, state, step, train_iter, eval_batches, preempt):
             f"or raise config.max_bad_steps"
         ) from None
     finally:
+        preempt.release_interrupts()
         log.close()
     summary = log.summary
     if preempt.flag and step < num_steps:
-        logging.warning("SIGTERM: checkpointing step %d in %s; exiting", step, ckpt.directory)
+        why = "Ctrl-C" if preempt.interrupted else "SIGTERM"
+        logging.warning("%s: checkpointing step %d in %s; exiting", why, step, ckpt.directory)
         summary["preempted_at"] = step
     ckpt.save(step, state, train_iter.get_state(), force=True)
     if step in ckpt.refused:  # the state itself is not finite: the run has nothing to keep

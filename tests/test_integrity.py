@@ -495,6 +495,30 @@ def test_workdir_that_is_a_file_is_one_line(base, env, tmp_path):
     assert path.read_text() == "mine"
 
 
+def test_compilation_cache_dir_that_cannot_be_created_is_one_line(tmp_path):
+    """config.compilation_cache_dir naming a file: a one-line ConfigError naming the field
+    (before, JAX warned at every compile and the run went on without its cache)."""
+    import jax
+
+    from fp8jax.trainer import loop
+
+    path = tmp_path / "cache"
+    path.write_text("mine")
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with pytest.raises(errors.ConfigError) as info:
+            loop.use_compilation_cache(str(path))
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert str(info.value) == (
+        f"config.compilation_cache_dir={str(path)!r} cannot hold compiled programs (a file, not a "
+        "folder); name a folder you can write, or '' for no compilation cache"
+    )
+    assert path.read_text() == "mine"
+
+
 # --- non-finite weights: import and export ---------------------------------------------------
 
 

@@ -412,12 +412,23 @@ def _train_and_evaluate(config, workdir: str, locks: contextlib.ExitStack) -> di
     return summary
 
 
-def use_compilation_cache(directory: str) -> None:
+def use_compilation_cache(directory: str, name: str = "config.compilation_cache_dir") -> None:
     """Keep compiled XLA programs in ``directory`` (JAX's persistent cache) so reruns skip
-    compiling; '' leaves JAX's setting alone, and so does a cache the user set up."""
+    compiling; '' leaves JAX's setting alone, and so does a cache the user set up. A folder
+    that cannot be created (a file of that name, a read-only mount) is a one-line ConfigError
+    naming the setting ``name``, not a JAX warning at every compile."""
     if not directory or jax.config.jax_compilation_cache_dir:
         return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    path = os.path.expanduser(directory)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        why = "a file, not a folder" if os.path.isfile(path) else e.strerror or e
+        raise errors.ConfigError(
+            f"{name}={directory!r} cannot hold compiled programs ({why}); name a folder you can "
+            "write, or '' for no compilation cache"
+        ) from None
+    jax.config.update("jax_compilation_cache_dir", path)
 
 
 def _restore_or_init(env: Setup, ckpt: Checkpointer, train_iter, params=None, moe_state=None):

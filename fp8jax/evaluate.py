@@ -43,8 +43,9 @@ def main(argv):
         cli.fail(f"unexpected arguments {argv[1:]}")
     with cli.user_errors():
         from fp8jax import errors
-        from fp8jax.trainer import inference
+        from fp8jax.trainer import environment, inference
 
+        environment.check_compute_dtype(_DTYPE.value, "--dtype")
         inf = inference.load(_CKPT.value, _LEVEL.value, _DTYPE.value)
         seq_len = _SEQ_LEN.value
         if seq_len is None:

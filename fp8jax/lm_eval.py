@@ -213,7 +213,7 @@ def model_class() -> type:
             super().__init__()
             if not ckpt:
                 raise errors.ConfigError("no checkpoint: pass --model_args ckpt=DIR")
-            from fp8jax.trainer import inference
+            from fp8jax.trainer import environment, inference
 
             for name, value, choices in (
                 ("level", level, inference.LEVELS),
@@ -221,6 +221,8 @@ def model_class() -> type:
             ):
                 if value is not None:  # named as the user set them, before the checkpoint loads
                     errors.check_choice(value, choices, f"--model_args {name}")
+            if dtype is not None:
+                environment.check_compute_dtype(dtype, "--model_args dtype")
             self.backend_ = Backend(ckpt, level, dtype, _batch_size(batch_size), max_gen_toks)
             self.tokenizer = self.backend_.tokenizer
             self.ckpt = str(ckpt)

@@ -148,6 +148,7 @@ def parse(config) -> RunSpec:
             fields.validate(config, base.declarations())  # each field's type and range
             fp8, model = _fp8_and_model(config.model, config.fp8)
             optim = _optim(config)
+            _check_float16_adam(fp8, model, optim)
             if not config.init_from:  # else the checkpoint's max_len, checked on import
                 _check_shapes(model, optim)
             mesh = MeshSpec(**{f.name: config.mesh[f.name] for f in dataclasses.fields(MeshSpec)})
@@ -280,6 +281,20 @@ def _optim(c) -> OptimSpec:
             f"{c.grad_accum_steps}: change one of them"
         )
     return OptimSpec(**{f.name: c[f.name] for f in dataclasses.fields(OptimSpec)})
+
+
+def _check_float16_adam(fp8: Fp8Spec, model: ModelConfig, optim: OptimSpec) -> None:
+    """Below O2 Adam's moments are in the weights' dtype: in float16 an eps that rounds to 0
+    divides by 0 wherever a squared gradient underflows, and the weights turn Inf in steps."""
+    if fp8.storage.fp8_adam or jnp.dtype(model.param_dtype) != jnp.float16:
+        return
+    if jnp.float16(optim.eps) == 0:
+        raise ConfigError(
+            f"model.param_dtype='float16' at fp8.level {fp8.level} keeps Adam's moments in "
+            f"float16, where eps={optim.eps} rounds to 0: the update divides by 0 wherever a "
+            "squared gradient underflows and the weights turn Inf within a few steps; use "
+            "param_dtype 'float32' or 'bfloat16', fp8.level O2, or raise eps (e.g. 1e-4)"
+        )
 
 
 def _check_shapes(model: ModelConfig, optim: OptimSpec) -> None:

@@ -369,6 +369,7 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.generate", ["--prompt=a", "--level=O7"], "--level"),
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt"], "does not exist"),
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt", "--seq_len=0"], "--seq_len=0: use"),
+        ("fp8jax.evaluate", ["--data=x.txt", "--dtype=float16"], "no matmuls on a CPU"),
         ("fp8jax.generate", ["--prompt=It is", "--max_new_tokens=0"], "--max_new_tokens=0: use"),
         ("fp8jax.generate", ["--prompt=a", "--max_new_tokens=40"], "--max_new_tokens to at most"),
         ("fp8jax.generate", ["--prompt=a", "--chat"], "has no chat template"),

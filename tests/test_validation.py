@@ -287,6 +287,39 @@ def _cli(*flags: str, devices: int = 1, code: str | None = None) -> subprocess.C
     )
 
 
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        (
+            {"model.param_dtype": "float16"},
+            "model.param_dtype='float16' at fp8.level O1 keeps Adam's moments in float16, where "
+            "eps=1e-08 rounds to 0",
+        ),
+        ({"model.dtype": "float16"}, "config.model.dtype='float16' has no matmuls on a CPU"),
+    ],
+)
+def test_float16_that_cannot_train_here_is_refused(
+    fields, fragment, tmp_path, no_work_after_validation
+):
+    """float16 weights under plain Adam with an eps float16 rounds to 0 (the weights turned
+    Inf within 2 steps), and float16 compute on a CPU (XLA's CPU dot has no float16; a
+    traceback from the first compile): refused in one line before any work."""
+    c = tiny()
+    for field, value in fields.items():
+        set_field(c, field, value)
+    workdir = tmp_path / "work"
+    with pytest.raises(errors.ConfigError) as info:
+        train_lib.train_and_evaluate(c, str(workdir))
+    assert fragment in str(info.value) and "\n" not in str(info.value), info.value
+    assert not workdir.exists()
+    # float16 weights train at O2 (its fused Adam computes in float32) or with a larger eps.
+    for field, value in {"fp8.level": "O2", "eps": 1e-4}.items():
+        d = tiny()
+        d.model.param_dtype = "float16"
+        set_field(d, field, value)
+        spec.parse(d)
+
+
 def test_o3_with_fsdp_validates():
     code = (
         "from fp8jax import spec as s; from fp8jax.trainer import environment as e, loop as t; "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from fp8jax import errors
@@ -17,6 +19,7 @@ from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
 
 __all__ = [
+    "check_compute_dtype",
     "check_corpus",
     "check_environment",
     "check_platform",
@@ -74,11 +77,25 @@ def check_corpus(run: RunSpec) -> None:
 
 
 def check_platform(model: ModelConfig, mesh: Mesh) -> None:
-    """Raise a ConfigError if the model asks for a GPU-only kernel that the devices lack."""
+    """Raise a ConfigError if the model asks for a GPU-only kernel or compute dtype that the
+    devices lack."""
     platform = mesh.devices.flat[0].platform
+    check_compute_dtype(model.dtype, "config.model.dtype", platform)
     if model.attention_impl == "cudnn" and platform != "gpu":
         # jax.nn.dot_product_attention would fail deep inside tracing with "cuDNN is not detected".
         raise ConfigError(
             f"model.attention_impl='cudnn' (cuDNN flash attention) needs an NVIDIA GPU, but JAX "
             f"runs on {platform}: add --config.model.attention_impl=xla to run this config here"
+        )
+
+
+def check_compute_dtype(dtype, name: str, platform: str | None = None) -> None:
+    """Raise a ConfigError naming the setting ``name`` if ``dtype`` cannot compute on
+    ``platform`` (default: JAX's backend): XLA's CPU backend has no float16 matmuls (it fails
+    deep inside the first compile)."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu" and np.dtype(dtype) == np.float16:
+        raise ConfigError(
+            f"{name}='float16' has no matmuls on a CPU (XLA's CPU backend lacks float16 dots): "
+            "use float32 or bfloat16 here"
         )

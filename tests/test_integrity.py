@@ -589,6 +589,25 @@ def test_export_refuses_non_finite_output(exported, dtype, scale, fragment, tmp_
     assert not out.exists() and not list(tmp_path.glob(".out.tmp*"))
 
 
+def test_init_from_names_the_architecture_fields_it_does_not_use(exported, tmp_path, caplog):
+    """config.init_from takes the checkpoint's architecture: a model field the config sets
+    otherwise (on the command line, say) is named in a warning, not dropped unseen."""
+    import logging
+
+    from fp8jax import spec
+    from fp8jax.trainer import loop
+
+    arch = hf_io.architecture(exported)
+    width = arch["d_model"]
+    c = loop.load_config("tiny")
+    c.init_from, c.model.d_model, c.seq_len = str(exported), 2 * width, arch["max_len"]
+    with caplog.at_level(logging.WARNING):
+        run, _, _ = loop.from_checkpoint(spec.parse(c), str(tmp_path / "work"))
+    assert run.model.d_model == width
+    assert f"model.d_model={2 * width} (the checkpoint's: {width})" in caplog.text, caplog.text
+    assert not (tmp_path / "work").exists()
+
+
 def test_truncated_safetensors_is_one_line(exported, env, tmp_path):
     """model.safetensors cut to half its size: ``hf.load`` raises a one-line CheckpointError
     naming the file, and ``python -m fp8jax.hf.export_cli`` exits 2 with that line, no output."""

@@ -250,6 +250,18 @@ def from_checkpoint(run: RunSpec, workdir: str) -> tuple[RunSpec, Any, Any]:
             f"seq_len={run.optim.seq_len} exceeds the max_len={model.max_len} of the model in "
             f"{path}: lower seq_len"
         )
+    unused = [
+        f"model.{f.name}={getattr(run.model, f.name)!r} (the checkpoint's: "
+        f"{getattr(model, f.name)!r})"
+        for f in dataclasses.fields(model)
+        if getattr(model, f.name) != getattr(run.model, f.name)
+    ]
+    if unused and not resumed:  # set on the command line, they would be dropped unseen
+        logging.warning(
+            "config.init_from: the architecture is that of %s; the config's %s not used",
+            path,
+            ", ".join(unused) + (" is" if len(unused) == 1 else " are"),
+        )
     return dataclasses.replace(run, model=model), tokenizer, params
 
 

@@ -688,6 +688,32 @@ def test_unreadable_tokenizer_json_is_one_line(source, request, tmp_path):
     assert msg.startswith(f"{path} is not a readable tokenizer.json (") and "; restore" in msg
 
 
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("norm_eps", -1.0, "model.norm_eps=-1.0: use a finite number in (0, 1)"),
+        ("rope_theta", float("nan"), "model.rope_theta=nan: use a finite number > 1"),
+        ("qk_norm", "xyz", "unknown model.qk_norm 'xyz'"),
+        ("moe", {"experts": 8}, "unexpected keyword argument 'experts'"),
+    ],
+)
+def test_edited_model_record_is_one_line(trained, tmp_path, field, value, fragment):
+    """A work dir's model.json edited to a value its config field refuses (a negative norm_eps
+    generated NaN that was blamed on the weights) or a malformed MoE record: ``hf.load`` (and so
+    generate, evaluate, the exports) raises a one-line CheckpointError naming the file."""
+    import json
+
+    copy = tmp_path / "work"
+    shutil.copytree(trained, copy)
+    record = copy / "model.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), field: value}))
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(copy)
+    msg = str(info.value)
+    assert msg.startswith(f"{record} records an invalid model (") and fragment in msg, msg
+    assert msg.endswith("; restore the file"), msg
+
+
 def _read_only(*args, **kwargs):
     raise OSError(errno.EROFS, "Read-only file system")
 

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fp8jax.errors import CheckpointError
+from fp8jax.configs import base, fields
+from fp8jax.errors import CheckpointError, ConfigError
 from fp8jax.models.config import Architecture, ModelConfig, MoeSpec, RopeScaling
 from fp8jax.models.families import FAMILIES, Family
 
@@ -119,10 +120,20 @@ def from_json(value: dict[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{where} lacks the model fields {missing}; it is incomplete")
     out = {k: value.get(k, _DEFAULTS.get(k)) for k in ARCHITECTURE_FIELDS}
-    if out["rope_scaling"] is not None:
-        out["rope_scaling"] = RopeScaling(**out["rope_scaling"])
-    if out["moe"] is not None:
-        out["moe"] = MoeSpec(**out["moe"])
+    declared = fields.declared(base.declarations())
+    try:  # each field as its config declares it: an edited record is refused, not run
+        for k, v in out.items():
+            if f"model.{k}" in declared:
+                declared[f"model.{k}"].check(v, f"model.{k}")
+        if out["rope_scaling"] is not None:
+            out["rope_scaling"] = RopeScaling(**out["rope_scaling"])
+        if out["moe"] is not None:
+            out["moe"] = MoeSpec(**out["moe"])
+    except (ConfigError, TypeError, ValueError) as e:
+        problem = str(e).removeprefix("config.")
+        raise CheckpointError(
+            f"{where} records an invalid model ({problem}); restore the file"
+        ) from None
     if not all(isinstance(out[k], int) for k in ("vocab_size", "d_model", "max_len")):
         raise CheckpointError(f"{where} holds non-integer model sizes")
     if not math.isfinite(float(out["norm_eps"])):

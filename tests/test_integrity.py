@@ -714,6 +714,27 @@ def test_edited_model_record_is_one_line(trained, tmp_path, field, value, fragme
     assert msg.endswith("; restore the file"), msg
 
 
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("layer_norm_epsilon", -1.0, "records an invalid model (model.norm_eps=-1.0: use a"),
+        ("n_head", 0, "is malformed (ZeroDivisionError: integer modulo by zero)"),
+    ],
+)
+def test_edited_hf_config_is_one_line(exported, tmp_path, key, value, fragment):
+    """A Hugging Face config.json with a negative layer-norm epsilon (the loss was NaN, blamed
+    on the weights) or no attention heads (a traceback): one line naming the file."""
+    import json
+
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    config = copy / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), key: value}))
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(copy)
+    assert str(info.value).startswith(f"{config} {fragment}"), info.value
+
+
 def _read_only(*args, **kwargs):
     raise OSError(errno.EROFS, "Read-only file system")
 

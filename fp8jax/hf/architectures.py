@@ -82,7 +82,15 @@ def family_of(architecture: str) -> Family:
 def from_hf_config(hfc: dict[str, Any], where: str = CONFIG) -> dict[str, Any]:
     """The ModelConfig architecture fields (ARCHITECTURE_FIELDS) of a HF config.json dict."""
     name = architecture_name(hfc, where)
-    return family_of(name).from_hf_config(hfc, name, where)
+    try:
+        out = family_of(name).from_hf_config(hfc, name, where)
+    except CheckpointError:
+        raise
+    except (ArithmeticError, TypeError, ValueError) as e:  # a zero head count, a str size
+        raise CheckpointError(
+            f"{where} is malformed ({type(e).__name__}: {e}); restore it"
+        ) from None
+    return _checked(out, where)
 
 
 def export_name(model_cfg: ModelConfig) -> str:
@@ -120,24 +128,34 @@ def from_json(value: dict[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{where} lacks the model fields {missing}; it is incomplete")
     out = {k: value.get(k, _DEFAULTS.get(k)) for k in ARCHITECTURE_FIELDS}
-    declared = fields.declared(base.declarations())
-    try:  # each field as its config declares it: an edited record is refused, not run
-        for k, v in out.items():
-            if f"model.{k}" in declared:
-                declared[f"model.{k}"].check(v, f"model.{k}")
+    _checked(out, where)
+    try:
         if out["rope_scaling"] is not None:
             out["rope_scaling"] = RopeScaling(**out["rope_scaling"])
         if out["moe"] is not None:
             out["moe"] = MoeSpec(**out["moe"])
-    except (ConfigError, TypeError, ValueError) as e:
-        problem = str(e).removeprefix("config.")
-        raise CheckpointError(
-            f"{where} records an invalid model ({problem}); restore the file"
-        ) from None
+    except (TypeError, ValueError) as e:  # a malformed section
+        raise CheckpointError(f"{where} records an invalid model ({e}); restore the file") from None
     if not all(isinstance(out[k], int) for k in ("vocab_size", "d_model", "max_len")):
         raise CheckpointError(f"{where} holds non-integer model sizes")
     if not math.isfinite(float(out["norm_eps"])):
         raise CheckpointError(f"{where} holds a non-finite norm_eps")
+    return out
+
+
+def _checked(out: dict[str, Any], where: str) -> dict[str, Any]:
+    """``out``, each field checked as its config declares it (a one-line CheckpointError naming
+    ``where`` otherwise): an edited or malformed record is refused, not run."""
+    declared = fields.declared(base.declarations())
+    for k, v in out.items():
+        if f"model.{k}" in declared:
+            try:
+                declared[f"model.{k}"].check(v, f"model.{k}")
+            except ConfigError as e:
+                problem = str(e).removeprefix("config.")
+                raise CheckpointError(
+                    f"{where} records an invalid model ({problem}); restore the file"
+                ) from None
     return out
 
 

@@ -68,8 +68,8 @@ def fail(message) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors():
-    """Report a ``UserError`` raised inside as one stderr line, exit 2 (FP8JAX_DEBUG=1:
-    the traceback instead)."""
+    """Report a ``UserError`` raised inside as one stderr line, exit 2, and a Ctrl-C as one
+    line, exit 130 (as a shell reports it) (FP8JAX_DEBUG=1: the traceback instead)."""
     from fp8jax import errors
 
     try:
@@ -78,6 +78,11 @@ def user_errors():
         if os.environ.get("FP8JAX_DEBUG"):
             raise
         fail(e)
+    except KeyboardInterrupt:
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        print("interrupted: Ctrl-C", file=sys.stderr)
+        sys.exit(130)
 
 
 def run(main: Callable[[list[str]], None]) -> None:

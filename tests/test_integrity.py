@@ -177,6 +177,23 @@ def test_lock_is_exclusive_in_process_and_released_on_exit(tmp_path):
         pass
 
 
+def test_ctrl_c_in_a_command_line_is_one_line(capsys, monkeypatch):
+    """A Ctrl-C in generate, evaluate, prepare or lm_eval (``cli.user_errors``): one line and
+    exit 130 (as a shell reports a Ctrl-C), not a traceback."""
+    from fp8jax import cli
+
+    monkeypatch.delenv("FP8JAX_DEBUG", raising=False)
+    try:
+        with cli.user_errors():
+            raise KeyboardInterrupt
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:  # through to the interpreter: a traceback
+        code = "KeyboardInterrupt"
+    assert code == 130
+    assert capsys.readouterr().err == "interrupted: Ctrl-C\n"
+
+
 def test_work_dir_that_cannot_be_written_is_one_line(tmp_path):
     """A work dir whose lock file cannot be opened for writing (a read-only mount, another
     user's folder; here a folder in its place): a one-line ConfigError naming the work dir."""

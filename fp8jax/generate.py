@@ -100,6 +100,11 @@ def prompts() -> list[str]:
                 found += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise errors.ConfigError(f"--prompts_file: {e.strerror}: {e.filename}") from None
+        except UnicodeDecodeError as e:
+            raise errors.ConfigError(
+                f"--prompts_file {_PROMPTS_FILE.value} is not UTF-8 text (byte {e.start}): save "
+                "it as UTF-8"
+            ) from None
     if not found:
         raise errors.ConfigError("no prompt: pass --prompt TEXT or --prompts_file FILE")
     return found
@@ -202,13 +207,14 @@ def main(argv):
     with cli.user_errors():
         import jax
 
-        from fp8jax import models
-        from fp8jax.trainer import generate, inference, loop
+        from fp8jax import errors, models
+        from fp8jax.trainer import environment, generate, inference, loop
 
         texts = prompts()
-        loop.use_compilation_cache(_CACHE.value)
+        loop.use_compilation_cache(_CACHE.value, "--compilation_cache_dir")
         t0 = time.perf_counter()
         dtype = _DTYPE.value or inference.default_dtype()
+        environment.check_compute_dtype(dtype, "--dtype")
         stages: dict[str, float] = {}
         compiles = []
 
@@ -225,8 +231,13 @@ def main(argv):
             ids, stop = encoded(planned.tokenizer, texts)
             max_new = _MAX_NEW.value
             if not flags.FLAGS["max_new_tokens"].present:  # the default fits the model's context
-                longest = max(len(p) for p in ids) or 1
-                max_new = max(min(max_new, planned.model_cfg.max_len - longest), 1)
+                longest, context = max(len(p) for p in ids) or 1, planned.model_cfg.max_len
+                if longest >= context:  # no room for one token: the prompt is what to change
+                    raise errors.ConfigError(
+                        f"a prompt has {longest} tokens, the model's context {context}: shorten "
+                        f"it to at most {context - 1} tokens"
+                    )
+                max_new = min(max_new, context - longest)
             jsonl = _OUTPUT.value == "jsonl"
             streaming = _STREAM.value and not jsonl and len(texts) == 1
             watched = streaming or stop or jsonl or _VERBOSE.value

@@ -194,11 +194,18 @@ def _with_specials(tok: tokenizers.Tokenizer, directory: Path) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; {} where there is no such file. A file that is not one is a
+    one-line ValueError: its EOS, BOS or chat template must not vanish unseen."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return value if isinstance(value, dict) else {}
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not JSON text"
+        raise ValueError(f"{path} is unreadable ({why}); restore it or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object; restore it")
+    return value
 
 
 def _special_ids(tok: tokenizers.Tokenizer, files: list[dict], kind: str) -> list[int]:

@@ -297,6 +297,16 @@ def test_tokenizer_ids_equal_transformers(tmp_path, bos):
     assert (ours.encode("a b")[0] == 0) is bos
 
 
+@pytest.mark.parametrize("text", ['{"eos_token": "</s>"', '["eos_token"]'])
+def test_special_tokens_file_that_is_no_json_object_is_one_line(tmp_path, text):
+    """A tokenizer_config.json cut short (or not an object) is refused naming it: its EOS, BOS
+    and chat template must not vanish unseen."""
+    save_hf_tokenizer(byte_bpe(TEXTS, bos=True), tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json (is unreadable|holds a list)"):
+        tokenizer_lib.load_hf(tmp_path)
+
+
 def test_fp8jax_tokenizer_unchanged(tmp_path):
     tok = tokenizer_lib.train(TEXTS * 4, 300, min_frequency=1)
     tok.save(tmp_path / "t.json")

@@ -53,7 +53,7 @@ def latest_step_dir(workdir: Path) -> Path:
     steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
     if not steps:
         raise CheckpointError(
-            f"{folder} holds no finished checkpoint; train longer (loop.checkpoint_every_steps) "
+            f"{folder} holds no finished checkpoint; train longer (config.checkpoint_every_steps) "
             "or point at a work dir that has one"
         )
     return folder / str(max(steps))
@@ -75,8 +75,8 @@ def architecture(workdir: Path) -> dict[str, Any]:
     path = workdir / provenance.MODEL_RECORD
     if not path.is_file():
         raise CheckpointError(
-            f"{path} is missing: the work dir does not record its model; pass model_cfg_base "
-            "with the architecture it was trained with"
+            f"{path} is missing: the work dir does not record its model; restore it, or rerun "
+            "train.py on this work dir with the config it was trained with (which writes it)"
         )
     return architectures.from_json(architectures.read_json(path), str(path))
 

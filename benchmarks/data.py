@@ -469,7 +469,8 @@ def prepare_rows(
         for w in workers:
             shards = work / f"shards_{fmt}_w{w}"
             shutil.rmtree(shards, ignore_errors=True)
-            cmd = [sys.executable, "-m", "fp8jax.prepare", src, "--tokenizer", tok]
+            # INFO verbosity: the encoder's "encoded ... MB" line gives the processes it used.
+            cmd = [sys.executable, "-m", "fp8jax.prepare", src, "--tokenizer", tok, "-v", "0"]
             cmd += ["--out", str(shards), "--workers", str(w)]
             print(f"prepare {fmt} x {w} workers ...", flush=True)
             r = measure(cmd, logs / f"prepare_{fmt}_w{w}.txt", env, args.row_timeout)
@@ -627,7 +628,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out).resolve()
     (out / "logs").mkdir(exist_ok=True)
     cores = len(os.sched_getaffinity(0))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    # The checkout first, then whatever the caller's path holds (packages installed beside it).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     work = pathlib.Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     root = work / f"corpus_{args.size_mb:g}MB_seed{args.seed}"

@@ -253,11 +253,16 @@ def abstract_variables(model_cfg: ModelConfig) -> dict:
     return jax.tree.map(lambda s: s, _traced_variables(model_cfg))  # a copy the caller may edit
 
 
-_TRACING = threading.Lock()  # one trace per config, also when two threads ask at once
+# One trace per config, also when two threads ask for it at once; two configs trace side by
+# side (a checkpoint's load traces its params while a compile thread traces the FP8 model).
+_TRACING: dict[ModelConfig, threading.Lock] = {}
+_TRACING_LOCK = threading.Lock()
 
 
 def _traced_variables(model_cfg: ModelConfig) -> dict:
-    with _TRACING:
+    with _TRACING_LOCK:
+        lock = _TRACING.setdefault(model_cfg, threading.Lock())
+    with lock:
         return _trace_variables(model_cfg)
 
 

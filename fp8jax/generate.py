@@ -208,9 +208,13 @@ def main(argv):
         import jax
 
         from fp8jax import errors, models
-        from fp8jax.trainer import environment, generate, inference, loop
+        from fp8jax.trainer import environment, generate, inference, loop, sampling
 
         texts = prompts()
+        try:  # the sampling flags first, named as the command line spells them
+            sampling.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
+        except errors.ConfigError as e:
+            raise errors.ConfigError(f"--{e}") from None  # each message starts with the field
         loop.use_compilation_cache(_CACHE.value, "--compilation_cache_dir")
         t0 = time.perf_counter()
         dtype = _DTYPE.value or inference.default_dtype()

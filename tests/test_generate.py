@@ -367,7 +367,7 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.generate", ["--prompt=" + "x " * 40, "--max_new_tokens=8"], "context of 32"),
         ("fp8jax.generate", ["--prompt=" + "x " * 40], "shorten it to at most 31 tokens"),
         ("fp8jax.generate", ["--prompt=a", "--dtype=float16"], "no matmuls on a CPU"),
-        ("fp8jax.generate", ["--prompt=a", "--top_p=2"], "top_p=2.0"),
+        ("fp8jax.generate", ["--prompt=a", "--top_p=2"], "--top_p=2.0: use"),
         ("fp8jax.generate", ["--prompt=a", "--level=O7"], "--level"),
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt"], "does not exist"),
         ("fp8jax.evaluate", ["--data=/nonexistent/x.txt", "--seq_len=0"], "--seq_len=0: use"),

@@ -133,10 +133,22 @@ def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, t
     assert len(health) == 3, health
     assert all(r["fp8_max_saturated"] <= metrics_lib.HEALTH_WARN_SHARE for r in health), health
     assert "clip at the format max" not in caplog.text
-    again = train_lib.train_and_evaluate(config, str(tmp_path))
-    assert again == first
-    assert json.loads((tmp_path / "summary.json").read_text()) == first
-    assert "already reached step 3" in caplog.text
+    # The rerun reads no array (its step is checked from the metadata), and a config of
+    # another model is still refused, leaving the work dir as it was.
+    from fp8jax import errors
+    from fp8jax.trainer import checkpoint
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint.Checkpointer, "restore", lambda *a: pytest.fail("arrays read"))
+        again = train_lib.train_and_evaluate(config, str(tmp_path))
+        assert again == first
+        assert json.loads((tmp_path / "summary.json").read_text()) == first
+        assert "already reached step 3" in caplog.text
+        model_json = (tmp_path / "model.json").read_text()
+        wider = small_config(corpus, **{"model.d_ff": 2 * config.model.d_ff})
+        with pytest.raises(errors.CheckpointMismatchError, match="another model or config"):
+            train_lib.train_and_evaluate(wider, str(tmp_path))
+        assert (tmp_path / "model.json").read_text() == model_json
 
     caplog.clear()
     longer = small_config(corpus, num_train_steps=5)

@@ -199,13 +199,7 @@ class Checkpointer:
                 f"checkpoint {path} changed on disk since it was saved ({changed}); "
                 f"{self._fallback(step)}"
             )
-        target, renamed = _as_saved(path, abstract_state)
-        mismatch = _mismatch(path, target)
-        if mismatch:
-            raise CheckpointMismatchError(
-                f"checkpoint {path} was written by another model or config: {mismatch}; resume "
-                f"with the config that wrote it or start a fresh --workdir"
-            )
+        target, renamed = self._checked_target(path, abstract_state)
         failure = None
         with _muted_background_errors() as failed:
             try:
@@ -246,6 +240,25 @@ class Checkpointer:
             )
         data_state = self._check_positions(step, state, restored["data"])
         return state, data_state
+
+    def check(self, abstract_state, step: int | None = None) -> None:
+        """Refuse (one-line CheckpointMismatchError) a step (default latest) whose saved arrays
+        differ from ``abstract_state`` in names, shapes or dtypes, from its metadata alone: no
+        array is read (a finished run's rerun, which uses none of them)."""
+        step = self.latest_step() if step is None else step
+        self._checked_target(os.path.join(self.directory, str(step)), abstract_state)
+
+    @staticmethod
+    def _checked_target(path: str, abstract_state):
+        """``_as_saved``'s target of the step at ``path``; another model's step is refused."""
+        target, renamed = _as_saved(path, abstract_state)
+        mismatch = _mismatch(path, target)
+        if mismatch:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was written by another model or config: {mismatch}; resume "
+                f"with the config that wrote it or start a fresh --workdir"
+            )
+        return target, renamed
 
     def _check_positions(self, step: int, state, data_state) -> dict:
         """``data_state`` without the offset, if directory, state and data agree on ``step``."""

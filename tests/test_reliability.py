@@ -773,7 +773,9 @@ def test_bad_input_is_one_line_error_and_overwrites_nothing(case, corpus, env, t
     if prepare:
         prepare(workdir)
     before = _snapshot(workdir)
-    args = cli(workdir, corpus, *[f.format(workdir=workdir) for f in flags])
+    # A resume to step 50 (a finished run's rerun reads no checkpoint array: nothing to refuse).
+    more = "--config.num_train_steps=50"
+    args = cli(workdir, corpus, more, *[f.format(workdir=workdir) for f in flags])
     proc = run_cli(args, env)
     lines = proc.stderr.strip().splitlines()
     errors_ = [line for line in lines if line.startswith("error: ")]

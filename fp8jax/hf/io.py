@@ -42,6 +42,7 @@ __all__ = [
     "export",
     "load",
     "load_hf_params",
+    "load_params",
     "model_config",
     "safetensors_files",
     "save_hf",
@@ -141,6 +142,13 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     path = Path(path).expanduser().absolute()  # orbax restores work dirs from absolute paths
     model_cfg = model_config(path, model_cfg_base)
     tok = tokenizer(path)  # a bad tokenizer is refused before the weights are read
+    return Loaded(model_cfg, load_params(path, model_cfg), tok)
+
+
+def load_params(path: str | os.PathLike, model_cfg: ModelConfig) -> dict[str, Any]:
+    """The params tree ``load`` gives (host numpy arrays in ``param_dtype``), read for
+    ``model_cfg`` (``model_config``'s, whose layout it takes): the weights alone."""
+    path = Path(path).expanduser().absolute()  # orbax restores work dirs from absolute paths
     if _kind(path) == "workdir":
         saved_cfg = dataclasses.replace(model_cfg, **workdir.layout(path))
         flat = workdir.restore_params(path, saved_cfg)
@@ -148,7 +156,7 @@ def load(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> 
     else:
         with _timing.stage("read"):
             flat = load_hf_params(path, model_cfg)
-    return Loaded(model_cfg, weights.unflatten(flat), tok)
+    return weights.unflatten(flat)
 
 
 def model_config(path: str | os.PathLike, model_cfg_base: ModelConfig | None = None) -> ModelConfig:

@@ -84,7 +84,7 @@ class Plan:
     reads the arrays."""
 
     path: Path
-    base: models.ModelConfig  # the training fields ``hf.load`` takes
+    params_cfg: models.ModelConfig  # the checkpoint's model as its params are read (no recipe)
     model_cfg: models.ModelConfig  # as the model runs: the recipe at O1
     level: str
     tokenizer: Any
@@ -103,16 +103,16 @@ class Plan:
         biases."""
         from fp8jax import hf  # the Hugging Face readers, only when a checkpoint is read
 
-        loaded = hf.load(self.path, self.base)
+        params = hf.load_params(self.path, self.params_cfg)
         cfg, fp8 = self.model_cfg, {}
         if self.level == "O1":
             stored = self.stored_fp8 and restore_fp8_state(self.path, cfg, cfg.recipe)
             fp8 = stored[1] if stored else fresh_fp8_state(cfg)
         with _timing.stage("to device"):  # one batched transfer, committed to no device
-            params = jax.block_until_ready(jax.device_put(loaded.params))
+            params = jax.block_until_ready(jax.device_put(params))
         moe_state = restore_moe_state(self.path, cfg) if self.has_ckpt else fresh_moe_state(cfg)
         model = models.build_model(cfg)
-        return Inference(model, params, fp8, loaded.tokenizer, self.level, moe_state)
+        return Inference(model, params, fp8, self.tokenizer, self.level, moe_state)
 
 
 def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
@@ -130,7 +130,7 @@ def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
     record = provenance.read_json(path / provenance.MODEL_RECORD) or {}
     layout = {k: record[k] for k in LAYOUT_FIELDS if k in record}
     base = dataclasses.replace(hf.default_model_cfg(), dtype=jnp.dtype(dtype), **layout)
-    cfg = hf.model_config(path, base)
+    params_cfg = hf.model_config(path, base)
     tokenizer = hf.tokenizer(path)
     # A rowwise or block run's state holds amaxes only: its recipe comes from model.json.
     trained = fine_recipe(record) or scaling.DelayedScaling()
@@ -138,6 +138,7 @@ def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
     # The FP8 state only where O1 may run (at O0 reading it would only cost time).
     history_len = saved_history_len(path) if has_ckpt and level != "O0" else None
     level = level or ("O1" if history_len is not None else "O0")
+    cfg = params_cfg
     if level == "O1":
         if history_len is None:
             logging.warning(
@@ -149,7 +150,7 @@ def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
         else:
             recipe = dataclasses.replace(trained, history_len=history_len)
         cfg = dataclasses.replace(cfg, recipe=recipe)
-    return Plan(path, base, cfg, level, tokenizer, history_len is not None, has_ckpt)
+    return Plan(path, params_cfg, cfg, level, tokenizer, history_len is not None, has_ckpt)
 
 
 def load(path: str, level: str | None = None, dtype: str = "float32") -> Inference:
@@ -221,17 +222,23 @@ def saved_moe_state(workdir: Path) -> dict:
     return workdir_lib.restore_host(state_dir, moe.MOE_STATE, saved)
 
 
-def saved_history_len(workdir: Path) -> int | None:
-    """The amax history length of the FP8 state the work dir's latest checkpoint saved (from
-    its metadata), None where it saved none (an O0 run)."""
+def _saved_fp8(workdir: Path) -> tuple[Path, Any, int | None]:
+    """``(state dir, FP8 state metadata, amax history length)`` of the work dir's latest
+    checkpoint; the metadata and length None where it saved no FP8 state (an O0 run)."""
     from fp8jax.hf import workdir as workdir_lib
 
     state_dir = workdir_lib.latest_step_dir(workdir) / "state"
     saved = workdir_lib.state_metadata(state_dir).get("fp8")
     if not saved:
-        return None
+        return state_dir, None, None
     histories = [m.shape[-1] for m in jax.tree.leaves(saved) if len(m.shape) >= 1]
-    return max(histories) - 1  # amax_history holds history_len + 1 slots
+    return state_dir, saved, max(histories) - 1  # amax_history holds history_len + 1 slots
+
+
+def saved_history_len(workdir: Path) -> int | None:
+    """The amax history length of the FP8 state the work dir's latest checkpoint saved (from
+    its metadata), None where it saved none (an O0 run)."""
+    return _saved_fp8(workdir)[2]
 
 
 def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scaling.Recipe):
@@ -239,11 +246,9 @@ def restore_fp8_state(workdir: Path, model_cfg: models.ModelConfig, recipe: scal
     trained with (its history length read from the checkpoint), or None at O0."""
     from fp8jax.hf import workdir as workdir_lib
 
-    history_len = saved_history_len(workdir)
-    if history_len is None:
+    state_dir, saved, history_len = _saved_fp8(workdir)
+    if saved is None:
         return None
-    state_dir = workdir_lib.latest_step_dir(workdir) / "state"
-    saved = workdir_lib.state_metadata(state_dir)["fp8"]
     cfg = dataclasses.replace(
         model_cfg, recipe=dataclasses.replace(recipe, history_len=history_len)
     )

@@ -26,7 +26,7 @@ import json
 import sys
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from fp8jax import _timing, cli
 from fp8jax.configs import base
@@ -257,7 +257,7 @@ def main(argv):
             )
             inf = _load_beside(planned, ahead)
             load_s = time.perf_counter() - t0
-            wait_s = _wait_for(ahead)
+            wait_s = generate.wait_for_compile(ahead)
             ahead_s = time.perf_counter() - ahead_from if ahead is not None else 0.0
             stream = None
             if watched:
@@ -310,19 +310,6 @@ def _load_beside(planned, ahead):
         if ahead is not None:
             concurrent.futures.wait([ahead])
         raise
-
-
-def _wait_for(ahead) -> float:
-    """Seconds spent waiting for ``compile_ahead``'s programs; a failed compile is logged (the
-    call compiles them itself)."""
-    if ahead is None:
-        return 0.0
-    t0 = time.perf_counter()
-    try:
-        ahead.result()
-    except Exception as e:
-        logging.warning("compiling ahead failed (%s); compiling in the call", e)
-    return time.perf_counter() - t0
 
 
 def write_now(row: int, text: str) -> None:

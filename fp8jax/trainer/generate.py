@@ -47,6 +47,7 @@ from fp8jax.trainer.sampling import GREEDY, Sampling
 __all__ = [
     "BANDWIDTH",
     "Buckets",
+    "COMPILE_THREAD",
     "Decoder",
     "MIN_BUCKET",
     "SAMPLE_TEMPERATURE",
@@ -55,7 +56,6 @@ __all__ = [
     "allowed_ids",
     "bucket",
     "buckets_for",
-    "COMPILE_THREAD",
     "compile_ahead",
     "compile_sample",
     "compiling_ahead",
@@ -65,6 +65,7 @@ __all__ = [
     "end_sample",
     "generate",
     "generate_ids",
+    "wait_for_compile",
 ]
 
 MIN_BUCKET = 8  # smallest padded prompt / cache length (powers of two above it)
@@ -285,12 +286,9 @@ class Decoder:
             p = optim.materialize(p)
             return p.astype(dtype) if read_in_dtype(path, p) else p
 
-        changes = lambda path, p: (
-            optim.is_scaled(p)
-            or (  # noqa: E731
-                read_in_dtype(path, p) and p.dtype != dtype
-            )
-        )
+        def changes(path, p) -> bool:  # a master to materialize, or a weight to cast
+            return optim.is_scaled(p) or (read_in_dtype(path, p) and p.dtype != dtype)
+
         leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=optim.is_scaled)
         if not any(changes(path, p) for path, p in leaves):
             return {}
@@ -677,6 +675,19 @@ def compile_sample(
     return compile_ahead(model, shapes, tokenizer, [prompt_len], n)
 
 
+def wait_for_compile(ahead: concurrent.futures.Future | None) -> float:
+    """Seconds spent waiting for ``compile_ahead``'s future (None: 0); a failed compile is
+    logged, and the call that follows compiles its programs itself."""
+    if ahead is None:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        ahead.result()
+    except Exception as e:
+        logging.warning("compiling ahead failed (%s); compiling in the call", e)
+    return time.perf_counter() - t0
+
+
 def compiling_ahead() -> bool:
     """Whether a ``compile_ahead`` thread is still compiling in this process."""
     return any(t.name == COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
@@ -694,12 +705,7 @@ def end_sample(
     its time: the text a training run ends with. ``compiled``: ``compile_sample``'s future,
     waited for first (a failed compile is logged and the call compiles as usual)."""
     t0 = time.perf_counter()
-    if compiled is not None:
-        try:
-            compiled.result()
-        except Exception as e:  # the sample then compiles its programs itself
-            logging.warning("compiling the sample ahead failed (%s); compiling it now", e)
-    wait = time.perf_counter() - t0
+    wait = wait_for_compile(compiled)
     _, n = _sample_length(model, tokenizer, max_new_tokens, prompt)
     (text,) = generate(
         model,

@@ -67,9 +67,10 @@ def fail(message) -> NoReturn:
 
 
 @contextlib.contextmanager
-def user_errors():
+def user_errors(interrupted: str = "Ctrl-C"):
     """Report a ``UserError`` raised inside as one stderr line, exit 2, and a Ctrl-C as one
-    line, exit 130 (as a shell reports it) (FP8JAX_DEBUG=1: the traceback instead)."""
+    line, exit 130 (as a shell reports it): ``interrupted: <its message, else interrupted>``
+    (FP8JAX_DEBUG=1: the traceback instead)."""
     from fp8jax import errors
 
     try:
@@ -78,10 +79,10 @@ def user_errors():
         if os.environ.get("FP8JAX_DEBUG"):
             raise
         fail(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if os.environ.get("FP8JAX_DEBUG"):
             raise
-        print("interrupted: Ctrl-C", file=sys.stderr)
+        print(f"interrupted: {str(e) or interrupted}", file=sys.stderr)
         sys.exit(130)
 
 

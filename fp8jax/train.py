@@ -127,24 +127,16 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; set fields as --config.<field>=<value>")
     _default_xla_flags()
     # Imported after flag parsing so `--help` and config errors are fast.
-    from fp8jax import cli, errors
+    from fp8jax import cli
     from fp8jax.trainer.loop import train_and_evaluate
 
     logging.set_verbosity(logging.INFO)
     cli.quiet_jax_backend_probe()
     cli.drop_closed_event_loop_errors()
+    # Bad input: one line, exit 2; Ctrl-C: one line and the shell's status; no traceback.
     with _ends_without_the_sample_compile():
-        try:
+        with cli.user_errors(_INTERRUPTED):
             summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-        except errors.USER_ERRORS as e:
-            if os.environ.get("FP8JAX_DEBUG"):
-                raise
-            _fail(e)
-        except KeyboardInterrupt as e:  # Ctrl-C: one line and the shell's status, no traceback
-            if os.environ.get("FP8JAX_DEBUG"):
-                raise
-            print(f"interrupted: {str(e) or _INTERRUPTED}", file=sys.stderr)
-            sys.exit(130)
         logging.info("done: %s", {k: v for k, v in summary.items() if k != "sample"})
 
 

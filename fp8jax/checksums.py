@@ -52,8 +52,9 @@ def _file_digests(step_dir: str, block_bytes: int | None) -> dict[str, list[str]
             path = os.path.join(root, name)
             size = os.path.getsize(path)
             step = block_bytes or max(size, 1)
-            blocks += [(path, start, min(step, size - start)) for start in range(0, size, step)]
-            blocks += [(path, 0, 0)] if size == 0 else []
+            # An empty file is one empty block (its CRC-32 is recorded too).
+            starts = range(0, max(size, 1), step)
+            blocks += [(path, start, min(step, size - start)) for start in starts]
     with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda block: _crc32(*block), blocks))
     out: dict[str, list[str]] = {}

@@ -705,6 +705,20 @@ def test_unreadable_tokenizer_json_is_one_line(source, request, tmp_path):
     assert msg.startswith(f"{path} is not a readable tokenizer.json (") and "; restore" in msg
 
 
+def _load_edited(source, tmp_path, name: str, key: str, value):
+    """``(record, pytest.raises info)``: ``hf_io.load`` of a copy of ``source`` whose JSON
+    record ``name`` has ``key`` set to ``value``, which must raise a CheckpointError."""
+    import json
+
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    record = copy / name
+    record.write_text(json.dumps({**json.loads(record.read_text()), key: value}))
+    with pytest.raises(errors.CheckpointError) as info:
+        hf_io.load(copy)
+    return record, info
+
+
 @pytest.mark.parametrize(
     "field,value,fragment",
     [
@@ -718,14 +732,7 @@ def test_edited_model_record_is_one_line(trained, tmp_path, field, value, fragme
     """A work dir's model.json edited to a value its config field refuses (a negative norm_eps
     generated NaN that was blamed on the weights) or a malformed MoE record: ``hf.load`` (and so
     generate, evaluate, the exports) raises a one-line CheckpointError naming the file."""
-    import json
-
-    copy = tmp_path / "work"
-    shutil.copytree(trained, copy)
-    record = copy / "model.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), field: value}))
-    with pytest.raises(errors.CheckpointError) as info:
-        hf_io.load(copy)
+    record, info = _load_edited(trained, tmp_path, "model.json", field, value)
     msg = str(info.value)
     assert msg.startswith(f"{record} records an invalid model (") and fragment in msg, msg
     assert msg.endswith("; restore the file"), msg
@@ -741,14 +748,7 @@ def test_edited_model_record_is_one_line(trained, tmp_path, field, value, fragme
 def test_edited_hf_config_is_one_line(exported, tmp_path, key, value, fragment):
     """A Hugging Face config.json with a negative layer-norm epsilon (the loss was NaN, blamed
     on the weights) or no attention heads (a traceback): one line naming the file."""
-    import json
-
-    copy = tmp_path / "model"
-    shutil.copytree(exported, copy)
-    config = copy / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), key: value}))
-    with pytest.raises(errors.CheckpointError) as info:
-        hf_io.load(copy)
+    config, info = _load_edited(exported, tmp_path, "config.json", key, value)
     assert str(info.value).startswith(f"{config} {fragment}"), info.value
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 import re
 
 from absl import flags
@@ -30,7 +31,9 @@ __all__ = [
     "check_number",
     "describe_flag_error",
     "field_name",
+    "folder_failure",
     "one_line",
+    "output_beside",
     "reraise_as",
 ]
 
@@ -72,6 +75,20 @@ class NonFiniteOutputError(UserError, RuntimeError):
 
 # What train.py prints as one line (FP8JAX_DEBUG=1 shows the traceback instead).
 USER_ERRORS = (UserError,)
+
+
+def folder_failure(path, e: OSError) -> str:
+    """Why the folder ``path`` could not be made (``e``): a file holds its name, else the
+    system's reason (a read-only mount, another user's folder)."""
+    return "a file, not a folder" if os.path.isfile(path) else str(e.strerror or e)
+
+
+def output_beside(out, e: OSError) -> str:
+    """The one line for an output whose staging folder beside ``out`` could not be made."""
+    return (
+        f"cannot create a folder beside {out} ({e.strerror or e}); pass an output folder in a "
+        f"folder you can write to"
+    )
 
 
 def one_line(text) -> str:

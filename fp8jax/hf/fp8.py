@@ -412,10 +412,7 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
     try:
         tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     except OSError as e:  # a read-only mount, another user's folder
-        raise errors.ConfigError(
-            f"cannot create a folder beside {out} ({e.strerror or e}); pass an output folder in "
-            f"a folder you can write to"
-        ) from None
+        raise errors.ConfigError(errors.output_beside(out, e)) from None
     try:
         weight_map, total, skipped = {}, 0, set()
         for file in headers:

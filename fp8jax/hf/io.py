@@ -22,7 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from fp8jax import _timing, provenance, spec
+from fp8jax import _timing, errors, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError
 from fp8jax.hf import architectures, weights, workdir
@@ -331,10 +331,7 @@ def save_hf(
     try:
         tmp.mkdir()
     except OSError as e:  # a read-only mount, another user's folder
-        raise CheckpointError(
-            f"cannot create a folder beside {out_dir} ({e.strerror or e}); pass an output "
-            f"folder in a folder you can write to"
-        ) from None
+        raise CheckpointError(errors.output_beside(out_dir, e)) from None
     try:
         _write_tensors(tmp, model_cfg, flat, np.dtype(dtype), max_shard_bytes)
         config = architectures.hf_config(model_cfg, tokenizer.eos_id, tokenizer.bos_id)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
-from fp8jax import provenance
+from fp8jax import errors, provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
@@ -445,7 +445,7 @@ class Text(data_format.DataFormat):
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a file of that name, a read-only mount
-                why = "a file, not a folder" if root.is_file() else e.strerror or e
+                why = errors.folder_failure(root, e)
                 raise DataError(
                     f"config.data.cache_dir={shared!r} cannot hold the token caches ({why}); "
                     "name a folder you can write, or '' for the work dir's tokens/"

@@ -435,7 +435,7 @@ def use_compilation_cache(directory: str, name: str = "config.compilation_cache_
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        why = "a file, not a folder" if os.path.isfile(path) else e.strerror or e
+        why = errors.folder_failure(path, e)
         raise errors.ConfigError(
             f"{name}={directory!r} cannot hold compiled programs ({why}); name a folder you can "
             "write, or '' for no compilation cache"

@@ -7,7 +7,8 @@ greedy, no EOS (every row runs to the end). Per batch size of ``--batches``: the
 time to the first token (the prefill program, from the call to its tokens on the host), the
 decode program's tokens/s over the remaining ``--new`` - 1 steps, and their share of the
 weight-bandwidth bound: every decode step reads each weight once, so a step takes at least
-(parameters x 2 bytes, their bf16 size) / ``--bandwidth``; at O1 the FP8 matmuls' weights are
+(parameters x 2 bytes, their bf16 size) / the HBM bandwidth (``--bandwidth``, by default the
+GPU's data sheet figure from ``BANDWIDTHS``); at O1 the FP8 matmuls' weights are
 read as E4M3 (1 byte), whose bound is the ``fp8 bound`` column. ``e2e s``: one whole
 ``generate_ids`` call, compiled.
 
@@ -26,7 +27,19 @@ import time
 
 from benchmarks import runner
 
-H200_BANDWIDTH = 4.8e12  # bytes/s, the H200 SXM data sheet's HBM3e bandwidth
+# HBM bytes/s of the data sheets, by the device kind JAX reports (SXM parts).
+BANDWIDTHS = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12}
+
+
+def device_bandwidth() -> float:
+    """The HBM bandwidth of this GPU from ``BANDWIDTHS``; pass ``--bandwidth`` for others."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    for name, bandwidth in BANDWIDTHS.items():
+        if name in kind:
+            return bandwidth
+    raise SystemExit(f"benchmarks.decode: no HBM bandwidth known for {kind!r}: pass --bandwidth")
 
 
 def config_for(run: str, quick: bool, sets=()):
@@ -83,6 +96,7 @@ def measure(
     build_s = time.perf_counter() - t0
     decoder = generate.decoder_for(cfg, step_lib.state_collection(model))
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    bandwidth = bandwidth or device_bandwidth()
     bound_s = 2 * n_params / bandwidth  # the bf16 weights, once per step
     rows = []
     for batch in batches:
@@ -192,7 +206,9 @@ def main(argv=None):
     p.add_argument("--batches", default="1,32", help="batch sizes, comma-separated")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
     p.add_argument("--new", type=int, default=256, help="tokens generated per row")
-    p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="HBM bytes/s")
+    p.add_argument(
+        "--bandwidth", type=float, default=0.0, help="HBM bytes/s (0: the GPU's data sheet's)"
+    )
     p.add_argument("--reps", type=int, default=3, help="timed prefill + decode calls")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")

@@ -122,6 +122,7 @@ def test_the_padded_layout_gives_the_unpadded_vjp(name):
     x = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
     x = x.at[sum(SIZES) :].set(1e4)  # rows past the groups: in no GEMM and no amax
     w = jnp.asarray(rng.standard_normal((len(SIZES), TILE, TILE)) * 0.1, jnp.float32)
+    w = w.at[-1].multiply(3.0)  # the stack's amax is the last group's: each group counts
     g = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
     meta = fp8jax.init_meta(recipe)
     assert grouped.padded(x, w) and not grouped.padded(x[:, :64], w[:, :64])
@@ -144,6 +145,8 @@ def test_the_padded_layout_gives_the_unpadded_vjp(name):
     assert not np.asarray(got[0])[sum(SIZES) :].any()
     for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3]), strict=True):
         np.testing.assert_array_equal(a, b)
+    pending_w = np.asarray(got[3].w.amax_history)[..., 0]
+    np.testing.assert_array_equal(pending_w, np.abs(np.asarray(w)).max())
 
 
 def _expert_step(recipe, k, n):

@@ -183,26 +183,49 @@ def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
 # Per-tensor recipes: one scale for x, one for all of w, one for dy.
 
 
+def _scales_known(meta: Fp8Meta) -> bool:
+    """Whether every scale of the GEMM comes from the state's history (delayed scaling): then
+    each cast records its amax in the same pass instead of reading the operand first."""
+    return all(s.recipe.scales_known_ahead for s in (meta.x, meta.w, meta.dy))
+
+
+def _cast_stack(w_GxKxN: jax.Array, sw: jax.Array, record: bool = True):
+    """``(wq [G, K, N], wq_t [G, N, K], amax or None)``: a weight stack in E4M3 (weights need
+    precision more than range) under one scale, in dgrad's layout and the forward's (K
+    innermost), from one read of ``w`` (``kernels.cast_transpose`` per group); the amax over
+    all groups where ``record``."""
+    cast = lambda w_KxN: kernels.cast_transpose(w_KxN, sw, formats.E4M3, record=record)  # noqa: E731
+    wq, wq_t, amax_G = jax.vmap(cast)(w_GxKxN)
+    return wq, wq_t, (jnp.max(amax_G) if record else None)
+
+
 def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     lay = grouped_mgpu.layout(gs, x.shape[0]) if padded(x, w) else None
     # The rows past the groups enter no GEMM and no amax (the padded layout drops them; its
     # zero rows leave the amax as it is). On the padded layout each group is at a tile boundary.
     x = valid_rows(x, gs) if lay is None else grouped_mgpu.pad_rows(x, lay)
-    amax_x, amax_w = formats.amax(x), formats.amax(w)  # w's over all G groups: one scale
+    # E4M3 for both forward operands: activations and weights need precision more than range.
+    if lay is not None and _scales_known(meta):
+        # Scales from the history: each operand's one pass writes both layouts and its amax.
+        # x: the rows the forward GEMM reads and the transposed copy wgrad reads; w: per group
+        # w [K, N] for dgrad and w^T [N, K] (K innermost) for this GEMM.
+        sx, sw = meta.x.scale, meta.w.scale
+        xq_pad, xq, amax_x = kernels.cast_transpose(x, sx, formats.E4M3)
+        wq, wq_t, amax_w = _cast_stack(w, sw)
+    else:
+        amax_x, amax_w = formats.amax(x), formats.amax(w)
+        sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
+        if lay is not None:
+            xq_pad, xq, _ = kernels.cast_transpose(x, sx, formats.E4M3, record=False)
+            wq, wq_t, _ = _cast_stack(w, sw, record=False)
+        else:
+            xq, wq = formats.quantize(x, sx, formats.E4M3), formats.quantize(w, sw, formats.E4M3)
     if cfg.w_split_axis is not None:  # this shard's groups: the stack's amax is the max of all
         amax_w = lax.pmax(amax_w, cfg.w_split_axis)
-    sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
-    # E4M3 for both forward operands: activations and weights need precision more than range.
-    wq = formats.quantize(w, sw, formats.E4M3)
     if lay is not None:
-        # x cast once into the rows the forward GEMM reads and the transposed copy wgrad reads
-        # (the fused cast-transpose kernel on a GPU).
-        xq_pad, xq, _ = kernels.cast_transpose(x, sx, formats.E4M3, record=False)
-        wq_t = formats.quantize(jnp.swapaxes(w, 1, 2), sw, formats.E4M3)  # K innermost
         y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
         y = grouped_mgpu.unpad_rows(y, lay)
     else:
-        xq = formats.quantize(x, sx, formats.E4M3)
         y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
     # layout), w; the GEMM read the unnamed copies, as in ops.dot (a saved residual read through
@@ -242,13 +265,18 @@ def _tensor_bwd(cfg: GemmConfig, res, cts):
     g, ct_meta = cts  # g [M, N] in the output dtype
     # On the forward's layout: the padded one (x saved as x^T [K, R]) or the rows as they are.
     g = valid_rows(g, gs) if lay is None else grouped_mgpu.pad_rows(g, lay)
-    amax_g = formats.amax(g)
-    sg = scaling.use_scale(meta.dy, amax_g)
     # dy in the recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
     # mantissa). dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for
     # an empty group.
+    if lay is not None and _scales_known(meta):  # one pass: both layouts and the amax
+        sg = meta.dy.scale
+        gq_pad, gq_t, amax_g = kernels.cast_transpose(g, sg, meta.dy.fmt)
+    else:
+        amax_g = formats.amax(g)
+        sg = scaling.use_scale(meta.dy, amax_g)
+        if lay is not None:
+            gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
     if lay is not None:
-        gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
         dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
         dx = grouped_mgpu.unpad_rows(dx, lay)
         dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)

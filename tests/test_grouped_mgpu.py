@@ -149,6 +149,49 @@ def test_the_padded_layout_gives_the_unpadded_vjp(name):
     np.testing.assert_array_equal(pending_w, np.abs(np.asarray(w)).max())
 
 
+def test_a_given_layout_keeps_the_rows_padded_and_their_padding_zero(monkeypatch):
+    """x already in the padded layout (``layout``): y and dx stay in it, equal to the sorted
+    rows' at their places and 0 in every padding row, whatever the GEMMs leave in the tiles
+    past the groups (the kernels do not write them; 7 here)."""
+    recipe = fp8jax.make_recipe("delayed")
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((len(SIZES), TILE, TILE)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((M, TILE)), jnp.float32)
+    meta = fp8jax.init_meta(recipe)
+    lay = gm.layout(_gs(), M)
+    assert (np.asarray(lay.tile_group_T) < 0).any()  # tiles past the groups exist
+    real = grouped.padded_reference
+
+    def unwritten(kind, a, b, lay, inv, out_dtype):
+        y = real(kind, a, b, lay, inv, out_dtype=out_dtype)
+        if kind == grouped.WGRAD:
+            return y
+        written_R = jnp.repeat(lay.tile_group_T >= 0, gm.TILE)
+        return jnp.where(written_R[:, None], y, jnp.asarray(7.0, y.dtype))
+
+    monkeypatch.setattr(grouped, "padded_reference", unwritten)
+
+    def vjp(x, g, gs, layout):
+        f = lambda x, w: grouped.grouped_matmul(x, w, gs, recipe, meta, layout=layout)[0]  # noqa: E731
+        y, back = jax.vjp(f, x, w)
+        return y, *back(g)
+
+    y_p, dx_p, dw_p = jax.jit(vjp)(
+        gm.pad_rows(x, lay), gm.pad_rows(g, lay), grouped.padded_sizes(lay), lay
+    )
+    y, dx, dw = jax.jit(vjp, static_argnums=3)(x, g, _gs(), None)
+    filled = np.asarray(gm.layout_rows(lay))
+    dst = np.asarray(lay.dst_M)[: sum(SIZES)]
+    for name_, padded_, plain in (("y", y_p, y), ("dx", dx_p, dx)):
+        padded_, plain = np.asarray(padded_), np.asarray(plain)
+        assert not padded_[~filled].any(), name_
+        bound = M * np.finfo(np.float32).eps * np.abs(plain).max()  # summation order only
+        np.testing.assert_allclose(padded_[dst], plain[: sum(SIZES)], rtol=0, atol=bound)
+    bound = M * np.finfo(np.float32).eps * np.abs(np.asarray(dw)).max()
+    np.testing.assert_allclose(np.asarray(dw_p), np.asarray(dw), rtol=0, atol=bound)
+
+
 def _expert_step(recipe, k, n):
     """The grad of a per-tensor or tiled expert GEMM, lowered for CUDA: its StableHLO text."""
     x = jax.ShapeDtypeStruct((M, k), jnp.bfloat16)

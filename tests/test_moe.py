@@ -14,7 +14,8 @@ from flax import linen as nn
 
 from fp8jax import errors, models, spec
 from fp8jax.models import moe
-from fp8jax.ops import rows
+from fp8jax.nn.state import FP8
+from fp8jax.ops import grouped, grouped_mgpu, rows
 from fp8jax.optim import master
 from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
@@ -240,6 +241,45 @@ def test_dispatch_and_unsort_gradients_are_gathers_equal_to_autodiff():
     results = scatter_results(jax.jit(jax.grad(loss)).lower(x).as_text())
     assert results  # the router's small scatters are there: the scan sees the program
     assert not [r for r in results if re.search(rf"tensor<\d+x{D}x", r)], results
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_fp8_experts_on_the_padded_layout_equal_the_sorted_rows(dispatch):
+    """At O1 with whole-tile widths the dispatch gathers the pairs straight into the padded
+    layout the FP8 grouped GEMMs read (``ops.grouped.dispatch_layout``): the output, the
+    gradients and every recorded amax equal those of the sorted rows' path (kernels off)."""
+    c = train_lib.load_config("moe_tiny")
+    c.fp8.level = "O1"
+    c.model.update(d_model=128, num_heads=2, num_kv_heads=2)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=128, dispatch=dispatch, capacity_factor=0.75)
+    cfg = spec.parse(c).model
+    block = moe.MoeMlp(cfg)
+    x = jax.random.normal(jax.random.key(1), (B, L, 128), jnp.float32)
+    variables = nn.unbox(block.init(jax.random.key(0), x))
+    variables = {k: v for k, v in variables.items() if k in ("params", FP8)}
+    n = B * L * 2  # token-expert pairs
+    sizes = jnp.asarray([7, 0, 12, 13], jnp.int32)
+    assert grouped.dispatch_layout(cfg.recipe, sizes, n, (128, 256), (128, 128)) is not None
+
+    def step(params, state, x):
+        def loss(params, x):
+            y, new = block.apply({"params": params, FP8: state}, x, mutable=[FP8, moe.MOE_LOSSES])
+            return jnp.sum(y.astype(jnp.float32) ** 2), new[FP8]
+
+        (value, new_state), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            params, x
+        )
+        return value, grads, new_state
+
+    got = jax.jit(step)(variables["params"], variables[FP8], x)
+    with grouped_mgpu.reference_only():  # a new function: jit's cache would return the padded
+        want = jax.jit(lambda *a: step(*a))(variables["params"], variables[FP8], x)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # The same FP8 products summed in another order (and the f32 sums of the unsort).
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1.0))
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_array_equal(a, b)  # x's, w's and dy's amaxes: the same bits
 
 
 def reference_routes_idx(cfg, variables, x):

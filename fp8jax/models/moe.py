@@ -32,7 +32,7 @@ from fp8jax.models import layers
 from fp8jax.models.config import ModelConfig, MoeSpec
 from fp8jax.models.params import INIT_STD, normal_init
 from fp8jax.nn.grouped import GroupedLinear
-from fp8jax.ops import rows
+from fp8jax.ops import grouped, grouped_mgpu, rows
 from fp8jax.parallel import expert
 
 __all__ = [
@@ -179,8 +179,6 @@ class MoeMlp(nn.Module):
         order_N = jnp.argsort(key_N, stable=True)  # pairs grouped by expert, in token order
         inv_N = jnp.argsort(order_N)  # where each pair sits among the sorted ones
         sizes_E = jnp.bincount(key_N, length=e + 1)[:e].astype(jnp.int32)  # without dropped
-        # Each pair's token row, and back (ops.rows: the gradients gather too).
-        xs_NxD = rows.repeat_rows(x_TxD, order_N // k, inv_N.reshape(b * length, k))
         # Under expert parallelism the kernels are this device's own experts (expert.split_axis).
         common = dict(
             recipe=c.recipe,
@@ -206,9 +204,10 @@ class MoeMlp(nn.Module):
             **common,
         )
 
-        def experts(xs_NxD, sizes_E):
-            gu_Nx2xF = wi(xs_NxD, sizes_E)
-            return wo(nn.silu(gu_Nx2xF[:, 0]) * gu_Nx2xF[:, 1], sizes_E)
+        def experts(xs_NxD, sizes_E, lay=None):
+            # On a padded layout the GEMMs leave its padding rows 0, and silu(0) * 0 is 0.
+            gu_Nx2xF = wi(xs_NxD, sizes_E, lay)
+            return wo(nn.silu(gu_Nx2xF[:, 0]) * gu_Nx2xF[:, 1], sizes_E, lay)
 
         # Expert parallelism (an 'expert' mesh axis the step runs this layer over): the pairs
         # go to their experts' devices by all-to-all and come back weighted and summed.
@@ -222,9 +221,7 @@ class MoeMlp(nn.Module):
             fp8_dispatch=spec.fp8_dispatch,
         )
         if y_TxD is None:
-            ys_NxD = experts(xs_NxD, sizes_E)
-            # Unsort: pair n's output back at n (dropped pairs' rows are the GEMM's zeros).
-            y_TxkxD = rows.take_rows(ys_NxD, inv_N, order_N).reshape(b * length, k, d)
+            y_TxkxD = _dispatched(x_TxD, order_N, inv_N, sizes_E, k, experts, c.recipe, f)
             y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
         if spec.shared_d_ff:
             shared_cfg = dataclasses.replace(c, d_ff=spec.shared_d_ff)
@@ -250,6 +247,33 @@ class MoeMlp(nn.Module):
         for name, value in metrics.items():
             self.sow(MOE_METRICS, name, value)
         return y_TxD.astype(c.dtype).reshape(b, length, d)
+
+
+def _dispatched(x_TxD, order_N, inv_N, sizes_E, k: int, experts, recipe, f: int) -> jax.Array:
+    """``y_TxkxD``: each token's k pairs through their experts (``experts(rows, sizes,
+    layout)``), their outputs back in pair order (a dropped pair's row 0).
+
+    The pairs' rows are gathered straight into the places the expert GEMMs read: the sorted
+    rows, or the padded layout that the recipe's grouped GEMMs run on
+    (``ops.grouped.dispatch_layout``), so no GEMM pads or unpads them again. ``ops.rows``: the
+    gradients gather too.
+    """
+    t, d = x_TxD.shape
+    n = order_N.shape[0]
+    lay = grouped.dispatch_layout(recipe, sizes_E, n, (d, 2 * f), (f, d))
+    if lay is None:
+        xs_NxD = rows.repeat_rows(x_TxD, order_N // k, inv_N.reshape(t, k))
+        ys_NxD = experts(xs_NxD, sizes_E)
+        return rows.take_rows(ys_NxD, inv_N, order_N).reshape(t, k, d)
+    # Padded row r holds sorted pair src_R[r] (n: a padding row, read as 0); pair p sits at
+    # padded row dst_M[inv_N[p]] (R and up: dropped, past every group).
+    pair_R = order_N[jnp.minimum(lay.src_R, n - 1)]
+    filled_R = grouped_mgpu.layout_rows(lay)
+    tok_R = jnp.where(filled_R, pair_R // k, t)
+    row_N = lay.dst_M[inv_N]
+    xs_RxD = rows.repeat_rows(x_TxD, tok_R, row_N.reshape(t, k))
+    ys_RxD = experts(xs_RxD, grouped.padded_sizes(lay), lay)
+    return rows.take_rows(ys_RxD, row_N, jnp.where(filled_R, pair_R, n)).reshape(t, k, d)
 
 
 def _layer_order(path: tuple[str, ...]) -> tuple:

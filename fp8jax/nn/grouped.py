@@ -17,6 +17,7 @@ from flax import linen as nn
 
 from fp8jax.nn.linen import Fp8Meta
 from fp8jax.ops import grouped, scaling
+from fp8jax.ops.grouped_mgpu import Layout
 
 __all__ = ["GroupedLinear"]
 
@@ -45,7 +46,11 @@ class GroupedLinear(nn.Module):
     split_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_MxK: jax.Array, group_sizes_G: jax.Array, layout: Layout | None = None
+    ) -> jax.Array:
+        """``y [M, *features]``: each group's rows times its kernel; ``layout``: x's rows are
+        already that padded layout's (``ops.grouped.grouped_matmul``'s ``layout``)."""
         features = tuple(self.features)
         groups = self.num_groups
         if self.split_axis is not None:  # this shard's consecutive share of the groups
@@ -86,6 +91,7 @@ class GroupedLinear(nn.Module):
                     meta,
                     out_dtype=dtype,
                     w_split_axis=self.split_axis,
+                    layout=layout,
                 )
                 state.write(new_meta)
         return y.reshape(x_MxK.shape[0], *features)

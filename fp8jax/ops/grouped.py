@@ -50,12 +50,14 @@ __all__ = [
     "SCOPE",
     "WGRAD",
     "check_shapes",
+    "dispatch_layout",
     "fp8_grouped_gemm",
     "grouped_matmul",
     "padded",
     "padded_gemm",
     "padded_kernel",
     "padded_reference",
+    "padded_sizes",
     "ragged_dot",
     "tensor_grouped_forward",
     "tensor_grouped_matmul",
@@ -183,10 +185,22 @@ def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
 # Per-tensor recipes: one scale for x, one for all of w, one for dy.
 
 
+def _on_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout) -> jax.Array:
+    """A padded GEMM's output with its padding rows 0: the kernels leave the tiles past the
+    last group unwritten (the zero rows inside a group's tiles are 0 already)."""
+    return jnp.where(grouped_mgpu.layout_rows(lay)[:, None], y_RxN, jnp.zeros((), y_RxN.dtype))
+
+
 def _scales_known(meta: Fp8Meta) -> bool:
     """Whether every scale of the GEMM comes from the state's history (delayed scaling): then
     each cast records its amax in the same pass instead of reading the operand first."""
     return all(s.recipe.scales_known_ahead for s in (meta.x, meta.w, meta.dy))
+
+
+def _stack_amax(cfg: GemmConfig, amax_w: jax.Array) -> jax.Array:
+    """The whole stack's amax: over ``cfg.w_split_axis``'s shards where the stack is split
+    (this shard holds some groups; one scale covers them all), else this one."""
+    return amax_w if cfg.w_split_axis is None else lax.pmax(amax_w, cfg.w_split_axis)
 
 
 def _cast_stack(w_GxKxN: jax.Array, sw: jax.Array, record: bool = True):
@@ -199,11 +213,17 @@ def _cast_stack(w_GxKxN: jax.Array, sw: jax.Array, record: bool = True):
     return wq, wq_t, (jnp.max(amax_G) if record else None)
 
 
-def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
-    lay = grouped_mgpu.layout(gs, x.shape[0]) if padded(x, w) else None
+def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
+    # ``given``: x already in a padded layout (``dispatch_layout``), its zero rows included.
+    lay = given
+    if lay is None and padded(x, w):
+        lay = grouped_mgpu.layout(gs, x.shape[0])
     # The rows past the groups enter no GEMM and no amax (the padded layout drops them; its
     # zero rows leave the amax as it is). On the padded layout each group is at a tile boundary.
-    x = valid_rows(x, gs) if lay is None else grouped_mgpu.pad_rows(x, lay)
+    if lay is None:
+        x = valid_rows(x, gs)
+    elif given is None:
+        x = grouped_mgpu.pad_rows(x, lay)
     # E4M3 for both forward operands: activations and weights need precision more than range.
     if lay is not None and _scales_known(meta):
         # Scales from the history: each operand's one pass writes both layouts and its amax.
@@ -212,19 +232,18 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
         sx, sw = meta.x.scale, meta.w.scale
         xq_pad, xq, amax_x = kernels.cast_transpose(x, sx, formats.E4M3)
         wq, wq_t, amax_w = _cast_stack(w, sw)
+        amax_w = _stack_amax(cfg, amax_w)
     else:
-        amax_x, amax_w = formats.amax(x), formats.amax(w)
+        amax_x, amax_w = formats.amax(x), _stack_amax(cfg, formats.amax(w))
         sx, sw = scaling.use_scale(meta.x, amax_x), scaling.use_scale(meta.w, amax_w)
         if lay is not None:
             xq_pad, xq, _ = kernels.cast_transpose(x, sx, formats.E4M3, record=False)
             wq, wq_t, _ = _cast_stack(w, sw, record=False)
         else:
             xq, wq = formats.quantize(x, sx, formats.E4M3), formats.quantize(w, sw, formats.E4M3)
-    if cfg.w_split_axis is not None:  # this shard's groups: the stack's amax is the max of all
-        amax_w = lax.pmax(amax_w, cfg.w_split_axis)
     if lay is not None:
         y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
-        y = grouped_mgpu.unpad_rows(y, lay)
+        y = _on_layout(y, lay) if given is not None else grouped_mgpu.unpad_rows(y, lay)
     else:
         y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
@@ -234,7 +253,8 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
     wq_saved, sw_saved = checkpoint_name((wq, sw), FP8_W)
     y = checkpoint_name(y, FP8_OUT)
     new_meta = meta.replace(x=scaling.record(meta.x, amax_x), w=scaling.record(meta.w, amax_w))
-    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, lay)
+    own = None if given is not None else lay  # the layout built here (the given one is kept)
+    return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, own, given)
 
 
 def tensor_grouped_forward(x_MxK, wq_GxKxN, sw, group_sizes_G, meta: Fp8Meta, out_dtype):
@@ -249,22 +269,30 @@ def tensor_grouped_forward(x_MxK, wq_GxKxN, sw, group_sizes_G, meta: Fp8Meta, ou
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def tensor_grouped_matmul(cfg: GemmConfig, x_MxK, w_GxKxN, group_sizes_G, meta: Fp8Meta):
-    """``(y [M, N], meta with x's and w's amax)``: the grouped GEMM under per-tensor scales."""
-    y, new_meta, _ = _tensor_fwd_impl(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
+def tensor_grouped_matmul(
+    cfg: GemmConfig, x_MxK, w_GxKxN, group_sizes_G, meta: Fp8Meta, layout=None
+):
+    """``(y [M, N], meta with x's and w's amax)``: the grouped GEMM under per-tensor scales
+    (``layout``: x's rows already padded, as ``grouped_matmul`` takes them)."""
+    y, new_meta, _ = _tensor_fwd_impl(cfg, x_MxK, w_GxKxN, group_sizes_G, meta, layout)
     return y, new_meta
 
 
-def _tensor_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta):
-    y, new_meta, res = _tensor_fwd_impl(cfg, x, w, gs, meta)
+def _tensor_fwd(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, layout):
+    y, new_meta, res = _tensor_fwd_impl(cfg, x, w, gs, meta, layout)
     return (y, new_meta), (*res, gs, meta)
 
 
 def _tensor_bwd(cfg: GemmConfig, res, cts):
-    xq, wq, sx, sw, lay, gs, meta = res
+    xq, wq, sx, sw, own, given, gs, meta = res
+    lay = own if given is None else given
     g, ct_meta = cts  # g [M, N] in the output dtype
     # On the forward's layout: the padded one (x saved as x^T [K, R]) or the rows as they are.
-    g = valid_rows(g, gs) if lay is None else grouped_mgpu.pad_rows(g, lay)
+    # A given layout's g comes padded, 0 in its padding rows (as x: they read no weight).
+    if lay is None:
+        g = valid_rows(g, gs)
+    elif given is None:
+        g = grouped_mgpu.pad_rows(g, lay)
     # dy in the recipe's dy format (E5M2 for per-tensor scales: gradients need range more than
     # mantissa). dx [M, K]: each row times its group's w^T; dw [G, K, N]: x_g^T . dy_g, 0 for
     # an empty group.
@@ -278,13 +306,13 @@ def _tensor_bwd(cfg: GemmConfig, res, cts):
             gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
     if lay is not None:
         dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
-        dx = grouped_mgpu.unpad_rows(dx, lay)
+        dx = _on_layout(dx, lay) if given is not None else grouped_mgpu.unpad_rows(dx, lay)
         dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)
     else:
         gq = formats.quantize(g, sg, meta.dy.fmt)
         dx = fp8_grouped_gemm(DGRAD, gq, wq, gs, 1.0 / (sg * sw), cfg.x_dtype)
         dw = fp8_grouped_gemm(WGRAD, xq, gq, gs, 1.0 / (sx * sg), cfg.w_dtype)
-    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
+    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g), None
 
 
 tensor_grouped_matmul.defvjp(_tensor_fwd, _tensor_bwd)
@@ -388,6 +416,7 @@ def grouped_matmul(
     *,
     out_dtype=None,
     w_split_axis: str | None = None,
+    layout: grouped_mgpu.Layout | None = None,
 ) -> tuple[jax.Array, Fp8Meta | None]:
     """``(y [M, N], meta with this call's amaxes)``: each group's rows times its weight.
 
@@ -395,8 +424,16 @@ def grouped_matmul(
     recipe's FP8 grouped GEMM under ``meta`` (``Recipe.grouped_matmul``). ``out_dtype``
     defaults to the operands' common dtype. ``w_split_axis``: the mesh axis (bound here) whose
     shards hold the other groups of the stack ``w`` is part of (``GemmConfig.w_split_axis``).
+    ``layout`` (``dispatch_layout``'s): x's rows are already that padded layout's, 0 in its
+    padding rows, and ``group_sizes`` its padded sizes (``padded_sizes``); y (and dx) stay in
+    it. Any GEMM reads such rows as groups of those sizes; the padded kernels without a copy.
     """
     check_shapes(x_MxK, w_GxKxN, group_sizes_G)
+    if layout is not None and x_MxK.shape[0] != layout.rows:
+        raise ValueError(
+            f"fp8jax.grouped_matmul: x has {x_MxK.shape[0]} rows but its layout {layout.rows}: "
+            f"pass the rows the layout places (dispatch_layout), sized by padded_sizes"
+        )
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x_MxK.dtype, w_GxKxN.dtype))
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     m, k = x_MxK.shape
@@ -409,5 +446,24 @@ def grouped_matmul(
         dot.check_operand("w", w_GxKxN)
         with jax.named_scope(f"fp8_{recipe.name}"):
             return recipe.grouped_matmul(
-                x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype, w_split_axis
+                x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype, w_split_axis, layout
             )
+
+
+def dispatch_layout(
+    recipe: scaling.Recipe | None, group_sizes_G: jax.Array, m: int, *dims_KxN: tuple[int, int]
+) -> grouped_mgpu.Layout | None:
+    """The padded layout (``grouped_mgpu.Layout``) that ``recipe``'s grouped GEMMs of the
+    given (K, N) read for ``m`` rows sorted into groups of ``group_sizes_G``, for a dispatch to
+    write its rows into directly; None where they read the sorted rows as they are (level O0,
+    a recipe that does not pad, dims that are not whole tiles)."""
+    if recipe is None or not recipe.pads_grouped_rows or not grouped_mgpu.enabled():
+        return None
+    if not all(grouped_mgpu.takes(k, n) for k, n in dims_KxN):
+        return None
+    return grouped_mgpu.layout(group_sizes_G, m)
+
+
+def padded_sizes(layout: grouped_mgpu.Layout) -> jax.Array:
+    """The group sizes of a padded layout's rows: whole tiles per group (int32 [G])."""
+    return layout.tiles_G * grouped_mgpu.TILE

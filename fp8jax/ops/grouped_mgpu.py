@@ -40,6 +40,7 @@ from jax import lax
 from fp8jax.ops._kernel_launch import unbatched
 
 __all__ = [
+    "layout_rows",
     "BF16_KERNEL_NAME",
     "KERNEL_NAME",
     "Layout",
@@ -145,6 +146,11 @@ def layout(group_sizes_G: jax.Array, m: int) -> Layout:
     tile_group_T = jnp.searchsorted(jnp.cumsum(tiles_G), t, side="right").astype(jnp.int32)
     tile_group_T = jnp.where(tile_group_T < g, tile_group_T, -1)
     return Layout(rows, src_R, dst_M, tile_group_T, first_tile_G, tiles_G)
+
+
+def layout_rows(lay: Layout) -> jax.Array:
+    """bool [R]: the padded rows that hold a sorted row (the others are padding)."""
+    return lay.src_R < lay.dst_M.shape[0]
 
 
 def valid_rows(x_MxK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:

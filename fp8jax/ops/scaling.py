@@ -91,6 +91,12 @@ class Recipe(abc.ABC):
         return state.scale
 
     @property
+    def pads_grouped_rows(self) -> bool:
+        """Whether ``grouped_matmul`` runs on rows padded to whole tiles per group
+        (``ops.grouped.dispatch_layout``), so that a dispatch writes its rows there directly."""
+        return False
+
+    @property
     def quantizes_weights_once(self) -> bool:
         """Whether decoding can quantize each weight once per call (``quantize_weight``) and
         run its forward GEMMs on that copy (``prequantized_matmul``) instead of casting the
@@ -154,10 +160,12 @@ class Recipe(abc.ABC):
         meta: Fp8Meta,
         out_dtype,
         w_split_axis: str | None = None,
+        layout=None,
     ) -> tuple[jax.Array, Fp8Meta]:
         """``(y [M, N], meta with this call's amaxes)``: ``ops.grouped.grouped_matmul``'s FP8
         grouped GEMM (rows of x sorted by group, w [G, K, N] stacked; ``w_split_axis``: the
-        mesh axis over which the stack's other groups lie), with its custom VJP."""
+        mesh axis over which the stack's other groups lie; ``layout``: x's rows already padded
+        per group, ``ops.grouped.dispatch_layout``'s), with its custom VJP."""
         has = sorted(n for n, c in RECIPES.items() if c.grouped_matmul is not Recipe.grouped_matmul)
         raise NotImplementedError(
             f"the FP8 recipe {self.name!r} has no grouped GEMM: use one of {has} for expert layers"

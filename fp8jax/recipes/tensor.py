@@ -74,9 +74,10 @@ class TensorRecipe(scaling.Recipe):
         meta: Fp8Meta,
         out_dtype,
         w_split_axis: str | None = None,
+        layout=None,
     ) -> tuple[jax.Array, Fp8Meta]:
         """``ops.grouped.tensor_grouped_matmul``: one scale for x, one for the whole weight
-        stack (its amax merged over ``w_split_axis``'s shards)."""
+        stack (its amax merged over ``w_split_axis``'s shards), on ``layout``'s padded rows."""
         cfg = GemmConfig(
             jnp.dtype(x_MxK.dtype),
             jnp.dtype(w_GxKxN.dtype),
@@ -84,7 +85,12 @@ class TensorRecipe(scaling.Recipe):
             False,
             w_split_axis=w_split_axis,
         )
-        return grouped.tensor_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)
+        return grouped.tensor_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta, layout)
+
+    @property
+    def pads_grouped_rows(self) -> bool:
+        """The per-tensor grouped GEMM runs on rows padded to whole tiles per group."""
+        return True
 
     def gelu_mlp(
         self,

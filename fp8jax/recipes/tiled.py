@@ -108,11 +108,13 @@ class TiledRecipe(scaling.Recipe):
         meta: Fp8Meta,
         out_dtype,
         w_split_axis: str | None = None,
+        layout=None,
     ) -> tuple[jax.Array, Fp8Meta]:
         """``ops.grouped.tiled_grouped_matmul``: x and dy per tile, w per tile of each group
         (so a stack split over ``w_split_axis`` needs no merged scale: its amax is recorded for
-        health only and merged with the other replicas' after the step)."""
-        del w_split_axis
+        health only and merged with the other replicas' after the step). Rows in a ``layout``
+        are read as groups of its padded sizes, as given."""
+        del w_split_axis, layout
         fine.check_recipes(meta)
         cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
         return grouped.tiled_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta)

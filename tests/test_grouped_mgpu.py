@@ -149,6 +149,13 @@ def test_the_padded_layout_gives_the_unpadded_vjp(name):
     np.testing.assert_array_equal(pending_w, np.abs(np.asarray(w)).max())
 
 
+def test_the_layout_is_built_without_a_loop():
+    """``layout`` lowers to straight-line ops: a loop in it (a binary search's) costs a kernel
+    launched from the host per iteration, in every expert layer of every step."""
+    build = jax.jit(lambda gs: gm.layout(gs, 4096))
+    assert "stablehlo.while" not in build.lower(jnp.ones((64,), jnp.int32)).as_text()
+
+
 def test_a_given_layout_keeps_the_rows_padded_and_their_padding_zero(monkeypatch):
     """x already in the padded layout (``layout``): y and dx stay in it, equal to the sorted
     rows' at their places and 0 in every padding row, whatever the GEMMs leave in the tiles

@@ -136,14 +136,19 @@ def layout(group_sizes_G: jax.Array, m: int) -> Layout:
     first_tile_G = jnp.cumsum(tiles_G) - tiles_G
     start_G = jnp.cumsum(gs) - gs
     row_M = jnp.arange(m, dtype=jnp.int32)
-    group_M = jnp.searchsorted(jnp.cumsum(gs), row_M, side="right").astype(jnp.int32)
+    # compare_all: one fused comparison of every row with the G group ends. The default binary
+    # search is a loop whose every step is a kernel launched from the host.
+    ends_G = jnp.cumsum(gs)
+    group_M = jnp.searchsorted(ends_G, row_M, side="right", method="compare_all")
+    group_M = group_M.astype(jnp.int32)
     valid_M = row_M < jnp.sum(gs)
     group_c = jnp.minimum(group_M, g - 1)
     dst_M = first_tile_G[group_c] * TILE + row_M - start_G[group_c]
     dst_M = jnp.where(valid_M, dst_M, rows)
     src_R = jnp.full((rows + 1,), m, jnp.int32).at[dst_M].set(row_M, mode="drop")[:rows]
     t = jnp.arange(rows // TILE, dtype=jnp.int32)
-    tile_group_T = jnp.searchsorted(jnp.cumsum(tiles_G), t, side="right").astype(jnp.int32)
+    tile_group_T = jnp.searchsorted(jnp.cumsum(tiles_G), t, side="right", method="compare_all")
+    tile_group_T = tile_group_T.astype(jnp.int32)
     tile_group_T = jnp.where(tile_group_T < g, tile_group_T, -1)
     return Layout(rows, src_R, dst_M, tile_group_T, first_tile_G, tiles_G)
 

@@ -7,26 +7,44 @@ words in order. :class:`WordEncoder` cuts with Python's ``re`` and looks each wo
 the words seen so far (the BPE model tokenizes a new one), several times cheaper than the
 tokenizer's own encoder, which builds an ``Encoding`` holding each token's string.
 
+Llama 3's and Qwen2's tokenizers cut words with a regex of their own (a ``Split`` pre-tokenizer,
+its pieces isolated, before a ``ByteLevel`` without its regex), Qwen2's after an NFC normalizer:
+:class:`SplitWordEncoder` runs that pattern with the ``regex`` module (which knows the Unicode
+classes that ``re`` lacks) and normalizes through the tokenizer's own normalizer.
+
 The regex's classes (letters, numbers, blanks, the rest) are the tokenizer's own: each character
 is put in the class that the tokenizer's pre-tokenizer shows for it (how it cuts the character
 after a letter, a number and a full stop), and kept only where both engines then cut that probe
 text the same way. A text holding a character that is not, or an added token
-(``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`).
+(``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`). A ``Split``
+pattern's characters are each probed in the contexts of ``_SPLIT_LEADS`` and ``_SPLIT_TRAILS``
+(the pattern's cuts depend on the classes of the characters around one, as each published
+byte-level BPE's do) and kept where both engines cut the probes alike; the pattern is kept only
+where the encoder gives the tokenizer's ids of ``STRUCTURE_PROBES`` and ``SPLIT_PROBES``.
 """
 
 from __future__ import annotations
 
 import array
 import itertools
+import json
 import re
 from collections.abc import Callable, Iterable
 
 import numpy as np
+import regex
 from tokenizers import models, pre_tokenizers, processors
 
 from fp8jax.tokenizer import Tokenizer
 
-__all__ = ["MAX_WORDS", "SLICE_CHARS", "STRUCTURE_PROBES", "WordEncoder"]
+__all__ = [
+    "MAX_WORDS",
+    "SLICE_CHARS",
+    "SPLIT_PROBES",
+    "STRUCTURE_PROBES",
+    "SplitWordEncoder",
+    "WordEncoder",
+]
 
 SLICE_CHARS = 1 << 16  # text cut into words at a time
 MAX_WORDS = 1 << 18  # distinct words remembered (about 40 MB); past it the dict starts over
@@ -41,11 +59,33 @@ STRUCTURE_PROBES = (
     "a  b   c\t\td \n e\n\n\nf  \n  g",
     " lead...!!  ?! <tag> end \n ",
 )
+# ... and the branches of Llama 3's and Qwen2's patterns: case-blind contractions, digits in
+# groups, a mark before a word, line breaks after punctuation and within blank runs, CRLF.
+SPLIT_PROBES = (
+    "DON'T I'M He'S THEY'RE we'Ve 'Ll 'D x's",
+    "1 12 123 1234 12345 1234567890 x1234y 3.14159 1,000,000 ½12 ٣٤٥٦",
+    '(word) "quoted" -dash ¿qué? .hidden a.b.c 数据abc',
+    "end.\n\nnext,\r\n\r\n  indented\n\t\ttab \n\n \n x  \r\n",
+)
+# The contexts a character of a Split pattern is probed in: after each lead, before each trail.
+_SPLIT_LEADS = ("", "a", "A", "1", ".", " ", "  ", "\n", "'")
+_SPLIT_TRAILS = ("", "a", "1", ".", " ", "\n")
+# The end of a run of ASCII before non-ASCII text, and the run: NFC composes no pair whose second
+# character is ASCII and reorders no ASCII character, so text is normalized a run at a time.
+_NON_ASCII = re.compile("([\x00-\x09\x0b-\x7f]?[^\x00-\x7f]+)")
 
 
 def _probes(chars: list[str]) -> str:
     """The probe text of ``chars``: each after each lead of ``_LEADS``, the probes apart."""
     return "".join(f"\n\n{lead}{c}" for c in chars for _, lead in _LEADS)
+
+
+def _split_probes(chars: list[str]) -> str:
+    """The probe text of ``chars`` for a Split pattern: each in the contexts of
+    ``_SPLIT_LEADS`` and ``_SPLIT_TRAILS`` and in a run, the probes apart."""
+    return "".join(
+        f"\n\n{lead}{c}{trail}" for c in chars for lead in _SPLIT_LEADS for trail in _SPLIT_TRAILS
+    ) + "".join(f"\n\n{c * 4} {c * 2}'{c}" for c in chars)
 
 
 def _probe_lead(k: int) -> int:
@@ -114,9 +154,12 @@ class WordEncoder:
     @classmethod
     def of(cls, tok: Tokenizer, dtype: str) -> WordEncoder | None:
         """A word encoder for ``tok``, or None when its pipeline is not a byte-level BPE's
-        (or its regex cuts a structure probe otherwise than this module's)."""
+        (or its regex cuts a structure probe otherwise than this module's); a ``Split``
+        pipeline's is :meth:`SplitWordEncoder.of`."""
         b = tok.backend
         pre, post = b.pre_tokenizer, b.post_processor
+        if isinstance(pre, pre_tokenizers.Sequence):
+            return SplitWordEncoder.of(tok, dtype)
         if b.normalizer is not None or b.truncation is not None or b.padding is not None:
             return None
         if not isinstance(pre, pre_tokenizers.ByteLevel) or pre.add_prefix_space:
@@ -184,7 +227,9 @@ class WordEncoder:
             kinds = [kind for (kind, _), a in zip(_LEADS, at, strict=True) if (a, a + 2) in spans]
             self._kind[c] = kinds[0] if kinds else "S"
         self._compile()
-        bad = set() if self._agrees(text, theirs) else set(self._unlike(new))
+        # All of them when no one character alone is cut otherwise (two characters' probes
+        # cut otherwise together).
+        bad = set() if self._agrees(text, theirs) else set(self._unlike(new)) or set(new)
         if bad:
             for c in bad:
                 del self._kind[c]
@@ -195,12 +240,16 @@ class WordEncoder:
     def _unlike(self, chars: list[str]) -> list[str]:
         """Those of ``chars`` whose probes the two engines cut differently: found by halving
         the characters of a probe text cut otherwise."""
-        if self._agrees(_probes(chars)):
+        if self._agrees(self._probe_text(chars)):
             return []
         if len(chars) == 1:
             return chars
         half = len(chars) // 2
         return self._unlike(chars[:half]) + self._unlike(chars[half:])
+
+    def _probe_text(self, chars: list[str]) -> str:
+        """The probe text of ``chars``."""
+        return _probes(chars)
 
     def _agrees(self, text: str, theirs: list | None = None) -> bool:
         """Whether this module's regex cuts ``text`` where the tokenizer's pre-tokenizer does
@@ -227,3 +276,99 @@ class WordEncoder:
             f"'(?:s|t|re|ve|m|ll|d)| ?{letter}+| ?{number}+| ?{other}+"
             f"|{blank}+(?!{non_blank})|{blank}+"
         )
+
+
+class SplitWordEncoder(WordEncoder):
+    """The ids of texts for a BPE whose words are the pieces of a ``Split`` pattern before a
+    ``ByteLevel`` without its regex (Llama 3's, Qwen2's), each distinct word tokenized once."""
+
+    def __init__(self, tok: Tokenizer, dtype: str, pattern: str, nfc: bool):
+        # A stretch where no match starts is a piece of its own, as the Split isolates it.
+        self._regex = regex.compile(f"(?:{pattern})|(?:(?!(?:{pattern}))[\\s\\S])+")
+        self._cut = regex.compile(r"(?<=\p{L}) (?=\p{L})")  # checked by of()'s probes
+        self._normalizer = tok.backend.normalizer if nfc else None
+        self._last = ("", "")  # the text last normalized, and its normal form
+        super().__init__(tok, dtype)
+
+    @classmethod
+    def of(cls, tok: Tokenizer, dtype: str) -> SplitWordEncoder | None:
+        """A word encoder for ``tok``, or None when its pipeline is not a ``Split`` pattern's
+        isolated pieces before a ``ByteLevel`` without its regex or prefix space, with no
+        normalizer or NFC, into a BPE without dropout (or when the encoder's ids of the
+        structure probes, or its cuts of them, are not the tokenizer's)."""
+        b = tok.backend
+        if b.truncation is not None or b.padding is not None:
+            return None
+        if not isinstance(b.model, models.BPE) or b.model.dropout:
+            return None
+        spec = json.loads(b.to_str())
+        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+        if normalizer is not None and normalizer.get("type") != "NFC":
+            return None
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if not steps or len(steps) != 2:
+            return None
+        split, byte_level = steps
+        if split.get("type") != "Split" or split.get("behavior") != "Isolated":
+            return None
+        pattern = (split.get("pattern") or {}).get("Regex")
+        if pattern is None or split.get("invert") or byte_level.get("type") != "ByteLevel":
+            return None
+        if byte_level.get("add_prefix_space") or byte_level.get("use_regex"):
+            return None
+        try:
+            if regex.compile(pattern).groups:  # findall would give the groups' text
+                return None
+            words = cls(tok, dtype, pattern, normalizer is not None)
+        except regex.error:
+            return None
+        probes = [*STRUCTURE_PROBES, *SPLIT_PROBES]
+        if not all(words.accepts(p) and words._agrees(p) for p in probes):
+            return None
+        ours = [np.frombuffer(words.encode(p), dtype).tolist() for p in probes]
+        if ours != tok.encode_plain(probes) or not all(map(words._cuts_agree, probes)):
+            return None
+        return words
+
+    def accepts(self, text: str) -> bool:
+        """Whether :meth:`encode` gives ``text``'s ids: it holds no added token, before or
+        after normalizing, and its normal form only characters cut alike by both regex
+        engines (new ones are probed now)."""
+        return not self._holds_added(text) and super().accepts(self._normal(text))
+
+    def encode(self, text: str) -> bytes:
+        """The ids of ``text`` (one :meth:`accepts`), as the bytes of the dtype's items."""
+        return super().encode(self._normal(text))
+
+    def _normal(self, text: str) -> str:
+        """``text`` as the tokenizer's normalizer leaves it: its non-ASCII runs (each with
+        the ASCII character before it) normalized in one call, the probes apart."""
+        if self._normalizer is None or text.isascii():
+            return text
+        if self._last[0] is text:
+            return self._last[1]
+        parts = _NON_ASCII.split(text)  # ASCII, a run, ASCII, ..., a run, ASCII
+        runs = self._normalizer.normalize_str("\n".join(parts[1::2])).split("\n")
+        if len(runs) == len(parts) // 2:
+            parts[1::2] = runs
+            normal = "".join(parts)
+        else:
+            normal = self._normalizer.normalize_str(text)
+        self._last = (text, normal)
+        return normal
+
+    def _probe_text(self, chars: list[str]) -> str:
+        return _split_probes(chars)
+
+    def _learn(self, chars: set[str]) -> None:
+        """Reject those of ``chars`` whose probes the two engines cut differently."""
+        new = sorted(chars)
+        if not self._agrees(_split_probes(new)):
+            self._rejected |= set(self._unlike(new)) or set(new)
+        self._seen |= chars
+
+    def _cuts_agree(self, text: str) -> bool:
+        """Whether each place where :meth:`encode` may cut ``text`` into slices is a word's
+        end for the tokenizer."""
+        ends = {end for _, (_, end) in self._pre.pre_tokenize_str(text)}
+        return all(m.start() in ends for m in self._cut.finditer(text))

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import regex
-from tokenizers import models, pre_tokenizers, processors
+from tokenizers import models, normalizers, pre_tokenizers, processors
 
 from fp8jax.tokenizer import Tokenizer
 
@@ -136,11 +136,7 @@ class WordEncoder:
         backend = tok.backend
         self._pre, self._model = backend.pre_tokenizer, backend.model
         self._code = np.dtype(dtype).char  # the array module's code for the same items
-        added = sorted(
-            {t.content for t in backend.get_added_tokens_decoder().values() if t.content},
-            key=len,
-            reverse=True,
-        )
+        added = sorted(self._added_texts(tok), key=len, reverse=True)
         self._added = re.compile("|".join(map(re.escape, added))) if added else None
         self._lead = re.compile(_char_set((t[0], t[0]) for t in added)) if added else None
         self._kind: dict[str, str] = {}  # a probed character's class: L, N, S (blank) or O
@@ -205,6 +201,10 @@ class WordEncoder:
         if len(self._words) > MAX_WORDS:
             self._words.clear()
         return b"".join(parts)
+
+    def _added_texts(self, tok: Tokenizer) -> set[str]:
+        """The texts of the added tokens (which the tokenizer splits off first)."""
+        return {t.content for t in tok.backend.get_added_tokens_decoder().values() if t.content}
 
     def _holds_added(self, text: str) -> bool:
         """Whether ``text`` holds an added token (which the tokenizer splits off first)."""
@@ -301,10 +301,10 @@ class SplitWordEncoder(WordEncoder):
             return None
         if not isinstance(b.model, models.BPE) or b.model.dropout:
             return None
-        spec = json.loads(b.to_str())
-        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
-        if normalizer is not None and normalizer.get("type") != "NFC":
+        nfc = isinstance(b.normalizer, normalizers.NFC)
+        if b.normalizer is not None and not nfc:
             return None
+        pre = json.loads(b.pre_tokenizer.__getstate__())  # its JSON, as pickle takes it
         steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
         if not steps or len(steps) != 2:
             return None
@@ -319,7 +319,7 @@ class SplitWordEncoder(WordEncoder):
         try:
             if regex.compile(pattern).groups:  # findall would give the groups' text
                 return None
-            words = cls(tok, dtype, pattern, normalizer is not None)
+            words = cls(tok, dtype, pattern, nfc)
         except regex.error:
             return None
         probes = [*STRUCTURE_PROBES, *SPLIT_PROBES]
@@ -356,6 +356,12 @@ class SplitWordEncoder(WordEncoder):
             normal = self._normalizer.normalize_str(text)
         self._last = (text, normal)
         return normal
+
+    def _added_texts(self, tok: Tokenizer) -> set[str]:
+        """The texts of the added tokens, also normalized (a token matched in the normalized
+        text is found there by its normal form)."""
+        texts = super()._added_texts(tok)
+        return texts | {self._normal(t) for t in texts}
 
     def _probe_text(self, chars: list[str]) -> str:
         return _split_probes(chars)

@@ -189,9 +189,10 @@ _GAPS_PATTERN = r"\p{L}+|\p{N}{1,3}"
     ("pattern", "nfc"), [(LLAMA3_PATTERN, False), (QWEN2_PATTERN, True), (_GAPS_PATTERN, False)]
 )
 def test_split_word_encoder_equals_the_tokenizer(pattern, nfc, tmp_path, monkeypatch):
-    """A Llama 3 or Qwen2 pipeline gets the Split word encoder, whose ids are the tokenizer's
-    (NFC applied, texts cut into slices); a text with an added token or a rejected character
-    is encoded by the tokenizer; another Split or normalizer gets no word encoder."""
+    """A Split pipeline (Llama 3's, Qwen2's, one leaving stretches unmatched) gets the Split
+    word encoder, whose ids are the tokenizer's (NFC applied, texts cut into slices); a text
+    with an added token or a rejected character is encoded by the tokenizer; another Split or
+    normalizer gets no word encoder."""
     tok = _split_tok(pattern, nfc)
     words = bpe_words.WordEncoder.of(tok, "uint16")
     assert isinstance(words, bpe_words.SplitWordEncoder)
@@ -223,10 +224,8 @@ def test_split_word_encoder_equals_the_tokenizer(pattern, nfc, tmp_path, monkeyp
     others[1].pre_tokenizer = pre.Sequence([split, split, byte_level])
     others[2].normalizer = tokenizers.normalizers.NFKC()
     for other in others:
-        assert (
-            bpe_words.WordEncoder.of(tokenizer.Tokenizer(other, eos_id=tok.eos_id), "uint16")
-            is None
-        )
+        wrapped = tokenizer.Tokenizer(other, eos_id=tok.eos_id)
+        assert bpe_words.WordEncoder.of(wrapped, "uint16") is None
 
 
 def test_tokenizer_that_changes_ids_at_cuts_gets_coarse_pieces(tok):

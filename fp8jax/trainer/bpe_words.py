@@ -72,7 +72,7 @@ _SPLIT_LEADS = ("", "a", "A", "1", ".", " ", "  ", "\n", "'")
 _SPLIT_TRAILS = ("", "a", "1", ".", " ", "\n")
 # The end of a run of ASCII before non-ASCII text, and the run: NFC composes no pair whose second
 # character is ASCII and reorders no ASCII character, so text is normalized a run at a time.
-_NON_ASCII = re.compile("([\x00-\x09\x0b-\x7f]?[^\x00-\x7f]+)")
+_NON_ASCII = re.compile(r"([\x00-\x09\x0b-\x7f]?[^\x00-\x7f]+)")
 
 
 def _probes(chars: list[str]) -> str:
@@ -342,7 +342,7 @@ class SplitWordEncoder(WordEncoder):
 
     def _normal(self, text: str) -> str:
         """``text`` as the tokenizer's normalizer leaves it: its non-ASCII runs (each with
-        the ASCII character before it) normalized in one call, the probes apart."""
+        the ASCII character before it) normalized in one call, a line break apart."""
         if self._normalizer is None or text.isascii():
             return text
         if self._last[0] is text:

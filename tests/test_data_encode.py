@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import regex
 import tokenizers
 
 from fp8jax import errors, tokenizer
@@ -185,6 +186,23 @@ def _split_tok(pattern: str, nfc: bool) -> tokenizer.Tokenizer:
 _GAPS_PATTERN = r"\p{L}+|\p{N}{1,3}"
 
 
+class _ZheIsADigit:
+    """The ``regex`` module, its patterns reading "ж" as "1"."""
+
+    error = regex.error
+
+    def __init__(self, pattern: regex.Pattern):
+        self.pattern = pattern
+
+    @classmethod
+    def compile(cls, pattern: str) -> "_ZheIsADigit":
+        return cls(regex.compile(pattern))
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.pattern, name)
+        return (lambda text, *a: attr(text.replace("ж", "1"), *a)) if callable(attr) else attr
+
+
 @pytest.mark.parametrize(
     ("pattern", "nfc"), [(LLAMA3_PATTERN, False), (QWEN2_PATTERN, True), (_GAPS_PATTERN, False)]
 )
@@ -205,16 +223,17 @@ def test_split_word_encoder_equals_the_tokenizer(pattern, nfc, tmp_path, monkeyp
     assert not words.accepts("a <|end_of_text|> b")
     # A token added with its accent decomposed, found in the normalized text (NFC composes it).
     tok.backend.add_tokens([tokenizers.AddedToken("[y\u0301]", normalized=True)])
-    agrees = bpe_words.WordEncoder._agrees
-    unlike = lambda self, text, theirs=None: "ж" not in text and agrees(self, text, theirs)  # noqa: E731
-    monkeypatch.setattr(bpe_words.WordEncoder, "_agrees", unlike)
+    # A character that the regex module classes otherwise than the tokenizer ("ж" read as a
+    # digit) is rejected, and the encoder hands the documents holding it to the tokenizer.
+    monkeypatch.setattr(bpe_words, "regex", _ZheIsADigit)
     docs = ["ёж и жук 123", "plain text", "a <|end_of_text|> b", "a [\u00fd] b", *_SPLIT_TEXTS]
     (path := tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": d}) + "\n" for d in docs)
     )
-    assert not bpe_words.WordEncoder.of(tok, "uint16").accepts(docs[0])
+    words = bpe_words.WordEncoder.of(tok, "uint16")
+    assert not words.accepts(docs[0]) and words.accepts("ёи и ук 123")
     np.testing.assert_array_equal(_encoded([path], tok, 1), _reference(tok, docs))
-    monkeypatch.setattr(bpe_words.WordEncoder, "_agrees", agrees)
+    monkeypatch.undo()
     # A Split that removes its matches, two Splits, another normalizer: the tokenizer encodes.
     pre = tokenizers.pre_tokenizers
     byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=False)

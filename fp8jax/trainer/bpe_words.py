@@ -17,15 +17,16 @@ is put in the class that the tokenizer's pre-tokenizer shows for it (how it cuts
 after a letter, a number and a full stop), and kept only where both engines then cut that probe
 text the same way. A text holding a character that is not, or an added token
 (``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`). A ``Split``
-pattern's characters are each probed in the contexts of ``_SPLIT_LEADS`` and ``_SPLIT_TRAILS``
-(the pattern's cuts depend on the classes of the characters around one, as each published
-byte-level BPE's do) and kept where both engines cut the probes alike; the pattern is kept only
+pattern's characters are each probed in the contexts of ``_SPLIT_CONTEXTS`` (the pattern's
+cuts depend on the classes of the characters around one, as each published byte-level BPE's
+do) and kept where both engines cut the probes alike; the pattern is kept only
 where the encoder gives the tokenizer's ids of ``STRUCTURE_PROBES`` and ``SPLIT_PROBES``.
 """
 
 from __future__ import annotations
 
 import array
+import bisect
 import itertools
 import json
 import re
@@ -67,9 +68,20 @@ SPLIT_PROBES = (
     '(word) "quoted" -dash ¿qué? .hidden a.b.c 数据abc',
     "end.\n\nnext,\r\n\r\n  indented\n\t\ttab \n\n \n x  \r\n",
 )
-# The contexts a character of a Split pattern is probed in: after each lead, before each trail.
-_SPLIT_LEADS = ("", "a", "A", "1", ".", " ", "  ", "\n", "'")
-_SPLIT_TRAILS = ("", "a", "1", ".", " ", "\n")
+# The contexts a character of a Split pattern is probed in ("c" stands for it), each ending in a
+# line break: after each lead, before each trail and a few more. Each pair of the character
+# classes that Llama 3's, Qwen2's and GPT-4o's patterns tell apart (letters of each case, marks,
+# numbers, blanks, line breaks, the rest, a contraction's letters) is cut otherwise in one.
+_SPLIT_LEADS = ("a", "A", "1", ".", "..", " ", "\n", "'")
+_SPLIT_TRAILS = ("a", "A", "1", ".", " ", "\n")
+_SPLIT_CONTEXTS = "".join(
+    f"{context}\n"
+    for context in (
+        *(f"{lead}c" for lead in _SPLIT_LEADS),
+        *(f"c{trail}" for trail in _SPLIT_TRAILS),
+        *(" ca", ".c.", "'ca", "cAc", "cccc", " cc'c"),
+    )
+)
 # The end of a run of ASCII before non-ASCII text, and the run: NFC composes no pair whose second
 # character is ASCII and reorders no ASCII character, so text is normalized a run at a time.
 _NON_ASCII = re.compile(r"([\x00-\x09\x0b-\x7f]?[^\x00-\x7f]+)")
@@ -80,12 +92,11 @@ def _probes(chars: list[str]) -> str:
     return "".join(f"\n\n{lead}{c}" for c in chars for _, lead in _LEADS)
 
 
-def _split_probes(chars: list[str]) -> str:
-    """The probe text of ``chars`` for a Split pattern: each in the contexts of
-    ``_SPLIT_LEADS`` and ``_SPLIT_TRAILS`` and in a run, the probes apart."""
-    return "".join(
-        f"\n\n{lead}{c}{trail}" for c in chars for lead in _SPLIT_LEADS for trail in _SPLIT_TRAILS
-    ) + "".join(f"\n\n{c * 4} {c * 2}'{c}" for c in chars)
+def _split_probes(chars: list[str]) -> tuple[str, list[int]]:
+    """The probe text of ``chars`` for a Split pattern (each in ``_SPLIT_CONTEXTS``), and
+    where each character's probes start."""
+    text = "".join(_SPLIT_CONTEXTS.replace("c", c) for c in chars)
+    return text, list(range(0, len(text), len(_SPLIT_CONTEXTS)))
 
 
 def _probe_lead(k: int) -> int:
@@ -240,16 +251,12 @@ class WordEncoder:
     def _unlike(self, chars: list[str]) -> list[str]:
         """Those of ``chars`` whose probes the two engines cut differently: found by halving
         the characters of a probe text cut otherwise."""
-        if self._agrees(self._probe_text(chars)):
+        if self._agrees(_probes(chars)):
             return []
         if len(chars) == 1:
             return chars
         half = len(chars) // 2
         return self._unlike(chars[:half]) + self._unlike(chars[half:])
-
-    def _probe_text(self, chars: list[str]) -> str:
-        """The probe text of ``chars``."""
-        return _probes(chars)
 
     def _agrees(self, text: str, theirs: list | None = None) -> bool:
         """Whether this module's regex cuts ``text`` where the tokenizer's pre-tokenizer does
@@ -363,14 +370,20 @@ class SplitWordEncoder(WordEncoder):
         texts = super()._added_texts(tok)
         return texts | {self._normal(t) for t in texts}
 
-    def _probe_text(self, chars: list[str]) -> str:
-        return _split_probes(chars)
-
     def _learn(self, chars: set[str]) -> None:
-        """Reject those of ``chars`` whose probes the two engines cut differently."""
+        """Reject those of ``chars`` whose probes the two engines cut differently (a cut
+        that only one engine makes rejects the character whose probes it falls in); probe
+        the others again until both engines cut them alike."""
         new = sorted(chars)
-        if not self._agrees(_split_probes(new)):
-            self._rejected |= set(self._unlike(new)) or set(new)
+        while new:
+            text, starts = _split_probes(new)
+            theirs = {end for _, (_, end) in self._pre.pre_tokenize_str(text)}
+            ours = set(itertools.accumulate(map(len, self._regex.findall(text))))
+            bad = {new[bisect.bisect_right(starts, end - 1) - 1] for end in theirs ^ ours}
+            if not bad:
+                break
+            self._rejected |= bad
+            new = [c for c in new if c not in bad]
         self._seen |= chars
 
     def _cuts_agree(self, text: str) -> bool:

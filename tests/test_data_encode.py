@@ -221,12 +221,21 @@ def test_split_word_encoder_equals_the_tokenizer(pattern, nfc, tmp_path, monkeyp
         assert words.accepts(text)
         np.testing.assert_array_equal(np.frombuffer(words.encode(text), "uint16"), ids)
     assert not words.accepts("a <|end_of_text|> b")
+    # Under NFC a character that Python's Unicode does not know (a noncharacter) is refused.
+    assert words.accepts("a\ufdd0b") != nfc
     # A token added with its accent decomposed, found in the normalized text (NFC composes it).
     tok.backend.add_tokens([tokenizers.AddedToken("[y\u0301]", normalized=True)])
     # A character that the regex module classes otherwise than the tokenizer ("ж" read as a
     # digit) is rejected, and the encoder hands the documents holding it to the tokenizer.
     monkeypatch.setattr(bpe_words, "regex", _ZheIsADigit)
-    docs = ["ёж и жук 123", "plain text", "a <|end_of_text|> b", "a [\u00fd] b", *_SPLIT_TEXTS]
+    docs = [
+        "ёж и жук 123",
+        "plain text",
+        "a <|end_of_text|> b",
+        "a [\u00fd] b",
+        "a\ufdd0b",
+        *_SPLIT_TEXTS,
+    ]
     (path := tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": d}) + "\n" for d in docs)
     )

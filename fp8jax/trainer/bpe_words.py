@@ -30,6 +30,7 @@ import bisect
 import itertools
 import json
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -348,9 +349,12 @@ class SplitWordEncoder(WordEncoder):
         return super().encode(self._normal(text))
 
     def _normal(self, text: str) -> str:
-        """``text`` as the tokenizer's normalizer leaves it: its non-ASCII runs (each with
-        the ASCII character before it) normalized in one call, a line break apart."""
-        if self._normalizer is None or text.isascii():
+        """``text`` as the tokenizer's normalizer leaves it: as it is where Python finds it
+        in NFC (a text with a character that Python's Unicode does not know is refused by
+        :meth:`accepts`: only there might the tokenizer's newer tables differ), else its
+        non-ASCII runs (each with the ASCII character before it) normalized by the tokenizer
+        in one call, a line break apart."""
+        if self._normalizer is None or unicodedata.is_normalized("NFC", text):
             return text
         if self._last[0] is text:
             return self._last[1]
@@ -373,8 +377,11 @@ class SplitWordEncoder(WordEncoder):
     def _learn(self, chars: set[str]) -> None:
         """Reject those of ``chars`` whose probes the two engines cut differently (a cut
         that only one engine makes rejects the character whose probes it falls in); probe
-        the others again until both engines cut them alike."""
-        new = sorted(chars)
+        the others again until both engines cut them alike. Under NFC, also those that
+        Python's Unicode does not know (its tables vouch for a text's NFC)."""
+        if self._normalizer is not None:
+            self._rejected |= {c for c in chars if unicodedata.category(c) == "Cn"}
+        new = sorted(chars - self._rejected)
         while new:
             text, starts = _split_probes(new)
             theirs = {end for _, (_, end) in self._pre.pre_tokenize_str(text)}

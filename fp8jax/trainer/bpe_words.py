@@ -19,8 +19,8 @@ text the same way. A text holding a character that is not, or an added token
 (``<|endoftext|>``), is left to the tokenizer (:meth:`WordEncoder.accepts`). A ``Split``
 pattern's characters are each probed in the contexts of ``_SPLIT_CONTEXTS`` (the pattern's
 cuts depend on the classes of the characters around one, as each published byte-level BPE's
-do) and kept where both engines cut the probes alike; the pattern is kept only
-where the encoder gives the tokenizer's ids of ``STRUCTURE_PROBES`` and ``SPLIT_PROBES``.
+do) and kept where both engines cut the probes alike; the pattern is kept only where the
+encoder gives the tokenizer's ids of ``STRUCTURE_PROBES`` and ``SPLIT_PROBES``.
 """
 
 from __future__ import annotations

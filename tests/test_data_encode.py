@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import regex
 import tokenizers
 
 from fp8jax import errors, tokenizer
@@ -143,6 +144,116 @@ def test_word_encoder_equals_the_tokenizer(tok, tmp_path, monkeypatch):
     prefixed.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
     for other in (spm, prefixed):
         assert bpe_words.WordEncoder.of(tokenizer.Tokenizer(other), "uint16") is None
+
+
+# The word patterns of Llama 3's and Qwen2's tokenizer.json (a Split before a ByteLevel without
+# its regex): digits in groups of up to three, or one at a time.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+# Contractions in any case, digit runs, blank runs and line breaks, CJK next to Latin, emoji with
+# a skin tone, accents decomposed (NFD: the NFC normalizer composes them), singletons that NFC
+# replaces (Kelvin, Ohm, Angstrom signs), the long s, Arabic-Indic digits, a fraction.
+_SPLIT_TEXTS = (
+    "He'S DON'T we'Ve I'M they're 'll 'D o'clock",
+    "1 12 123 1234 12345 1234567890 x1234y 3.14159 1,000,000 ٣٤٥٦٧ ½12 Ⅻ",
+    "a  b   c\t\td \n e\n\n\nf  \n  g\r\n\r\n  x \n",
+    "数据abc 数据 日本語のテキスト。 😀👍🏽 ¿qué? «x»",
+    "e\u0301cole cafe\u0301 A\u030angstro\u0308m \u212a \u2126 \u212b ſ's ñ's naïve",
+)
+
+
+def _split_tok(pattern: str, nfc: bool) -> tokenizer.Tokenizer:
+    """A BPE trained here in Llama 3's (``nfc``: Qwen2's) pipeline around ``pattern``."""
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE(ignore_merges=not nfc))
+    split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated")
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([split, byte_level])
+    raw.normalizer = tokenizers.normalizers.NFC() if nfc else None
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=["<|end_of_text|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator([_text("emma", 60_000), *_SPLIT_TEXTS * 20], trainer)
+    return tokenizer.Tokenizer(raw, eos_id=raw.token_to_id("<|end_of_text|>"))
+
+
+# A pattern that leaves stretches unmatched (the Split keeps each as a word of its own).
+_GAPS_PATTERN = r"\p{L}+|\p{N}{1,3}"
+
+
+class _ZheIsADigit:
+    """The ``regex`` module, its patterns reading "ж" as "1"."""
+
+    error = regex.error
+
+    def __init__(self, pattern: regex.Pattern):
+        self.pattern = pattern
+
+    @classmethod
+    def compile(cls, pattern: str) -> "_ZheIsADigit":
+        return cls(regex.compile(pattern))
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.pattern, name)
+        return (lambda text, *a: attr(text.replace("ж", "1"), *a)) if callable(attr) else attr
+
+
+@pytest.mark.parametrize(
+    ("pattern", "nfc"), [(LLAMA3_PATTERN, False), (QWEN2_PATTERN, True), (_GAPS_PATTERN, False)]
+)
+def test_split_word_encoder_equals_the_tokenizer(pattern, nfc, tmp_path, monkeypatch):
+    """A Split pipeline (Llama 3's, Qwen2's, one leaving stretches unmatched) gets the Split
+    word encoder, whose ids are the tokenizer's (NFC applied, texts cut into slices); a text
+    with an added token or a rejected character is encoded by the tokenizer; another Split or
+    normalizer gets no word encoder."""
+    tok = _split_tok(pattern, nfc)
+    words = bpe_words.WordEncoder.of(tok, "uint16")
+    assert isinstance(words, bpe_words.SplitWordEncoder)
+    monkeypatch.setattr(bpe_words, "SLICE_CHARS", 50)  # many slices, cut between two words
+    monkeypatch.setattr(bpe_words, "MAX_WORDS", 100)  # the dict starts over several times
+    texts = [_text("persuasion", 20_000), *_SPLIT_TEXTS, "".join(_SPLIT_TEXTS), _UNICODE]
+    for text, ids in zip(texts, tok.encode_plain(texts), strict=True):
+        assert words.accepts(text)
+        np.testing.assert_array_equal(np.frombuffer(words.encode(text), "uint16"), ids)
+    assert not words.accepts("a <|end_of_text|> b")
+    # Under NFC a character that Python's Unicode does not know (a noncharacter) is refused.
+    assert words.accepts("a\ufdd0b") != nfc
+    # A token added with its accent decomposed, found in the normalized text (NFC composes it).
+    tok.backend.add_tokens([tokenizers.AddedToken("[y\u0301]", normalized=True)])
+    # A character that the regex module classes otherwise than the tokenizer ("ж" read as a
+    # digit) is rejected, and the encoder hands the documents holding it to the tokenizer.
+    monkeypatch.setattr(bpe_words, "regex", _ZheIsADigit)
+    docs = [
+        "ёж и жук 123",
+        "plain text",
+        "a <|end_of_text|> b",
+        "a [\u00fd] b",
+        "a\ufdd0b",
+        *_SPLIT_TEXTS,
+    ]
+    (path := tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    )
+    words = bpe_words.WordEncoder.of(tok, "uint16")
+    assert not words.accepts(docs[0]) and words.accepts("ёи и ук 123")
+    np.testing.assert_array_equal(_encoded([path], tok, 1), _reference(tok, docs))
+    monkeypatch.undo()
+    # A Split that removes its matches, two Splits, another normalizer: the tokenizer encodes.
+    pre = tokenizers.pre_tokenizers
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=False)
+    split, removed = (pre.Split(tokenizers.Regex(pattern), b) for b in ("isolated", "removed"))
+    others = [tokenizers.Tokenizer.from_str(tok.to_str()) for _ in range(3)]
+    others[0].pre_tokenizer = pre.Sequence([removed, byte_level])
+    others[1].pre_tokenizer = pre.Sequence([split, split, byte_level])
+    others[2].normalizer = tokenizers.normalizers.NFKC()
+    for other in others:
+        wrapped = tokenizer.Tokenizer(other, eos_id=tok.eos_id)
+        assert bpe_words.WordEncoder.of(wrapped, "uint16") is None
 
 
 def test_tokenizer_that_changes_ids_at_cuts_gets_coarse_pieces(tok):

@@ -11,9 +11,9 @@ line between two), so the ids equal those of the whole document encoded at once;
 that adds a prefix to each piece (SentencePiece ``Metaspace``, ``add_prefix_space``) fails the
 probes of :func:`cuts_for` and is given pieces of
 ``COARSE_PIECE_CHARS``. ``.jsonl`` ranges are cut at any line start (a document boundary).
-A byte-level BPE's (fp8jax's learned one, GPT-2's) text skips the pieces: its worker encodes it
-with :class:`bpe_words.WordEncoder`, each distinct word tokenized once, except a text that the
-word encoder refuses (an added token in it, a character its probes reject).
+A byte-level BPE's (fp8jax's learned one, GPT-2's, Llama 3's, Qwen2's) text skips the pieces:
+its worker encodes it with :class:`bpe_words.WordEncoder`, each distinct word tokenized once,
+except a text that the word encoder refuses (an added token in it, a character its probes reject).
 
 :func:`encode` yields each range's ids in corpus order: a text file is one document, a
 ``.jsonl`` line is one; a document with tokens starts with the tokenizer's BOS (when it has

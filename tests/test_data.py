@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fp8jax import tokenizer
+from fp8jax import errors, tokenizer
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data
 
@@ -221,6 +221,13 @@ def test_missing_or_empty_corpus_errors(tmp_path):
         data.build(_config(tmp_path / "no_txt"), tmp_path / "w3")
     with pytest.raises(ValueError, match="val_fraction"):
         data.build(_config(empty, val_fraction=1.0), tmp_path / "w4")
+    # A work dir named as the corpus (its orbax markers are .txt files) is not read as one.
+    workdir = tmp_path / "w5"
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    (workdir / "checkpoints" / "4" / "commit_success.txt").write_text(novel("emma", 20_000))
+    (workdir / "model.json").write_text("{}")
+    with pytest.raises(errors.DataError, match=r"w5' is an fp8jax work dir .*config.data.path"):
+        data.build(_config(workdir), tmp_path / "w6")
 
 
 @pytest.mark.slow

@@ -66,6 +66,11 @@ def source_files(
     p = p.resolve()  # messages and the data record name the file, whatever the cwd was
     if p.is_file():
         return [p], f"file {p}"
+    if (p / "checkpoints").is_dir() and (p / "model.json").is_file():  # its text is orbax's
+        raise DataError(
+            f"data folder {str(p)!r} is an fp8jax work dir (checkpoints/, model.json), not a "
+            f"corpus; {fix}"
+        )
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
     if not files:
         kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))

@@ -7,9 +7,10 @@ another module registers a reader for (:func:`register_reader`: ``.array_record`
 ``fp8jax.trainer.array_records``). The ids are those of
 ``config.data.tokenizer``, which must be given: every shard is checked to hold only its ids, in
 a dtype that can hold them all, and shards that ``fp8jax.prepare`` wrote with another
-tokenizer (its :data:`MANIFEST` records which) are refused. Nothing is encoded or copied: the shards are memory-mapped and
-the training stream reads windows across them. The validation split is whole shards (spread
-over the folder) or, with one shard, its last whole documents (cut at an EOS).
+tokenizer (its :data:`MANIFEST` records which) are refused. Nothing is encoded or copied: the
+shards are memory-mapped and the training stream reads windows across them. The validation
+split is whole shards (spread over the folder) or, with one shard, its last whole documents
+(cut at an EOS).
 
 ``.bin`` layout (little-endian): 8 bytes :data:`MAGIC`, uint32 format version (1), uint32 bytes
 per id (1, 2, 4 or 8; unsigned ids), uint64 number of ids, 8 zero bytes, then the ids.

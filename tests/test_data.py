@@ -221,13 +221,20 @@ def test_missing_or_empty_corpus_errors(tmp_path):
         data.build(_config(tmp_path / "no_txt"), tmp_path / "w3")
     with pytest.raises(ValueError, match="val_fraction"):
         data.build(_config(empty, val_fraction=1.0), tmp_path / "w4")
-    # A work dir named as the corpus (its orbax markers are .txt files) is not read as one.
-    workdir = tmp_path / "w5"
+    # A work dir named as the corpus (its orbax markers are .txt files) is not read as one; a
+    # work dir inside a corpus folder is left out of it.
+    corpus = tmp_path / "corpus"
+    workdir = corpus / "run"
     (workdir / "checkpoints" / "4").mkdir(parents=True)
     (workdir / "checkpoints" / "4" / "commit_success.txt").write_text(novel("emma", 20_000))
+    (workdir / "metrics.jsonl").write_text('{"step": 4}\n')
     (workdir / "model.json").write_text("{}")
-    with pytest.raises(errors.DataError, match=r"w5' is an fp8jax work dir .*config.data.path"):
+    with pytest.raises(errors.DataError, match=r"run' is an fp8jax work dir.*config.data.path"):
         data.build(_config(workdir), tmp_path / "w6")
+    (corpus / "book.txt").write_text(novel("emma", 20_000))
+    assert corpus_lib.source_files(str(corpus))[0] == [corpus / "book.txt"]
+    (workdir / "model.json").unlink()  # a folder of the corpus, whatever its names
+    assert len(corpus_lib.source_files(str(corpus))[0]) == 3
 
 
 @pytest.mark.slow

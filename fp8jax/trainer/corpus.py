@@ -9,6 +9,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from absl import logging
+
 from fp8jax.errors import DataError
 
 __all__ = [
@@ -66,16 +68,31 @@ def source_files(
     p = p.resolve()  # messages and the data record name the file, whatever the cwd was
     if p.is_file():
         return [p], f"file {p}"
-    if (p / "checkpoints").is_dir() and (p / "model.json").is_file():  # its text is orbax's
-        raise DataError(
-            f"data folder {str(p)!r} is an fp8jax work dir (checkpoints/, model.json), not a "
-            f"corpus; {fix}"
-        )
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+    if _is_workdir(p):  # its text is orbax's markers and the run's metrics
+        raise DataError(f"data folder {str(p)!r} is an fp8jax work dir, not a corpus; {fix}")
+    found = [f for f in p.rglob("*") if f.is_file()]
+    # A work dir inside the corpus folder (a run's --workdir there) is not part of the corpus:
+    # its files would change the corpus under the run at each resume.
+    runs = {f.parent for f in found if f.name == _WORKDIR_MARK and _is_workdir(f.parent)}
+    if runs:
+        logging.warning("data folder %s: not reading the fp8jax work dirs %s", p, sorted(runs))
+    files = sorted(
+        f for f in found if f.name.endswith(suffixes) and not runs.intersection(f.parents)
+    )
     if not files:
         kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
         raise DataError(f"data folder {str(p)!r} has no {kinds} files; {fix}")
     return files, f"folder {p} ({len(files)} files)"
+
+
+_WORKDIR_MARK = "model.json"  # a work dir's record of its model, beside checkpoints/, metrics
+
+
+def _is_workdir(folder: Path) -> bool:
+    """Whether ``folder`` is an fp8jax work dir that has trained (its model record, and
+    checkpoints or metrics)."""
+    run = (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+    return run and (folder / _WORKDIR_MARK).is_file()
 
 
 def _is_jsonl(f: Path) -> bool:

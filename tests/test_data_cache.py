@@ -295,7 +295,8 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     corpora, tmp_path, monkeypatch
 ):
     """data.cache_dir: a new work dir on the same corpus and tokenizer encodes nothing; another
-    tokenizer gets its own cache; concurrent builders of one cache build it once."""
+    tokenizer gets its own cache; concurrent builders of one cache build it once; a killed
+    build's staging folder is removed by the next run on that cache."""
     import dataclasses
     import threading
 
@@ -326,8 +327,11 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     assert len(encodes) == 1 and set(results) == {"w1", "w2"}
     (entry,) = [p for p in caches.iterdir() if p.is_dir()]
     assert not (tmp_path / "w1" / "tokens").exists() and not list(caches.glob("*.tmp*"))
+    stale = caches / f"{entry.name}.tmp999999"  # a killed build's staging
+    stale.mkdir()
+    (stale / "train.bin").write_bytes(b"\0" * 64)
     ds = data.build(shared(), tmp_path / "w3")  # a third run: reuses it, encodes nothing
-    assert len(encodes) == 1
+    assert len(encodes) == 1 and not stale.exists()
     np.testing.assert_array_equal(ds.train_tokens, results["w1"].train_tokens)
     data.build(shared(vocab=VOCAB + 20), tmp_path / "w4")  # another tokenizer: its own cache
     assert len(encodes) == 2 and len([p for p in caches.iterdir() if p.is_dir()]) == 2

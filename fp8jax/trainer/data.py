@@ -298,6 +298,15 @@ def _exclusive(lock: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _remove_dead_stages(root: Path, name: str) -> None:
+    """Remove the ``<name>.tmp<pid>`` folders of the shared cache folder ``root``: builds of
+    that cache killed before they published it (a build stages only while it holds the cache's
+    lock, which the caller holds), each as large as the cache."""
+    for stale in root.glob(f"{name}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        logging.info("removed %s, left by a killed build of the token cache", stale)
+
+
 def _publish(stage: Path, out_dir: Path) -> None:
     """Move a staged shared cache to ``out_dir`` in one rename (replacing a broken one)."""
     if out_dir.exists():
@@ -528,6 +537,8 @@ class Text(data_format.DataFormat):
             lock, fix = contextlib.nullcontext(), _IN_WORKDIR
         try:
             with lock:
+                if shared:
+                    _remove_dead_stages(root, name)
                 meta, encoded = _load_or_encode(
                     source.content,
                     source.desc,

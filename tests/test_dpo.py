@@ -142,7 +142,7 @@ def test_bad_lines_name_file_and_line(tmp_path):
 def test_pairs_whose_chosen_is_their_rejected_are_refused_or_counted(tmp_path, caplog):
     """Every pair's chosen response equal to its rejected one (the loss stays log 2) is refused
     naming the file, its first such line and the fix, before the work dir exists; some such
-    pairs are counted in a warning."""
+    pairs are counted in a warning; so are pairs that truncation makes one."""
     path, work = tmp_path / "pairs.jsonl", tmp_path / "work"
     pairs = [dict(prompt=f"question {i}", chosen=f"yes {i}", rejected=f"yes {i}") for i in range(8)]
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
@@ -162,6 +162,11 @@ def test_pairs_whose_chosen_is_their_rejected_are_refused_or_counted(tmp_path, c
     assert 0 < same < len(ds.train) // 2 and same + val_same == len(pairs) - 5
     assert f"{same} of 6 training and {val_same} of 2 validation pairs" in caplog.text
     assert "pairs.jsonl:6" in caplog.text
+    # Responses that differ only past seq_len are one row once truncated.
+    long = [dict(prompt="q", chosen="word " * 99 + w, rejected="word " * 99 + "no") for w in "ab"]
+    path.write_text("".join(json.dumps(p) + "\n" for p in long * 4))
+    with pytest.raises(errors.DataError, match=r"training pairs .* once cut to seq_len=64, so"):
+        dpo_data.build(dpo_run(path, **{"data.overlong": "truncate"}), tmp_path / "work2")
 
 
 def test_step_zero_is_log_2_and_only_the_policy_trains(tmp_path):

@@ -311,5 +311,7 @@ class Tokens(data_format.DataFormat):
             val_fraction=val_fraction,
         )
         sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
-        make = functools.partial(data.Dataset, tokenizer, key=key, **sizes)
+        shards = (f"the token shards of {source.desc}",) * 2
+        fix = "a shard changed after the run checked it; rewrite it with config.data.tokenizer"
+        make = functools.partial(data.Dataset, tokenizer, key=key, shards=shards, fix=fix, **sizes)
         return data_format.Encoded(make(train_tokens, val_tokens))

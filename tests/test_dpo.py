@@ -2,6 +2,7 @@
 frozen reference, pair rows (strings and chat), file:line errors, learning at O0 and O1 on the
 novel pairs, and an exact resume."""
 
+import gzip
 import json
 import logging
 import math
@@ -133,6 +134,15 @@ def test_bad_lines_name_file_and_line(tmp_path):
         with pytest.raises(errors.DataError, match=rf"bad.jsonl:{bad}: .*{message}"):
             dpo_data.build(dpo_run(path), tmp_path / "work")
         assert not (tmp_path / "work").exists()
+    # A line that is not UTF-8 is named; a .jsonl.gz cut short is one line, not an EOFError.
+    path.write_bytes(f"{good}\n".encode() + b'{"prompt": "\xff", "chosen": "b"}\n')
+    with pytest.raises(errors.DataError, match=r"bad.jsonl:2: not UTF-8 text"):
+        dpo_data.build(dpo_run(path), tmp_path / "work")
+    whole = gzip.compress(f"{good}\n".encode() * 500)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(errors.DataError, match=r"cut.jsonl.gz is not a complete gzip file"):
+        dpo_data.build(dpo_run(tmp_path / "cut.jsonl.gz"), tmp_path / "work")
+    assert not (tmp_path / "work").exists()
     with pytest.raises(errors.ConfigError, match="data.packing=True with data.format='dpo'"):
         dpo_run(**{"data.packing": True})
     with pytest.raises(errors.ConfigError, match="multiple of 2 x grad_accum_steps"):

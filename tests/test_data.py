@@ -237,6 +237,25 @@ def test_missing_or_empty_corpus_errors(tmp_path):
     assert len(corpus_lib.source_files(str(corpus))[0]) == 3
 
 
+def test_jsonl_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """A .jsonl corpus in Latin-1 (its accents undecodable) is refused as a text file would
+    be, whether its texts are read (a BPE's sample, evaluate) or encoded into the token
+    cache, not trained on as replacement characters."""
+    from fp8jax.trainer import encode
+
+    text = novel("emma", 12_000).replace("e", "é")
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"text": text}, ensure_ascii=False).encode("latin-1") * 3)
+    path.write_bytes(path.read_bytes().replace(b"}{", b"}\n{"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not a text file: .* not UTF-8"):
+        next(corpus_lib.pieces([path], "--data"))  # the BPE's sample, evaluate's text
+    tok = tokenizer.train([novel("emma", 4_000)], VOCAB)
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not a text file: .* not UTF-8"):
+        list(encode.encode([path], tok, "uint16", 1))
+    path.write_text(f"{json.dumps({'text': text})}\n" * 3)  # the same text as JSON escapes
+    assert len(data.build(_config(path), tmp_path / "w").tokenizer.encode("é")) == 1
+
+
 @pytest.mark.slow
 def test_shipped_corpus(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "_TOKENIZER_TRAIN_CHARS", 1 << 20)  # the encode pass is the test

@@ -22,6 +22,7 @@ __all__ = [
     "JSONL",
     "PARQUET",
     "TEXT_SUFFIXES",
+    "check_file_start",
     "check_not_empty",
     "check_text",
     "fingerprint",
@@ -204,6 +205,13 @@ def check_text(f: Path, start: str, source: str) -> None:
         )
 
 
+def check_file_start(f: Path, source: str) -> None:
+    """:func:`check_text` on the start of the file ``f`` (a .jsonl file, whose lines are read
+    one by one)."""
+    with _open_text(f) as fh:
+        check_text(f, fh.read(_SNIFF_CHARS), source)
+
+
 def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tuple[str, bool]]:
     """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
 
@@ -262,6 +270,7 @@ def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
         return
     with _open_text(f) as fh:
         if _is_jsonl(f):
+            check_file_start(f, source)
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue

@@ -117,6 +117,11 @@ def encoded(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[str]]:
     from fp8jax.trainer import chat
 
     stop = list(_STOP.value)
+    if "" in stop:
+        raise errors.ConfigError(
+            "--stop '': an empty string would end every completion at once; drop it, or "
+            "give the text to stop at"
+        )
     if not _CHAT.value:
         if _SYSTEM.value is not None:
             raise errors.ConfigError("--system is a chat turn: pass --chat too")
@@ -242,6 +247,8 @@ def main(argv):
                         f"it to at most {context - 1} tokens"
                     )
                 max_new = min(max_new, context - longest)
+            # Checked before anything is printed, compiled or read.
+            generate.buckets_for([len(p) for p in ids], max_new, planned.model_cfg.max_len)
             jsonl = _OUTPUT.value == "jsonl"
             streaming = _STREAM.value and not jsonl and len(texts) == 1
             watched = streaming or stop or jsonl or _VERBOSE.value

@@ -79,7 +79,10 @@ class Backend:
 
         errors.check_int(batch_size, "--model_args batch_size", 1)
         errors.check_int(max_gen_toks, "--model_args max_gen_toks", 1)
-        self.inf = inference.load(str(ckpt), level, dtype or inference.default_dtype())
+        try:
+            self.inf = inference.load(str(ckpt), level, dtype or inference.default_dtype())
+        except errors.USER_ERRORS as e:  # named as lm_eval's command line spells it
+            raise type(e)(str(e).replace("--ckpt ", "--model_args ckpt=")) from None
         self.tokenizer = self.inf.tokenizer
         self.max_len = self.inf.model.cfg.max_len
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks

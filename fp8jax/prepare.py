@@ -39,7 +39,7 @@ _OUT = flags.DEFINE_string("out", None, "New folder for the token shards.")
 _WORKERS = flags.DEFINE_integer("workers", 0, "Encoding processes (0: one per CPU core).")
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", 1 << 28, "Ids per shard, about.")
 
-MANIFEST = "prepare.json"  # what --out holds and where it came from
+MANIFEST = "prepare.json"  # what --out holds and where it came from (token_shards.MANIFEST)
 TOKENIZER_DIR = "tokenizer"  # the tokenizer's copy in --out (config.data.tokenizer)
 
 
@@ -140,6 +140,7 @@ def prepare(
                 source=desc,
                 corpus=corpus_lib.fingerprint(files),
                 tokenizer=str(Path(tokenizer).expanduser().resolve()),
+                tokenizer_sha256=tokenizer_lib.sha256(tok.to_str()),  # checked by the trainer
                 dtype=dtype,
                 shards=shards.count,
                 tokens=shards.tokens,

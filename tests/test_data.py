@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fp8jax import tokenizer
+from fp8jax import errors, tokenizer
 from fp8jax.trainer import corpus as corpus_lib
 from fp8jax.trainer import data
 
@@ -221,6 +221,39 @@ def test_missing_or_empty_corpus_errors(tmp_path):
         data.build(_config(tmp_path / "no_txt"), tmp_path / "w3")
     with pytest.raises(ValueError, match="val_fraction"):
         data.build(_config(empty, val_fraction=1.0), tmp_path / "w4")
+    # A work dir named as the corpus (its orbax markers are .txt files) is not read as one; a
+    # work dir inside a corpus folder is left out of it.
+    corpus = tmp_path / "corpus"
+    workdir = corpus / "run"
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    (workdir / "checkpoints" / "4" / "commit_success.txt").write_text(novel("emma", 20_000))
+    (workdir / "metrics.jsonl").write_text('{"step": 4}\n')
+    (workdir / "model.json").write_text("{}")
+    with pytest.raises(errors.DataError, match=r"run' is an fp8jax work dir.*config.data.path"):
+        data.build(_config(workdir), tmp_path / "w6")
+    (corpus / "book.txt").write_text(novel("emma", 20_000))
+    assert corpus_lib.source_files(str(corpus))[0] == [corpus / "book.txt"]
+    (workdir / "model.json").unlink()  # a folder of the corpus, whatever its names
+    assert len(corpus_lib.source_files(str(corpus))[0]) == 3
+
+
+def test_jsonl_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """A .jsonl corpus in Latin-1 (its accents undecodable) is refused as a text file would
+    be, whether its texts are read (a BPE's sample, evaluate) or encoded into the token
+    cache, not trained on as replacement characters."""
+    from fp8jax.trainer import encode
+
+    text = novel("emma", 12_000).replace("e", "é")
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"text": text}, ensure_ascii=False).encode("latin-1") * 3)
+    path.write_bytes(path.read_bytes().replace(b"}{", b"}\n{"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not a text file: .* not UTF-8"):
+        next(corpus_lib.pieces([path], "--data"))  # the BPE's sample, evaluate's text
+    tok = tokenizer.train([novel("emma", 4_000)], VOCAB)
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not a text file: .* not UTF-8"):
+        list(encode.encode([path], tok, "uint16", 1))
+    path.write_text(f"{json.dumps({'text': text})}\n" * 3)  # the same text as JSON escapes
+    assert len(data.build(_config(path), tmp_path / "w").tokenizer.encode("é")) == 1
 
 
 @pytest.mark.slow

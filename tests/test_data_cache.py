@@ -7,9 +7,11 @@ while keeping the checkpoint's tokenizer). A refused or failed build changes not
 """
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -160,6 +162,54 @@ def test_content_changed_in_place_on_resume_is_refused(corpora, tmp_path, checkp
     assert _snapshot(wd) == before
 
 
+def _poke(shard: pathlib.Path, position: int | slice, value: int) -> None:
+    """Write id ``value`` at ``position`` (or over a slice) of a uint16 token cache shard, in
+    place."""
+    ids = np.memmap(shard, dtype="uint16", mode="r+")
+    ids[position] = value
+    ids.flush()
+    del ids
+
+
+def test_token_cache_edited_in_place_is_refused_naming_its_shard(corpora, tmp_path, monkeypatch):
+    """A reused token cache whose shard holds an id past the tokenizer's (edited in place, its
+    size kept) is refused naming the shard and the fix, the work dir unchanged: by its recorded
+    largest id, by reading its ids (all of a small cache, sampled blocks of a large one), and
+    by the stream's check of every window it reads; a cache of another size is rebuilt."""
+    wd = tmp_path / "work"
+    ds = data.build(_config(corpora[0]), wd)
+    vocab, tokens = ds.tokenizer.vocab_size, wd / "tokens"
+    meta = json.loads((tokens / "meta.json").read_text())
+    train = np.fromfile(tokens / "train.bin", "uint16")
+    assert meta["max_train"] == train.max() < vocab and meta["num_train"] == len(train)
+    middle = len(train) // 2
+    _poke(tokens / "train.bin", middle, vocab)
+    before = _snapshot(wd)
+    shard = f"shard {tokens / 'train.bin'} holds id {vocab} at token {middle}"
+    with pytest.raises(errors.DataError, match=f"{re.escape(shard)}, .* delete {tokens}"):
+        data.build(_config(corpora[0]), wd)
+    assert _snapshot(wd) == before
+    # A large cache is sampled: the stream still refuses the window that holds the id.
+    monkeypatch.setattr(data, "_CHECK_ALL_BYTES", 0)
+    monkeypatch.setattr(data, "_CHECK_BLOCKS", 2)  # 32 ids at the start, 32 at the end
+    monkeypatch.setattr(data, "_CHECK_BLOCK_IDS", 32)
+    stream = data.build(_config(corpora[0]), wd).train_iter(4, 16)
+    with pytest.raises(errors.DataError, match=re.escape(str(tokens / "train.bin"))):
+        for _ in range(len(train) // 17):  # an epoch of 17-token windows, 4 a batch
+            next(stream)
+    _poke(tokens / "train.bin", middle, train[middle])
+    # Past the sampled blocks: the validation batches are read (and checked) at once.
+    _poke(tokens / "val.bin", slice(32, meta["num_val"] - 32), vocab + 1)
+    with pytest.raises(errors.DataError, match=re.escape(str(tokens / "val.bin"))):
+        data.build(_config(corpora[0]), wd).eval_batches(1)
+    (tokens / "val.bin").write_bytes(b"")  # another size: rebuilt as it was
+    np.testing.assert_array_equal(data.build(_config(corpora[0]), wd).train_tokens, train)
+    meta["max_val"] = vocab  # a cache recording an id past the tokenizer's
+    (tokens / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(errors.DataError, match=r"val.bin holds id \d+ \(its recorded largest"):
+        data.build(_config(corpora[0]), wd)
+
+
 def test_tokenizer_settings_change_retrains_or_is_refused(corpora, tmp_path, checkpoint):
     text = corpora[0].read_text()
     wd = tmp_path / "work"
@@ -245,7 +295,8 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     corpora, tmp_path, monkeypatch
 ):
     """data.cache_dir: a new work dir on the same corpus and tokenizer encodes nothing; another
-    tokenizer gets its own cache; concurrent builders of one cache build it once."""
+    tokenizer gets its own cache; concurrent builders of one cache build it once; a killed
+    build's staging folder is removed by the next run on that cache."""
     import dataclasses
     import threading
 
@@ -276,8 +327,11 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
     assert len(encodes) == 1 and set(results) == {"w1", "w2"}
     (entry,) = [p for p in caches.iterdir() if p.is_dir()]
     assert not (tmp_path / "w1" / "tokens").exists() and not list(caches.glob("*.tmp*"))
+    stale = caches / f"{entry.name}.tmp999999"  # a killed build's staging
+    stale.mkdir()
+    (stale / "train.bin").write_bytes(b"\0" * 64)
     ds = data.build(shared(), tmp_path / "w3")  # a third run: reuses it, encodes nothing
-    assert len(encodes) == 1
+    assert len(encodes) == 1 and not stale.exists()
     np.testing.assert_array_equal(ds.train_tokens, results["w1"].train_tokens)
     data.build(shared(vocab=VOCAB + 20), tmp_path / "w4")  # another tokenizer: its own cache
     assert len(encodes) == 2 and len([p for p in caches.iterdir() if p.is_dir()]) == 2

@@ -65,6 +65,17 @@ def test_prepared_shards_hold_the_trainers_ids_cut_at_documents(corpus_dir, tmp_
     run, tok2 = loop.data_tokenizer(run, str(tmp_path / "work"), None)
     ds = formats.build(run, tmp_path / "work", tok2)
     assert ds.num_train_tokens + ds.num_val_tokens == len(want) and ds.num_val_tokens > 0
+    # Another tokenizer of the same size would read the ids without an error: refused, the
+    # folder or one of its shards named, by the manifest's record of the tokenizer.
+    assert prepare.MANIFEST == token_shards.MANIFEST
+    other = tokenizer.train([novel("emma", 30_000)], vocab_size=300)
+    assert other.vocab_size == tok.vocab_size and other.to_str() != tok.to_str()
+    other.save(tmp_path / "other.json")
+    for path in (out, shards[0]):
+        run = data_run(path, 300, format="tokens", tokenizer=str(tmp_path / "other.json"))
+        with pytest.raises(errors.DataError, match=rf"prepare.json\), .* {out / 'tokenizer'} "):
+            formats.build(run, tmp_path / "work2")
+    assert not (tmp_path / "work2").exists()
 
 
 @pytest.mark.parametrize("kind", ["missing", "shard", "tokenizer", "out_used", "binary", "flag"])

@@ -64,6 +64,14 @@ def test_token_shards_are_read_exactly_and_split_by_shard(setup, tmp_path):
     batch = next(ds.train_iter(process_index=0, process_count=1))
     assert batch["inputs"].shape == (4, 16) and batch["inputs"].max() < tok.vocab_size
     assert not (tmp_path / "work" / "tokens").exists()  # nothing encoded or copied
+    # A shard changed after its check: the stream refuses the window, naming the shards.
+    edited = np.load(folder / "2.npy", mmap_mode="r+")
+    edited[:] = tok.vocab_size
+    edited.flush()
+    stream = ds.train_iter(process_index=0, process_count=1)
+    with pytest.raises(errors.DataError, match=rf"token shards of folder {folder} .* holds id"):
+        for _ in range(len(whole) // 17 // 4 + 1):  # an epoch
+            next(stream)
 
 
 def test_one_shard_splits_at_a_document_end(setup, tmp_path):

@@ -2,7 +2,9 @@
 frozen reference, pair rows (strings and chat), file:line errors, learning at O0 and O1 on the
 novel pairs, and an exact resume."""
 
+import gzip
 import json
+import logging
 import math
 import os
 import signal
@@ -132,10 +134,49 @@ def test_bad_lines_name_file_and_line(tmp_path):
         with pytest.raises(errors.DataError, match=rf"bad.jsonl:{bad}: .*{message}"):
             dpo_data.build(dpo_run(path), tmp_path / "work")
         assert not (tmp_path / "work").exists()
+    # A line that is not UTF-8 is named; a .jsonl.gz cut short is one line, not an EOFError.
+    path.write_bytes(f"{good}\n".encode() + b'{"prompt": "\xff", "chosen": "b"}\n')
+    with pytest.raises(errors.DataError, match=r"bad.jsonl:2: not UTF-8 text"):
+        dpo_data.build(dpo_run(path), tmp_path / "work")
+    whole = gzip.compress(f"{good}\n".encode() * 500)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(errors.DataError, match=r"cut.jsonl.gz is not a complete gzip file"):
+        dpo_data.build(dpo_run(tmp_path / "cut.jsonl.gz"), tmp_path / "work")
+    assert not (tmp_path / "work").exists()
     with pytest.raises(errors.ConfigError, match="data.packing=True with data.format='dpo'"):
         dpo_run(**{"data.packing": True})
     with pytest.raises(errors.ConfigError, match="multiple of 2 x grad_accum_steps"):
         dpo_run(batch_size=6, grad_accum_steps=2)
+
+
+def test_pairs_whose_chosen_is_their_rejected_are_refused_or_counted(tmp_path, caplog):
+    """Every pair's chosen response equal to its rejected one (the loss stays log 2) is refused
+    naming the file, its first such line and the fix, before the work dir exists; some such
+    pairs are counted in a warning; so are pairs that truncation makes one."""
+    path, work = tmp_path / "pairs.jsonl", tmp_path / "work"
+    pairs = [dict(prompt=f"question {i}", chosen=f"yes {i}", rejected=f"yes {i}") for i in range(8)]
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    run = dpo_run(path, **{"data.val_fraction": 0.25})  # 6 training, 2 validation pairs
+    with pytest.raises(errors.DataError, match=r"pairs.jsonl: every one of its 6 training pairs "):
+        dpo_data.build(run, work)
+    with pytest.raises(errors.DataError, match=r"first at .*pairs.jsonl:1\).* differs from"):
+        dpo_data.build(run, work)
+    assert not work.exists()
+    for p in pairs[:5]:
+        p["rejected"] = "no"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    with caplog.at_level(logging.WARNING):
+        ds = dpo_data.build(run, work)
+    same = sum(np.array_equal(*ds.train[k : k + 2]) for k in range(0, len(ds.train), 2))
+    val_same = sum(np.array_equal(*ds.val[k : k + 2]) for k in range(0, len(ds.val), 2))
+    assert 0 < same < len(ds.train) // 2 and same + val_same == len(pairs) - 5
+    assert f"{same} of 6 training and {val_same} of 2 validation pairs" in caplog.text
+    assert "pairs.jsonl:6" in caplog.text
+    # Responses that differ only past seq_len are one row once truncated.
+    long = [dict(prompt="q", chosen="word " * 99 + w, rejected="word " * 99 + "no") for w in "ab"]
+    path.write_text("".join(json.dumps(p) + "\n" for p in long * 4))
+    with pytest.raises(errors.DataError, match=r"training pairs .* once cut to seq_len=64, so"):
+        dpo_data.build(dpo_run(path, **{"data.overlong": "truncate"}), tmp_path / "work2")
 
 
 def test_step_zero_is_log_2_and_only_the_policy_trains(tmp_path):

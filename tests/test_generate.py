@@ -376,6 +376,7 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.generate", ["--prompt=a", "--max_new_tokens=40"], "--max_new_tokens to at most"),
         ("fp8jax.generate", ["--prompt=a", "--chat"], "has no chat template"),
         ("fp8jax.generate", ["--prompt=a", "--system=Be"], "--system is a chat turn"),
+        ("fp8jax.generate", ["--prompt=a", "--stop=.", "--stop="], "--stop '': an empty"),
     ],
 )
 def test_command_line_bad_input_is_one_line(workdir, module, args, message):
@@ -385,6 +386,7 @@ def test_command_line_bad_input_is_one_line(workdir, module, args, message):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
     assert "config." not in out.stderr and "at most -" not in out.stderr, out.stderr
+    assert out.stdout == ""  # the prompt is not printed before its error
     assert file_hashes(wd) == before
 
 

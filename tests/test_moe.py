@@ -153,6 +153,24 @@ def test_capacity_drops_exactly_the_pairs_past_each_experts_capacity():
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-6)
 
 
+def test_a_run_dropping_most_pairs_is_warned(tmp_path, caplog):
+    """A logged step whose capacity dispatch dropped most token-expert pairs (a tiny
+    model.moe.capacity_factor: the experts see almost nothing) warns, naming the fixes."""
+    import logging
+
+    from fp8jax.trainer import metrics as metrics_lib
+
+    log = metrics_lib.RunLog(str(tmp_path), 2, 16, 0)
+    share = metrics_lib.MOE_DROP_WARN_SHARE
+    with caplog.at_level(logging.WARNING):
+        log.train(1, {"loss": np.float32(6.0), "moe_dropped": np.float32(share / 2)})
+        assert "capacity_factor" not in caplog.text
+        log.train(2, {"loss": np.float32(6.0), "moe_dropped": np.float32((1 + share) / 2)})
+    log.close()
+    assert "step 2: MoE capacity dispatch dropped" in caplog.text
+    assert "model.moe.capacity_factor or set model.moe.dispatch='dropless'" in caplog.text
+
+
 def test_aux_losses_on_a_hand_made_routing():
     # 4 tokens, 4 experts, top-1: tokens pick experts 0, 0, 1, 2 (f = 1/2, 1/4, 1/4, 0).
     logits = np.array([[3.0, 1, 0, 0], [2.0, 0, 1, 0], [0.0, 2, 1, 0], [0.0, 1, 4, 1]], np.float32)

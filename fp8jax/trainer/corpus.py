@@ -9,6 +9,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from absl import logging
+
 from fp8jax.errors import DataError
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "JSONL",
     "PARQUET",
     "TEXT_SUFFIXES",
+    "check_file_start",
     "check_not_empty",
     "check_text",
     "fingerprint",
@@ -66,11 +69,31 @@ def source_files(
     p = p.resolve()  # messages and the data record name the file, whatever the cwd was
     if p.is_file():
         return [p], f"file {p}"
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+    if _is_workdir(p):  # its text is orbax's markers and the run's metrics
+        raise DataError(f"data folder {str(p)!r} is an fp8jax work dir, not a corpus; {fix}")
+    found = [f for f in p.rglob("*") if f.is_file()]
+    # A work dir inside the corpus folder (a run's --workdir there) is not part of the corpus:
+    # its files would change the corpus under the run at each resume.
+    runs = {f.parent for f in found if f.name == _WORKDIR_MARK and _is_workdir(f.parent)}
+    if runs:
+        logging.warning("data folder %s: not reading the fp8jax work dirs %s", p, sorted(runs))
+    files = sorted(
+        f for f in found if f.name.endswith(suffixes) and not runs.intersection(f.parents)
+    )
     if not files:
         kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
         raise DataError(f"data folder {str(p)!r} has no {kinds} files; {fix}")
     return files, f"folder {p} ({len(files)} files)"
+
+
+_WORKDIR_MARK = "model.json"  # a work dir's record of its model, beside checkpoints/, metrics
+
+
+def _is_workdir(folder: Path) -> bool:
+    """Whether ``folder`` is an fp8jax work dir that has trained (its model record, and
+    checkpoints or metrics)."""
+    run = (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+    return run and (folder / _WORKDIR_MARK).is_file()
 
 
 def _is_jsonl(f: Path) -> bool:
@@ -182,6 +205,13 @@ def check_text(f: Path, start: str, source: str) -> None:
         )
 
 
+def check_file_start(f: Path, source: str) -> None:
+    """:func:`check_text` on the start of the file ``f`` (a .jsonl file, whose lines are read
+    one by one)."""
+    with _open_text(f) as fh:
+        check_text(f, fh.read(_SNIFF_CHARS), source)
+
+
 def pieces(files: list[Path], source: str = "config.data.path") -> Iterator[tuple[str, bool]]:
     """Yield ``(text, ends_document)``: a text file is one document, a .jsonl line is one.
 
@@ -240,6 +270,7 @@ def _file_pieces(f: Path, source: str) -> Iterator[tuple[str, bool]]:
         return
     with _open_text(f) as fh:
         if _is_jsonl(f):
+            check_file_start(f, source)
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue

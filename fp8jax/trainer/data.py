@@ -97,6 +97,7 @@ class _Splitter:
     def __init__(self, train_fh, val_fh, val_fraction: float, dtype: np.dtype):
         self.fhs, self.val_fraction, self.dtype = (train_fh, val_fh), val_fraction, dtype
         self.counts = [0, 0]  # tokens written to train, val
+        self.max_ids = [-1, -1]  # the largest id written to train, val (-1: none)
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
 
@@ -118,6 +119,8 @@ class _Splitter:
         to_val = self.counts[1] + len(block) <= self.val_fraction * total
         self.fhs[to_val].write(block.tobytes())
         self.counts[to_val] += len(block)
+        if len(block):
+            self.max_ids[to_val] = max(self.max_ids[to_val], int(block.max()))
 
     def close(self) -> None:
         if self.pending_len:
@@ -134,8 +137,8 @@ def _encode_corpus(
     workers: int = 0,
 ):
     """Encode every document (framed by ``encode.encode``) into ``out_dir`` with ``workers``
-    processes; returns (num_train, num_val). ``done`` counts the characters and tokens encoded
-    so far (``chars``, ``tokens``)."""
+    processes; returns (num_train, num_val) and the largest id of each split (-1: empty).
+    ``done`` counts the characters and tokens encoded so far (``chars``, ``tokens``)."""
     with open(out_dir / "train.bin", "wb") as train_fh, open(out_dir / "val.bin", "wb") as val_fh:
         splitter = _Splitter(train_fh, val_fh, val_fraction, dtype)
         for ids, chars in encode_lib.encode(files, tok, dtype, workers):
@@ -143,9 +146,16 @@ def _encode_corpus(
             done["tokens"] += len(ids)
             splitter.add(ids)
         splitter.close()
-    return tuple(splitter.counts)
+    return tuple(splitter.counts), tuple(splitter.max_ids)
 
 
+# A reused token cache's ids are checked against the vocabulary at every start: all of a
+# shard up to _CHECK_ALL_BYTES (_CHECK_IDS at a time), else _CHECK_BLOCKS blocks of
+# _CHECK_BLOCK_IDS spread over it (32 MiB of uint16).
+_CHECK_ALL_BYTES = 1 << 28
+_CHECK_IDS = 1 << 24
+_CHECK_BLOCKS = 512
+_CHECK_BLOCK_IDS = 1 << 15
 _BYTES_PER_TOKEN = 4  # a BPE's usual text bytes per token: the estimate before any is encoded
 
 
@@ -158,6 +168,41 @@ def _cache_bytes(files: list[Path], done: dict, itemsize: int) -> int:
 
 _IN_WORKDIR = "pass a --workdir on a disk with room (the token cache lives in the work dir)"
 _SHARED_FIX = "set config.data.cache_dir to a folder on a disk with room"
+
+
+def _rebuild_fix(out_dir: Path) -> str:
+    """What to do about a token cache in ``out_dir`` whose shards changed after the build."""
+    return f"it changed after it was built; delete {out_dir} so that it is rebuilt, then rerun"
+
+
+def _out_of_vocab(shard: Path, bad: int, where: str, vocab: int) -> DataError:
+    """The error of a reused token cache's ``shard`` that holds id ``bad`` (``where``)."""
+    return DataError(
+        f"the token cache shard {shard} holds id {bad} {where}, outside the tokenizer's "
+        f"{vocab} ids: {_rebuild_fix(shard.parent)}"
+    )
+
+
+def _check_reused(out_dir: Path, meta: dict, vocab: int) -> None:
+    """A DataError naming the shard when a reused token cache holds an id outside ``vocab``:
+    its recorded largest ids, then its ids, all of a shard up to ``_CHECK_ALL_BYTES``, else
+    ``_CHECK_BLOCKS`` blocks spread over it (the training stream checks every window it
+    reads: :meth:`Dataset.windows`)."""
+    for s in ("train", "val"):
+        shard, recorded = out_dir / f"{s}.bin", meta.get(f"max_{s}", -1)
+        if recorded >= vocab:
+            raise _out_of_vocab(shard, recorded, "(its recorded largest id)", vocab)
+        ids = _memmap(shard, meta["dtype"], meta[f"num_{s}"])
+        if ids.nbytes <= _CHECK_ALL_BYTES:
+            starts, width = range(0, len(ids), _CHECK_IDS), _CHECK_IDS
+        else:
+            width, last = _CHECK_BLOCK_IDS, max(len(ids) - _CHECK_BLOCK_IDS, 0)
+            starts = sorted({k * last // (_CHECK_BLOCKS - 1) for k in range(_CHECK_BLOCKS)})
+        for start in starts:
+            block = np.asarray(ids[start : start + width])
+            if len(block) and int(block.max()) >= vocab:
+                k = int(np.argmax(block >= vocab))
+                raise _out_of_vocab(shard, int(block[k]), f"at token {start + k}", vocab)
 
 
 def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
@@ -192,7 +237,8 @@ def _load_or_encode(
     """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
 
     The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
-    matches and its files have the recorded sizes.
+    matches and its files have the recorded sizes; a reused one holding an id outside the
+    tokenizer's is refused (:func:`_check_reused`).
     """
     key, dtype = _cache_key(tok, identity)
     meta = provenance.read_json(out_dir / "meta.json") or {}
@@ -204,7 +250,10 @@ def _load_or_encode(
     )
     if meta.get("key") == key and sizes_ok:
         logging.info("reusing token cache %s (%d train tokens)", out_dir, meta["num_train"])
+        _check_reused(out_dir, meta, tok.vocab_size)
         return meta, False
+    if meta.get("key") == key:
+        logging.warning("the token cache %s is not the size it recorded: rebuilding it", out_dir)
     logging.info("encoding %s -> %s", desc, out_dir)
     t0 = time.perf_counter()
     done = dict(chars=0, tokens=0)
@@ -212,12 +261,13 @@ def _load_or_encode(
     needed = lambda: _cache_bytes(files, done, itemsize)  # noqa: E731
     with data_format.disk_space(stage.parent, what, needed, fix):
         stage.mkdir()
-        num_train, num_val = _encode_corpus(
+        (num_train, num_val), (max_train, max_val) = _encode_corpus(
             files, tok, stage, identity["val_fraction"], dtype, done, workers
         )
         if num_train + num_val == 0:
             raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
         meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
+        meta.update(max_train=max_train, max_val=max_val)
         provenance.write_json(stage / "meta.json", meta)
     secs = time.perf_counter() - t0
     logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
@@ -246,6 +296,15 @@ def _exclusive(lock: Path):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove_dead_stages(root: Path, name: str) -> None:
+    """Remove the ``<name>.tmp<pid>`` folders of the shared cache folder ``root``: builds of
+    that cache killed before they published it (a build stages only while it holds the cache's
+    lock, which the caller holds), each as large as the cache."""
+    for stale in root.glob(f"{name}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        logging.info("removed %s, left by a killed build of the token cache", stale)
 
 
 def _publish(stage: Path, out_dir: Path) -> None:
@@ -291,10 +350,25 @@ class Dataset:
         batch_size: int = 8,
         seq_len: int = 64,
         key: str = "",
+        shards: tuple[str, str] = ("the training tokens", "the validation tokens"),
+        fix: str = "rebuild them with the run's tokenizer",
     ):
         self.tokenizer = tokenizer
         self.train_tokens, self.val_tokens = train_tokens, val_tokens
         self.seed, self.batch_size, self.seq_len, self.key = seed, batch_size, seq_len, key
+        self.shards, self.fix, self.vocab_size = shards, fix, tokenizer.vocab_size
+
+    def _checked(self, ids: np.ndarray, split: int, start: int) -> np.ndarray:
+        """``ids`` (int32, read from ``start`` of the training (0) or validation (1) split);
+        a DataError naming the split's shards and ``fix`` when one is outside the vocabulary
+        (a shard changed after its checks: the embedding lookup would clamp it)."""
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            k = int(np.argmax((ids < 0) | (ids >= self.vocab_size)))
+            raise DataError(
+                f"{self.shards[split]} holds id {int(ids[k])} at token {start + k}, outside "
+                f"the tokenizer's {self.vocab_size} ids: {self.fix}"
+            )
+        return ids
 
     @property
     def num_train_tokens(self) -> int:
@@ -344,7 +418,8 @@ class Dataset:
 
         def window(k: int, j: int) -> Batch:
             start = epoch_offset(k // num_windows) + j * W
-            return _split(np.asarray(tokens[start : start + W], dtype=np.int32))
+            ids = np.asarray(tokens[start : start + W], dtype=np.int32)
+            return _split(self._checked(ids, 0, start))
 
         import grain  # only here: the format registry (loop.setup reads it) needs no grain
 
@@ -380,7 +455,8 @@ class Dataset:
             rows_RxW = []
             for j in range(b * batch_size + p * rows, b * batch_size + (p + 1) * rows):
                 start = j * windows // taken * W  # window j of the taken ones, spread evenly
-                rows_RxW.append(np.asarray(self.val_tokens[start : start + W], dtype=np.int32))
+                ids = np.asarray(self.val_tokens[start : start + W], dtype=np.int32)
+                rows_RxW.append(self._checked(ids, 1, start))
             out.append(_split(np.stack(rows_RxW)))
         return out
 
@@ -461,6 +537,8 @@ class Text(data_format.DataFormat):
             lock, fix = contextlib.nullcontext(), _IN_WORKDIR
         try:
             with lock:
+                if shared:
+                    _remove_dead_stages(root, name)
                 meta, encoded = _load_or_encode(
                     source.content,
                     source.desc,
@@ -483,7 +561,10 @@ class Text(data_format.DataFormat):
             shutil.rmtree(stage, ignore_errors=True)
             raise
         sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
-        make = functools.partial(Dataset, tokenizer, key=meta["key"], **sizes)
+        shards = tuple(f"the token cache shard {out_dir / f'{s}.bin'}" for s in ("train", "val"))
+        make = functools.partial(
+            Dataset, tokenizer, key=meta["key"], shards=shards, fix=_rebuild_fix(out_dir), **sizes
+        )
         return _Tokens(make, meta, out_dir, stage, encoded)
 
 

@@ -31,6 +31,7 @@ import gzip
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -195,22 +196,36 @@ def build(fmt: DataFormat, run: RunSpec, workdir: str | os.PathLike, tokenizer=N
 
 
 def read_records(files: list[Path], check: Callable[[Any, str], Any]) -> list[Record]:
-    """``(record, 'file:line')`` of every non-blank line; a malformed line is a DataError
-    (``check(record, where)`` raises it for a well-formed JSON line of the wrong shape)."""
+    """``(record, 'file:line')`` of every non-blank line; a malformed line (not UTF-8, not
+    JSON) or a ``.gz`` file cut short is a DataError naming it (``check(record, where)``
+    raises one for a well-formed JSON line of the wrong shape)."""
     out = []
     for f in files:
         opener = gzip.open if f.name.endswith(".gz") else open
-        with opener(f, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{f}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-                check(record, where)
-                out.append((record, where))
+        try:
+            with opener(f, "rb") as fh:
+                for lineno, raw in enumerate(fh, 1):
+                    where = f"{f}:{lineno}"
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(
+                            f"{where}: not UTF-8 text (byte {e.start} of the line); save the "
+                            "file as UTF-8"
+                        ) from None
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{where}: not valid JSON ({e.msg})") from e
+                    check(record, where)
+                    out.append((record, where))
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise DataError(
+                f"{f} is not a complete gzip file ({e}); re-download or re-compress it, or "
+                "remove it from config.data.path"
+            ) from None
     return out
 
 

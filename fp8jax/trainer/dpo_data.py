@@ -35,6 +35,7 @@ __all__ = [
     "DpoDataset",
     "Preferences",
     "build",
+    "check_distinct",
     "check_pair",
     "encode_response",
     "fit_pairs",
@@ -131,6 +132,42 @@ def fit_pairs(pairs: list[tuple[Example, Example]], seq_len: int, overlong: str)
         if len(rows) == 2:
             kept += rows
     return kept, len(pairs) - len(kept) // 2
+
+
+def _same(chosen: Example, rejected: Example) -> bool:
+    """Whether a pair's two rows are one: its DPO loss is log(2) whatever the policy."""
+    return all(np.array_equal(a, b) for a, b in zip(chosen, rejected, strict=True))
+
+
+def check_distinct(
+    desc: str, train: list[Example], val: list[Example], records: list, seq_len: int
+) -> None:
+    """A DataError naming the data and its first such line when every training pair (rows
+    ``2k``, ``2k + 1``) has its chosen response equal to its rejected one (the loss stays
+    log(2): nothing is learned); a warning with the count when some pairs do. ``records``:
+    the ``(record, where)`` pairs, to name the first one."""
+    same = [_same(*train[k : k + 2]) for k in range(0, len(train), 2)]
+    same_val = sum(_same(*val[k : k + 2]) for k in range(0, len(val), 2))
+    if not any(same) and not same_val:
+        return
+    first = next((w for r, w in records if r["chosen"] == r["rejected"]), None)
+    where = f" (the first at {first})" if first else f" once cut to seq_len={seq_len}"
+    if all(same):
+        raise DataError(
+            f"{desc}: every one of its {len(same)} training pairs has the same chosen and "
+            f"rejected response{where}, so the DPO loss stays log(2) and nothing is learned; "
+            "give each pair a rejected response that differs from its chosen one"
+        )
+    logging.warning(
+        "%s: %d of %d training and %d of %d validation pairs have the same chosen and "
+        "rejected response%s; they add log(2) to the loss and teach nothing",
+        desc,
+        sum(same),
+        len(same),
+        same_val,
+        len(val) // 2,
+        where,
+    )
 
 
 class _PairStream:
@@ -242,6 +279,7 @@ class Preferences(data_format.DataFormat):
                 data.overlong,
             )
         sft_data.check_fits(source.desc, train, val, run, "pairs", per=2)
+        check_distinct(source.desc, train, val, source.content, optim.seq_len)
         logging.info(
             "%s: %d training, %d validation pairs", source.desc, len(train) // 2, len(val) // 2
         )

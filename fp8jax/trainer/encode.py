@@ -275,8 +275,11 @@ def _text_blocks(task: Task, source: str, cuts: Cuts) -> Iterator[str]:
         yield carry
 
 
-def _jsonl_docs(task: Task) -> Iterator[str]:
-    """The ``text`` of each non-blank line of a .jsonl task's range."""
+def _jsonl_docs(task: Task, source: str) -> Iterator[str]:
+    """The ``text`` of each non-blank line of a .jsonl task's range; the file's start is
+    checked to be text."""
+    if task.start == 0:
+        corpus_lib.check_file_start(Path(task.file), source)
     with _open_range(task) as fh:
         for local, line in enumerate(fh, 1):
             if not line.strip():
@@ -319,7 +322,7 @@ class _Worker:
         copy less than an array."""
         try:
             if task.kind == "jsonl":
-                return self._documents(_jsonl_docs(task))
+                return self._documents(_jsonl_docs(task, self.source))
             if task.kind == "parquet":
                 return self._documents(corpus_lib.parquet_texts(Path(task.file), task.start))
             return self._text(task)

@@ -23,6 +23,7 @@ from fp8jax.nn import state as fp8_state
 
 __all__ = [
     "HEALTH_WARN_SHARE",
+    "MOE_DROP_WARN_SHARE",
     "NonFiniteGuard",
     "RunLog",
     "Writer",
@@ -225,6 +226,11 @@ class NonFiniteGuard:
 HEALTH_WARN_SHARE = 1e-3
 
 
+# A larger share of the token-expert pairs that 'capacity' dispatch drops than this is logged as
+# a warning: past it, most of each MoE layer's input skips its experts.
+MOE_DROP_WARN_SHARE = 0.5
+
+
 class RunLog:
     """Metrics to the console, TensorBoard and ``<workdir>/metrics.jsonl`` (a JSON per line).
 
@@ -259,6 +265,15 @@ class RunLog:
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
         self._emit(step, "train", m)
         self.summary.update({f"train_{k}": v for k, v in m.items()})
+        if m.get("moe_dropped", 0.0) > MOE_DROP_WARN_SHARE:
+            logging.warning(
+                "step %d: MoE capacity dispatch dropped %.3g of the token-expert pairs (more than "
+                "%.2g): those tokens skip their experts; raise model.moe.capacity_factor or set "
+                "model.moe.dispatch='dropless'",
+                step,
+                m["moe_dropped"],
+                MOE_DROP_WARN_SHARE,
+            )
 
     def first(self, what: str) -> None:
         """Log ``what`` the first time it is seen (a compile the console would otherwise hide)."""

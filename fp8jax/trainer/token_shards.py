@@ -6,9 +6,11 @@ tokenizer's EOS (as nanoGPT- and Megatron-style preparation writes them), or a k
 another module registers a reader for (:func:`register_reader`: ``.array_record`` files,
 ``fp8jax.trainer.array_records``). The ids are those of
 ``config.data.tokenizer``, which must be given: every shard is checked to hold only its ids, in
-a dtype that can hold them all. Nothing is encoded or copied: the shards are memory-mapped and
-the training stream reads windows across them. The validation split is whole shards (spread
-over the folder) or, with one shard, its last whole documents (cut at an EOS).
+a dtype that can hold them all, and shards that ``fp8jax.prepare`` wrote with another
+tokenizer (its :data:`MANIFEST` records which) are refused. Nothing is encoded or copied: the
+shards are memory-mapped and the training stream reads windows across them. The validation
+split is whole shards (spread over the folder) or, with one shard, its last whole documents
+(cut at an EOS).
 
 ``.bin`` layout (little-endian): 8 bytes :data:`MAGIC`, uint32 format version (1), uint32 bytes
 per id (1, 2, 4 or 8; unsigned ids), uint64 number of ids, 8 zero bytes, then the ids.
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
+from fp8jax import provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.trainer import corpus as corpus_lib
@@ -36,9 +39,11 @@ if TYPE_CHECKING:
 __all__ = [
     "HEADER_BYTES",
     "MAGIC",
+    "MANIFEST",
     "SUFFIXES",
     "Concat",
     "Tokens",
+    "check_prepared_with",
     "read_shard",
     "readers",
     "register_reader",
@@ -47,6 +52,7 @@ __all__ = [
 ]
 
 MAGIC = b"FP8JTOK\0"  # the first bytes of a .bin token shard
+MANIFEST = "prepare.json"  # what fp8jax.prepare writes beside its shards: their tokenizer's hash
 HEADER_BYTES = 32  # magic, version, bytes per id, number of ids, reserved
 _VERSION = 1  # the .bin layout; also part of the data key
 SUFFIXES = (".npy", ".bin")  # the shards read here; registered readers add theirs
@@ -152,6 +158,22 @@ def _check_ids(path: Path, ids: np.ndarray, vocab: int) -> None:
                 f"{path} holds id {bad} at position {where}, outside the tokenizer's {vocab} ids "
                 "[0, vocab): set config.data.tokenizer to the tokenizer that wrote these shards"
             )
+
+
+def check_prepared_with(path: str, tokenizer) -> None:
+    """A DataError when the shards ``path`` names (a shard or a folder) lie beside a
+    :data:`MANIFEST` recording another tokenizer than ``tokenizer`` (ids of one read as
+    another's train without an error, whenever they fit its vocabulary)."""
+    p = Path(path).expanduser()
+    folder = p if p.is_dir() else p.parent
+    record = provenance.read_json(folder / MANIFEST) or {}
+    recorded = record.get("tokenizer_sha256")
+    if recorded and recorded != tokenizer_lib.sha256(tokenizer.to_str()):
+        raise DataError(
+            f"{path} holds ids of the tokenizer {record.get('tokenizer')!r} ({folder / MANIFEST}), "
+            f"not of the run's: set config.data.tokenizer to {folder / 'tokenizer'} (the copy "
+            "prepare kept), or prepare the corpus again with the run's tokenizer"
+        )
 
 
 class Concat:
@@ -263,6 +285,7 @@ class Tokens(data_format.DataFormat):
 
     def encode(self, run: RunSpec, source, tokenizer, workdir: Path) -> data_format.Encoded:
         """The shards checked against the tokenizer and split; nothing is written."""
+        check_prepared_with(run.data.path, tokenizer)
         shards = [read_shard(f) for f in source.content]
         for f, ids in zip(source.content, shards, strict=True):
             _check_ids(f, ids, tokenizer.vocab_size)
@@ -288,5 +311,7 @@ class Tokens(data_format.DataFormat):
             val_fraction=val_fraction,
         )
         sizes = dict(seed=run.seed, batch_size=optim.batch_size, seq_len=optim.seq_len)
-        make = functools.partial(data.Dataset, tokenizer, key=key, **sizes)
+        shards = (f"the token shards of {source.desc}",) * 2
+        fix = "a shard changed after the run checked it; rewrite it with config.data.tokenizer"
+        make = functools.partial(data.Dataset, tokenizer, key=key, shards=shards, fix=fix, **sizes)
         return data_format.Encoded(make(train_tokens, val_tokens))

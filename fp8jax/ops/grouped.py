@@ -206,14 +206,11 @@ def _stack_amax(cfg: GemmConfig, amax_w: jax.Array) -> jax.Array:
 def _cast_stack(w_GxKxN: jax.Array, sw: jax.Array, record: bool = True):
     """``(wq [G, K, N], wq_t [G, N, K], amax or None)``: a weight stack in E4M3 (weights need
     precision more than range) under one scale, in dgrad's layout and the forward's (K
-    innermost), from one read of ``w``: ``kernels.cast_transpose`` of the stack as one
-    [G * K, N] matrix, whose transposed copy [N, G * K] is regrouped by an FP8 copy; the amax
-    over all groups where ``record``."""
-    g, k, n = w_GxKxN.shape
-    q, q_t, amax = kernels.cast_transpose(
-        w_GxKxN.reshape(g * k, n), sw, formats.E4M3, record=record
-    )
-    return q.reshape(g, k, n), jnp.swapaxes(q_t.reshape(n, g, k), 0, 1), amax
+    innermost), from one read of ``w`` (``kernels.cast_transpose`` per group); the amax over
+    all groups where ``record``."""
+    cast = lambda w_KxN: kernels.cast_transpose(w_KxN, sw, formats.E4M3, record=record)  # noqa: E731
+    wq, wq_t, amax_G = jax.vmap(cast)(w_GxKxN)
+    return wq, wq_t, (jnp.max(amax_G) if record else None)
 
 
 def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):

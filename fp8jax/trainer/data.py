@@ -338,11 +338,14 @@ def _split(window_W: np.ndarray) -> Batch:
 
 
 class Dataset:
-    """Tokenized corpus: a checkpointable training stream and fixed validation batches."""
+    """Tokenized corpus: a checkpointable training stream and fixed validation batches.
+
+    Every window read is checked against ``tokenizer``'s vocabulary (None: ids from elsewhere,
+    with no vocabulary to check against)."""
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         train_tokens: np.ndarray,
         val_tokens: np.ndarray,
         *,
@@ -356,13 +359,17 @@ class Dataset:
         self.tokenizer = tokenizer
         self.train_tokens, self.val_tokens = train_tokens, val_tokens
         self.seed, self.batch_size, self.seq_len, self.key = seed, batch_size, seq_len, key
-        self.shards, self.fix, self.vocab_size = shards, fix, tokenizer.vocab_size
+        self.shards, self.fix = shards, fix
+        # Without a tokenizer (ids from elsewhere) there is no vocabulary to check ids against.
+        self.vocab_size = None if tokenizer is None else tokenizer.vocab_size
 
     def _checked(self, ids: np.ndarray, split: int, start: int) -> np.ndarray:
         """``ids`` (int32, read from ``start`` of the training (0) or validation (1) split);
         a DataError naming the split's shards and ``fix`` when one is outside the vocabulary
         (a shard changed after its checks: the embedding lookup would clamp it)."""
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        if self.vocab_size is None or not len(ids):
+            return ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             k = int(np.argmax((ids < 0) | (ids >= self.vocab_size)))
             raise DataError(
                 f"{self.shards[split]} holds id {int(ids[k])} at token {start + k}, outside "

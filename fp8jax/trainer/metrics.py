@@ -256,22 +256,22 @@ class RunLog:
 
     def train(self, step: int, metrics) -> None:
         """Log a train step's metrics with the tokens/s since the last call."""
-        m = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        row = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
-        m["tokens_per_s"] = (
+        row["tokens_per_s"] = (
             (step - self.last_step) * self.tokens_per_step / max(now - self.t_last, 1e-9)
         )
         self.last_step, self.t_last = step, now
-        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
-        self._emit(step, "train", m)
-        self.summary.update({f"train_{k}": v for k, v in m.items()})
-        if m.get("moe_dropped", 0.0) > MOE_DROP_WARN_SHARE:
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        self._emit(step, "train", row)
+        self.summary.update({f"train_{k}": v for k, v in row.items()})
+        if row.get("moe_dropped", 0.0) > MOE_DROP_WARN_SHARE:
             logging.warning(
                 "step %d: MoE capacity dispatch dropped %.3g of the token-expert pairs (more than "
                 "%.2g): those tokens skip their experts; raise model.moe.capacity_factor or set "
                 "model.moe.dispatch='dropless'",
                 step,
-                m["moe_dropped"],
+                row["moe_dropped"],
                 MOE_DROP_WARN_SHARE,
             )
 

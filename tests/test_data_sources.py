@@ -74,6 +74,39 @@ def test_token_shards_are_read_exactly_and_split_by_shard(setup, tmp_path):
             next(stream)
 
 
+def test_a_glob_names_the_files_it_matches_and_those_of_its_folders(setup, tmp_path):
+    """``data.path`` as a glob pattern: the matched files of the format's kinds and the
+    matched folders' files, once each in path order (``**`` spans folders); shards named by a
+    glob train as the same shards named one folder does; no match is a one-line DataError."""
+    _, tok, docs = setup
+    root = tmp_path / "corpus"
+    (root / "a" / "deep").mkdir(parents=True)
+    (root / "b").mkdir()
+    for rel in ("a/1.txt", "a/deep/2.txt", "b/3.txt", "b/4.txt"):
+        (root / rel).write_text("text\n")
+    (root / "a" / "notes.md").write_text("not a corpus file\n")
+    got, desc = corpus.source_files(str(root / "**" / "*.txt"))
+    assert got == sorted(root / r for r in ("a/1.txt", "a/deep/2.txt", "b/3.txt", "b/4.txt"))
+    assert desc.startswith("pattern ")
+    got, _ = corpus.source_files(str(root / "?" / "*"))  # matches folder 'deep' and notes.md
+    assert got == sorted(root / r for r in ("a/1.txt", "a/deep/2.txt", "b/3.txt", "b/4.txt"))
+    assert corpus.source_files(str(root / "b" / "[3]*"))[0] == [root / "b" / "3.txt"]
+    with pytest.raises(errors.DataError, match=r"pattern .*\*\.parquet' matches no") as e:
+        corpus.source_files(str(root / "*.parquet"))
+    assert "\n" not in str(e.value)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    streams = [_ids(tok, docs[k::4]) for k in range(4)]
+    for k, stream in enumerate(streams):
+        np.save(shards / f"{k}.npy", stream.astype(np.uint16))
+    (shards / "README").write_text("shards of the test\n")
+    by_glob = _build(setup, str(shards / "*.npy"), tmp_path / "w1", format="tokens")
+    by_folder = _build(setup, shards, tmp_path / "w2", format="tokens")
+    for split in ("train_tokens", "val_tokens"):
+        got, want = getattr(by_glob, split), getattr(by_folder, split)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_one_shard_splits_at_a_document_end(setup, tmp_path):
     _, tok, docs = setup
     ids = _ids(tok, docs)

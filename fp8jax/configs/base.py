@@ -183,7 +183,8 @@ def declarations() -> ml_collections.ConfigDict:
     # .parquet ('text' column, pip install 'fp8jax[parquet]') files; '' = the shipped corpus.
     # tokens: a .npy or .bin token shard or a folder of them.
     # sft/dpo: a .jsonl file or a folder of them; '' = the novel task of the shipped corpus.
-    d.path = Text("", data_spec.DATA_FIX)  # the data file or folder (see above)
+    # Any of them may be a glob pattern ('web/**/*.parquet'): the files and folders it matches.
+    d.path = Text("", data_spec.DATA_FIX)  # the data file, folder or pattern (see above)
     # share held out for validation: of tokens, examples (sft) or pairs
     d.val_fraction = Real(0.05, "(0, 1)")
     # sft: True concatenates examples into rows of seq_len tokens (positions restart and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import json
@@ -56,14 +57,17 @@ def source_files(
     path: str, suffixes: tuple[str, ...] = TEXT_SUFFIXES, fix: str = FIX
 ) -> tuple[list[Path], str]:
     """Files of the source named by ``config.data.path`` (a file, or a folder's files ending in
-    one of ``suffixes``; '' = the shipped corpus) and a description for logs. DataError, whose
-    message ends in ``fix``, when there are none."""
+    one of ``suffixes``, or a glob pattern such as ``shards/*.parquet`` or ``web/**/*.txt``
+    whose matches are such files and folders; '' = the shipped corpus) and a description for
+    logs. DataError, whose message ends in ``fix``, when there are none."""
     if not path:
         files = sorted(SHIPPED_DIR.glob("*.txt.gz"))
         if not files:
             raise DataError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {fix}")
         return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
     p = Path(path).expanduser()
+    if not p.exists() and glob.has_magic(str(p)):
+        return _glob_files(str(p), suffixes, fix)
     if not p.exists():
         raise DataError(f"data path {str(p)!r} does not exist; {fix}")
     p = p.resolve()  # messages and the data record name the file, whatever the cwd was
@@ -84,6 +88,22 @@ def source_files(
         kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
         raise DataError(f"data folder {str(p)!r} has no {kinds} files; {fix}")
     return files, f"folder {p} ({len(files)} files)"
+
+
+def _glob_files(pattern: str, suffixes: tuple[str, ...], fix: str) -> tuple[list[Path], str]:
+    """``source_files`` of a glob pattern (``**`` spans folders): the matched files ending in
+    one of ``suffixes`` and those of the matched folders, each once, in path order."""
+    matches = [Path(m).resolve() for m in glob.glob(pattern, recursive=True)]
+    files = {f for f in matches if f.is_file() and f.name.endswith(suffixes)}
+    for folder in (m for m in matches if m.is_dir()):
+        try:
+            files.update(source_files(str(folder), suffixes, fix)[0])
+        except DataError:  # a matched folder without such files (or a work dir) adds none
+            continue
+    if not files:
+        kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
+        raise DataError(f"data path pattern {pattern!r} matches no {kinds} files; {fix}")
+    return sorted(files), f"pattern {pattern} ({len(files)} files)"
 
 
 _WORKDIR_MARK = "model.json"  # a work dir's record of its model, beside checkpoints/, metrics

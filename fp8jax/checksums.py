@@ -1,5 +1,5 @@
 """Checksums of a checkpoint step's array files, written once the step is final, verified
-before a restore.
+before a restore (and, through ``file_digests``, of the corpus a token cache was built from).
 
 ``write(step_dir)`` records the CRC-32 of every file under ``<step_dir>/state`` in
 ``<step_dir>/checksums.json`` (atomically); ``verify(step_dir)`` says which file no longer
@@ -17,7 +17,7 @@ import zlib
 
 from absl import logging
 
-__all__ = ["ARRAYS", "BLOCK_BYTES", "CHECKSUMS", "verify", "write"]
+__all__ = ["ARRAYS", "BLOCK_BYTES", "CHECKSUMS", "file_digests", "verify", "write"]
 
 CHECKSUMS = "checksums.json"  # in each step directory: the CRC-32 of every array file
 # CRC-32 (zlib's, as zip and gzip use) catches every flipped bit and burst of up to 32 bits,
@@ -43,24 +43,34 @@ def _crc32(path: str, start: int, length: int) -> str:
     return f"{crc:08x}"
 
 
+def file_digests(paths: list[str], block_bytes: int | None = BLOCK_BYTES) -> list[list[str]]:
+    """The CRC-32s of each file of ``paths`` (in their order), one per ``block_bytes`` (None:
+    one per file), the blocks of all of them on up to 16 threads."""
+    blocks = []
+    for k, path in enumerate(paths):
+        size = os.path.getsize(path)
+        step = block_bytes or max(size, 1)
+        # An empty file is one empty block (its CRC-32 is recorded too).
+        starts = range(0, max(size, 1), step)
+        blocks += [(k, path, start, min(step, size - start)) for start in starts]
+    with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda block: _crc32(*block[1:]), blocks))
+    out: list[list[str]] = [[] for _ in paths]
+    for (k, *_), digest in zip(blocks, digests, strict=True):
+        out[k].append(digest)
+    return out
+
+
 def _file_digests(step_dir: str, block_bytes: int | None) -> dict[str, list[str]]:
     """CRC-32s of every file under ``<step_dir>/state``, one per ``block_bytes`` (None: one per
     file), by path relative to ``step_dir``."""
-    blocks = []
-    for root, _, files in os.walk(os.path.join(step_dir, ARRAYS)):
-        for name in files:
-            path = os.path.join(root, name)
-            size = os.path.getsize(path)
-            step = block_bytes or max(size, 1)
-            # An empty file is one empty block (its CRC-32 is recorded too).
-            starts = range(0, max(size, 1), step)
-            blocks += [(path, start, min(step, size - start)) for start in starts]
-    with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda block: _crc32(*block), blocks))
-    out: dict[str, list[str]] = {}
-    for (path, _, _), digest in zip(blocks, digests, strict=True):
-        out.setdefault(os.path.relpath(path, step_dir), []).append(digest)
-    return out
+    paths = [
+        os.path.join(root, name)
+        for root, _, files in os.walk(os.path.join(step_dir, ARRAYS))
+        for name in files
+    ]
+    digests = file_digests(paths, block_bytes)
+    return {os.path.relpath(p, step_dir): d for p, d in zip(paths, digests, strict=True)}
 
 
 def write(step_dir: str) -> None:

@@ -79,6 +79,7 @@ class DataSpec:
     cache_dir: str  # text: folder of token caches shared by runs; '' = the work dir's tokens/
     sources: tuple[SourceSpec, ...]  # mix: the mixed sources and their weights; () otherwise
     allow_corpus_change: bool  # resume a checkpointed run on changed data
+    verify_corpus: bool  # text: every corpus byte checked before a token cache's reuse
 
     @property
     def pairs(self) -> bool:

@@ -6,6 +6,7 @@ with it, the run is refused (``data.allow_corpus_change`` lets a resume move to 
 while keeping the checkpoint's tokenizer). A refused or failed build changes nothing.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from fp8jax import errors, tokenizer
+from fp8jax import checksums, errors, tokenizer
 from fp8jax.trainer import corpus, data
 
 from fp8_testing import data_run, novel
@@ -208,6 +209,43 @@ def test_token_cache_edited_in_place_is_refused_naming_its_shard(corpora, tmp_pa
     (tokens / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(errors.DataError, match=r"val.bin holds id \d+ \(its recorded largest"):
         data.build(_config(corpora[0]), wd)
+
+
+def test_verify_corpus_reads_every_byte_against_the_caches_record(corpora, tmp_path, monkeypatch):
+    """A large corpus' key samples it, so a same-size edit between the sampled blocks reuses
+    the token cache; ``data.verify_corpus`` reads every byte against the CRC-32s the cache
+    recorded at its build and refuses it in one line naming the file, the work dir unchanged."""
+    monkeypatch.setattr(corpus, "FULL_HASH_BYTES", 1 << 10)  # sampled fingerprints
+    monkeypatch.setattr(corpus, "SAMPLE_BYTES", 1 << 10)
+    monkeypatch.setattr(corpus, "SAMPLE_BLOCK", 1 << 8)
+    crc_block = 1 << 12
+    monkeypatch.setattr(checksums, "BLOCK_BYTES", crc_block)  # several CRC blocks per file
+    text, wd = tmp_path / "corpus.txt", tmp_path / "work"
+    shutil.copy(corpora[0], text)
+    plain = _config(text)
+    checked = dataclasses.replace(plain, data=dataclasses.replace(plain.data, verify_corpus=True))
+    data.build(plain, wd)
+    record = json.loads((wd / "tokens" / "meta.json").read_text())["corpus_crc32"]
+    blocks = len(record["files"][0])
+    assert record["block_bytes"] == crc_block and blocks > 3
+    data.build(checked, wd)  # the corpus as it was: verified and reused
+    # A byte in the third CRC block that no sampled block of the key covers.
+    sampled = corpus.sample_offsets(text.stat().st_size, corpus.SAMPLE_BYTES)
+    offset = next(
+        o
+        for o in range(2 * crc_block, 3 * crc_block)
+        if not any(s <= o < s + corpus.SAMPLE_BLOCK for s in sampled)
+    )
+    raw = bytearray(text.read_bytes())
+    raw[offset] = ord("#") if raw[offset] != ord("#") else ord("%")
+    text.write_bytes(bytes(raw))
+    before = _snapshot(wd)
+    data.build(plain, wd)  # unseen by the sampled key: reused as it is
+    assert _snapshot(wd) == before
+    fragment = rf"corpus file {re.escape(str(text))} differs .*\(block 2 of {blocks}\)"
+    with pytest.raises(errors.DataError, match=fragment) as e:
+        data.build(checked, wd)
+    assert "\n" not in str(e.value) and _snapshot(wd) == before
 
 
 def test_tokenizer_settings_change_retrains_or_is_refused(corpora, tmp_path, checkpoint):

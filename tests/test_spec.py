@@ -102,6 +102,7 @@ CHANGES = {
     "data.sources": ("a/,tokens:b/", {"data"}, {"data.format": "mix", "data.sources": "c/"}),
     "data.weights": ("3,1", {"data"}, {"data.format": "mix", "data.sources": "a/,b/"}),
     "data.allow_corpus_change": (True, {"data"}),
+    "data.verify_corpus": (True, {"data"}),
     "dpo.beta": (0.5, {"dpo"}),
     "dpo.label_smoothing": (0.1, {"dpo"}),
     "batch_size": (32, {"optim"}),

@@ -219,6 +219,10 @@ def declarations() -> ml_collections.ConfigDict:
     # is refused unless True: then the token cache and validation split are rebuilt for the new
     # data and the tokenizer stays the checkpoint's (its ids are in the embeddings).
     d.allow_corpus_change = Bool(False)  # continue a checkpointed run on changed data (see above)
+    # text: a corpus over 256 MiB is fingerprinted by sizes and sampled blocks, so a start does
+    # not re-read it; True reads every byte of it before reusing a token cache and refuses the
+    # cache if a file differs from the CRC-32s recorded when the cache was built.
+    d.verify_corpus = Bool(False)  # check the whole corpus against its token cache's record
 
     # --- preference tuning (data.format='dpo') ---
     # The policy starts from init_from (or a random init) and a frozen copy of it, the

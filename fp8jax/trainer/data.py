@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
-from fp8jax import errors, provenance
+from fp8jax import checksums, errors, provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
@@ -205,6 +205,29 @@ def _check_reused(out_dir: Path, meta: dict, vocab: int) -> None:
                 raise _out_of_vocab(shard, int(block[k]), f"at token {start + k}", vocab)
 
 
+def _verify_corpus(files: list[Path], meta: dict, out_dir: Path) -> None:
+    """A DataError naming the first corpus file whose bytes differ from the CRC-32s the token
+    cache in ``out_dir`` recorded at its build (``meta['corpus_crc32']``)."""
+    record = meta.get("corpus_crc32")
+    if not record or len(record.get("files", ())) != len(files):
+        raise DataError(
+            f"the token cache {out_dir} has no record of its corpus' bytes to verify against "
+            f"(built by an older fp8jax): delete {out_dir} so that it is rebuilt, or set "
+            "config.data.verify_corpus=False"
+        )
+    t0 = time.perf_counter()
+    actual = checksums.file_digests([str(f) for f in files], record["block_bytes"])
+    for f, got, want in zip(files, actual, record["files"], strict=True):
+        if got != want:
+            changed = [k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
+            where = f"block {changed[0]} of {len(want)}" if changed else "its size"
+            raise DataError(
+                f"corpus file {f} differs from the one the token cache {out_dir} was built from "
+                f"({where}): restore the file, or delete {out_dir} so that it is rebuilt"
+            )
+    logging.info("corpus verified against %s in %.1f s", out_dir, time.perf_counter() - t0)
+
+
 def _memmap(path: Path, dtype: str, n: int) -> np.ndarray:
     # np.memmap refuses empty files; an empty split is legal (val_fraction=0).
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
@@ -233,12 +256,14 @@ def _load_or_encode(
     identity: dict,
     workers: int = 0,
     fix: str = _IN_WORKDIR,
+    verify: bool = False,
 ):
     """Token cache metadata and whether it was just encoded (into ``stage``, not yet committed).
 
     The cache in ``out_dir`` is reused only if its key (corpus bytes, tokenizer, split, format)
     matches and its files have the recorded sizes; a reused one holding an id outside the
-    tokenizer's is refused (:func:`_check_reused`).
+    tokenizer's is refused (:func:`_check_reused`), and with ``verify`` one whose corpus files
+    differ from the CRC-32s recorded at its build (:func:`_verify_corpus`).
     """
     key, dtype = _cache_key(tok, identity)
     meta = provenance.read_json(out_dir / "meta.json") or {}
@@ -251,6 +276,8 @@ def _load_or_encode(
     if meta.get("key") == key and sizes_ok:
         logging.info("reusing token cache %s (%d train tokens)", out_dir, meta["num_train"])
         _check_reused(out_dir, meta, tok.vocab_size)
+        if verify:
+            _verify_corpus(files, meta, out_dir)
         return meta, False
     if meta.get("key") == key:
         logging.warning("the token cache %s is not the size it recorded: rebuilding it", out_dir)
@@ -268,6 +295,9 @@ def _load_or_encode(
             raise DataError(f"no text found in {desc}; {corpus_lib.FIX}")
         meta = dict(key=key, source=desc, dtype=dtype, num_train=num_train, num_val=num_val)
         meta.update(max_train=max_train, max_val=max_val)
+        # Every corpus byte, for data.verify_corpus (the key samples a large corpus).
+        digests = checksums.file_digests([str(f) for f in files], checksums.BLOCK_BYTES)
+        meta["corpus_crc32"] = dict(block_bytes=checksums.BLOCK_BYTES, files=digests)
         provenance.write_json(stage / "meta.json", meta)
     secs = time.perf_counter() - t0
     logging.info("encoded %d train + %d val tokens in %.1fs", num_train, num_val, secs)
@@ -555,6 +585,7 @@ class Text(data_format.DataFormat):
                     identity,
                     run.data.encode_workers,
                     fix,
+                    run.data.verify_corpus,
                 )
                 if shared and encoded:  # a shared cache holds for any run: published now
                     _publish(stage, out_dir)

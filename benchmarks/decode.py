@@ -8,7 +8,7 @@ time to the first token (the prefill program, from the call to its tokens on the
 decode program's tokens/s over the remaining ``--new`` - 1 steps, and their share of the
 weight-bandwidth bound: every decode step reads each weight once, so a step takes at least
 (parameters x 2 bytes, their bf16 size) / the HBM bandwidth (``--bandwidth``, by default the
-GPU's data sheet figure from ``BANDWIDTHS``); at O1 the FP8 matmuls' weights are
+GPU's data sheet figure, ``fp8jax.trainer.generate.BANDWIDTH``); at O1 the FP8 matmuls' weights are
 read as E4M3 (1 byte), whose bound is the ``fp8 bound`` column. ``e2e s``: one whole
 ``generate_ids`` call, compiled.
 
@@ -27,19 +27,15 @@ import time
 
 from benchmarks import runner
 
-# HBM bytes/s of the data sheets, by the device kind JAX reports (SXM parts).
-BANDWIDTHS = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12}
-
 
 def device_bandwidth() -> float:
-    """The HBM bandwidth of this GPU from ``BANDWIDTHS``; pass ``--bandwidth`` for others."""
-    import jax
+    """This GPU's HBM bandwidth (``fp8jax.trainer.generate.BANDWIDTH``, the data sheets');
+    pass ``--bandwidth`` for a GPU it does not know."""
+    from fp8jax.trainer import generate
 
-    kind = jax.devices()[0].device_kind
-    for name, bandwidth in BANDWIDTHS.items():
-        if name in kind:
-            return bandwidth
-    raise SystemExit(f"benchmarks.decode: no HBM bandwidth known for {kind!r}: pass --bandwidth")
+    if bandwidth := generate.device_bandwidth():
+        return bandwidth
+    raise SystemExit("benchmarks.decode: no HBM bandwidth known for this device: pass --bandwidth")
 
 
 def config_for(run: str, quick: bool, sets=()):

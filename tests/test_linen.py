@@ -371,3 +371,26 @@ def test_train_step_jits_once():
     for _ in range(3):
         params, fp8 = train_step(params, fp8)
     chex.clear_trace_counter()
+
+
+@pytest.mark.parametrize("layer", ["dense", "einsum"])
+def test_init_traces_the_plain_product_not_the_fp8_gemm(layer):
+    """Initialisation reads only an FP8 matmul's output shape: its program holds no FP8 value,
+    its params are the plain layer's (same key), its FP8 state the initial meta; applying the
+    initialised layer runs the FP8 GEMM."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)), jnp.float32)
+    key = jax.random.PRNGKey(3)
+    if layer == "dense":
+        fp8_layer = nn.Dense(32, dot_general_cls=fp8jax.fp8_dot_general_cls())
+        plain_layer = nn.Dense(32)
+    else:
+        fp8_layer = fp8jax.Einsum((16, 32), "bk,kn->bn")
+        plain_layer = fp8jax.Einsum((16, 32), "bk,kn->bn", recipe=None)
+    init_program = str(jax.make_jaxpr(fp8_layer.init)(key, x))
+    assert "f8_" not in init_program
+    variables = fp8_layer.init(key, x)
+    chex.assert_trees_all_equal(variables["params"], plain_layer.init(key, x)["params"])
+    (meta,) = jax.tree.leaves(variables[FP8], is_leaf=lambda m: isinstance(m, fp8jax.Fp8Meta))
+    chex.assert_trees_all_equal(meta, fp8jax.init_meta(fp8jax.make_recipe("delayed")))
+    apply = lambda v, x: fp8_layer.apply(v, x, mutable=[FP8])  # noqa: E731
+    assert "f8_e4m3" in str(jax.make_jaxpr(apply)(variables, x))

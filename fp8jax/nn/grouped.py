@@ -78,6 +78,11 @@ class GroupedLinear(nn.Module):
             # Health stats (fp8_stats) of the grouped rows only: the padding enters no GEMM.
             w_GxKxN, meta = state(grouped.valid_rows(x_MxK, group_sizes_G), w_GxKxN)
             copy = None
+            if self.is_initializing():  # init reads the output's shape: the plain grouped GEMM
+                y, _ = grouped.grouped_matmul(
+                    x_MxK, w_GxKxN.astype(dtype), group_sizes_G, None, None, out_dtype=dtype
+                )
+                return y.reshape(x_MxK.shape[0], *features)
             if self.recipe.quantizes_weights_once:  # decoding: the stack's E4M3 copy, made once
                 copy = state.weight_copy(lambda: self.recipe.quantize_weight(w_GxKxN, meta.w))
             if copy is not None:

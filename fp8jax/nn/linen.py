@@ -49,9 +49,15 @@ class _Fp8Op(nn.Module):
     # (ops.gemm.GemmConfig.rebuild)
     rebuild: bool | str = False
 
-    def _with_meta(self, lhs, rhs, matmul):
-        """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``."""
+    def _with_meta(self, lhs, rhs, matmul, plain):
+        """``matmul(meta, rhs) -> (out, new_meta)`` under this module's state; returns ``out``.
+
+        Initialisation creates the variables and reads only the output's shape and dtype:
+        ``plain(rhs)``, the plain product, instead of tracing the FP8 GEMM and its custom VJP
+        (most of an FP8 model's init trace)."""
         rhs, meta = self._read(lhs, rhs)
+        if self.is_initializing():
+            return plain(rhs)
         out, new_meta = matmul(meta, rhs)
         self._write(new_meta)
         return out
@@ -133,6 +139,9 @@ class Fp8DotGeneral(_Fp8Op):
                 self.rebuild,
                 self._weight_cache(),
             ),
+            lambda rhs: dot.plain_dot_general(
+                lhs, rhs, dimension_numbers, preferred_element_type or self.out_dtype
+            ),
         )
 
 
@@ -173,6 +182,7 @@ class Fp8Einsum(_Fp8Op):
                 self.prologue,
                 self.rebuild,
             ),
+            lambda rhs: dot.plain_einsum(eq, lhs, rhs, preferred_element_type),
         )
 
 

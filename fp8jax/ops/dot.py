@@ -50,6 +50,8 @@ __all__ = [
     "dot_general",
     "einsum_dimension_numbers",
     "fp8_einsum",
+    "plain_dot_general",
+    "plain_einsum",
     "tensor_forward",
     "tensor_matmul",
 ]
@@ -245,10 +247,7 @@ def dot_general(
     if 0 in (bsz, m, k, n):
         # Nothing to quantize or multiply: the plain product (zeros for K = 0, else empty) and
         # its plain gradients. An empty tensor's amax is 0, so the state stays as it is.
-        dtype = jnp.result_type(lhs.dtype, rhs.dtype)
-        dims = ((lc, rc), (lb, rb))
-        y = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
-        return y.astype(out_dtype), meta
+        return _plain_product(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype), meta
 
     # Transposes are no-ops for Dense-style dims; otherwise they fuse into the quantize pass.
     x = jnp.transpose(lhs, (*lb, *lf, *lc))
@@ -306,6 +305,33 @@ def einsum_dimension_numbers(eq: str, lhs_ndim: int, rhs_ndim: int):
     result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
     perm = tuple(result.index(c) for c in out)
     return dims, perm
+
+
+def _plain_product(lhs, rhs, dims, out_dtype) -> jax.Array:
+    """``lax.dot_general`` in the operands' common dtype, cast to ``out_dtype``."""
+    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    return lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims).astype(out_dtype)
+
+
+def plain_dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNumbers, preferred_element_type=None
+) -> jax.Array:
+    """``dot_general``'s result in shape and dtype (after its operand and shape checks), from
+    the plain product: what a model's initialisation reads of an FP8 matmul, without tracing
+    the quantization and the custom VJP."""
+    check_operand("lhs", lhs)
+    check_operand("rhs", rhs)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dims = tuple(tuple(tuple(int(d) for d in t) for t in pair) for pair in ((lc, rc), (lb, rb)))
+    check_shapes(lhs.shape, rhs.shape, dims)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    return _plain_product(lhs, rhs, dims, out_dtype)
+
+
+def plain_einsum(eq: str, lhs, rhs, preferred_element_type=None) -> jax.Array:
+    """``fp8_einsum``'s result in shape and dtype from the plain product (``plain_dot_general``)."""
+    dims, perm = einsum_dimension_numbers(eq, lhs.ndim, rhs.ndim)
+    return jnp.transpose(plain_dot_general(lhs, rhs, dims, preferred_element_type), perm)
 
 
 def fp8_einsum(

@@ -97,6 +97,7 @@ BAD = {
     "data.encode_workers": [-1, 1.5],
     "data.cache_dir": [None],
     "data.allow_corpus_change": ["yes", 1],
+    "data.verify_corpus": ["yes", 1],
     "data.sources": [3, "csv:books/"],  # "csv:": no such source format (and no 'mix' format)
     "data.weights": [3, "1,2"],  # "1,2": two weights for no source
     "dpo.beta": [0.0, -1.0, INF, "0.1"],

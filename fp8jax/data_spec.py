@@ -50,8 +50,8 @@ DATA_FORMATS = tuple(FORMATS)
 MIX_FORMATS = ("text", "tokens")  # the formats a mixture's sources may have
 OVERLONG = ("drop", "truncate")  # what happens to a fine-tuning example longer than a row
 DATA_FIX = (
-    "set config.data.path to a text file, a folder of .txt files or a .jsonl file "
-    "('' = the shipped corpus)"
+    "set config.data.path to a text file, a folder of .txt files, a .jsonl file or a glob "
+    "pattern of them ('' = the shipped corpus)"
 )
 
 

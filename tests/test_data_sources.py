@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fp8jax import errors, tokenizer
-from fp8jax.trainer import corpus, encode, formats, loop, token_shards
+from fp8jax.trainer import corpus, encode, environment, formats, loop, token_shards
 
 from fp8_testing import data_run
 
@@ -94,6 +94,10 @@ def test_a_glob_names_the_files_it_matches_and_those_of_its_folders(setup, tmp_p
     with pytest.raises(errors.DataError, match=r"pattern .*\*\.parquet' matches no") as e:
         corpus.source_files(str(root / "*.parquet"))
     assert "\n" not in str(e.value)
+    # train.py's config check passes a pattern that matches and refuses one that does not.
+    environment.check_corpus(data_run(root / "**" / "*.txt", 300))
+    with pytest.raises(errors.ConfigError, match=r"\*\.parquet' does not exist"):
+        environment.check_corpus(data_run(root / "*.parquet", 300))
     shards = tmp_path / "shards"
     shards.mkdir()
     streams = [_ids(tok, docs[k::4]) for k in range(4)]

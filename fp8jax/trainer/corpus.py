@@ -27,6 +27,7 @@ __all__ = [
     "check_not_empty",
     "check_text",
     "fingerprint",
+    "names_files",
     "not_text",
     "parquet_file",
     "parquet_texts",
@@ -48,8 +49,8 @@ TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 JSONL = (".jsonl", ".jsonl.gz")  # files of one JSON document per line
 PARQUET = ".parquet"  # files of one document per row, in a 'text' column
 FIX = (
-    "set config.data.path to a text file, a folder of .txt files, or a .jsonl or .parquet "
-    "file with a 'text' field per line or row ('' = the shipped corpus)"
+    "set config.data.path to a text file, a folder of .txt files, a .jsonl or .parquet file "
+    "with a 'text' field per line or row, or a glob pattern of them ('' = the shipped corpus)"
 )
 
 
@@ -88,6 +89,13 @@ def source_files(
         kinds = " or ".join(sorted({s.removesuffix(".gz") for s in suffixes}, reverse=True))
         raise DataError(f"data folder {str(p)!r} has no {kinds} files; {fix}")
     return files, f"folder {p} ({len(files)} files)"
+
+
+def names_files(path: str) -> bool:
+    """Whether ``config.data.path`` names something: a file or folder that exists, or a glob
+    pattern that matches one (``source_files`` then says whether it holds a corpus)."""
+    p = Path(path).expanduser()
+    return p.exists() or (glob.has_magic(str(p)) and bool(glob.glob(str(p), recursive=True)))
 
 
 def _glob_files(pattern: str, suffixes: tuple[str, ...], fix: str) -> tuple[list[Path], str]:

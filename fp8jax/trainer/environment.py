@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -17,6 +15,7 @@ from fp8jax.errors import ConfigError
 from fp8jax.models.config import ModelConfig
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
+from fp8jax.trainer import corpus
 
 __all__ = [
     "check_compute_dtype",
@@ -62,7 +61,7 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
 def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
     path = run.data.path
-    if path and not pathlib.Path(path).expanduser().exists():
+    if path and not corpus.names_files(path):
         raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX}")
     if run.init_from or run.data.tokenizer:  # the tokenizer brings its vocabulary
         return

@@ -42,6 +42,7 @@ __all__ = [
     "Text",
     "TrainIterator",
     "build",
+    "first_outside",
     "state_to_bytes",
 ]
 
@@ -183,6 +184,14 @@ def _out_of_vocab(shard: Path, bad: int, where: str, vocab: int) -> DataError:
     )
 
 
+def first_outside(ids: np.ndarray, vocab: int) -> tuple[int, int] | None:
+    """``(position, id)`` of the first id of ``ids`` outside ``[0, vocab)``, or None."""
+    if not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+        return None
+    k = int(np.argmax((ids < 0) | (ids >= vocab)))
+    return k, int(ids[k])
+
+
 def _check_reused(out_dir: Path, meta: dict, vocab: int) -> None:
     """A DataError naming the shard when a reused token cache holds an id outside ``vocab``:
     its recorded largest ids, then its ids, all of a shard up to ``_CHECK_ALL_BYTES``, else
@@ -199,10 +208,8 @@ def _check_reused(out_dir: Path, meta: dict, vocab: int) -> None:
             width, last = _CHECK_BLOCK_IDS, max(len(ids) - _CHECK_BLOCK_IDS, 0)
             starts = sorted({k * last // (_CHECK_BLOCKS - 1) for k in range(_CHECK_BLOCKS)})
         for start in starts:
-            block = np.asarray(ids[start : start + width])
-            if len(block) and int(block.max()) >= vocab:
-                k = int(np.argmax(block >= vocab))
-                raise _out_of_vocab(shard, int(block[k]), f"at token {start + k}", vocab)
+            if bad := first_outside(np.asarray(ids[start : start + width]), vocab):
+                raise _out_of_vocab(shard, bad[1], f"at token {start + bad[0]}", vocab)
 
 
 def _verify_corpus(files: list[Path], meta: dict, out_dir: Path) -> None:
@@ -397,12 +404,9 @@ class Dataset:
         """``ids`` (int32, read from ``start`` of the training (0) or validation (1) split);
         a DataError naming the split's shards and ``fix`` when one is outside the vocabulary
         (a shard changed after its checks: the embedding lookup would clamp it)."""
-        if self.vocab_size is None or not len(ids):
-            return ids
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            k = int(np.argmax((ids < 0) | (ids >= self.vocab_size)))
+        if self.vocab_size is not None and (bad := first_outside(ids, self.vocab_size)):
             raise DataError(
-                f"{self.shards[split]} holds id {int(ids[k])} at token {start + k}, outside "
+                f"{self.shards[split]} holds id {bad[1]} at token {start + bad[0]}, outside "
                 f"the tokenizer's {self.vocab_size} ids: {self.fix}"
             )
         return ids

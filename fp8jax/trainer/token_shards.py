@@ -149,14 +149,11 @@ def _check_ids(path: Path, ids: np.ndarray, vocab: int) -> None:
             "config.data.tokenizer"
         )
     for start in range(0, len(ids), _SCAN):
-        chunk = np.asarray(ids[start : start + _SCAN])
-        low, high = int(chunk.min()), int(chunk.max())
-        if low < 0 or high >= vocab:
-            bad = high if high >= vocab else low
-            where = start + int(np.flatnonzero(chunk == bad)[0])
+        if bad := data.first_outside(np.asarray(ids[start : start + _SCAN]), vocab):
             raise DataError(
-                f"{path} holds id {bad} at position {where}, outside the tokenizer's {vocab} ids "
-                "[0, vocab): set config.data.tokenizer to the tokenizer that wrote these shards"
+                f"{path} holds id {bad[1]} at position {start + bad[0]}, outside the tokenizer's "
+                f"{vocab} ids [0, vocab): set config.data.tokenizer to the tokenizer that wrote "
+                "these shards"
             )
 
 

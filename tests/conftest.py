@@ -9,27 +9,46 @@ longest go first, so the two workers finish at about the same time.
 
 import os
 import pathlib
+import pkgutil
 
 import pytest
 
-# XLA:CPU's elemental emitters in every test process and in the processes it starts (train.py
-# runs, notebook kernels, benchmark children), read when JAX first compiles: the same HLO
-# compiled in about half the time of the fusion emitters, and compiles dominate the suite.
-EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
-if EMITTER_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTER_FLAG}".strip()
-# Most of XLA's optimisations off in the same processes (``jax_disable_most_optimizations``:
-# the backend's code generation at its lowest level; the HLO passes, fusions and rewrites as
-# always): the programs are tiny and their compiles take about half as long. A test that
-# compares the bits of two different programs, as a user's optimised compile makes them,
-# takes the marker ``optimized`` (the ``_optimized_compiles`` fixture below).
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+def _accelerator_plugin() -> bool:
+    """Whether a JAX GPU plugin is installed (``jax_plugins.xla_cuda*``/``xla_rocm*``), found
+    without importing JAX: the CPU settings below are then left alone, since the tests compile
+    for the GPU (an XLA that no longer knows a CPU flag aborts at its first compile)."""
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any(
+        m.name.startswith(("xla_cuda", "xla_rocm"))
+        for m in pkgutil.iter_modules(jax_plugins.__path__)
+    )
+
+
+if not _accelerator_plugin():
+    # XLA:CPU's elemental emitters in every test process and in the processes it starts
+    # (train.py runs, notebook kernels, benchmark children), read when JAX first compiles: the
+    # same HLO compiled in about half the time of the fusion emitters, and compiles dominate
+    # the suite.
+    EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+    if EMITTER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTER_FLAG}".strip()
+    # Most of XLA's optimisations off in the same processes
+    # (``jax_disable_most_optimizations``: the backend's code generation at its lowest level;
+    # the HLO passes, fusions and rewrites as always): the programs are tiny and their compiles
+    # take about half as long. A test that compares the bits of two different programs, as a
+    # user's optimised compile makes them, takes the marker ``optimized`` (the
+    # ``_optimized_compiles`` fixture below).
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402 (after the flags above, which JAX reads at import)
 
 # Also where a plugin imported JAX before this file set the variable.
 jax.config.update(
-    "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    "jax_disable_most_optimizations", os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
 )
 
 from fp8_testing import novel  # noqa: E402

@@ -35,6 +35,7 @@ __all__ = [
     "sample_offsets",
     "sampled_digest",
     "source_files",
+    "spread_starts",
     "text_size",
 ]
 
@@ -162,9 +163,13 @@ def sample_offsets(size: int, budget: int) -> list[int]:
     ``size`` bytes: its first and last block and evenly spaced ones, about ``budget`` bytes."""
     if size <= 2 * SAMPLE_BLOCK:
         return [0]  # the whole file is its first block and the tail
-    k = max(2, -(-budget // SAMPLE_BLOCK))
-    last = size - SAMPLE_BLOCK
-    return sorted({i * last // (k - 1) for i in range(k)})
+    return spread_starts(size - SAMPLE_BLOCK, max(2, -(-budget // SAMPLE_BLOCK)))
+
+
+def spread_starts(last: int, count: int) -> list[int]:
+    """``count`` (at least 2) start offsets spaced evenly from 0 to ``last``, both included,
+    sorted (fewer where they coincide): where a sampled check reads its blocks."""
+    return sorted({i * last // (count - 1) for i in range(count)})
 
 
 def sampled_digest(f: Path, budget: int) -> str:

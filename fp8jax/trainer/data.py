@@ -206,7 +206,7 @@ def _check_reused(out_dir: Path, meta: dict, vocab: int) -> None:
             starts, width = range(0, len(ids), _CHECK_IDS), _CHECK_IDS
         else:
             width, last = _CHECK_BLOCK_IDS, max(len(ids) - _CHECK_BLOCK_IDS, 0)
-            starts = sorted({k * last // (_CHECK_BLOCKS - 1) for k in range(_CHECK_BLOCKS)})
+            starts = corpus_lib.spread_starts(last, _CHECK_BLOCKS)
         for start in starts:
             if bad := first_outside(np.asarray(ids[start : start + width]), vocab):
                 raise _out_of_vocab(shard, bad[1], f"at token {start + bad[0]}", vocab)

@@ -12,12 +12,13 @@ import pathlib
 import pkgutil
 
 import pytest
+import xla_cpu
 
 
 def _accelerator_plugin() -> bool:
     """Whether a JAX GPU plugin is installed (``jax_plugins.xla_cuda*``/``xla_rocm*``), found
-    without importing JAX: the CPU settings below are then left alone, since the tests compile
-    for the GPU (an XLA that no longer knows a CPU flag aborts at its first compile)."""
+    without importing JAX: the tests then compile for the GPU, as a user's programs do, and the
+    CPU compile settings below are left alone."""
     try:
         import jax_plugins
     except ImportError:
@@ -30,12 +31,9 @@ def _accelerator_plugin() -> bool:
 
 if not _accelerator_plugin():
     # XLA:CPU's elemental emitters in every test process and in the processes it starts
-    # (train.py runs, notebook kernels, benchmark children), read when JAX first compiles: the
-    # same HLO compiled in about half the time of the fusion emitters, and compiles dominate
-    # the suite.
-    EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
-    if EMITTER_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTER_FLAG}".strip()
+    # (train.py runs, notebook kernels, benchmark children), read when JAX first compiles
+    # (tests/xla_cpu.py: where the installed XLA has the flag).
+    xla_cpu.add_emitter_flag()
     # Most of XLA's optimisations off in the same processes
     # (``jax_disable_most_optimizations``: the backend's code generation at its lowest level;
     # the HLO passes, fusions and rewrites as always): the programs are tiny and their compiles

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import os
 
+import xla_cpu
+
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8"
-        # XLA:CPU's older elemental emitters: the same HLO and collectives, compiled in under
-        # half the time of the fusion emitters (compiles dominate here, not run time).
-        + " --xla_cpu_use_fusion_emitters=false"
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+    # XLA:CPU's older elemental emitters: the same HLO and collectives, compiled in under half
+    # the time of the fusion emitters (compiles dominate here, not run time).
+    xla_cpu.add_emitter_flag()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import os
 
+import xla_cpu
+
 if __name__ == "__main__":
     # 8 host devices: must be set before JAX initialises its CPU backend (not on import: the
     # multi-process test imports tiny_config from here with its own device count).
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8"
-        # XLA:CPU's older elemental emitters: the same HLO and collectives, compiled in under
-        # half the time of the fusion emitters (compiles dominate here, not run time).
-        + " --xla_cpu_use_fusion_emitters=false"
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+    # XLA:CPU's older elemental emitters: the same HLO and collectives, compiled in under half
+    # the time of the fusion emitters (compiles dominate here, not run time).
+    xla_cpu.add_emitter_flag()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import concurrent.futures  # noqa: E402

@@ -96,8 +96,10 @@ def test_a_glob_names_the_files_it_matches_and_those_of_its_folders(setup, tmp_p
     assert "\n" not in str(e.value)
     # train.py's config check passes a pattern that matches and refuses one that does not.
     environment.check_corpus(data_run(root / "**" / "*.txt", 300))
-    with pytest.raises(errors.ConfigError, match=r"\*\.parquet' does not exist"):
+    with pytest.raises(errors.ConfigError, match=r"\*\.parquet' is a glob pattern that matches no"):
         environment.check_corpus(data_run(root / "*.parquet", 300))
+    with pytest.raises(errors.ConfigError, match=r"nope\.txt' does not exist"):
+        environment.check_corpus(data_run(root / "nope.txt", 300))
     shards = tmp_path / "shards"
     shards.mkdir()
     streams = [_ids(tok, docs[k::4]) for k in range(4)]

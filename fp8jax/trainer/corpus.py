@@ -27,6 +27,7 @@ __all__ = [
     "check_not_empty",
     "check_text",
     "fingerprint",
+    "is_pattern",
     "names_files",
     "not_text",
     "parquet_file",
@@ -68,7 +69,7 @@ def source_files(
             raise DataError(f"no corpus in {SHIPPED_DIR}; reinstall fp8jax or {fix}")
         return files, f"shipped corpus ({len(files)} Jane Austen novels in {SHIPPED_DIR})"
     p = Path(path).expanduser()
-    if not p.exists() and glob.has_magic(str(p)):
+    if is_pattern(path):
         return _glob_files(str(p), suffixes, fix)
     if not p.exists():
         raise DataError(f"data path {str(p)!r} does not exist; {fix}")
@@ -96,7 +97,14 @@ def names_files(path: str) -> bool:
     """Whether ``config.data.path`` names something: a file or folder that exists, or a glob
     pattern that matches one (``source_files`` then says whether it holds a corpus)."""
     p = Path(path).expanduser()
-    return p.exists() or (glob.has_magic(str(p)) and bool(glob.glob(str(p), recursive=True)))
+    return p.exists() or (is_pattern(path) and bool(glob.glob(str(p), recursive=True)))
+
+
+def is_pattern(path: str) -> bool:
+    """Whether ``config.data.path`` is read as a glob pattern: no such file or folder, and it
+    holds ``*``, ``?`` or ``[``."""
+    p = Path(path).expanduser()
+    return not p.exists() and glob.has_magic(str(p))
 
 
 def _glob_files(pattern: str, suffixes: tuple[str, ...], fix: str) -> tuple[list[Path], str]:

@@ -62,7 +62,12 @@ def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
     path = run.data.path
     if path and not corpus.names_files(path):
-        raise ConfigError(f"config.data.path={path!r} does not exist: {DATA_FIX}")
+        missing = (
+            "is a glob pattern that matches nothing"
+            if corpus.is_pattern(path)
+            else ("does not exist")
+        )
+        raise ConfigError(f"config.data.path={path!r} {missing}: {DATA_FIX}")
     if run.init_from or run.data.tokenizer:  # the tokenizer brings its vocabulary
         return
     from fp8jax import tokenizer  # its BPE sets the vocabulary's floor

@@ -3,7 +3,8 @@
     python -m fp8jax.prepare corpus/ --tokenizer tokenizer.json --out shards/ --workers 16
 
 ``SRC`` is what ``config.data.path`` names for ``data.format='text'`` (a text file, a folder
-of .txt, .txt.gz, .jsonl(.gz) or .parquet files); ``--tokenizer`` a tokenizer.json or a
+of .txt, .txt.gz, .jsonl(.gz) or .parquet files, or a glob pattern of them such as
+``'web/**/*.parquet'``, quoted for the shell); ``--tokenizer`` a tokenizer.json or a
 Hugging Face model dir. ``--out`` (a new folder) receives ``.bin`` token shards
 (``fp8jax.trainer.token_shards``) of about ``--shard_tokens`` ids each, cut after a
 document's EOS, a copy of the tokenizer in ``tokenizer/`` and ``prepare.json`` (the source,
@@ -104,7 +105,8 @@ def prepare(
         raise errors.DataError(f"--out {str(target)!r} exists and is not empty: name a new folder")
     if not target.parent.is_dir():
         raise errors.DataError(f"--out {str(target)!r}: its parent folder does not exist")
-    files, desc = corpus_lib.source_files(src, fix="name a text file or a folder of them as SRC")
+    fix = "name a text file, a folder of them or a glob pattern of them as SRC"
+    files, desc = corpus_lib.source_files(src, fix=fix)
     if files[0].name.endswith(token_shards.readers()):
         raise errors.DataError(f"{files[0]} is a token shard, not text: it needs no preparing")
     with errors.reraise_as(errors.DataError, ValueError):

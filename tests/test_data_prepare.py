@@ -78,11 +78,15 @@ def test_prepared_shards_hold_the_trainers_ids_cut_at_documents(corpus_dir, tmp_
     assert not (tmp_path / "work2").exists()
 
 
-@pytest.mark.parametrize("kind", ["missing", "shard", "tokenizer", "out_used", "binary", "flag"])
+@pytest.mark.parametrize(
+    "kind", ["missing", "pattern", "shard", "tokenizer", "out_used", "binary", "flag"]
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, kind):
     src, tok, out = corpus_dir / "src", corpus_dir / "tokenizer.json", tmp_path / "shards"
     match = {
         "missing": "does not exist",
+        "pattern": "matches no .txt or .parquet or .jsonl files; name a text file, a folder of "
+        "them or a glob pattern of them as SRC",
         "shard": "is a token shard, not text",
         "tokenizer": "is not a tokenizers tokenizer.json",
         "out_used": "exists and is not empty",
@@ -91,6 +95,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
     }[kind]
     if kind == "missing":
         src = tmp_path / "nope.txt"
+    if kind == "pattern":
+        src = corpus_dir / "src" / "*.parquet"
     if kind == "shard":
         src = tmp_path / "ids.npy"
         np.save(src, np.arange(10, dtype=np.uint16))

@@ -268,6 +268,34 @@ def test_parity_levels_carry_config_overrides():
         parity.level_config("tiny", "O1:model.fp8_head=True", 40, 512, "-1,1,1")
 
 
+def test_parity_compares_each_seed_with_its_own_first_level():
+    """``--seeds``: a run's difference is from the first level at the same seed; the means
+    average the seeds; the spread is the first level's between seeds."""
+    rows = {
+        ("O0", 0): {"val_loss": 4.0, "val_load_max_over_mean": 1.6},
+        ("O1", 0): {"val_loss": 4.04, "val_load_max_over_mean": 2.0},
+        ("O0", 1): {"val_loss": 5.0, "val_load_max_over_mean": 1.0},
+        ("O1", 1): {"val_loss": 4.9, "val_load_max_over_mean": 1.1},
+    }
+    out = parity.compare(rows, ["O0", "O1"], [0, 1])
+    assert out[("O1", 0)]["rel_diff_vs_first"] == pytest.approx(0.01)
+    assert out[("O1", 1)]["rel_diff_vs_first"] == pytest.approx(-0.02)
+    assert out[("O1", 1)]["balance_vs_first"] == pytest.approx(1.1)
+    assert out[("O1", "mean")]["rel_diff_vs_first"] == pytest.approx(-0.005)
+    assert out[("O1", "mean")]["val_loss"] == pytest.approx(4.47)
+    assert out[("O1", "mean")]["balance_vs_first"] == pytest.approx((2.0 / 1.6 + 1.1) / 2)
+    assert out[("O0", "mean")]["seed_spread"] == pytest.approx(1.0 / 4.5)
+    assert "seed_spread" not in out[("O1", "mean")]
+    assert (
+        parity._row_name("O1", "mean") == "O1 (mean)" and parity._row_name("O1", 2) == "O1 (seed 2)"
+    )
+    one = parity.compare(
+        {("O0", None): {"val_loss": 3.0}, ("O1", None): {"val_loss": 3.3}}, ["O0", "O1"], [None]
+    )
+    assert list(one) == [("O0", None), ("O1", None)]
+    assert one[("O1", None)]["rel_diff_vs_first"] == pytest.approx(0.1)
+
+
 def test_bad_override_stops_before_any_child(tmp_path):
     """A typo in the second run: one line on stderr, nothing measured, nothing written."""
     runs = "tiny:O1,tiny:O1:model.foo=1"

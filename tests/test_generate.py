@@ -227,6 +227,27 @@ def test_o1_decoding_reads_the_stored_scales_and_keeps_them():
     assert set(cache) <= {"blocks"}  # the cache tree only
 
 
+def test_an_fp8_models_cache_is_sized_without_tracing_its_casts(monkeypatch):
+    """``init_cache`` sizes an O1 model's slots through its plain twin: no FP8 cast traced (the
+    FP8 model's own sizing traces one per matmul), the same slots and dtypes."""
+    from fp8jax.ops import formats
+
+    cfg = model_cfg("gpt", level="O1", cast_kernel="xla", dtype="bfloat16")
+    model, variables = build(cfg)
+    casts = []
+    quantize = formats.quantize
+    monkeypatch.setattr(formats, "quantize", lambda *a, **k: casts.append(1) or quantize(*a, **k))
+    got = jax.eval_shape(lambda: decode.init_cache(model, variables, 2, 16))
+    assert not casts
+    tokens, positions = jnp.zeros((2, 16), jnp.int32), jnp.broadcast_to(jnp.arange(16), (2, 16))
+    sized = lambda: model.apply(variables, tokens, positions, mutable=["cache"])[1]["cache"]  # noqa: E731
+    want = jax.eval_shape(sized)
+    assert casts  # the FP8 model's own sizing casts
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)  # shapes and dtypes
+    assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+
+
 def scaling_commit(state):
     """Roll the pending amax into the scale, as a train step's commit does."""
     from fp8jax.ops import scaling as scaling_ops

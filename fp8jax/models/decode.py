@@ -121,10 +121,16 @@ def init_cache(model: nn.Module, variables: dict, batch: int, length: int) -> di
     """An empty cache (zeros) of ``length`` slots for ``batch`` rows, matching ``model``'s layers.
 
     Runs the model abstractly on a [batch, length] input, which sizes every layer's slots; call
-    inside a jitted function so the zeros are made on the device, never transferred.
+    inside a jitted function so the zeros are made on the device, never transferred. A model
+    with FP8 matmuls is sized through its plain-matmul twin (the same params, layers and
+    dtypes, no recipe): the slots do not depend on the recipe, and tracing every FP8 matmul's
+    casts took most of a deep unrolled model's prefill trace.
     """
     tokens_BxM = jnp.zeros((batch, length), jnp.int32)
     positions_BxM = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig) and cfg.recipe is not None:
+        model = model.clone(cfg=dataclasses.replace(cfg, recipe=None))
 
     def sizing():
         _, cache = model.apply(variables, tokens_BxM, positions_BxM, mutable=[CACHE])

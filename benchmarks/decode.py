@@ -17,15 +17,19 @@ read as E4M3 (1 byte), whose bound is the ``fp8 bound`` column. ``e2e s``: one w
 
 Runs are ``config:level[:options]`` (``benchmarks.runner``), each in a fresh process; ``--set
 key=value`` overrides every run; ``--quick`` shrinks the model to a CPU smoke test.
+``--profile`` also traces one decode call per batch size with ``jax.profiler`` and reports where
+a step's device time goes (``benchmarks.common.summarize_trace``: kernel time per token by
+category and the top kernels, after the table).
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import tempfile
 import time
 
-from benchmarks import runner
+from benchmarks import common, runner
 
 
 def device_bandwidth() -> float:
@@ -71,8 +75,10 @@ def measure(
     bandwidth: float,
     reps: int = 3,
     sets=(),
+    profile: bool = False,
 ) -> dict:
-    """Build one run's model and time its prefill and decode programs per batch size."""
+    """Build one run's model and time its prefill and decode programs per batch size
+    (``profile``: and trace one decode call per batch size, its kernels per token)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -137,6 +143,13 @@ def measure(
             steps = decode(out)
             step.append((time.perf_counter() - t) / max(steps - 1, 1))
         step_s = statistics.median(step)
+        traced = None
+        if profile:
+            out = prefill()
+            with tempfile.TemporaryDirectory(prefix="fp8jax_decode_") as trace_dir:
+                with jax.profiler.trace(trace_dir):
+                    traced_steps = decode(out)
+                traced = common.summarize_trace(trace_dir, max(traced_steps - 1, 1), 12)
         copies = []
         if cfg.recipe and cfg.recipe.quantizes_weights_once:
             is_copy = lambda w: isinstance(w, scaling.QuantizedWeight)  # noqa: E731
@@ -156,6 +169,7 @@ def measure(
                 "steps": steps,
                 "e2e_s": e2e_s,
                 "first_call_s": first_call_s,
+                **({"profile": traced} if traced is not None else {}),
             }
         )
     return {
@@ -196,6 +210,28 @@ def table(records: list[dict]) -> str:
     return runner.table(rows, columns)
 
 
+def profile_lines(records: list[dict]) -> str:
+    """Per profiled run and batch size: kernel time per token by category, then the top
+    kernels."""
+    lines = []
+    for r in records:
+        for b in r.get("batches", ()):
+            t = b.get("profile")
+            if t is None:
+                continue
+            cats = ", ".join(f"{k} {v:.3f}" for k, v in t["categories"].items())
+            lines.append(
+                f"{r['run']} batch {b['batch']}: {t['kernel_ms_per_step']:.3f} ms of kernels "
+                f"per token ({t['timeline']}): {cats}"
+            )
+            for k in t["top"]:
+                lines.append(
+                    f"  {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.1f}  "
+                    f"{k['category']:<18} {k['name'][:80]}"
+                )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = runner.parser(__doc__, sets=True)
     p.add_argument("--runs", default="gpt_1b3:O0,gpt_1b3:O1")
@@ -207,12 +243,15 @@ def main(argv=None):
     )
     p.add_argument("--reps", type=int, default=3, help="timed prefill + decode calls")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", action="store_true", help="trace one decode call per batch")
     p.add_argument("--timeout", type=int, default=0, help="seconds per run (0: none)")
     a = runner.parse_args(p, argv)
     batches = [int(b) for b in a.batches.split(",")]
 
     def child(run, a):
-        return measure(run, a.quick, batches, a.prompt, a.new, a.bandwidth, a.reps, a.set)
+        return measure(
+            run, a.quick, batches, a.prompt, a.new, a.bandwidth, a.reps, a.set, a.profile
+        )
 
     check = lambda run: config_for(run, a.quick, a.set)  # noqa: E731
     rows = runner.drive(
@@ -220,6 +259,8 @@ def main(argv=None):
     )
     if rows is not None:
         print("\n" + table(rows))
+        if a.profile:
+            print("\n" + profile_lines(rows))
 
 
 if __name__ == "__main__":

@@ -990,15 +990,17 @@ def test_torch_reference_moe_layer_equals_fp8jax(normalize):
 
 def test_decode_times_prefill_and_decode_against_the_weight_bound():
     """The decode benchmark on a tiny O1 model: every row runs all its tokens (no EOS), the
-    share of the bound is the bf16 weights' read time over a step's, and the FP8 matmuls' E4M3
-    copies (one per matmul) lower the bound."""
+    share of the bound is the bf16 weights' read time over a step's, the FP8 matmuls' E4M3
+    copies (one per matmul) lower the bound, and ``--profile`` traces a decode call per batch."""
     import jax
 
     from fp8jax import spec
     from fp8jax.ops import scaling
     from fp8jax.trainer import inference
 
-    r = decode.measure("tiny:O1", True, [1, 3], prompt=8, new=8, bandwidth=1e9, reps=1)
+    r = decode.measure(
+        "tiny:O1", True, [1, 3], prompt=8, new=8, bandwidth=1e9, reps=1, profile=True
+    )
     model_cfg = spec.parse(decode.config_for("tiny:O1", True)).model
     is_meta = lambda m: isinstance(m, scaling.Fp8Meta)  # noqa: E731
     matmuls = len(jax.tree.leaves(inference.fresh_fp8_state(model_cfg), is_leaf=is_meta))
@@ -1010,7 +1012,13 @@ def test_decode_times_prefill_and_decode_against_the_weight_bound():
         assert b["bound_share"] == pytest.approx(b["bound_ms"] / b["step_ms"])
         assert b["fp8_weights"] == matmuls > 0
         assert b["fp8_bound_ms"] < b["bound_ms"]
+        # --profile: one traced decode call, its kernel time per token by category.
+        t = b["profile"]
+        assert t["kernel_ms_per_step"] > 0 and t["top"]
+        assert sum(t["categories"].values()) == pytest.approx(t["kernel_ms_per_step"])
     assert "TTFT ms" in decode.table([r])
+    lines = decode.profile_lines([r])
+    assert "tiny:O1 batch 1: " in lines and "tiny:O1 batch 3: " in lines
 
 
 def test_data_quick_counts_the_prepared_ids_and_reuses_the_shared_cache(tmp_path):

@@ -340,6 +340,27 @@ def _with_local_tasks(argv: list[str]) -> list[str]:
     return [*argv, "--include_path", str(TASKS_DIR)]
 
 
+def _check_limit(args: Sequence[str]) -> None:
+    """A ConfigError for a ``--limit`` (``-L``) that leaves no document: lm-eval reads it as a
+    count of documents per task from 1, or below 1 as a fraction of them."""
+    for i, arg in enumerate(args):
+        if arg in ("--limit", "-L") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--limit="):
+            value = arg.removeprefix("--limit=")
+        else:
+            continue
+        try:
+            limit = float(value)
+        except ValueError:
+            continue  # lm-eval's own parser names it
+        if not limit > 0:
+            raise errors.ConfigError(
+                f"--limit {value}: evaluates no document; give a number of documents per task "
+                f"(>= 1) or a fraction of them in (0, 1)"
+            )
+
+
 def run(argv: Sequence[str]) -> None:
     """lm-eval's command line on ``argv`` (without the program name), ``fp8jax`` registered and
     the local tasks included; a task lm-eval does not know is a ConfigError."""
@@ -352,6 +373,7 @@ def run(argv: Sequence[str]) -> None:
     else:
         command, rest = "run", args  # lm-eval's own command line defaults to 'run' likewise
     rest = _with_local_tasks(rest)  # each of lm-eval's commands takes --include_path
+    _check_limit(rest)
     old_argv = sys.argv
     sys.argv = ["lm_eval", command, *rest]
     try:
@@ -362,6 +384,11 @@ def run(argv: Sequence[str]) -> None:
             raise errors.ConfigError(
                 f"lm-eval knows no task {missing}: list them with `python -m fp8jax.lm_eval ls "
                 f"tasks` (the local ones start with fp8jax_)"
+            ) from None
+        if "did not find any docs" in str(e):  # lm-eval's own check, raised as it builds one
+            raise errors.ConfigError(
+                "lm-eval found no documents to evaluate in a task: check its dataset split "
+                "and --limit"
             ) from None
         raise
     finally:

@@ -164,6 +164,8 @@ def test_command_line_runs_the_local_tasks(checkpoints, tmp_path):
     [
         (["--tasks", "no_such_task"], "lm-eval knows no task no_such_task"),
         (["--tasks", "fp8jax_novel_choice", "--model_args", "level=O1"], "ckpt=DIR"),
+        (["--tasks", "fp8jax_novel_choice", "--limit", "0"], "--limit 0: evaluates no document"),
+        (["--tasks", "fp8jax_novel_choice", "--limit=-2"], "--limit -2: evaluates no document"),
     ],
 )
 def test_command_line_bad_input_is_one_line(args, message):

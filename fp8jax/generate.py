@@ -105,6 +105,10 @@ def prompts() -> list[str]:
                 f"--prompts_file {_PROMPTS_FILE.value} is not UTF-8 text (byte {e.start}): save "
                 "it as UTF-8"
             ) from None
+    if not found and _PROMPTS_FILE.value:
+        raise errors.ConfigError(
+            f"--prompts_file {_PROMPTS_FILE.value} holds no prompt: write one prompt a line"
+        )
     if not found:
         raise errors.ConfigError("no prompt: pass --prompt TEXT or --prompts_file FILE")
     return found

@@ -398,6 +398,7 @@ def test_command_lines_print_and_change_nothing(workdir):
         ("fp8jax.generate", ["--prompt=a", "--chat"], "has no chat template"),
         ("fp8jax.generate", ["--prompt=a", "--system=Be"], "--system is a chat turn"),
         ("fp8jax.generate", ["--prompt=a", "--stop=.", "--stop="], "--stop '': an empty"),
+        ("fp8jax.generate", ["--prompts_file=/dev/null"], "/dev/null holds no prompt"),
     ],
 )
 def test_command_line_bad_input_is_one_line(workdir, module, args, message):

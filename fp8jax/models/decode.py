@@ -124,7 +124,7 @@ def init_cache(model: nn.Module, variables: dict, batch: int, length: int) -> di
     inside a jitted function so the zeros are made on the device, never transferred. A model
     with FP8 matmuls is sized through its plain-matmul twin (the same params, layers and
     dtypes, no recipe): the slots do not depend on the recipe, and tracing every FP8 matmul's
-    casts took most of a deep unrolled model's prefill trace.
+    casts for them would be most of a deep unrolled model's prefill trace.
     """
     tokens_BxM = jnp.zeros((batch, length), jnp.int32)
     positions_BxM = jnp.broadcast_to(jnp.arange(length), (batch, length))

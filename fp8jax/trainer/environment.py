@@ -62,11 +62,8 @@ def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
     path = run.data.path
     if path and not corpus.names_files(path):
-        missing = (
-            "is a glob pattern that matches nothing"
-            if corpus.is_pattern(path)
-            else ("does not exist")
-        )
+        pattern = corpus.is_pattern(path)
+        missing = "is a glob pattern that matches nothing" if pattern else "does not exist"
         raise ConfigError(f"config.data.path={path!r} {missing}: {DATA_FIX}")
     if run.init_from or run.data.tokenizer:  # the tokenizer brings its vocabulary
         return

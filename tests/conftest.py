@@ -29,7 +29,11 @@ def _accelerator_plugin() -> bool:
     )
 
 
-if not _accelerator_plugin():
+if _accelerator_plugin():
+    # The workers (README's ``-n 2``) and the processes they start share one GPU: each takes
+    # the memory it uses, not JAX's default 75% of the device at its first array.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
     # XLA:CPU's elemental emitters in every test process and in the processes it starts
     # (train.py runs, notebook kernels, benchmark children), read when JAX first compiles
     # (tests/xla_cpu.py: where the installed XLA has the flag).

@@ -512,6 +512,37 @@ def test_workdir_that_is_a_file_is_one_line(base, env, tmp_path):
     assert path.read_text() == "mine"
 
 
+def test_workdir_inside_another_runs_folders_is_one_line(trained, base, env, tmp_path):
+    """--workdir inside another work dir's checkpoints/ (or tokens/, tensorboard/): exit 2,
+    one line naming that run, its folder unchanged; a plain subfolder of a work dir, or a folder
+    named tokens/ outside one, is a work dir like any other."""
+    from fp8jax.trainer import workdir_lock
+
+    before = sorted(p.name for p in (trained / "checkpoints").iterdir())
+    inside = trained / "checkpoints" / "mine"
+    line = one_error_line(train(inside, base, env))
+    assert f"--workdir {inside} is inside {trained / 'checkpoints'}" in line, line
+    assert f"the run in {trained} manages" in line, line
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == before
+    for name in ("tokens", "tensorboard"):
+        with pytest.raises(errors.ConfigError, match=f"the {name}/ folder that the run in"):
+            workdir_lock.check_placement(trained / name / "a" / "b")
+    workdir_lock.check_placement(trained / "sub")  # beside the run's folders: allowed
+    (tmp_path / "tokens").mkdir()
+    workdir_lock.check_placement(tmp_path / "tokens" / "w")  # no work dir around it
+
+
+def test_a_workdir_under_home_is_expanded(base, env, tmp_path):
+    """``--workdir=~/w`` (the shell leaves a ``~`` after ``=`` alone) trains in $HOME/w, not in
+    a folder named ``~`` of the current one."""
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = train("~/w", base, {**env, "HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (home / "w" / "model.json").is_file() and (home / "w" / "checkpoints").is_dir()
+    assert not (ROOT / "~").exists()
+
+
 def test_compilation_cache_dir_that_cannot_be_created_is_one_line(tmp_path):
     """config.compilation_cache_dir naming a file: a one-line ConfigError naming the field
     (before, JAX warned at every compile and the run went on without its cache)."""

@@ -344,12 +344,15 @@ def keep_tokenizer(workdir: str, tok) -> None:
 def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str) -> dict:
     """Train ``config`` in ``workdir`` (resuming if a checkpoint is there); return final metrics.
 
-    ``config``: a config (parsed here, once) or a ``RunSpec``. Bad input raises a ``UserError``
+    ``config``: a config (parsed here, once) or a ``RunSpec``; ``workdir``: a folder (``~``
+    expanded) outside any other work dir's managed folders. Bad input raises a ``UserError``
     (config, data, checkpoint) before anything in ``workdir`` is overwritten; ``max_bad_steps``
     non-finite steps in a row raise ``NonFiniteLossError``. One process at a time trains in a
     work dir (``workdir_lock``); a new one that a refused run leaves empty is removed. A Ctrl-C
     while steps run ends the step, checkpoints it and then raises KeyboardInterrupt.
     """
+    workdir = os.path.expanduser(os.fspath(workdir))  # '--workdir=~/runs/x' reaches us as is
+    workdir_lock.check_placement(workdir)
     new = not os.path.lexists(workdir)
     try:
         with contextlib.ExitStack() as locks:

@@ -24,7 +24,9 @@ __all__ = [
 
 _CKPT = flags.DEFINE_string("ckpt", None, "Work dir or Hugging Face model dir.")
 flags.DEFINE_alias("workdir", "ckpt")  # train.py's name for a work dir
-_DATA = flags.DEFINE_string("data", None, "Text file, folder of .txt files, or .jsonl file.")
+_DATA = flags.DEFINE_string(
+    "data", None, "Text file, folder of .txt files, .jsonl file, or a glob pattern of them."
+)
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per batch.")
 _SEQ_LEN = flags.DEFINE_integer(
     "seq_len",

@@ -54,7 +54,10 @@ LEVELS = ("O0", "O1")  # O2/O3 differ from O1 only in what training stores
 LAYOUT_FIELDS = ("scan_layers", "fused_qkv", "fp8_lm_head")
 # Evaluation's sequence length where the checkpoint records none it trained with.
 DEFAULT_SEQ_LEN = 1024
-_DATA_FIX = "pass --data a text file, a folder of .txt files or a .jsonl file with a 'text' field"
+_DATA_FIX = (
+    "pass --data a text file, a folder of .txt files, a .jsonl file with a 'text' field, or a glob "
+    "pattern of them"
+)
 
 
 @dataclasses.dataclass(frozen=True)

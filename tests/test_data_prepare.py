@@ -79,7 +79,8 @@ def test_prepared_shards_hold_the_trainers_ids_cut_at_documents(corpus_dir, tmp_
 
 
 @pytest.mark.parametrize(
-    "kind", ["missing", "pattern", "shard", "tokenizer", "out_used", "binary", "flag"]
+    "kind",
+    ["missing", "pattern", "shard", "tokenizer", "out_used", "out_in_run", "binary", "flag"],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, kind):
     src, tok, out = corpus_dir / "src", corpus_dir / "tokenizer.json", tmp_path / "shards"
@@ -90,6 +91,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
         "shard": "is a token shard, not text",
         "tokenizer": "is not a tokenizers tokenizer.json",
         "out_used": "exists and is not empty",
+        "out_in_run": "the tokens/ folder that the run in",
         "binary": "is not a text file: it holds NUL bytes",  # found while encoding
         "flag": "flag --workers=many: invalid literal for int()",  # absl's, as one line
     }[kind]
@@ -109,6 +111,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus_dir, tmp_path, k
     if kind == "out_used":
         out.mkdir()
         (out / "keep.txt").write_text("mine")
+    if kind == "out_in_run":  # inside another work dir's token cache, which its run rebuilds
+        (tmp_path / "model.json").write_text("{}")
+        out = tmp_path / "tokens" / "shards"
     before = sorted(p.name for p in tmp_path.iterdir())
     flags = ["--workers", "many"] if kind == "flag" else []
     r = _prepare(src, "--tokenizer", tok, "--out", out, *flags)

@@ -417,6 +417,20 @@ def test_export_refuses_a_non_empty_output(ckpts, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp dir left behind
 
 
+def test_export_refuses_an_output_inside_a_work_dirs_managed_folder(ckpts, tmp_path):
+    """An export into another work dir's checkpoints/ (which its run manages) is refused,
+    nothing written; beside those folders it is written."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "model.json").write_text("{}")
+    out = run / "checkpoints" / "export"
+    with pytest.raises(errors.ConfigError, match=r"output .*export is inside .*checkpoints, the "):
+        hf.export(ckpts["gpt2"][0], out)
+    assert not out.exists() and [p.name for p in (run / "checkpoints").iterdir()] == []
+    hf.export(ckpts["gpt2"][0], run / "export")
+    assert (run / "export" / "config.json").is_file()
+
+
 def make_workdir(path, level: str):
     """A work dir as the trainer leaves it: a checkpoint at ``level``, model.json, tokenizer."""
     from fp8jax import provenance, spec

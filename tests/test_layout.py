@@ -34,7 +34,8 @@ LAYERS = (
     ("models",),  # the transformer
     ("diagnostics",),  # coverage, memory, HLO of a program
     ("tokenizer",),
-    ("provenance", "data_spec", "checksums"),  # work-dir records; data sections; checksums
+    # work-dir records; data sections; checksums; where outputs may go beside work dirs
+    ("provenance", "data_spec", "checksums", "_placement"),
     ("configs",),  # the shipped config files and their field declarations
     ("spec",),  # the run spec: config files -> typed dataclasses
     ("hf",),  # Hugging Face and work-dir checkpoints in and out

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 
 from absl import logging
 
+from fp8jax import _placement
 from fp8jax.errors import ConfigError, UserError
 
 __all__ = [
     "LOCK_FILE",
-    "MANAGED",
     "WorkdirBusyError",
     "check_placement",
     "hold",
@@ -38,10 +38,6 @@ __all__ = [
 ]
 
 LOCK_FILE = ".lock"  # in the work dir; holds the owner's description while it runs
-# A work dir's folders that its run writes, replaces and deletes as a whole: orbax's steps, the
-# token cache (rebuilt when the corpus or tokenizer changes), TensorBoard's event files.
-MANAGED = ("checkpoints", "tokens", "tensorboard")
-_RECORD = "model.json"  # every work dir's record of its model
 
 
 class WorkdirBusyError(UserError, RuntimeError):
@@ -112,17 +108,9 @@ def hold(workdir: str | os.PathLike) -> Iterator[None]:
 
 
 def check_placement(workdir: str | os.PathLike) -> None:
-    """A one-line ConfigError if ``workdir`` lies inside a ``MANAGED`` folder of another work
-    dir, whose run would overwrite or delete it with its own files."""
-    path = os.path.abspath(workdir)
-    while (parent := os.path.dirname(path)) != path:
-        if os.path.basename(path) in MANAGED and os.path.isfile(os.path.join(parent, _RECORD)):
-            name = os.path.basename(path)
-            raise ConfigError(
-                f"--workdir {workdir} is inside {path}, the {name}/ folder that the run in "
-                f"{parent} manages (and may replace or delete); pass a folder outside it"
-            )
-        path = parent
+    """A one-line ConfigError if ``workdir`` lies inside a folder that another work dir's run
+    manages (``fp8jax._placement``), which would overwrite or delete it with its own files."""
+    _placement.check_outside_managed(workdir, "--workdir")
 
 
 def make_workdir(workdir: str | os.PathLike) -> None:

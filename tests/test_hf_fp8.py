@@ -344,6 +344,9 @@ def bad_input_cases(tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
+    run = tmp_path / "run"  # a work dir, whose checkpoints/ its run manages
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "model.json").write_text("{}")
     return {
         "is not a directory": [str(tmp_path / "missing")],
         "no \\*.safetensors": [str(empty)],
@@ -355,6 +358,7 @@ def bad_input_cases(tmp_path):
         "non-finite values": [str(nan)],
         "quantized with 'awq'": [str(other)],
         "the parent of": [str(good), str(tmp_path / "no/such/out")],
+        "the checkpoints/ folder that the run in": [str(good), str(run / "checkpoints" / "fp8")],
     }
 
 

@@ -378,7 +378,8 @@ def test_shared_cache_dir_serves_new_work_dirs_and_only_its_own_tokenizer(
 def test_unreadable_tokenizer_or_cache_dir_is_one_line(corpora, tmp_path, checkpoint):
     """A tokenizer.json that is not UTF-8 text is a cache without a checkpoint (relearned) and
     refused in one line naming it beside one (its ids are in the embeddings), the work dir
-    unchanged; a data.cache_dir naming a file is refused naming the field."""
+    unchanged; a data.cache_dir naming a file, or inside a work dir's tokens/, is refused naming
+    the field."""
     import dataclasses
 
     wd, path = tmp_path / "work", tmp_path / "work" / "tokenizer.json"
@@ -403,6 +404,14 @@ def test_unreadable_tokenizer_or_cache_dir_is_one_line(corpora, tmp_path, checkp
     assert str(info.value).startswith(f"config.data.cache_dir={str(file)!r} cannot hold the token")
     assert "(a file, not a folder); name a folder you can write" in str(info.value)
     assert file.read_text() == "mine"
+    # Inside the token cache folder of a work dir (its model record beside), which that run
+    # rebuilds: refused.
+    (wd / "model.json").write_text("{}")
+    inside = wd / "tokens" / "shared"
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, cache_dir=str(inside)))
+    with pytest.raises(errors.ConfigError, match="the tokens/ folder that the run in"):
+        data.build(run, tmp_path / "w3")
+    assert not inside.exists()
 
 
 def test_large_corpus_fingerprint_reads_samples_yet_sees_size_and_sampled_edits(

@@ -100,6 +100,9 @@ def test_a_glob_names_the_files_it_matches_and_those_of_its_folders(setup, tmp_p
         environment.check_corpus(data_run(root / "*.parquet", 300))
     with pytest.raises(errors.ConfigError, match=r"nope\.txt' does not exist"):
         environment.check_corpus(data_run(root / "nope.txt", 300))
+    # Each format's own fix: a missing path of token shards names shards, not text files.
+    with pytest.raises(errors.ConfigError, match=r"does not exist: .* a \.npy or \.bin token"):
+        environment.check_corpus(data_run(root / "nope", 300, format="tokens", tokenizer="t"))
     shards = tmp_path / "shards"
     shards.mkdir()
     streams = [_ids(tok, docs[k::4]) for k in range(4)]

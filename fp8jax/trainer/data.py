@@ -530,6 +530,7 @@ class Text(data_format.DataFormat):
 
     name = "text"
     dtypes = {"inputs": np.int32, "targets": np.int32}
+    path_fix = corpus_lib.FIX
     tokenizer_fields = dict(version=_TOKENIZER_VERSION, train_chars=_TOKENIZER_TRAIN_CHARS)
 
     def source(self, run: RunSpec) -> data_format.Source:

@@ -84,6 +84,8 @@ class DataFormat:
     objective: ClassVar[str] = "lm"  # the objective its batches train (fp8jax.trainer.objectives)
     dtypes: ClassVar[dict[str, Any]]  # batch key -> dtype of a training batch's array
     tokenizer_fields: ClassVar[dict]  # what else built a BPE learned on it: format, version
+    # What config.data.path may name for it, as a message's fix ('' = it reads no path)
+    path_fix: ClassVar[str] = ""
 
     def source(self, run: RunSpec) -> Source:
         """The source ``run.data`` names; DataError if it is missing, malformed or empty."""

@@ -247,6 +247,7 @@ class Preferences(data_format.DataFormat):
     name = "dpo"
     objective = "dpo"
     dtypes = sft_data.DTYPES
+    path_fix = sft_data.FIX
     tokenizer_fields = dict(dpo=_VERSION)
 
     def source(self, run: RunSpec) -> data_format.Source:

@@ -10,12 +10,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fp8jax import errors
-from fp8jax.data_spec import DATA_FIX
 from fp8jax.errors import ConfigError
 from fp8jax.models.config import ModelConfig
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
-from fp8jax.trainer import corpus
+from fp8jax.trainer import corpus, formats
 
 __all__ = [
     "check_compute_dtype",
@@ -60,11 +59,11 @@ def check_environment(run: RunSpec, devices=None, *, training: bool = True) -> M
 
 def check_corpus(run: RunSpec) -> None:
     """Raise a ConfigError unless the corpus path exists and the vocabulary fits the BPE."""
-    path = run.data.path
-    if path and not corpus.names_files(path):
+    path, fix = run.data.path, formats.get(run.data.format).path_fix
+    if path and fix and not corpus.names_files(path):
         pattern = corpus.is_pattern(path)
         missing = "is a glob pattern that matches nothing" if pattern else "does not exist"
-        raise ConfigError(f"config.data.path={path!r} {missing}: {DATA_FIX}")
+        raise ConfigError(f"config.data.path={path!r} {missing}: {fix}")
     if run.init_from or run.data.tokenizer:  # the tokenizer brings its vocabulary
         return
     from fp8jax import tokenizer  # its BPE sets the vocabulary's floor

@@ -261,6 +261,7 @@ class Sft(data_format.DataFormat):
 
     name = "sft"
     dtypes = DTYPES
+    path_fix = FIX
     tokenizer_fields = dict(sft=_VERSION)
 
     def source(self, run: RunSpec) -> data_format.Source:

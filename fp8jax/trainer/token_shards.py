@@ -258,6 +258,7 @@ class Tokens(data_format.DataFormat):
 
     name = "tokens"
     dtypes = {"inputs": np.int32, "targets": np.int32}
+    path_fix = FIX
     tokenizer_fields = dict(tokens=_VERSION)
 
     def source(self, run: RunSpec) -> data_format.Source:

@@ -13,6 +13,7 @@ from typing import NoReturn
 __all__ = [
     "drop_closed_event_loop_errors",
     "fail",
+    "parse_config_flags",
     "quiet_jax_backend_probe",
     "run",
     "user_errors",
@@ -58,6 +59,46 @@ def _not_an_orbax_task(record: logging.LogRecord) -> bool:
     text = str(record.msg)
     orbax = f"{os.sep}orbax{os.sep}" in text
     return not (text.startswith("Task exception was never retrieved") and orbax)
+
+
+def _shipped_config_paths(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config NAME[:arg]`` of a shipped config replaced by its file's path."""
+    from fp8jax import configs
+
+    def resolve(value: str) -> str:
+        name, sep, arg = value.partition(":")
+        return f"{configs.CONFIG_DIR / name}.py{sep}{arg}" if name in configs.names() else value
+
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a in ("--config", "-config") and i + 1 < len(out):
+            out[i + 1] = resolve(out[i + 1])
+        elif a.startswith(("--config=", "-config=")):
+            flag, _, value = a.partition("=")
+            out[i] = f"{flag}={resolve(value)}"
+    return out
+
+
+def parse_config_flags(argv: list[str], config, program: str) -> list[str]:
+    """absl's parsing of a command line whose ``--config`` flag is ``config`` (an
+    ml_collections config flag): a shipped config's name stands for its file; a bad flag,
+    config file or config key is one line naming ``program``'s help, exit 2 (FP8JAX_DEBUG=1:
+    the traceback)."""
+    from absl import flags
+
+    from fp8jax import configs
+    from fp8jax.errors import describe_flag_error
+
+    argv = _shipped_config_paths(argv)
+    try:
+        args = flags.FLAGS(argv)
+        config.value.keys()  # ml_collections defers config-file errors to the first field read
+        return args
+    except Exception as e:  # absl, ml_collections and the config file itself raise many kinds
+        if os.environ.get("FP8JAX_DEBUG"):
+            raise
+        loaded = flags.FLAGS[config.name].value  # what parsed of it (the holder refuses)
+        fail(describe_flag_error(e, argv, loaded, tuple(configs.names()), program))
 
 
 def fail(message) -> NoReturn:

@@ -155,11 +155,16 @@ _FIELDS = "fp8jax/configs/base.py lists every field with its type"
 
 
 def describe_flag_error(
-    error: Exception, argv: list[str], config=None, shipped: tuple[str, ...] = ()
+    error: Exception,
+    argv: list[str],
+    config=None,
+    shipped: tuple[str, ...] = (),
+    program: str = "python train.py",
 ) -> str:
     """One line for a bad command line: the flag, what is wrong and how to fix it.
 
-    ``shipped``: the names ``--config`` also takes (the configs that ship with fp8jax).
+    ``shipped``: the names ``--config`` also takes (the configs that ship with fp8jax);
+    ``program``: the command whose ``--helpshort`` the line points to.
     """
     text = one_line(error)
     if isinstance(error, (KeyError, AttributeError)):  # ml_collections: no such config field
@@ -183,7 +188,7 @@ def describe_flag_error(
         reason = str(error).strip().splitlines()[-1].strip()
         return f"the --config file raised {reason}; FP8JAX_DEBUG=1 shows the traceback"
     if isinstance(error, flags.Error):
-        return f"{text.rstrip('.')}; see python train.py --helpshort"
+        return f"{text.rstrip('.')}; see {program} --helpshort"
     # Anything else came from running the config file itself.
     name = type(error).__name__
     return f"the --config file raised {name}: {text}; FP8JAX_DEBUG=1 shows the traceback"

@@ -24,7 +24,7 @@ from typing import NoReturn
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fp8jax import configs
+from fp8jax import cli
 
 __all__ = ["main", "run"]
 
@@ -44,36 +44,9 @@ def _fail(message) -> None:
     sys.exit(2)
 
 
-def _shipped_config_paths(argv: list[str]) -> list[str]:
-    """``argv`` with ``--config NAME[:arg]`` of a shipped config replaced by its file's path."""
-
-    def resolve(value: str) -> str:
-        name, sep, arg = value.partition(":")
-        return f"{configs.CONFIG_DIR / name}.py{sep}{arg}" if name in configs.names() else value
-
-    out = list(argv)
-    for i, a in enumerate(out):
-        if a in ("--config", "-config") and i + 1 < len(out):
-            out[i + 1] = resolve(out[i + 1])
-        elif a.startswith(("--config=", "-config=")):
-            flag, _, value = a.partition("=")
-            out[i] = f"{flag}={resolve(value)}"
-    return out
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, but a bad flag, config file or config key is one line, not a traceback."""
-    argv = _shipped_config_paths(argv)
-    try:
-        args = flags.FLAGS(argv)
-        _CONFIG.value.keys()  # ml_collections defers config-file errors to the first field read
-        return args
-    except Exception as e:  # absl, ml_collections and the config file itself raise many kinds
-        if os.environ.get("FP8JAX_DEBUG"):
-            raise
-        from fp8jax.errors import describe_flag_error
-
-        _fail(describe_flag_error(e, argv, flags.FLAGS["config"].value, tuple(configs.names())))
+    return cli.parse_config_flags(argv, _CONFIG, "python train.py")
 
 
 def _default_xla_flags() -> None:
@@ -127,7 +100,6 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; set fields as --config.<field>=<value>")
     _default_xla_flags()
     # Imported after flag parsing so `--help` and config errors are fast.
-    from fp8jax import cli
     from fp8jax.trainer.loop import train_and_evaluate
 
     logging.set_verbosity(logging.INFO)

@@ -318,6 +318,27 @@ def test_inspect_cli_names_the_fix_for_a_gpu_config_on_cpu():
     assert "--config.model.attention_impl=xla" in lines[-1]
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--config", "/nonexistent.py"], "cannot load the --config file: "),
+        ([], "Flag --config must have a value other than None; see python -m fp8jax.diagnostics"),
+        (["--config", "tiny", "--config.model.d_modl=3"], "unknown config key 'd_modl'"),
+    ],
+)
+def test_inspect_cli_bad_flags_are_one_line(args, message):
+    """``inspect`` parses its flags as train.py does: a missing or unknown config file, no
+    --config, a misspelt key: exit 2, one line (it was a multi-line absl error, exit 1)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fp8jax.diagnostics.inspect", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and message in lines[0], lines
+
+
 def _unigram_entropy(dataset, vocab: int) -> float:
     """Validation cross-entropy of the training split's token frequencies (add-one smoothed)."""
     counts = np.bincount(np.asarray(dataset.train_tokens), minlength=vocab) + 1.0

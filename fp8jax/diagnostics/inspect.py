@@ -91,6 +91,12 @@ def _report(run: spec.RunSpec) -> int:
     return 0
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    from fp8jax import cli
+
+    return cli.parse_config_flags(argv, _CONFIG, "python -m fp8jax.diagnostics.inspect")
+
+
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    sys.exit(app.run(main))
+    sys.exit(app.run(main, flags_parser=_parse_flags))

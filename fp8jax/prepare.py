@@ -93,7 +93,7 @@ def prepare(
 ) -> dict:
     """Encode the corpus ``src`` with ``tokenizer`` into token shards in the new folder
     ``out``; returns its manifest. A DataError (nothing written) for bad input."""
-    from fp8jax import _placement, errors
+    from fp8jax import errors, provenance
     from fp8jax import tokenizer as tokenizer_lib
     from fp8jax.trainer import corpus as corpus_lib
     from fp8jax.trainer import data_format, encode, token_shards
@@ -101,7 +101,7 @@ def prepare(
     errors.check_int(workers, "--workers", 0)
     errors.check_int(shard_tokens, "--shard_tokens", 1)
     target = Path(out).expanduser()
-    _placement.check_outside_managed(target, "--out")
+    provenance.check_outside_managed(target, "--out")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise errors.DataError(f"--out {str(target)!r} exists and is not empty: name a new folder")
     if not target.parent.is_dir():

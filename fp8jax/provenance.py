@@ -5,6 +5,9 @@ its description and ``data.val_fraction``. Without a checkpoint every cache is s
 when it was built from something else. Once the work dir holds a checkpoint its weights depend
 on that data and its embeddings on the tokenizer's ids: a change of corpus or validation split
 is refused unless ``config.data.allow_corpus_change``, and the tokenizer is never replaced.
+
+A work dir's run also manages some of its folders as a whole (``MANAGED``): no other work dir,
+export or prepared shards may go inside one (``check_outside_managed``).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import numpy as np
 from absl import logging
 
 from fp8jax import tokenizer as tokenizer_lib
-from fp8jax.errors import DataError
+from fp8jax.errors import ConfigError, DataError
 from fp8jax.ops import scaling
 from fp8jax.tokenizer import Tokenizer
 
 __all__ = [
+    "MANAGED",
     "MANIFEST",
     "MODEL_RECORD",
+    "check_outside_managed",
     "check_resume",
     "has_checkpoint",
     "read_json",
@@ -38,6 +43,9 @@ __all__ = [
 MANIFEST = "data.json"
 # The model a work dir's checkpoints hold (ModelConfig fields as JSON), for import/export.
 MODEL_RECORD = "model.json"
+# A work dir's folders that its run replaces or deletes as a whole: orbax's steps, the token
+# cache (rebuilt when the corpus or the tokenizer changes), TensorBoard's event files.
+MANAGED = ("checkpoints", "tokens", "tensorboard")
 # Tokenizer settings a user chose, by config field: a checkpoint's tokenizer keeps them.
 _SETTINGS = {"vocab_size": "model.vocab_size", "min_frequency": "data.tokenizer_min_frequency"}
 
@@ -50,6 +58,21 @@ def has_checkpoint(workdir: str | os.PathLike) -> bool:
     """
     folder = Path(workdir) / "checkpoints"
     return folder.is_dir() and any(p.name.isdigit() and p.is_dir() for p in folder.iterdir())
+
+
+def check_outside_managed(path: str | os.PathLike, name: str) -> None:
+    """A one-line ConfigError if ``path`` (given as ``name``, e.g. '--workdir') lies inside a
+    ``MANAGED`` folder of a work dir (one holding ``MODEL_RECORD``), whose run would overwrite
+    or delete it with its own files."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    while (parent := os.path.dirname(folder)) != folder:
+        managed = os.path.basename(folder)
+        if managed in MANAGED and os.path.isfile(os.path.join(parent, MODEL_RECORD)):
+            raise ConfigError(
+                f"{name} {path} is inside {folder}, the {managed}/ folder that the run in "
+                f"{parent} manages (and may replace or delete); pass a folder outside it"
+            )
+        folder = parent
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

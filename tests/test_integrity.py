@@ -516,7 +516,7 @@ def test_workdir_inside_another_runs_folders_is_one_line(trained, base, env, tmp
     """--workdir inside another work dir's checkpoints/ (or tokens/, tensorboard/): exit 2,
     one line naming that run, its folder unchanged; a plain subfolder of a work dir, or a folder
     named tokens/ outside one, is a work dir like any other."""
-    from fp8jax.trainer import workdir_lock
+    from fp8jax import provenance
 
     before = sorted(p.name for p in (trained / "checkpoints").iterdir())
     inside = trained / "checkpoints" / "mine"
@@ -526,10 +526,11 @@ def test_workdir_inside_another_runs_folders_is_one_line(trained, base, env, tmp
     assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == before
     for name in ("tokens", "tensorboard"):
         with pytest.raises(errors.ConfigError, match=f"the {name}/ folder that the run in"):
-            workdir_lock.check_placement(trained / name / "a" / "b")
-    workdir_lock.check_placement(trained / "sub")  # beside the run's folders: allowed
+            provenance.check_outside_managed(trained / name / "a" / "b", "--workdir")
+    # Beside the run's folders, or in a tokens/ folder with no work dir around it: allowed.
+    provenance.check_outside_managed(trained / "sub", "--workdir")
     (tmp_path / "tokens").mkdir()
-    workdir_lock.check_placement(tmp_path / "tokens" / "w")  # no work dir around it
+    provenance.check_outside_managed(tmp_path / "tokens" / "w", "--workdir")
 
 
 def test_a_workdir_under_home_is_expanded(base, env, tmp_path):

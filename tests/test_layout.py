@@ -34,8 +34,7 @@ LAYERS = (
     ("models",),  # the transformer
     ("diagnostics",),  # coverage, memory, HLO of a program
     ("tokenizer",),
-    # work-dir records; data sections; checksums; where outputs may go beside work dirs
-    ("provenance", "data_spec", "checksums", "_placement"),
+    ("provenance", "data_spec", "checksums"),  # work-dir records; data sections; checksums
     ("configs",),  # the shipped config files and their field declarations
     ("spec",),  # the run spec: config files -> typed dataclasses
     ("hf",),  # Hugging Face and work-dir checkpoints in and out

@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-from fp8jax import _placement, errors
+from fp8jax import errors, provenance
 from fp8jax.hf import architectures
 
 __all__ = [
@@ -403,7 +403,7 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
     to = to or ("bf16" if src_q else "fp8-block")
     errors.check_choice(to, TARGETS, "--to")
     check_block(block)
-    _placement.check_outside_managed(out, "output")
+    provenance.check_outside_managed(out, "output")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"output {out} exists and is not an empty dir: choose a new one")
     if not out.parent.is_dir():

@@ -22,7 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from fp8jax import _placement, _timing, errors, provenance, spec
+from fp8jax import _timing, errors, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import CheckpointError
 from fp8jax.hf import architectures, weights, workdir
@@ -294,7 +294,7 @@ def _check_finite(array: np.ndarray, what: str, fix: str) -> None:
 
 
 def _check_empty_target(out_dir: Path) -> None:
-    _placement.check_outside_managed(out_dir, "output")
+    provenance.check_outside_managed(out_dir, "output")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"output {out_dir} exists and is not empty; pass a new folder")
     if not out_dir.parent.is_dir():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from absl import logging
 
+from fp8jax import provenance
 from fp8jax.errors import DataError
 
 __all__ = [
@@ -81,7 +82,7 @@ def source_files(
     found = [f for f in p.rglob("*") if f.is_file()]
     # A work dir inside the corpus folder (a run's --workdir there) is not part of the corpus:
     # its files would change the corpus under the run at each resume.
-    runs = {f.parent for f in found if f.name == _WORKDIR_MARK and _is_workdir(f.parent)}
+    runs = {f.parent for f in found if f.name == provenance.MODEL_RECORD and _is_workdir(f.parent)}
     if runs:
         logging.warning("data folder %s: not reading the fp8jax work dirs %s", p, sorted(runs))
     files = sorted(
@@ -123,14 +124,11 @@ def _glob_files(pattern: str, suffixes: tuple[str, ...], fix: str) -> tuple[list
     return sorted(files), f"pattern {pattern} ({len(files)} files)"
 
 
-_WORKDIR_MARK = "model.json"  # a work dir's record of its model, beside checkpoints/, metrics
-
-
 def _is_workdir(folder: Path) -> bool:
     """Whether ``folder`` is an fp8jax work dir that has trained (its model record, and
     checkpoints or metrics)."""
     run = (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
-    return run and (folder / _WORKDIR_MARK).is_file()
+    return run and (folder / provenance.MODEL_RECORD).is_file()
 
 
 def _is_jsonl(f: Path) -> bool:

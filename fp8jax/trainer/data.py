@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
-from fp8jax import _placement, checksums, errors, provenance
+from fp8jax import checksums, errors, provenance
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.errors import DataError
 from fp8jax.tokenizer import Tokenizer
@@ -560,7 +560,7 @@ class Text(data_format.DataFormat):
         shared = run.data.cache_dir
         if shared:  # one folder per key, published by a rename while its builders hold a lock
             root = Path(shared).expanduser()
-            _placement.check_outside_managed(root, "config.data.cache_dir")
+            provenance.check_outside_managed(root, "config.data.cache_dir")
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a file of that name, a read-only mount

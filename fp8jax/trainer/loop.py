@@ -352,7 +352,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunSpec, workdir: str
     while steps run ends the step, checkpoints it and then raises KeyboardInterrupt.
     """
     workdir = os.path.expanduser(os.fspath(workdir))  # '--workdir=~/runs/x' reaches us as is
-    workdir_lock.check_placement(workdir)
+    provenance.check_outside_managed(workdir, "--workdir")
     new = not os.path.lexists(workdir)
     try:
         with contextlib.ExitStack() as locks:

@@ -23,13 +23,11 @@ from collections.abc import Iterator
 
 from absl import logging
 
-from fp8jax import _placement
 from fp8jax.errors import ConfigError, UserError
 
 __all__ = [
     "LOCK_FILE",
     "WorkdirBusyError",
-    "check_placement",
     "hold",
     "make_workdir",
     "owner",
@@ -105,12 +103,6 @@ def hold(workdir: str | os.PathLike) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-
-
-def check_placement(workdir: str | os.PathLike) -> None:
-    """A one-line ConfigError if ``workdir`` lies inside a folder that another work dir's run
-    manages (``fp8jax._placement``), which would overwrite or delete it with its own files."""
-    _placement.check_outside_managed(workdir, "--workdir")
 
 
 def make_workdir(workdir: str | os.PathLike) -> None:

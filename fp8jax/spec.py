@@ -206,6 +206,7 @@ def _fp8_and_model(m, f) -> tuple[Fp8Spec, ModelConfig]:
         **{name: m[name] for name in model_lib.MODEL_FLAGS},
         remat_policy=m.remat_policy,
         attention_impl=m.attention_impl or None,  # '' -> JAX picks
+        decode_attention=m.decode_attention,
         recipe=fp8.recipe if fp8.level.fp8_gemms else None,
         fp8_impl=f.impl,
         cast_kernel=f.cast_kernel,

@@ -53,6 +53,7 @@ CHANGES = {
     "model.norm_eps": (1e-6, {"model"}),
     "model.rope_theta": (5e5, {"model"}),
     "model.attention_impl": ("cudnn", {"model"}),
+    "model.decode_attention": ("xla", {"model"}),
     "model.loss_chunk": (4096, {"model"}),
     "model.recompute_elementwise": (True, {"model"}),
     "model.qk_norm": ("head", {"model"}),

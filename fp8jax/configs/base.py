@@ -79,6 +79,11 @@ def declarations() -> ml_collections.ConfigDict:
     m.rope_theta = Real(10_000.0, "(1, inf)")  # RoPE base ('llama' style; Llama 3 uses 500000)
     # dot_product_attention implementation: 'xla', 'cudnn', '' (JAX picks)
     m.attention_impl = Choice("xla", model_lib.ATTENTION_IMPLS, also=(None,))
+    # A generation step's attention over the KV cache: 'auto' (the Pallas decode kernel on CUDA
+    # GPUs, which reads only each row's filled slots of a 16-bit cache; XLA elsewhere), 'xla'
+    # (reads every slot of the cache bucket), 'pallas', 'interpret' (the kernel in Pallas'
+    # interpreter: tests)
+    m.decode_attention = Choice(kernels.AUTO, (kernels.AUTO, *kernels.IMPLS))
     # The loss runs the LM head over this many tokens (of batch x seq_len) at a time, under a
     # custom VJP that recomputes each chunk's logits in the backward: no [batch, seq, vocab] f32
     # logits, their copy or their gradient alive. Needs fp8_lm_head=False. 0 = the full logits.

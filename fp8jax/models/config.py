@@ -199,6 +199,9 @@ class Execution:
     tie_block_grads: bool  # a block's input gradient leaves with its weight gradients
     fp8_lm_head: bool  # the LM head in FP8 too
     attention_impl: str | None  # 'xla', 'cudnn', or None (JAX picks)
+    # a generation step's attention over the KV cache (ops.decode_attention): 'auto', 'pallas'
+    # (the kernel that reads the filled slots only, on CUDA), 'xla', 'interpret'
+    decode_attention: str
     recipe: scaling.Recipe | None  # FP8 scaling of the matmuls; None: no FP8 matmuls
     fp8_impl: str  # 'fp8jax', or 'flax' (flax's own FP8 op, for benchmarks)
     cast_kernel: str  # how GEMM operands are quantized: 'pallas', 'xla', 'interpret'

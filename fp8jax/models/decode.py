@@ -13,6 +13,8 @@ different lengths are right-padded; a pad's slot lies after its row's last promp
 is never attended to before the row's decoded token overwrites it. With a sliding window
 (``KVCache.window``), a query also skips the slots more than ``window - 1`` positions before its
 own: the cache keeps every slot (no rolling buffer), the mask narrows what each query reads.
+A decode step (one token per row) reads only the slots up to its row's position where the
+Pallas decode kernel applies (``ops.decode_attention``: CUDA, a 16-bit cache).
 
 Weights are quantized once per prompt batch where the FP8 recipe allows it
 (``Recipe.quantizes_weights_once``): ``prefill`` writes each FP8 matmul's E4M3 weight to the
@@ -33,6 +35,7 @@ from flax import linen as nn
 
 from fp8jax.models.config import ModelConfig
 from fp8jax.nn.state import FP8_WEIGHTS
+from fp8jax.ops import decode_attention, kernels
 
 __all__ = [
     "CACHE",
@@ -57,6 +60,8 @@ class KVCache(nn.Module):
     """
 
     window: int = 0  # a query sees the slots of its last ``window`` positions; 0 = all before it
+    # a decode step's attention (``ops.decode_attention``): kernels.AUTO or one of kernels.IMPLS
+    impl: str = kernels.AUTO
 
     @nn.compact
     def __call__(
@@ -77,11 +82,30 @@ class KVCache(nn.Module):
         slot = (rows_Bx1, slice(None), positions_BxL)
         cache_k.value = cache_k.value.at[slot].set(k_BxLxKxH, mode="drop")
         cache_v.value = cache_v.value.at[slot].set(v_BxLxKxH, mode="drop")
-        slots_M = jnp.arange(cache_k.value.shape[2])
+        if q_BxLxNxH.shape[1] == 1:  # a decode step: the kernel reads only the filled slots
+            o_BxNxH = decode_attention.attend_filled(
+                q_BxLxNxH[:, 0],
+                cache_k.value,
+                cache_v.value,
+                positions_BxL[:, 0],
+                self.window,
+                self.impl,
+                self._attend_one,
+            )
+            return o_BxNxH[:, None]
+        return self._attend(q_BxLxNxH, cache_k.value, cache_v.value, positions_BxL)
+
+    def _attend(self, q_BxLxNxH, k_BxKxMxH, v_BxKxMxH, positions_BxL) -> jax.Array:
+        """``attend`` with each query's mask: its own slot and those before it (in its window)."""
+        slots_M = jnp.arange(k_BxKxMxH.shape[2])
         mask_BxLxM = slots_M[None, None, :] <= positions_BxL[:, :, None]
         if self.window:  # the model's sliding window: the token itself and window - 1 before
             mask_BxLxM &= slots_M[None, None, :] > positions_BxL[:, :, None] - self.window
-        return attend(q_BxLxNxH, cache_k.value, cache_v.value, mask_BxLxM)
+        return attend(q_BxLxNxH, k_BxKxMxH, v_BxKxMxH, mask_BxLxM)
+
+    def _attend_one(self, q_BxNxH, k_BxKxMxH, v_BxKxMxH, positions_B) -> jax.Array:
+        """``_attend`` of one query per row, [B, N, H]: the decode kernel's XLA reference."""
+        return self._attend(q_BxNxH[:, None], k_BxKxMxH, v_BxKxMxH, positions_B[:, None])[:, 0]
 
 
 def attend(q_BxLxNxH, k_BxKxMxH, v_BxKxMxH, mask_BxLxM) -> jax.Array:

@@ -244,7 +244,7 @@ class Attention(nn.Module):
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", None))
         # Attention itself stays in cfg.dtype: cuDNN's FP8 attention is slower fwd+bwd on Hopper.
         if decode.decoding(self):  # generation: this call's keys/values join the cache
-            cache = decode.KVCache(window=c.sliding_window, name="cache")
+            cache = decode.KVCache(c.sliding_window, c.decode_attention, name="cache")
             o_BxLxNxH = cache(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_BxL)
         else:  # over the last c.sliding_window positions where that is set (Mistral)
             o_BxLxNxH = fp8_attention.causal_attention(

@@ -71,6 +71,7 @@ BAD = {
     "model.norm_eps": [0.0, -1e-5, float("nan"), "1e-5"],
     "model.rope_theta": [0.5, float("inf")],
     "model.attention_impl": ["flash"],
+    "model.decode_attention": ["triton"],
     "model.loss_chunk": [-1, 1.5, True],
     "fp8.level": ["O4"],
     "fp8.recipe": ["mxfp8"],

@@ -75,6 +75,7 @@ def test_pallas_casts_only_where_spmd_does_not_split_them():
     devices = [object()] * 4
     c = tiny_config("O1")
     c.fp8.cast_kernel = "pallas"
+    c.model.decode_attention = "xla"  # the decode attention's own rule: the next test
     run = spec.parse(c)
     for sizes in ((1, 1, 1), (4, 1, 1), (2, 2, 1)):  # one device; replicas under shard_map
         mesh = sharding.make_mesh(mesh_config(*sizes), devices=devices[: int(np.prod(sizes))])
@@ -92,6 +93,26 @@ def test_pallas_casts_only_where_spmd_does_not_split_them():
     c.fp8.level, c.fp8.cast_kernel = "O1", "interpret"  # any other choice is the user's
     run = spec.parse(c)
     assert train_lib.partitionable(run, tp) is run
+
+
+def test_the_decode_kernel_only_on_one_device():
+    """'auto' decode attention: the kernel on one device, XLA's attention where SPMD would
+    split the sample's KV cache; an explicit choice is the user's."""
+    from fp8jax.trainer import loop as train_lib
+
+    devices = [object()] * 4
+    c = tiny_config("O0")
+    run = spec.parse(c)
+    assert run.model.decode_attention == "auto"
+    one = sharding.make_mesh(mesh_config(1, 1, 1), devices=devices[:1])
+    assert train_lib.partitionable(run, one) is run
+    for sizes in ((4, 1, 1), (2, 2, 1), (1, 2, 2)):
+        mesh = sharding.make_mesh(mesh_config(*sizes), devices=devices)
+        split = train_lib.partitionable(run, mesh)
+        assert split.model.decode_attention == "xla" and run.model.decode_attention == "auto"
+    c.model.decode_attention = "pallas"
+    run = spec.parse(c)
+    assert train_lib.partitionable(run, mesh) is run
 
 
 def test_step_rejects_pallas_casts_that_spmd_would_split(monkeypatch):

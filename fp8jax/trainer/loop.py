@@ -34,6 +34,7 @@ from fp8jax import configs, errors, models, provenance, spec
 from fp8jax import tokenizer as tokenizer_lib
 from fp8jax.diagnostics import memory
 from fp8jax.models import moe
+from fp8jax.ops import kernels
 from fp8jax.parallel import sharding as sharding_lib
 from fp8jax.spec import RunSpec
 from fp8jax.trainer import environment, formats, generate, inference, objectives, workdir_lock
@@ -127,25 +128,30 @@ load_config = configs.load  # a shipped config by name ("tiny") or a config file
 
 
 def partitionable(run: RunSpec, mesh: Mesh) -> RunSpec:
-    """``run``, with XLA's FP8 casts instead of the Pallas kernel where SPMD would split it.
+    """``run``, with XLA ops instead of the Pallas kernels where SPMD would split them.
 
     XLA's SPMD partitioner cannot split a Pallas custom call: it all-gathers the operand and
-    casts the global tensor on every device (measured: docs/performance.md). Data-parallel
-    replicas at O1+ run per device under shard_map (``step._manual_replicas``), where the
-    kernel sees local arrays; tensor parallelism, or a step without FP8 communication, leaves
-    the split to SPMD, so those use XLA's casts.
+    runs the kernel on the global tensor on every device (measured: docs/performance.md).
+    FP8 casts: data-parallel replicas at O1+ run per device under shard_map
+    (``step._manual_replicas``), where the kernel sees local arrays; tensor parallelism, or a
+    step without FP8 communication, leaves the split to SPMD, so those use XLA's casts. The
+    decode attention ('auto'): the end-of-run sample's KV cache is split like the batch and the
+    heads on any mesh of several devices, so its steps use XLA's attention there.
     """
-    if not step_lib.splits_pallas_casts(run, mesh):
-        return run
-    logging.log_first_n(
-        logging.WARNING,
-        "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
-        "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
-        1,
-        dict(mesh.shape),
-        "on" if run.comm.enabled else "off",
-    )
-    return dataclasses.replace(run, model=dataclasses.replace(run.model, cast_kernel="xla"))
+    model = run.model
+    if step_lib.splits_pallas_casts(run, mesh):
+        logging.log_first_n(
+            logging.WARNING,
+            "fp8.cast_kernel='pallas' cannot be split by XLA's partitioner (mesh %s, comm %s); "
+            "using XLA's casts ('xla'). Set fp8.cast_kernel='xla' to silence this.",
+            1,
+            dict(mesh.shape),
+            "on" if run.comm.enabled else "off",
+        )
+        model = dataclasses.replace(model, cast_kernel="xla")
+    if mesh.size > 1 and model.decode_attention == kernels.AUTO:
+        model = dataclasses.replace(model, decode_attention="xla")
+    return run if model is run.model else dataclasses.replace(run, model=model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,11 +101,7 @@ def prepare(
     errors.check_int(workers, "--workers", 0)
     errors.check_int(shard_tokens, "--shard_tokens", 1)
     target = Path(out).expanduser()
-    provenance.check_outside_managed(target, "--out")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise errors.DataError(f"--out {str(target)!r} exists and is not empty: name a new folder")
-    if not target.parent.is_dir():
-        raise errors.DataError(f"--out {str(target)!r}: its parent folder does not exist")
+    provenance.check_new_output(target, "--out", errors.DataError)
     fix = "name a text file, a folder of them or a glob pattern of them as SRC"
     files, desc = corpus_lib.source_files(src, fix=fix)
     if files[0].name.endswith(token_shards.readers()):

@@ -75,6 +75,20 @@ def check_outside_managed(path: str | os.PathLike, name: str) -> None:
         folder = parent
 
 
+def check_new_output(
+    path: str | os.PathLike, name: str, error: type[Exception] = ConfigError
+) -> None:
+    """A one-line ``error`` unless ``path`` (given as ``name``, e.g. '--out') can be a command's
+    new output folder: outside every work dir's ``MANAGED`` folders, new or empty, its parent
+    an existing folder (the output is written beside it, then renamed into place)."""
+    check_outside_managed(path, name)
+    target = Path(path).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise error(f"{name} {path} exists and is not empty: name a new or empty folder")
+    if not target.parent.is_dir():
+        raise error(f"{name} {path}: its parent folder does not exist; create it first")
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None if it is missing or unreadable."""
     try:

@@ -354,10 +354,10 @@ def bad_input_cases(tmp_path):
         "block size 100 is not a power of two": [str(good), "--block", "100"],
         "block size 0": [str(good), "--block", "0"],
         "invalid int value": [str(good), "--block", "x"],
-        "not an empty dir": [str(good), str(full)],
+        "exists and is not empty": [str(good), str(full)],
         "non-finite values": [str(nan)],
         "quantized with 'awq'": [str(other)],
-        "the parent of": [str(good), str(tmp_path / "no/such/out")],
+        "its parent folder does not exist": [str(good), str(tmp_path / "no/such/out")],
         "the checkpoints/ folder that the run in": [str(good), str(run / "checkpoints" / "fp8")],
     }
 

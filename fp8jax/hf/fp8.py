@@ -403,11 +403,7 @@ def convert(src_dir: os.PathLike, out_dir: os.PathLike, to: str | None = None, b
     to = to or ("bf16" if src_q else "fp8-block")
     errors.check_choice(to, TARGETS, "--to")
     check_block(block)
-    provenance.check_outside_managed(out, "output")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise errors.ConfigError(f"output {out} exists and is not an empty dir: choose a new one")
-    if not out.parent.is_dir():
-        raise errors.ConfigError(f"the parent of {out} does not exist: create it first")
+    provenance.check_new_output(out, "output")
     headers = _shards(src)
     scheme = TARGETS[to]
     try:

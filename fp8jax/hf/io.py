@@ -293,14 +293,6 @@ def _check_finite(array: np.ndarray, what: str, fix: str) -> None:
         )
 
 
-def _check_empty_target(out_dir: Path) -> None:
-    provenance.check_outside_managed(out_dir, "output")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise CheckpointError(f"output {out_dir} exists and is not empty; pass a new folder")
-    if not out_dir.parent.is_dir():
-        raise CheckpointError(f"the parent folder of {out_dir} does not exist; create it first")
-
-
 def save_hf(
     out_dir: str | os.PathLike,
     model_cfg: ModelConfig,
@@ -318,7 +310,7 @@ def save_hf(
     out_dir = Path(out_dir).absolute()
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: use one of {list(EXPORT_DTYPES)}")
-    _check_empty_target(out_dir)
+    provenance.check_new_output(out_dir, "output", CheckpointError)
     model_cfg.family.check_hf_export(model_cfg)  # e.g. GPT-2 has no grouped-query attention
     window = model_cfg.sliding_window
     if window and "sliding_window" not in model_cfg.family.to_hf_config(model_cfg):
@@ -414,7 +406,7 @@ def export(
 ) -> Path:
     """Export a work dir (or re-export a HF dir) to the HF dir ``out_dir`` in ``dtype``."""
     src = Path(src)
-    _check_empty_target(Path(out_dir).absolute())
+    provenance.check_new_output(Path(out_dir).absolute(), "output", CheckpointError)
     loaded = load(src)
     tokenizer_dir = src if _kind(src) == "hf" else None
     return save_hf(

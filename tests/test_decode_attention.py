@@ -109,6 +109,16 @@ def test_kv_cache_decode_step_runs_the_kernel_where_it_applies():
     assert "pallas_call" not in run("interpret", dtype=jnp.float32)[1]
 
 
+@pytest.mark.parametrize("head_dim", [48, 8])
+def test_head_widths_triton_cannot_block_keep_xla_attention(head_dim):
+    q = jnp.ones((B, K * G, head_dim), jnp.bfloat16)
+    k = v = jnp.ones((B, K, M, head_dim), jnp.bfloat16)
+    traced = jax.make_jaxpr(
+        lambda *a: decode_attention.attend_filled(*a, 0, "interpret", reference(0))
+    )(q, k, v, POSITIONS_B)
+    assert "pallas_call" not in str(traced)
+
+
 TILINGS = [(512, (16, 32)), (64, (4, 16)), (48, (1, 16)), (96, (2, 16)), (16, (1, 16)), (40, None)]
 
 

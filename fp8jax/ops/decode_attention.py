@@ -8,8 +8,9 @@ decode-attention kernel (``jax.experimental.pallas.ops.gpu.decode_attention``, T
 backend) instead: one program per (row, key/value head, split of the slots) that skips its
 split when the row's last filled slot lies before it, then a flash-decoding merge of the
 splits' partial softmaxes. Where the kernel does not apply (prompts of several tokens, an
-f32 cache, a bucket that is not a multiple of 16 slots, other platforms) it is the XLA
-reference, which the caller passes.
+f32 cache, a bucket that is not a multiple of 16 slots, a head width that is not a power of two
+of at least 16 (Triton's blocks), other platforms) it is the XLA reference, which the caller
+passes.
 
 Shape suffixes: B batch, N query heads, K key/value heads, M cache slots, H head dim.
 """
@@ -65,7 +66,9 @@ def attend_filled(
     """
     impl = kernels.resolve_impl(impl)
     shape = tiling(k_BxKxMxH.shape[2])
-    if impl == "xla" or shape is None or jnp.dtype(k_BxKxMxH.dtype) not in DTYPES:
+    h = k_BxKxMxH.shape[3]
+    blocks_h = h >= 16 and h & (h - 1) == 0  # a Triton block's sides are powers of two
+    if impl == "xla" or shape is None or not blocks_h or jnp.dtype(k_BxKxMxH.dtype) not in DTYPES:
         return reference(q_BxNxH, k_BxKxMxH, v_BxKxMxH, positions_B)
     splits, block = shape
 

@@ -31,6 +31,7 @@ __all__ = [
     "MANAGED",
     "MANIFEST",
     "MODEL_RECORD",
+    "check_new_output",
     "check_outside_managed",
     "check_resume",
     "has_checkpoint",

@@ -47,6 +47,7 @@ KEPT = [
     "memory_sim",
     "grouped_gemm",
     "decode",
+    "decode_attention",
     "data",
 ]
 SHARED = {"runner", "common"}  # what a benchmark may import from the package
@@ -986,6 +987,21 @@ def test_torch_reference_moe_layer_equals_fp8jax(normalize):
     want = np.asarray(y)
     np.testing.assert_allclose(got.numpy(), want, atol=1e-2 * np.abs(want).max())
     np.testing.assert_allclose(float(aux), float(sown[moe.MOE_LOSSES]["aux_loss"][0]), rtol=1e-5)
+
+
+def test_decode_attention_times_the_kernel_at_each_split_against_xla():
+    """benchmarks.decode_attention on small shapes through the interpreter: a row per batch
+    and fill, each split count's result within the kernel's bf16 roundings of XLA's (per split
+    its partial output, its correction and its share of the sum, then the normalization: unit
+    roundoff 2**-8 of the largest |v| each)."""
+    from benchmarks import decode_attention as bench
+
+    rows = bench.measure([2], [5, 40], [4, 2], 1, True, heads=2, head_dim=16, slots=64)
+    assert [(r["batch"], r["slots_filled"]) for r in rows] == [(2, 6), (2, 41)]
+    for r in rows:
+        assert r["xla_us"] > 0 and r["s4_us"] > 0 and r["s2_us"] > 0, r
+        for splits in (4, 2):
+            assert r[f"s{splits}_err"] <= (2 * splits + 2) * 2.0**-8 * r["v_max"], r
 
 
 def test_decode_times_prefill_and_decode_against_the_weight_bound():

@@ -56,16 +56,18 @@ def attend_filled(
     window: int,
     impl: str,
     reference: Callable[..., jax.Array],
+    shape: tuple[int, int] | None = None,
 ) -> jax.Array:
     """One query per row attending to the slots ``positions_B - window < slot <= positions_B``
     (``window`` 0: every slot up to its position), [B, N, H] in the cache's dtype.
 
     ``impl``: ``kernels.AUTO`` or one of ``kernels.IMPLS``, as the FP8 casts take it ('pallas'
     lowers to the kernel on CUDA only, 'interpret' runs it through Pallas' interpreter);
-    ``reference(q, k, v, positions)``: the same attention in XLA ops.
+    ``reference(q, k, v, positions)``: the same attention in XLA ops. ``shape``: the kernel's
+    ``(splits, block)`` (default: ``tiling``'s for the cache's slots).
     """
     impl = kernels.resolve_impl(impl)
-    shape = tiling(k_BxKxMxH.shape[2])
+    shape = shape or tiling(k_BxKxMxH.shape[2])
     h = k_BxKxMxH.shape[3]
     blocks_h = h >= 16 and h & (h - 1) == 0  # a Triton block's sides are powers of two
     if impl == "xla" or shape is None or not blocks_h or jnp.dtype(k_BxKxMxH.dtype) not in DTYPES:

@@ -8,8 +8,8 @@ and a 512-slot bf16 cache, per batch size (``--batches``) and fill (``--fills``:
 position, so ``fill + 1`` slots hold keys), at each number of slot splits per row and head
 (``--splits``; the code's default is ``ops.decode_attention.tiling``'s, up to 16): microseconds
 per call (the mean over ``--iters`` calls), the largest difference from XLA's result (beside the
-largest |v|: the scale of one bf16 rounding), and the
-bandwidth of the filled key/value bytes the kernel reads. ``--quick``: small shapes through
+largest |v|: the scale of one bf16 rounding), and the bandwidth of the filled key/value bytes
+the kernel reads. ``--quick``: small shapes through
 Pallas' interpreter (a CPU check, not a timing). Writes ``decode_attention.json``.
 """
 
@@ -46,6 +46,7 @@ def measure(
     module = decode.KVCache(0, "xla")
     reference = lambda *a: module._attend_one(*a)  # noqa: E731
     impl = "interpret" if interpret else "pallas"
+    xla = jax.jit(reference)
     rows = []
     for batch in batches:
         key_q, key_k, key_v = jax.random.split(jax.random.PRNGKey(batch), 3)
@@ -54,7 +55,6 @@ def measure(
         v = jax.random.normal(key_v, (batch, heads, slots, head_dim), jnp.bfloat16)
         for fill in fills:
             positions = jnp.full((batch,), fill, jnp.int32)
-            xla = jax.jit(reference)
             want = np.asarray(xla(q, k, v, positions), np.float32)
             row = {
                 "batch": batch,
@@ -63,10 +63,9 @@ def measure(
                 "xla_us": _us(xla, (q, k, v, positions), iters),
             }
             for n in splits:
-                per_split = slots // n
-                block = next(b for b in (128, 64, 32, 16) if per_split % b == 0)
+                shape = decode_attention.tiling(slots, (n,))
                 fn = jax.jit(
-                    lambda q, k, v, p, shape=(n, block): decode_attention.attend_filled(
+                    lambda q, k, v, p, shape=shape: decode_attention.attend_filled(
                         q, k, v, p, 0, impl, reference, shape
                     )
                 )

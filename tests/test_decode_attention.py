@@ -30,6 +30,12 @@ def qkv(dtype=jnp.bfloat16, seed=0):
     return q_BxNxH, k_BxKxMxH, v_BxKxMxH
 
 
+def reference(window):
+    """The attention the model runs without the kernel: ``KVCache``'s XLA path."""
+    cache = decode.KVCache(window, "xla")
+    return lambda q, k, v, pos: cache._attend_one(q, k, v, pos)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernel needs a CUDA GPU")
 @pytest.mark.parametrize("window", [0, 8])
 def test_the_triton_kernel_equals_xla_attention_on_the_gpu(window):
@@ -42,12 +48,6 @@ def test_the_triton_kernel_equals_xla_attention_on_the_gpu(window):
     want = jax.jit(ref)(q, k, v, POSITIONS_B)
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
     assert err <= bound(decode_attention.tiling(M)[0], v), err
-
-
-def reference(window):
-    """The attention the model runs without the kernel: ``KVCache``'s XLA path."""
-    cache = decode.KVCache(window, "xla")
-    return lambda q, k, v, pos: cache._attend_one(q, k, v, pos)
 
 
 @pytest.mark.parametrize("window", [0, 8])
@@ -125,3 +125,9 @@ TILINGS = [(512, (16, 32)), (64, (4, 16)), (48, (1, 16)), (96, (2, 16)), (16, (1
 @pytest.mark.parametrize(("slots", "want"), TILINGS)
 def test_tiling_splits_the_cache_into_whole_blocks(slots, want):
     assert decode_attention.tiling(slots) == want
+
+
+def test_tiling_takes_the_first_split_count_that_works():
+    assert decode_attention.tiling(512, (8,)) == (8, 64)
+    assert decode_attention.tiling(64, (8, 2)) == (2, 32)  # 8 splits of 64: under 16 slots
+    assert decode_attention.tiling(64, (8,)) is None

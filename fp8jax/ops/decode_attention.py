@@ -35,10 +35,11 @@ _SPLITS = (16, 8, 4, 2, 1)
 _BLOCKS = (128, 64, 32, 16)  # slots a program's loop reads at a time (Triton: >= 16)
 
 
-def tiling(slots: int) -> tuple[int, int] | None:
+def tiling(slots: int, choices: tuple[int, ...] = _SPLITS) -> tuple[int, int] | None:
     """``(splits, block)`` of the kernel for a cache of ``slots`` (each split whole blocks of
-    at least 16 slots), or None where no split works (the XLA reference runs)."""
-    for splits in _SPLITS:
+    at least 16 slots), the first of ``choices`` split counts that works; None where none does
+    (the XLA reference runs)."""
+    for splits in choices:
         per_split = slots // splits
         if slots % splits or per_split < 16:
             continue

@@ -21,8 +21,10 @@ head), an f32 softmax router (f32 weights and logits), top-k (renormalised or no
 token-expert pairs sorted by expert (dropless) through two bf16 grouped GEMMs (gate/up, then
 down; ``torch._grouped_mm`` on a CUDA GPU, one matmul per expert elsewhere), unsorted and
 summed with the router weights in f32, and the load-balancing and z losses added to the loss;
-their configs' batch (4 x 2048). ``float8`` converts their attention linears only (torchao's
-float8 linear does not cover the grouped experts).
+their configs' batch (4 x 2048). ``float8`` converts their attention linears to torchao's
+tensorwise float8 linear and runs the experts on torchao's FP8 grouped GEMM (rowwise dynamic
+scales, E4M3 operands forward and backward; ``torch._scaled_grouped_mm``), each group padded to
+a multiple of 16 rows as that kernel takes them.
 
 One fresh process per run (own peak memory; a failure is an error row). ``torch.compile`` in its
 default mode (max-autotune was not used because of its compile time) on the model and loss; clip
@@ -158,6 +160,34 @@ def grouped_mm(x_MxK, w_GxKxN, counts_G):
     return torch.cat([p @ w_GxKxN[g] for g, p in enumerate(parts)])
 
 
+def padded_group_rows(counts_G, rows: int, align: int):
+    """``(dest_M, ends_G)``: where each of ``rows`` group-sorted rows sits once every group
+    starts at a multiple of ``align`` rows, and the padded groups' end rows (int32)."""
+    padded_G = (counts_G + align - 1) // align * align
+    ends_G = torch.cumsum(padded_G, 0)
+    shift_G = (ends_G - padded_G) - (torch.cumsum(counts_G, 0) - counts_G)  # new start - start
+    groups = torch.arange(len(counts_G), device=counts_G.device)
+    group_M = torch.repeat_interleave(groups, counts_G, output_size=rows)
+    return torch.arange(rows, device=counts_G.device) + shift_G[group_M], ends_G.to(torch.int32)
+
+
+def fp8_grouped_mm(x_MxK, w_GxKxN, counts_G):
+    """``grouped_mm`` through torchao's FP8 grouped GEMM (rowwise dynamic scales, E4M3 operands
+    forward and backward, ``torch._scaled_grouped_mm``), on a padded copy of ``x``: the kernel
+    takes groups of multiples of 16 rows and a per-group column-major ``w``."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    align = 16
+    dest_M, ends_G = padded_group_rows(counts_G, x_MxK.shape[0], align)
+    rows = x_MxK.shape[0] + len(counts_G) * (align - 1)  # room for every group's padding
+    xp_MxK = x_MxK.new_zeros(rows, x_MxK.shape[1]).index_copy(0, dest_M, x_MxK)
+    w_col_GxKxN = w_GxKxN.transpose(-2, -1).contiguous().transpose(-2, -1)
+    yp_MxN = _to_fp8_rowwise_then_scaled_grouped_mm(
+        xp_MxK, w_col_GxKxN, ends_G, torch.bfloat16, pad_token_groups_for_grouped_mm=False
+    )
+    return yp_MxN[dest_M]
+
+
 class Moe(nn.Module):
     """fp8jax's MoeMlp: f32 softmax router, top-k, dropless grouped SwiGLU experts (bf16)."""
 
@@ -169,6 +199,7 @@ class Moe(nn.Module):
         self.router = nn.Parameter(torch.randn(d, e) * INIT_STD)  # f32 at every level
         self.wi = nn.Parameter(torch.randn(e, d, 2 * f) * INIT_STD)  # gate, then up
         self.wo = nn.Parameter(torch.randn(e, f, d) * out_std)
+        self.fp8 = False  # level float8: the experts on torchao's FP8 grouped GEMM
 
     def forward(self, x):
         """``(y, weighted auxiliary loss)`` of ``x [B, L, D]``."""
@@ -185,8 +216,9 @@ class Moe(nn.Module):
         counts_E = torch.zeros(self.e, dtype=torch.int64, device=x.device)
         counts_E = counts_E.scatter_add(0, expert_N, torch.ones_like(expert_N))
         xs_NxD = x_TxD[order_N // self.k].to(torch.bfloat16)
-        gate, up = grouped_mm(xs_NxD, self.wi.to(torch.bfloat16), counts_E).chunk(2, dim=-1)
-        ys_NxD = grouped_mm(F.silu(gate) * up, self.wo.to(torch.bfloat16), counts_E)
+        mm = fp8_grouped_mm if self.fp8 else grouped_mm
+        gate, up = mm(xs_NxD, self.wi.to(torch.bfloat16), counts_E).chunk(2, dim=-1)
+        ys_NxD = mm(F.silu(gate) * up, self.wo.to(torch.bfloat16), counts_E)
         y_NxD = torch.empty_like(ys_NxD).index_copy(0, order_N, ys_NxD)  # unsorted
         y_TxD = (y_NxD.view(-1, self.k, d).float() * p_Txk.unsqueeze(-1)).sum(1)
         load_E = counts_E.float() / expert_N.numel()
@@ -332,6 +364,9 @@ def child(name: str, level: str, optim: bool, a) -> dict:
             config=Float8LinearConfig.from_recipe_name("tensorwise"),
             module_filter_fn=lambda mod, fqn: fqn != "head",  # LM head stays bf16, as fp8jax
         )
+        for m in model.modules():
+            if isinstance(m, Moe):
+                m.fp8 = True
     elif level != "bf16":
         raise ValueError(f"unknown level {level!r}: use bf16 or float8")
     run_model = model if a.no_compile else torch.compile(model)

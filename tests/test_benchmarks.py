@@ -989,6 +989,32 @@ def test_torch_reference_moe_layer_equals_fp8jax(normalize):
     np.testing.assert_allclose(float(aux), float(sown[moe.MOE_LOSSES]["aux_loss"][0]), rtol=1e-5)
 
 
+def test_torch_reference_pads_each_group_for_the_fp8_grouped_gemm():
+    """The padded layout that torchao's FP8 grouped GEMM reads: each group starts at a multiple
+    of the alignment, rows keep their order, and the grouped GEMM on it (the per-group matmuls
+    on a CPU) gives each row the product it gets unpadded, empty groups included."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import torch_reference
+
+    counts = torch.tensor([5, 0, 16, 1, 17])
+    rows, align = int(counts.sum()), 16
+    dest, ends = torch_reference.padded_group_rows(counts, rows, align)
+    assert ends.dtype == torch.int32 and ends.tolist() == [16, 16, 32, 48, 80]
+    starts = (ends - (counts + align - 1) // align * align).tolist()
+    firsts = torch.cumsum(counts, 0) - counts
+    for g, n in enumerate(counts.tolist()):  # group g's rows in order from its padded start
+        assert dest[firsts[g] : firsts[g] + n].tolist() == list(range(starts[g], starts[g] + n))
+    x = torch.randn(rows, 8, dtype=torch.float64)
+    w = torch.randn(len(counts), 8, 3, dtype=torch.float64)
+    xp = x.new_zeros(rows + len(counts) * (align - 1), 8).index_copy(0, dest, x)
+    padded_counts = torch.diff(ends.long(), prepend=torch.zeros(1, dtype=torch.long))
+    pad = xp.shape[0] - int(ends[-1])  # rows past the last group: a group of their own, unread
+    y = torch_reference.grouped_mm(
+        xp, torch.cat([w, w[:1]]), torch.cat([padded_counts, torch.tensor([pad])])
+    )
+    torch.testing.assert_close(y[dest], torch_reference.grouped_mm(x, w, counts))
+
+
 def test_decode_attention_times_the_kernel_at_each_split_against_xla():
     """benchmarks.decode_attention on small shapes through the interpreter: a row per batch
     and fill, each split count's result within the kernel's bf16 roundings of XLA's (per split

@@ -138,8 +138,10 @@ def plan(path: str, level: str | None = None, dtype: str = "float32") -> Plan:
     # A rowwise or block run's state holds amaxes only: its recipe comes from model.json.
     trained = fine_recipe(record) or scaling.DelayedScaling()
     has_ckpt = (path / "checkpoints").is_dir()
-    # The FP8 state only where O1 may run (at O0 reading it would only cost time).
-    history_len = saved_history_len(path) if has_ckpt and level != "O0" else None
+    # The checkpoint's tree metadata is read here at every level, before a caller starts
+    # compiling beside the load: the params' read needs it too (cached per state), and a
+    # compile thread holding the GIL would slow its parse several times over.
+    history_len = saved_history_len(path) if has_ckpt else None
     level = level or ("O1" if history_len is not None else "O0")
     cfg = params_cfg
     if level == "O1":

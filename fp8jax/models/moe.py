@@ -222,7 +222,7 @@ class MoeMlp(nn.Module):
         )
         if y_TxD is None:
             y_TxkxD = _dispatched(x_TxD, order_N, inv_N, sizes_E, k, experts, c.recipe, f)
-            y_TxD = jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), r.weights_Txk)
+            y_TxD = rows.combine(y_TxkxD, r.weights_Txk)
         if spec.shared_d_ff:
             shared_cfg = dataclasses.replace(c, d_ff=spec.shared_d_ff)
             s_TxD = layers.Mlp(shared_cfg, name="shared")(x_TxD[None])[0].astype(jnp.float32)

@@ -5,7 +5,7 @@ Autodiff of a row gather ``a[idx]`` scatter-adds the cotangent rows back, and of
 a loop. The dispatch's moves are (partial) permutations, or each token copied to its k pairs,
 whose inverses are known: each op here takes the forward indices and the inverse ones, and both
 passes gather. An index past the source's rows (``len`` or more) reads a zero row: an empty
-buffer slot, a dropped pair.
+buffer slot, a dropped pair. ``combine`` sums each token's k rows back into one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["repeat_rows", "take_rows"]
+__all__ = ["combine", "repeat_rows", "take_rows"]
 
 
 def _gather(a_AxD: jax.Array, idx_B: jax.Array) -> jax.Array:
@@ -63,3 +63,13 @@ def _repeat_rows_bwd(back_Txk, g_NxD):
 
 
 repeat_rows.defvjp(_repeat_rows_fwd, _repeat_rows_bwd)
+
+
+def combine(y_TxkxD: jax.Array, weights_Txk: jax.Array) -> jax.Array:
+    """``y [T, D]`` f32: each token's k pair outputs summed with their router weights.
+
+    A product and a sum over k (one fused pass over ``y``, exact in f32), not a dot: a GPU
+    would run an f32 ``dot_general`` on TF32 inputs and write ``y`` in f32 first.
+    """
+    w_Txkx1 = weights_Txk.astype(jnp.float32)[..., None]
+    return jnp.sum(y_TxkxD.astype(jnp.float32) * w_Txkx1, axis=1)

@@ -185,7 +185,7 @@ def dispatch_combine(
 
     y_PxD = rows_lib.take_rows(back_NxD, slot_P, pair_N)  # each pair's result (dropped: 0)
     y_TxkxD = y_PxD.reshape(t, k, -1)
-    return jnp.einsum("tkd,tk->td", y_TxkxD.astype(jnp.float32), p_Txk.astype(jnp.float32))
+    return rows_lib.combine(y_TxkxD, p_Txk)
 
 
 def split_axis() -> str | None:

@@ -607,11 +607,15 @@ def test_stop_strings_end_the_text_and_the_decode(workdir):
 def test_programs_compiled_ahead_from_the_plan_serve_the_call(workdir, level):
     """``inference.plan``'s shapes are those ``load`` gives, and the programs ``compile_ahead``
     builds from them while the weights load (a streamed decode, as the command line runs it)
-    are the ones the call runs: the call compiles nothing."""
+    are the ones the call runs: the call compiles nothing. The plan reads the checkpoint's tree
+    metadata at either level (before any compile thread), and the load reads it no more."""
+    from fp8jax.hf import workdir as workdir_lib
     from fp8jax.trainer import inference
 
     wd, _, _ = workdir
+    workdir_lib._state_metadata.cache_clear()
     planned = inference.plan(str(wd), level)
+    assert workdir_lib._state_metadata.cache_info().misses == 1
     texts = ["It is", "Mr"]
     lengths = [len(planned.tokenizer.encode(t)) for t in texts]
     model = models.build_model(planned.model_cfg)
@@ -619,6 +623,7 @@ def test_programs_compiled_ahead_from_the_plan_serve_the_call(workdir, level):
     ahead = generate.compile_ahead(model, planned.shapes(), planned.tokenizer, lengths, 5, True)
     inf = planned.load()
     assert inf.level == level
+    assert workdir_lib._state_metadata.cache_info().misses == 1  # the plan's read served it
     layout = lambda tree: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), tree)
     assert layout((inf.params, inf.fp8_state, inf.moe_state)) == layout(planned.shapes())
     ahead.result()

@@ -313,12 +313,6 @@ def _comm(raw, mesh: MeshSpec) -> CommSpec:
     if unknown:
         raise ConfigError(f"unknown config.comm fields {unknown}: use some of {sorted(fields)}")
     spec = CommSpec(**{name: raw[name] for name in sorted(fields)})
-    if spec.gather == "layer" and mesh.expert != 1:
-        raise ConfigError(
-            f"comm.gather='layer' with mesh.expert={mesh.expert}: per-layer gathers hand each "
-            f"layer its fsdp shards only, not the expert-sharded weights; set mesh.expert=1 or "
-            f"comm.gather='upfront'"
-        )
     if spec.gather == "layer" and mesh.tensor != 1:
         raise ConfigError(
             f"comm.gather='layer' with mesh.tensor={mesh.tensor}: per-layer gathers run the "

@@ -32,6 +32,7 @@ if __name__ == "__main__":
     xla_cpu.add_emitter_flag()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -249,6 +250,24 @@ def step_case() -> dict:
     return sc.compare(base, other)
 
 
+@contextlib.contextmanager
+def recorded_groups():
+    """Within it, each traced step's per-layer gather groups (``layerwise.prepare``'s) are
+    appended to the list it gives."""
+    groups, prepare = [], layerwise.prepare
+
+    def keep(*args):
+        out = prepare(*args)
+        groups.append(out[2])
+        return out
+
+    layerwise.prepare = keep
+    try:
+        yield groups
+    finally:
+        layerwise.prepare = prepare
+
+
 def moe_config(dispatch: str, data=1, expert=1, fsdp=1):
     """configs/moe_tiny.py at O1, shrunk as sharded_checks' tiny config (16 tokens a row).
 
@@ -265,12 +284,15 @@ def moe_config(dispatch: str, data=1, expert=1, fsdp=1):
     return c
 
 
-# name -> (dispatch, level, data, expert, fsdp) of the sharded MoE steps; each against one
-# device at its level (O3's: O2, which O3 shards)
+# name -> (dispatch, level, comm.gather, data, expert, fsdp) of the sharded MoE steps; each
+# against one device at its level (O3's: O2, which O3 shards)
 MOE_STEPS = {
-    "data2 x ep4": ("dropless", "O1", 2, 4, 1),
-    "ep4 x fsdp2 O3": ("dropless", "O3", 1, 4, 2),  # encoded masters, E4M3-gathered kernels
-    "data2 x ep4 capacity": ("capacity", "O1", 2, 4, 1),
+    "data2 x ep4": ("dropless", "O1", "auto", 2, 4, 1),
+    # encoded masters, E4M3-gathered kernels: per layer (each block's experts gathered over
+    # fsdp only, their gradients reduced over the devices holding them) and all before the step
+    "ep4 x fsdp2 O3": ("dropless", "O3", "layer", 1, 4, 2),
+    "ep4 x fsdp2 O3 upfront": ("dropless", "O3", "upfront", 1, 4, 2),
+    "data2 x ep4 capacity": ("capacity", "O1", "auto", 2, 4, 1),
 }
 
 
@@ -278,7 +300,7 @@ def moe_step_cases() -> dict:
     """MoE train steps with the experts split over 'expert' against one device, and the number
     of experts in the kernels their GroupedLinear layers see while the step is traced."""
     base, out = {}, {}
-    for name, (dispatch, level, *sizes) in MOE_STEPS.items():
+    for name, (dispatch, level, gather, *sizes) in MOE_STEPS.items():
         one_level = "O2" if level == "O3" else level
         if (dispatch, one_level) not in base:
             one = moe_config(dispatch)
@@ -293,11 +315,19 @@ def moe_step_cases() -> dict:
             return next_fun(*args, **kwargs)
 
         config = moe_config(dispatch, *sizes)
-        config.fp8.level = level
-        with nn.intercept_methods(record):
+        config.fp8.level, config.comm.gather = level, gather
+        with nn.intercept_methods(record), recorded_groups() as groups:
             prepared = sc.prepare(config, jax.devices())
+        # Each per-layer group's leaves and the replica axes their gradients are reduced over.
+        out_layers = {
+            f"{g}/{'/'.join(li.path)}": li.replica_axes
+            for grouping in groups
+            for g, group in grouping.items()
+            for li in group.leaves
+        }
         out[name] = sc.compare(base[dispatch, one_level], sc.run(prepared))
         out[name]["kernel_experts_seen"] = sorted(seen)
+        out[name]["layer_replica_axes"] = out_layers
         # The dispatch's all-to-alls, told from the gradient reduction's (FP8 bytes) by the
         # expert ids they carry (s32) and the tokens (f32 at O1).
         out[name]["all_to_all_dtypes"] = sorted(
@@ -335,21 +365,9 @@ def gathered_dtypes(level: str, gather: str) -> dict:
             seen.setdefault(name, set()).add(jnp.dtype(kernel.dtype).name)
         return next_fun(*args, **kwargs)
 
-    groups = []
-    prepare = layerwise.prepare
-
-    def keep_groups(*args):  # the per-layer gathers' plan of the traced step
-        out = prepare(*args)
-        groups.append(out[2])
-        return out
-
     abstract = jax.eval_shape(env.init, jax.random.PRNGKey(0))
-    layerwise.prepare = keep_groups
-    try:
-        with nn.intercept_methods(record):
-            jax.eval_shape(env.train_step, abstract, sc.abstract_batch(c))
-    finally:
-        layerwise.prepare = prepare
+    with nn.intercept_methods(record), recorded_groups() as groups:
+        jax.eval_shape(env.train_step, abstract, sc.abstract_batch(c))
     out = {"kernels": {k: sorted(v) for k, v in seen.items()}}
     if groups:
         out["leaves"] = {

@@ -245,8 +245,8 @@ def block_gather_check(devices) -> dict:
         rng = np.random.default_rng(len(shape) + dim)
         w = rng.standard_normal(shape) * np.logspace(-2, 2, shape[-1])
         w = jnp.asarray(w, jnp.float32)
-        leaf = layerwise.LeafInfo(("kernel",), dim, False, True, True, recipe)
-        group = layerwise.Group((leaf,), (2, 4), comm.CommConfig(), "uint8", "bfloat16")
+        leaf = layerwise.LeafInfo(("kernel",), dim, False, True, True, blocks=recipe)
+        group = layerwise.Group((leaf,), (2, 4), 1, comm.CommConfig(), "uint8", "bfloat16")
         spec = [None] * len(shape)
         spec[dim] = "fsdp"
         fn = jax.jit(

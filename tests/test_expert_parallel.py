@@ -84,12 +84,7 @@ def test_expert_count_the_axis_does_not_divide_is_refused():
     with pytest.raises(errors.ConfigError, match=r"mesh.expert=3 does not divide") as info:
         spec.parse(moe_config(expert=3))
     assert "\n" not in str(info.value) and "model.moe.num_experts=8" in str(info.value)
-    c = moe_config(expert=2)
-    c.comm.gather = "layer"  # per-layer gathers hand the layers fsdp shards, not expert ones
-    with pytest.raises(errors.ConfigError, match=r"comm.gather='layer'.*mesh.expert=1"):
-        spec.parse(c)
-    c.comm.gather = "auto"
-    assert spec.parse(c).mesh.expert == 2
+    assert spec.parse(moe_config(expert=2)).mesh.expert == 2
 
 
 def test_train_py_refuses_an_undivided_expert_count_with_exit_2(tmp_path):
@@ -179,15 +174,25 @@ def test_expert_axis_as_data_parallelism_matches_one_device(checks):
 @pytest.mark.slow
 def test_expert_parallel_moe_steps_match_one_device(checks):
     steps = checks["moe_steps"]
-    assert set(steps) == {"data2 x ep4", "ep4 x fsdp2 O3", "data2 x ep4 capacity"}
+    assert set(steps) == {
+        "data2 x ep4",
+        "ep4 x fsdp2 O3",
+        "ep4 x fsdp2 O3 upfront",
+        "data2 x ep4 capacity",
+    }
     for name, c in steps.items():
         _assert_step_matches_one_device(name, c)
         assert "s32" in c["all_to_all_dtypes"], (name, c)  # expert ids: the dispatch ran
         assert "'expert'" in c["experts_sharded"], (name, c)  # stored split over the axis
         # Each device's layers hold its own experts only (8 over the mesh's expert axis), so
         # their weights, gradients and optimizer inputs are that share, not all 8 experts.
-        shards = {"data2 x ep4": 4, "ep4 x fsdp2 O3": 4, "data2 x ep4 capacity": 4}[name]
-        assert c["kernel_experts_seen"] == [8 // shards], (name, c["kernel_experts_seen"])
+        assert c["kernel_experts_seen"] == [8 // 4], (name, c["kernel_experts_seen"])
+    # Per-layer gathers (O3's default) on the expert mesh: a block's routed experts reduce over
+    # the devices holding them ('data' x fsdp), everything else over every replica.
+    layers = steps["ep4 x fsdp2 O3"]["layer_replica_axes"]
+    assert layers["blocks/mlp/experts_wi/kernel"] == ["data"], layers
+    assert layers["blocks/mlp/router/kernel"] == ["data", "expert"], layers
+    assert not steps["ep4 x fsdp2 O3 upfront"]["layer_replica_axes"]
 
 
 @pytest.mark.slow

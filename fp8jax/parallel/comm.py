@@ -200,8 +200,6 @@ class Plan:
         """Whether fsdp weights are gathered per layer inside the model (``comm.gather``)."""
         if int(self.mesh.shape["fsdp"]) == 1 or not self.per_device:
             return False
-        if int(self.mesh.shape["expert"]) > 1:  # the layers would get expert-sharded weights
-            return False
         return self.cfg.gather == "layer" or (self.cfg.gather == "auto" and self.level >= 3)
 
     @property

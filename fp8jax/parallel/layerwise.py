@@ -58,6 +58,9 @@ class LeafInfo:
     fp8: bool  # O3 FP8 kernel: moves as E4M3 with its layer's weight scale
     cast: bool  # moves in the compute dtype (the layer's first cast, moved before the gather)
     fp8_grad: bool  # its gradient is reduced in FP8 (comm.min_fp8_size elements or more)
+    # The data-parallel axes whose devices hold the same values of it besides fsdp's: 'data' x
+    # 'expert', or 'data' alone for routed experts split over 'expert' (``Plan.replica_axes``).
+    replica_axes: tuple[str, ...] = sharding_lib.REPLICA_AXES
     # O3 block-recipe kernel sharded on its first or last axis at tile boundaries: moves as E4M3
     # tiles with their inverse scales and amaxes (``block_gather``); None otherwise.
     blocks: scaling.Recipe | None = None
@@ -69,6 +72,7 @@ class Group:
 
     leaves: tuple[LeafInfo, ...]
     mesh_shape: tuple[int, int]  # (data, fsdp)
+    expert: int  # the 'expert' axis's size (its shards hold other experts, the same rest)
     cfg: comm.CommConfig
     wire: str
     compute_dtype: str
@@ -217,27 +221,39 @@ def gathered(group: Group, leaves, scales):
     return tuple(out)
 
 
+def _replicas(group: Group, axes: tuple[str, ...]) -> int:
+    """How many devices the replica ``axes`` span (fsdp aside)."""
+    sizes = {"data": group.mesh_shape[0], "expert": group.expert}
+    return math.prod(sizes[a] for a in axes)
+
+
 def _reduced(group: Group, cts, mu):
-    """Backward: each leaf's gradient summed over the replicas, this device's shard of it."""
+    """Backward: each leaf's gradient summed over the replicas, this device's shard of it.
+
+    One FP8 reduction per set of replica axes: a layer's routed experts split over 'expert'
+    sum over 'data' x fsdp (the devices holding the same experts), the rest over every replica.
+    """
     out = [None] * len(cts)
-    ids = [i for i, li in enumerate(group.leaves) if li.fp8_grad]
     clipped = jnp.zeros((), jnp.float32)
-    if ids:
+    fp8_ids = [i for i, li in enumerate(group.leaves) if li.fp8_grad]
+    for axes in dict.fromkeys(group.leaves[i].replica_axes for i in fp8_ids):
+        ids = [i for i in fp8_ids if group.leaves[i].replica_axes == axes]
         got, c = comm.reduce_fp8(
             [cts[i] for i in ids],
             [group.leaves[i].fsdp_dim for i in ids],
             [0] * len(ids),  # one layer: one scale per tensor
             mu,
             group.cfg,
-            group.mesh_shape,
+            (_replicas(group, axes), group.mesh_shape[1]),
             group.wire,
+            axes,
         )
         for i, g in zip(ids, got, strict=True):
             out[i] = g
-        clipped = c.astype(jnp.float32)
+        clipped = clipped + c.astype(jnp.float32)
     for i, li in enumerate(group.leaves):
         if not li.fp8_grad:
-            out[i] = comm.reduce_f32(cts[i], li.fsdp_dim)
+            out[i] = comm.reduce_f32(cts[i], li.fsdp_dim, li.replica_axes)
     return out, clipped
 
 
@@ -274,6 +290,7 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
     weight amax}, FP8-reduced gradient elements per replica)`` for the per-layer step."""
     cfg, mesh = plan.cfg, plan.mesh
     mesh_shape = (int(mesh.shape["data"]), int(mesh.shape["fsdp"]))
+    shards = int(mesh.shape["expert"])
     wire = comm.wire_format(mesh, cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = treedef.flatten_up_to(plan.specs)
@@ -290,7 +307,8 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
         dim = sharding_lib.axis_dim(spec, "fsdp")
         per_layer = math.prod(w.shape[stack:]) if g != ROOT else w.size
         fp8_grad = comm.reduces_in_fp8(path, per_layer, cfg)
-        count += w.size if fp8_grad else 0
+        # Elements each replica quantizes: its own experts only where they stay split.
+        count += w.size // (shards if plan.splits_experts(spec) else 1) if fp8_grad else 0
         fp8, blocks = False, None
         layer_dim = None if dim is None else dim - (stack if g != ROOT else 0)
         if plan.level >= 3 and dim is not None and path[-1] == "kernel":
@@ -309,9 +327,11 @@ def prepare(params, fp8_state, plan: comm.Plan, mu: jax.Array):
                 w_amax[path] = amax
                 scales.setdefault(g, {})[_scale_key(rel)] = scaling.use_scale(meta.w, amax)
         cast = moves_in_compute_dtype(path)
-        members.setdefault(g, []).append(LeafInfo(rel, layer_dim, fp8, cast, fp8_grad, blocks))
+        axes = plan.replica_axes(spec)
+        leaf = LeafInfo(rel, layer_dim, fp8, cast, fp8_grad, axes, blocks)
+        members.setdefault(g, []).append(leaf)
     groups = {
-        g: Group(tuple(ls), mesh_shape, cfg, wire, jnp.dtype(plan.compute_dtype).name)
+        g: Group(tuple(ls), mesh_shape, shards, cfg, wire, jnp.dtype(plan.compute_dtype).name)
         for g, ls in members.items()
     }
     out = dict(params)

@@ -12,7 +12,9 @@ shared scale and f32 accumulation; small gradients in f32). Under remat the gath
 the remat region, so the backward pass gathers the layer again instead of keeping it; a remat
 policy saving ``ops.remat.GATHERED`` keeps it (``model.remat_policy='full_keep_gathered'``).
 At most the layers in flight hold full weights, and no full-size gradient outlives its layer's
-backward.
+backward. On a mesh with an 'expert' axis a block's routed experts stay split over it: each
+device gathers its own experts over fsdp only, and their gradients sum over the devices holding
+the same experts ('data' x fsdp) while the block's other weights sum over every replica.
 
 The custom VJP needs per-layer inputs the model does not have: the weight scales and FP8-LM's
 ``mu``. They travel as extra params under ``GATHER_KEY`` of each group (sliced per layer by the

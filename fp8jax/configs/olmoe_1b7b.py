@@ -3,8 +3,8 @@
 OLMoE-1B-7B shape on one GPU: d_model 2048, 16 blocks of 16-head attention (q/k RMSNorm over
 the whole projection) with 64 routed SwiGLU experts each (top-8, 1024 wide, top-k weights not
 renormalised), vocabulary 50304: 6.9B parameters, 1.3B active per token. FP8 level O2 (FP8
-expert GEMMs, FP8/FP16 Adam moments, FP16 masters), bf16 compute, full block remat, 8k tokens
-per step. Set ``--config.data.path`` to a large corpus.
+expert GEMMs, FP8/FP16 Adam moments, FP16 masters), bf16 compute, unrolled blocks with full
+remat, 8k tokens per step. Set ``--config.data.path`` to a large corpus.
 """
 
 import ml_collections

@@ -12,7 +12,8 @@ the M = T * k routed rows, sorted by expert (``--routing``: 'balanced' M / E row
 forward and backward (dx, dw1, dw2: 18 * M * D * F FLOPs in all), in one jitted step with the
 FP8 scale-state update (``fp8jax.update_state``). Variants: 'bf16' (level O0: on a Hopper GPU
 JAX's Mosaic GPU ragged-dot kernels, f32 accumulation), the FP8 recipes ('delayed', 'current'
-on ``ops.grouped_mgpu``'s kernels; 'block' and 'rowwise' run their plain-JAX reference), and
+on ``ops.grouped_mgpu``'s kernels; 'block' on ``ops.block_gemm_mgpu``'s grouped kernels; 'rowwise'
+runs its plain-JAX reference), and
 any of them with '-xla' appended: the same step with the kernels off
 (``grouped_mgpu.reference_only``: XLA's ``ragged_dot``). ``--variants`` picks. The compiled
 GEMM kernels per variant (``gemm_kernels``) say what ran. Timing: jit, warm-up,

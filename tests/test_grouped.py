@@ -482,3 +482,111 @@ def test_coverage_lists_the_expert_gemms_with_their_formats(name):
     assert all(e.kernel == coverage.RAGGED_DOT for e in gpu.grouped)
     assert sorted(e.flops for e in gpu.grouped) == [2 * M * K * N] * 3
     assert sorted(e.ragged for e in gpu.grouped) == [((0,), ()), ((0,), (0,)), ((0,), (0,))]
+
+
+# The block recipe at 128-wide tiles (DeepSeek-V3's) runs on rows padded per group
+# (ops.grouped_block): every tile of rows lies in one group.
+
+BLOCK_SIZES = (7, 0, 130, 1)  # group 2 spans two tiles of rows from row 7 on
+
+
+def _block_inputs():
+    """x [M, 128], w [G, 128, 256], dy [M, 256]: whole 128 tiles of K and N. x's outlier in
+    group 0 shares column 5 with group 2's first rows (a tile of rows across the two groups
+    would scale them by it); the rows past the groups are huge."""
+    m = sum(BLOCK_SIZES) + 5
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((m, 128), np.float32)
+    x[3, 5] = 50.0
+    w = rng.standard_normal((len(BLOCK_SIZES), 128, 256), np.float32) * np.float32(0.1)
+    w[2, 130 % 128, 200] = 6.0
+    g = rng.standard_normal((m, 256), np.float32)
+    x[sum(BLOCK_SIZES) :], g[sum(BLOCK_SIZES) :] = 1e4, 1e4
+    return x, w, g, np.asarray(BLOCK_SIZES, np.int32)
+
+
+def _per_group_rows(a_MxK: np.ndarray, fmt: str, sizes) -> np.ndarray:
+    """``a`` in 128 x 1 tiles along the rows, tiled from each group's first row (a group's last
+    tile partial), dequantized; the rows past the groups 0."""
+    out = np.zeros(a_MxK.shape)
+    start = 0
+    for size in sizes:
+        if size:
+            out[start : start + size] = _fq_tiles(a_MxK[start : start + size].T, fmt, 128).T
+        start += size
+    return out
+
+
+def test_block_expert_gemms_tile_each_groups_rows_apart():
+    """Block scaling, 128-wide: y, dx and dw within f32 accumulation of per-group products of
+    x and dy in 1 x 128 tiles, w in 128 x 128 blocks, and for wgrad x and dy in 128 x 1 tiles
+    that start at each group's first row (the padded layout); rows past the groups are 0 and
+    the amaxes are the whole tensors'."""
+    recipe = fp8jax.make_recipe("block")
+    x, w, g, gs = _block_inputs()
+    m, sizes = x.shape[0], BLOCK_SIZES
+    assert recipe.pads_grouped_rows and grouped.padded(x, w)
+    meta = fp8jax.init_meta(recipe)
+    y, new_meta, dx, dw, dmeta = jax.device_get(_step(x, w, gs, g, meta))
+    xv, gv, dy = x.copy(), g.copy(), meta.dy.fmt
+    xv[sum(sizes) :], gv[sum(sizes) :] = 0, 0
+    q = dict(
+        x_f=_fq_tiles(xv, "e4m3", 128),
+        w_f=np.stack([_fq_blocks(wg, "e4m3", 128) for wg in w]),
+        g_d=_fq_tiles(gv, dy, 128),
+        x_w=_per_group_rows(xv, "e4m3", sizes),
+        g_w=_per_group_rows(gv, dy, sizes),
+    )
+    starts = np.cumsum((0,) + sizes)
+    exact = [np.zeros((m, 256)), np.zeros((m, 128)), np.zeros(w.shape)]
+    bound = [np.zeros((m, 256)), np.zeros((m, 128)), np.zeros(w.shape)]
+    for gi in range(len(sizes)):
+        r = slice(starts[gi], starts[gi + 1])
+        for i, (a, b) in enumerate(
+            (
+                (q["x_f"][r], q["w_f"][gi]),
+                (q["g_d"][r], q["w_f"][gi].T),
+                (q["x_w"][r].T, q["g_w"][r]),
+            )
+        ):
+            at = gi if i == 2 else r
+            exact[i][at] = a @ b
+            bound[i][at] = np.abs(a) @ np.abs(b)
+    for got, ref, ab, k, what in zip(
+        (y, dx, dw), exact, bound, (128, 256, m), ("y", "dx", "dw"), strict=True
+    ):
+        err = np.abs(np.asarray(got, np.float64) - ref)
+        assert np.all(err <= (k + 4) * EPS32 * ab + 1e-30), what
+    assert not np.asarray(y)[sum(sizes) :].any() and not np.asarray(dx)[sum(sizes) :].any()
+    assert not np.asarray(dw)[1].any()  # the empty group
+    assert new_meta.x.amax_history[0] == np.abs(xv).max()
+    assert new_meta.w.amax_history[0] == np.abs(w).max()
+    assert dmeta.dy.amax_history[0] == np.abs(gv).max()
+
+
+def test_block_expert_gemms_read_a_dispatched_layout_as_their_own():
+    """Rows already in the padded layout (``dispatch_layout``, as the MoE layer writes them)
+    give the sorted rows' y, dx and dw, 0 in every padding row."""
+    from fp8jax.ops import grouped_mgpu
+
+    recipe = fp8jax.make_recipe("block")
+    x, w, g, gs = _block_inputs()
+    meta = fp8jax.init_meta(recipe)
+    lay = grouped.dispatch_layout(recipe, jnp.asarray(gs), x.shape[0], (128, 256))
+    assert lay is not None
+
+    def vjp(x, g, gs, layout):
+        f = lambda x, w: grouped.grouped_matmul(x, w, gs, recipe, meta, layout=layout)[0]  # noqa: E731
+        y, back = jax.vjp(f, x, w)
+        return y, *back(g)
+
+    pad = functools.partial(grouped_mgpu.pad_rows, lay=lay)
+    y_p, dx_p, dw_p = jax.jit(vjp)(pad(x), pad(g), grouped.padded_sizes(lay), lay)
+    y, dx, dw = jax.jit(vjp, static_argnums=3)(x, g, jnp.asarray(gs), None)
+    dst = np.asarray(lay.dst_M)[: sum(BLOCK_SIZES)]
+    filled = np.asarray(grouped_mgpu.layout_rows(lay))
+    for padded_, plain in ((y_p, y), (dx_p, dx)):
+        padded_, plain = np.asarray(padded_), np.asarray(plain)
+        np.testing.assert_array_equal(padded_[dst], plain[: sum(BLOCK_SIZES)])
+        assert not padded_[~filled].any()
+    np.testing.assert_array_equal(dw_p, dw)

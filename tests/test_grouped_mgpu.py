@@ -113,6 +113,72 @@ def test_the_kernels_operands_give_the_reference_gemms(tile_kernels, dy_fmt):
             assert not got[1].any()  # the empty group's gradient is 0
 
 
+def _block_nt(a_RxK, a_s_TxR, b_GxNxK, b_s_GxTxN, tile_group_T, *, out_dtype):
+    """``block_gemm_mgpu.grouped_nt``'s contract in plain JAX: per tile of rows and tile of K,
+    the partial product times a's row and b's row multipliers, summed in f32."""
+    t, tk = tile_group_T.shape[0], a_s_TxR.shape[0]
+    a = a_RxK.astype(jnp.float32).reshape(t, TILE, tk, TILE)
+    g = jnp.maximum(tile_group_T, 0)
+    b = b_GxNxK.astype(jnp.float32)[g].reshape(t, -1, tk, TILE)
+    partial = jnp.einsum("imsk,insk->ismn", a, b)
+    a_s = jnp.transpose(a_s_TxR.reshape(tk, t, TILE), (1, 0, 2))[..., None]  # [t, tk, 128, 1]
+    b_s = b_s_GxTxN[g][:, :, None, :]  # [t, tk, 1, N]
+    y = jnp.sum(partial * a_s * b_s, axis=1) * (tile_group_T >= 0)[:, None, None]
+    return y.reshape(t * TILE, -1).astype(out_dtype)
+
+
+def _block_tn(a_KxR, a_s_TxK, b_NxR, b_s_TxN, first_tile_G, tiles_G, *, out_dtype):
+    """``block_gemm_mgpu.grouped_tn``'s contract in plain JAX: per group, over its tiles of
+    rows, each partial product times a^T's and b^T's row multipliers."""
+    t = a_KxR.shape[1] // TILE
+    tile_T = jnp.arange(t)
+    member_GxT = (tile_T >= first_tile_G[:, None]) & (tile_T < (first_tile_G + tiles_G)[:, None])
+    a = a_KxR.astype(jnp.float32).reshape(a_KxR.shape[0], t, TILE)
+    b = b_NxR.astype(jnp.float32).reshape(b_NxR.shape[0], t, TILE)
+    partial = jnp.einsum("ktr,ntr->tkn", a, b) * a_s_TxK[:, :, None] * b_s_TxN[:, None, :]
+    return jnp.einsum("gt,tkn->gkn", member_GxT.astype(jnp.float32), partial).astype(out_dtype)
+
+
+@pytest.mark.parametrize("dy_fmt", ["e4m3", "e5m2"])
+def test_the_block_kernels_operands_give_the_reference_gemms(monkeypatch, dy_fmt):
+    """``grouped_block.padded_kernel`` (multipliers transposed, w's blocks repeated per row)
+    with the grouped block kernels' contracts in plain JAX equals ``padded_reference`` for the
+    three GEMMs, with two tiles of K and of N (each block's multiplier at its own place)."""
+    from fp8jax.ops import block_gemm_mgpu, grouped_block
+
+    monkeypatch.setattr(block_gemm_mgpu, "grouped_nt", _block_nt)
+    monkeypatch.setattr(block_gemm_mgpu, "grouped_tn", _block_tn)
+    k, n = 2 * TILE, 2 * TILE
+    rng = np.random.default_rng(3)
+    e4m3, dy_dtype = jnp.float8_e4m3fn, formats.FORMATS[dy_fmt]
+    lay = gm.layout(_gs(), M)
+    r, g = lay.rows, len(SIZES)
+
+    def inv(*shape):
+        return jnp.asarray(
+            2.0 ** rng.integers(-6, 6, shape) * rng.uniform(1, 2, shape), jnp.float32
+        )
+
+    x = gm.pad_rows(jnp.asarray(rng.standard_normal((M, k)), e4m3), lay)
+    dy = gm.pad_rows(jnp.asarray(rng.standard_normal((M, n)), dy_dtype), lay)
+    w = jnp.asarray(rng.standard_normal((g, k, n)), e4m3)
+    w_inv = inv(g, k // TILE, n // TILE)
+    cases = {
+        grouped.FORWARD: (x, inv(r, k // TILE), jnp.swapaxes(w, 1, 2), jnp.swapaxes(w_inv, 1, 2)),
+        grouped.DGRAD: (dy, inv(r, n // TILE), w, w_inv),
+        grouped.WGRAD: (x.T, inv(k, r // TILE), dy.T, inv(n, r // TILE)),
+    }
+    for kind, args in cases.items():
+        got = np.asarray(grouped_block.padded_kernel(kind, *args, lay, jnp.float32))
+        want = np.asarray(grouped_block.padded_reference(kind, *args, lay, jnp.float32))
+        assert got.shape == want.shape, kind
+        bound = r * np.finfo(np.float32).eps * np.abs(want).max()  # products and sums in f32
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=kind)
+        assert np.abs(want).max() > 0
+        if kind == grouped.WGRAD:
+            assert not got[1].any()  # the empty group's gradient is 0
+
+
 @pytest.mark.parametrize("name", ["delayed", "current"])
 def test_the_padded_layout_gives_the_unpadded_vjp(name):
     """A per-tensor expert GEMM of whole tiles runs on the padded layout (on a CPU with XLA's
@@ -222,10 +288,30 @@ def test_per_tensor_expert_step_lowers_the_three_fp8_kernels_for_cuda():
     assert f'loc("{gm.KERNEL_NAME}' in text
 
 
-@pytest.mark.parametrize("case", ["not whole tiles", "tiled recipe"])
+def test_block_expert_step_lowers_the_three_block_scaled_kernels_for_cuda():
+    """The block recipe at 128-wide tiles: forward, dgrad and wgrad are ``block_gemm_mgpu``'s
+    grouped Mosaic GPU kernels on FP8 operands, no ragged_dot left."""
+    from fp8jax.ops import block_gemm_mgpu
+
+    text = _expert_step(fp8jax.make_recipe("block"), TILE, 2 * TILE)
+    calls = [line for line in text.splitlines() if KERNEL_CALL.search(line)]
+    assert len(calls) == 3
+    assert f'loc("{block_gemm_mgpu.KERNEL_NAME}' in text and "ragged_dot" not in text
+    assert "tensor<4x256x128xf8E4M3FN>" in text  # w^T per expert, E4M3, for the forward
+
+
+ON_REFERENCE = {  # case -> (recipe, its fields)
+    "not whole tiles": ("current", {}),
+    "rowwise": ("rowwise", {}),
+    "64-wide blocks": ("block", {"block_size": 64}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ON_REFERENCE))
 def test_other_expert_gemms_keep_the_reference_on_cuda(case):
-    recipe = fp8jax.make_recipe("block" if case == "tiled recipe" else "current")
-    k, n = (TILE, TILE) if case == "tiled recipe" else (TILE, TILE + 64)
+    name, fields = ON_REFERENCE[case]
+    recipe = fp8jax.make_recipe(name, **fields)
+    k, n = (TILE, TILE + 64) if case == "not whole tiles" else (TILE, TILE)
     text = _expert_step(recipe, k, n)
     assert not KERNEL_CALL.search(text)
     assert "ragged_dot" in text

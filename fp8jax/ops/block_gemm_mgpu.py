@@ -142,26 +142,29 @@ def _check(tuning: Tuning) -> None:
 
 
 def _kernel(
-    a_gmem,
-    b_gmem,
-    a_s_gmem,
-    b_s_gmem,
-    out_gmem,
-    *,
+    *refs,
     tuning: Tuning,
     block: int,
     scalar_b: bool,
+    tiles: tuple[int, ...],
+    work,
+    static_steps: int | None,
 ):
+    """The kernel body. ``refs`` are the inputs, then the output; for each work item of the
+    grid ``tiles`` (walked by every CTA of the launch in turn), ``work(index, cta, *refs)``
+    gives ``(a [cta_m, C], b [cta_n, C], a_s [C / block, cta_m], b_s [C / block, cta_n],
+    out [cta_m, cta_n], first, steps, run)``: the tiles of the contraction ``first`` ..
+    ``first + steps`` of a and b are multiplied into ``out`` where ``run``. ``static_steps``:
+    the steps when every work item has the same number, else None (a dynamic trip count)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    m, k = a_gmem.shape
-    n = b_gmem.shape[0]
+    *in_refs, out_gmem = refs
     out_dtype = out_gmem.dtype
     tile_m, tile_n, epi_n = tuning.tile_m, tuning.tile_n, tuning.epi_n
     cta_m, cta_n = tuning.cta
-    cl_m, cl_n = tuning.cluster_tile
-    m_iters, n_iters, k_iters = m // cl_m, n // cl_n, k // block
+    # The shared-memory stages: the allocation below and every work item's pipeline agree.
+    steps_alloc = tuning.stages if static_steps is None else static_steps
 
     # FP8 tiles are 128 bytes wide along K: 128-byte swizzle, 8-row tiling (WGMMA's layout).
     swizzle = plgpu.find_swizzle(block * 8)
@@ -175,27 +178,29 @@ def _kernel(
     a_shared = ("cluster",) if tuning.cluster == "n" else ()  # a's rows serve both CTAs
     b_shared = ("cluster",) if tuning.cluster == "m" else ()
 
-    def operand(rows: int, shared: tuple):
+    def operand(rows: int, shared: tuple, first):
         """The pipeline's specs of one operand: its [rows, block] FP8 tile of K and that tile's
         multipliers [1, rows], multicast over the cluster where ``shared``."""
         tile = plgpu.BlockSpec(
             (rows, block),
-            lambda t: (0, t),
+            lambda t: (0, first + t),
             transforms=fp8_transforms,
             memory_space=plgpu.SMEM,
             collective_axes=shared,
         )
         scales = plgpu.BlockSpec(
-            (1, rows), lambda t: (t, 0), memory_space=plgpu.SMEM, collective_axes=shared
+            (1, rows), lambda t: (first + t, 0), memory_space=plgpu.SMEM, collective_axes=shared
         )
         return tile, scales
 
-    (a_spec, a_s_spec), (b_spec, b_s_spec) = operand(cta_m, a_shared), operand(cta_n, b_shared)
-
-    def pipeline(body, context):
+    def pipeline(body, context, first, steps):
+        (a_spec, a_s_spec), (b_spec, b_s_spec) = (
+            operand(cta_m, a_shared, first),
+            operand(cta_n, b_shared, first),
+        )
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_iters,),
+            grid=(steps,),
             memory_registers=40,
             in_specs=[a_spec, b_spec, a_s_spec, b_s_spec],
             wg_axis="wg",
@@ -207,9 +212,11 @@ def _kernel(
     def ignore(*_, **__):
         return None
 
+    a0, b0, a_s0, b_s0, *_ = work((jnp.int32(0),) * len(tiles), jnp.int32(0), *refs)
+
     @functools.partial(
         pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, a_s_gmem, b_s_gmem),
+        allocs=pipeline(ignore, ignore, 0, steps_alloc).get_allocations(a0, b0, a_s0, b_s0),
         out_smem=plgpu.SMEM(
             (COMPUTE_WGS, 2, WGMMA_ROWS, epi_n), out_dtype, transforms=out_transforms
         ),
@@ -219,17 +226,11 @@ def _kernel(
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        @plgpu.nd_loop(tiles, collective_axes="cluster_grid")
         def _tiles(info):
-            (lin,) = info.index
-            mi, ni = plgpu.planar_snake(
-                lin, (m_iters, n_iters), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
+            a_ref, b_ref, a_s_ref, b_s_ref, out_ref, first, steps, run = work(
+                info.index, cta, *refs
             )
-            if tuning.cluster == "m":
-                mi = mi * 2 + cta
-            elif tuning.cluster == "n":
-                ni = ni * 2 + cta
-            cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
             wg_rows = pl.ds(wg * tile_m, tile_m) if tuning.wg_dim == "m" else pl.ds(0, tile_m)
             wg_cols = pl.ds(wg * tile_n, tile_n) if tuning.wg_dim == "n" else pl.ds(0, tile_n)
             subs = tile_m // WGMMA_ROWS
@@ -274,12 +275,13 @@ def _kernel(
                 acc[pending[0]] = promote(acc[pending[0]], *pending[1:])
                 return tuple(acc)
 
-            def context(run):
-                # The accumulators: 64-row f32 fragments in WGMMA's register layout.
+            def context(run_pipeline):
+                # The accumulators: 64-row f32 fragments in WGMMA's register layout (zero
+                # where the work item has no step: an empty group's tile of wgrad).
                 zero = plgpu.layout_cast(
                     jnp.zeros((WGMMA_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA
                 )
-                acc = run((zero,) * subs)
+                acc = run_pipeline((zero,) * subs)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 slot = 0
                 for i in range(subs):
@@ -290,21 +292,53 @@ def _kernel(
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg, slot],
-                            out_gmem.at[cta_rows, cta_cols]
-                            .at[pl.ds(wg_rows.start + i * WGMMA_ROWS, WGMMA_ROWS)]
-                            .at[:, pl.ds(wg_cols.start + j * epi_n, epi_n)],
+                            out_ref.at[pl.ds(wg_rows.start + i * WGMMA_ROWS, WGMMA_ROWS)].at[
+                                :, pl.ds(wg_cols.start + j * epi_n, epi_n)
+                            ],
                         )
                         slot = 1 - slot
 
-            pipeline(body, context)(
-                a_gmem.at[cta_rows],
-                b_gmem.at[cta_cols],
-                a_s_gmem.at[:, cta_rows],
-                b_s_gmem.at[:, cta_cols],
-                allocations=allocs,
-            )
+            def launch():
+                pipeline(body, context, first, steps)(
+                    a_ref, b_ref, a_s_ref, b_s_ref, allocations=allocs
+                )
+
+            if run is True:  # every work item runs (the dense GEMM)
+                launch()
+            else:
+                pl.when(run)(launch)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dense_work(index, cta, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning: Tuning):
+    """The dense GEMM's work item: output tile ``index`` of the planar-snake launch order (two
+    CTAs of a cluster take neighbouring tiles), over every tile of K."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, n = a_gmem.shape[0], b_gmem.shape[0]
+    cta_m, cta_n = tuning.cta
+    cl_m, cl_n = tuning.cluster_tile
+    (lin,) = index
+    mi, ni = plgpu.planar_snake(
+        lin, (m // cl_m, n // cl_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
+    )
+    if tuning.cluster == "m":
+        mi = mi * 2 + cta
+    elif tuning.cluster == "n":
+        ni = ni * 2 + cta
+    rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+    return (
+        a_gmem.at[rows],
+        b_gmem.at[cols],
+        a_s_gmem.at[:, rows],
+        b_s_gmem.at[:, cols],
+        out_gmem.at[rows, cols],
+        0,
+        a_s_gmem.shape[0],  # every tile of K
+        True,
+    )
 
 
 def _load(plgpu, ref, layout):
@@ -361,13 +395,30 @@ def block_scaled_dot(
 def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tuning):
     """The kernel's launch, jitted: every call of one shape, dtype and tuning in a program
     shares one traced and lowered kernel (a model's layers lower it once, not once a layer)."""
+    (m, k), n = a_MxK.shape, b_NxK.shape[0]
+    cl_m, cl_n = tuning.cluster_tile
+    cluster = 2 if tuning.cluster else 1
+    body = functools.partial(
+        _kernel,
+        tuning=tuning,
+        block=block,
+        scalar_b=scalar_b,
+        tiles=((m // cl_m) * (n // cl_n),),
+        work=functools.partial(_dense_work, tuning=tuning),
+        static_steps=k // block,
+    )
+    # Batched (vmapped replicas under tensor parallelism): one launch per batch element.
+    launch = unbatched(_kernel_call(body, (m, n), out_dtype, cluster))
+    return launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN)
+
+
+def _kernel_call(body, out_shape: tuple[int, ...], out_dtype, cluster: int = 1):
+    """``body`` as a persistent launch: as many CTAs as SMs, in clusters of ``cluster``."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    (m, _), n = a_MxK.shape, b_NxK.shape[0]
-    cluster = 2 if tuning.cluster else 1
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, tuning=tuning, block=block, scalar_b=scalar_b),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(_num_sms() // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
@@ -378,6 +429,152 @@ def _launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN, *, block, out_dtype, scalar_b, tunin
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
-    # Batched (vmapped replicas under tensor parallelism): one launch per batch element.
-    launch = unbatched(kernel)
-    return launch(a_MxK, b_NxK, a_s_TxM, b_s_TxN)
+
+# Grouped GEMMs of expert layers on ``grouped_mgpu``'s padded layout (every group's rows start
+# at a multiple of ``grouped_mgpu.TILE`` = 128 rows): a CTA's 128 rows, or a tile of 128 rows of
+# the contraction, then belong to one group.
+
+GROUP_ROWS = 128  # rows of a group tile: one CTA of ``BLOCKS`` and one tile of the contraction
+
+
+def grouped_takes(rows: int, n: int, k: int, b_blocks: bool) -> Tuning | None:
+    """The tuning of a grouped GEMM ([rows, k] . [n, k]^T per group), None where none tiles it:
+    ``block_scaled_dot``'s, with CTAs of at most one group tile of rows."""
+    tuning = tuning_for(rows, n, k, GROUP_ROWS, b_blocks)
+    return tuning if tuning is not None and tuning.cta[0] <= GROUP_ROWS else None
+
+
+def _nt_work(index, cta, tile_group_gmem, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning):
+    """``grouped_nt``'s work item: output tile ``index``, its rows' group from the table."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    del cta
+    r, n = a_gmem.shape[0], b_gmem.shape[1]
+    cta_m, cta_n = tuning.cta
+    (lin,) = index
+    mi, ni = plgpu.planar_snake(
+        lin, (r // cta_m, n // cta_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
+    )
+    group = tile_group_gmem[(mi * cta_m) // GROUP_ROWS]
+    g = jnp.maximum(group, 0)
+    rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+    return (
+        a_gmem.at[rows],
+        b_gmem.at[g, cols],
+        a_s_gmem.at[:, rows],
+        b_s_gmem.at[g, :, cols],
+        out_gmem.at[rows, cols],
+        0,
+        a_s_gmem.shape[0],
+        group >= 0,
+    )
+
+
+def _tn_work(
+    index, cta, first_gmem, tiles_gmem, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning
+):
+    """``grouped_tn``'s work item: group ``index[0]``'s output tile ``index[1]``, over the tiles
+    of rows its group holds (none for an empty group: its tile stores zeros)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    del cta
+    k, n = a_gmem.shape[0], b_gmem.shape[0]
+    cta_m, cta_n = tuning.cta
+    gi, lin = index
+    ki, ni = plgpu.planar_snake(
+        lin, (k // cta_m, n // cta_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
+    )
+    rows, cols = pl.ds(ki * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+    return (
+        a_gmem.at[rows],
+        b_gmem.at[cols],
+        a_s_gmem.at[:, rows],
+        b_s_gmem.at[:, cols],
+        out_gmem.at[gi].at[rows, cols],
+        first_gmem[gi],
+        tiles_gmem[gi],
+        True,
+    )
+
+
+def _grouped_tuning(rows: int, n: int, k: int, b_blocks: bool) -> Tuning:
+    tuning = grouped_takes(rows, n, k, b_blocks)
+    if tuning is None:
+        raise ValueError(
+            f"block_gemm_mgpu: a grouped [{rows}, {k}] . [{n}, {k}]^T is not whole "
+            f"{GROUP_ROWS} x {GROUP_ROWS} tiles: pad the rows by grouped_mgpu.layout"
+        )
+    return tuning
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_nt(
+    a_RxK: jax.Array,
+    a_s_TxR: jax.Array,
+    b_GxNxK: jax.Array,
+    b_s_GxTxN: jax.Array,
+    tile_group_T: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """``y`` [R, N]: each tile of 128 rows of a times its group's ``b^T`` by the contract (b's
+    multipliers from 128 x 128 blocks, repeated per row); tiles of group -1 are not written."""
+    (r, k), n = a_RxK.shape, b_GxNxK.shape[1]
+    tuning = _grouped_tuning(r, n, k, True)
+    body = functools.partial(
+        _kernel,
+        tuning=tuning,
+        block=GROUP_ROWS,
+        scalar_b=GROUP_ROWS % tuning.tile_n == 0,
+        tiles=((r // tuning.cta[0]) * (n // tuning.cta[1]),),
+        work=functools.partial(_nt_work, tuning=tuning),
+        static_steps=k // GROUP_ROWS,
+    )
+    with jax.named_scope(KERNEL_NAME):
+        launch = unbatched(_kernel_call(body, (r, n), jnp.dtype(out_dtype)))
+        return launch(
+            tile_group_T,
+            a_RxK,
+            b_GxNxK,
+            a_s_TxR.astype(jnp.float32),
+            b_s_GxTxN.astype(jnp.float32),
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_tn(
+    a_KxR: jax.Array,
+    a_s_TxK: jax.Array,
+    b_NxR: jax.Array,
+    b_s_TxN: jax.Array,
+    first_tile_G: jax.Array,
+    tiles_G: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+) -> jax.Array:
+    """``out`` [G, K, N]: per group, a^T's and b^T's columns of its tiles of rows contracted by
+    the contract (one multiplier per row of a^T and of b^T and tile of rows); 0 for an empty
+    group."""
+    (k, _), n, g = a_KxR.shape, b_NxR.shape[0], tiles_G.shape[0]
+    tuning = _grouped_tuning(k, n, GROUP_ROWS, False)
+    body = functools.partial(
+        _kernel,
+        tuning=tuning,
+        block=GROUP_ROWS,
+        scalar_b=False,
+        tiles=(g, (k // tuning.cta[0]) * (n // tuning.cta[1])),
+        work=functools.partial(_tn_work, tuning=tuning),
+        static_steps=None,
+    )
+    with jax.named_scope(KERNEL_NAME):
+        launch = unbatched(_kernel_call(body, (g, k, n), jnp.dtype(out_dtype)))
+        return launch(
+            first_tile_G,
+            tiles_G,
+            a_KxR,
+            b_NxR,
+            a_s_TxK.astype(jnp.float32),
+            b_s_TxN.astype(jnp.float32),
+        )

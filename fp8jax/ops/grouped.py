@@ -25,7 +25,9 @@ across shards by max like any other pending amax). The three GEMMs go through on
 ``fp8_grouped_gemm``: on a Hopper GPU, FP8 operands whose other dims are whole 128 tiles run
 ``ops.grouped_mgpu``'s Mosaic GPU kernels; elsewhere (and for the tiled recipes' dequantized
 values) XLA's ``ragged_dot_general`` with f32 accumulation, the reference. Level O0's bf16
-GEMM likewise runs JAX's Mosaic GPU ragged-dot kernels on a Hopper GPU.
+GEMM likewise runs JAX's Mosaic GPU ragged-dot kernels on a Hopper GPU. The block recipe at
+128-wide tiles has its own VJP on the padded layout (``ops.grouped_block``), so that wgrad's
+tiles of rows never span two groups and its GEMMs run block-scaled Hopper kernels.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ __all__ = [
     "dispatch_layout",
     "fp8_grouped_gemm",
     "grouped_matmul",
+    "meta_cotangent",
+    "on_layout",
     "padded",
     "padded_gemm",
     "padded_kernel",
@@ -177,7 +181,7 @@ def check_shapes(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array)
         )
 
 
-def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
+def meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
     """The state cotangent: dy's amax max-merged into what later uses sent back."""
     return gemm.dy_cotangent(meta, ct_meta, scaling.record(ct_meta.dy, amax_g).amax_history)
 
@@ -185,7 +189,7 @@ def _meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
 # Per-tensor recipes: one scale for x, one for all of w, one for dy.
 
 
-def _on_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout) -> jax.Array:
+def on_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout) -> jax.Array:
     """A padded GEMM's output with its padding rows 0: the kernels leave the tiles past the
     last group unwritten (the zero rows inside a group's tiles are 0 already)."""
     return jnp.where(grouped_mgpu.layout_rows(lay)[:, None], y_RxN, jnp.zeros((), y_RxN.dtype))
@@ -243,7 +247,7 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
             xq, wq = formats.quantize(x, sx, formats.E4M3), formats.quantize(w, sw, formats.E4M3)
     if lay is not None:
         y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
-        y = _on_layout(y, lay) if given is not None else grouped_mgpu.unpad_rows(y, lay)
+        y = on_layout(y, lay) if given is not None else grouped_mgpu.unpad_rows(y, lay)
     else:
         y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
@@ -306,13 +310,13 @@ def _tensor_bwd(cfg: GemmConfig, res, cts):
             gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
     if lay is not None:
         dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
-        dx = _on_layout(dx, lay) if given is not None else grouped_mgpu.unpad_rows(dx, lay)
+        dx = on_layout(dx, lay) if given is not None else grouped_mgpu.unpad_rows(dx, lay)
         dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)
     else:
         gq = formats.quantize(g, sg, meta.dy.fmt)
         dx = fp8_grouped_gemm(DGRAD, gq, wq, gs, 1.0 / (sg * sw), cfg.x_dtype)
         dw = fp8_grouped_gemm(WGRAD, xq, gq, gs, 1.0 / (sx * sg), cfg.w_dtype)
-    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g), None
+    return dx, dw, None, meta_cotangent(meta, ct_meta, amax_g), None
 
 
 tensor_grouped_matmul.defvjp(_tensor_fwd, _tensor_bwd)
@@ -401,7 +405,7 @@ def _tiled_bwd(cfg: GemmConfig, res, cts):
     xd_t, _ = _qdq_cols(x, formats.E4M3, recipe.tile_width(m), recipe)
     gd_t, _ = _qdq_cols(g, fmt, recipe.tile_width(m), recipe)
     dw = fp8_grouped_gemm(WGRAD, xd_t, gd_t, gs, 1.0, cfg.w_dtype)
-    return dx, dw, None, _meta_cotangent(meta, ct_meta, amax_g)
+    return dx, dw, None, meta_cotangent(meta, ct_meta, amax_g)
 
 
 tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)

@@ -6,8 +6,9 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
-from fp8jax.ops import block_cast, block_gemm, fine, formats, scaling
+from fp8jax.ops import block_cast, block_gemm, fine, formats, grouped_block, grouped_mgpu, scaling
 from fp8jax.ops.gemm import GemmConfig
 from fp8jax.recipes.tiled import TiledRecipe, check_grad_format
 
@@ -46,6 +47,32 @@ class BlockScaling(TiledRecipe):
     def weight_tile(self) -> int:
         """``block_size``: w is scaled in T x T blocks."""
         return self.block_size
+
+    @property
+    def pads_grouped_rows(self) -> bool:
+        """128-wide blocks: the grouped GEMM runs on rows padded to whole 128-row tiles per
+        group (``ops.grouped_block``), so no tile of rows spans two experts."""
+        return self.block_size == grouped_mgpu.TILE
+
+    def grouped_matmul(
+        self,
+        x_MxK: jax.Array,
+        w_GxKxN: jax.Array,
+        group_sizes_G: jax.Array,
+        meta: scaling.Fp8Meta,
+        out_dtype,
+        w_split_axis: str | None = None,
+        layout=None,
+    ) -> tuple[jax.Array, scaling.Fp8Meta]:
+        """``ops.grouped_block.block_grouped_matmul`` on the padded layout where it takes the
+        shapes (a given ``layout`` says it does); the tiled reference otherwise."""
+        if layout is None and not grouped_block.takes(self, x_MxK, w_GxKxN):
+            return super().grouped_matmul(
+                x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype, w_split_axis
+            )
+        fine.check_recipes(meta)
+        cfg = GemmConfig(jnp.dtype(x_MxK.dtype), jnp.dtype(w_GxKxN.dtype), out_dtype, False)
+        return grouped_block.block_grouped_matmul(cfg, x_MxK, w_GxKxN, group_sizes_G, meta, layout)
 
     def tile_width(self, k: int) -> int:
         """``block_size``: 1 x T tiles along the contraction."""

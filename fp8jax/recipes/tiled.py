@@ -3,7 +3,7 @@
 Their matmul is ``ops.fine.fine_matmul`` and their MLP ``ops.fine_mlp.gelu_mlp``, whose custom
 VJPs call the recipe's ``cast_x``, ``forward`` and ``backward`` for each GEMM's casts and kernels;
 their expert GEMM is ``ops.grouped.tiled_grouped_matmul``, tiled by ``tile_width`` and
-``weight_tile``.
+``weight_tile`` (block scaling's own at 128-wide tiles: ``ops.grouped_block``).
 The ``ScaleState`` keeps per-tensor amaxes for health reporting only; no scale is stored.
 """
 

@@ -10,7 +10,11 @@ the M = T * k routed rows, sorted by expert (``--routing``: 'balanced' M / E row
 * down     y [M, D]  = (silu(gate) * up) [M, F] . w2[e] [F, D]
 
 forward and backward (dx, dw1, dw2: 18 * M * D * F FLOPs in all), in one jitted step with the
-FP8 scale-state update (``fp8jax.update_state``). Variants: 'bf16' (level O0: on a Hopper GPU
+FP8 scale-state update (``fp8jax.update_state``). ``--rows dispatched`` (the default) hands the
+rows over as the MoE layer's dispatch writes them: in the padded layout for a recipe whose
+grouped GEMMs run on it (``ops.grouped.dispatch_layout``; the padding rows are computed, not
+counted), sorted for the others; ``--rows sorted`` gives every variant the sorted rows, and
+each FP8 GEMM pads and unpads its own. Variants: 'bf16' (level O0: on a Hopper GPU
 JAX's Mosaic GPU ragged-dot kernels, f32 accumulation), the FP8 recipes ('delayed', 'current'
 on ``ops.grouped_mgpu``'s kernels; 'block' on ``ops.block_gemm_mgpu``'s grouped kernels; 'rowwise'
 runs its plain-JAX reference), and
@@ -39,6 +43,10 @@ VARIANTS = ("bf16", "delayed", "current")
 BASELINES = ("bf16", "bf16-xla")  # O0: no FP8 state
 XLA = "-xla"  # a variant's suffix: the grouped kernels off
 ROUTINGS = ("balanced", "random")
+# How the routed rows reach the pair: 'dispatched' as the MoE layer's dispatch writes them (in
+# the padded layout of a recipe that pads, sorted otherwise: no GEMM pads or unpads), 'sorted'
+# (each FP8 GEMM pads its operands and unpads its output itself).
+ROWS = ("dispatched", "sorted")
 
 
 def flops(m: int, d: int, f: int) -> int:
@@ -59,25 +67,32 @@ def group_sizes(tokens: int, e: int, k: int, routing: str, seed: int = 0):
 
 
 def pair_step(recipe, f: int):
-    """The jitted step: loss, dx, dw1, dw2 and the committed FP8 state (None at O0)."""
+    """The jitted step: loss, dx, dw1, dw2 and the committed FP8 state (None at O0).
+
+    ``lay``: the rows already in that padded layout (``ops.grouped.dispatch_layout``'s, as the
+    MoE layer's dispatch writes them; x and r padded, dx returned padded), or None: sorted rows,
+    each GEMM pads and unpads its own where its recipe runs on the padded layout.
+    """
     import jax
     import jax.numpy as jnp
 
     import fp8jax
     from fp8jax.ops import grouped
 
-    def loss(x, w1, w2, state, gs, r):
+    def loss(x, w1, w2, state, gs, r, lay):
         m1, m2 = state if state is not None else (None, None)
-        h, m1 = grouped.grouped_matmul(x, w1, gs, recipe, m1, out_dtype=jnp.bfloat16)
+        if lay is not None:
+            gs = grouped.padded_sizes(lay)
+        h, m1 = grouped.grouped_matmul(x, w1, gs, recipe, m1, out_dtype=jnp.bfloat16, layout=lay)
         gate, up = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32)
-        a = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-        y, m2 = grouped.grouped_matmul(a, w2, gs, recipe, m2, out_dtype=jnp.bfloat16)
+        a = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)  # 0 in padding rows: silu(0) * 0
+        y, m2 = grouped.grouped_matmul(a, w2, gs, recipe, m2, out_dtype=jnp.bfloat16, layout=lay)
         metas = None if state is None else (m1, m2)
         return jnp.sum(y.astype(jnp.float32) * r), metas
 
-    def step(x, w1, w2, state, gs, r):
+    def step(x, w1, w2, state, gs, r, lay):
         grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-        (value, metas), (dx, dw1, dw2, dstate) = grad(x, w1, w2, state, gs, r)
+        (value, metas), (dx, dw1, dw2, dstate) = grad(x, w1, w2, state, gs, r, lay)
         new_state = None if state is None else fp8jax.update_state(metas, dstate)
         return value, dx, dw1, dw2, new_state
 
@@ -102,11 +117,12 @@ def measure(name: str, shape, variants, a) -> list[dict]:
     """One shape's rows: each variant's time, TFLOP/s, compiled GEMM kernels, dx and dw error."""
     import contextlib
 
+    import jax.numpy as jnp
     import numpy as np
 
     import fp8jax
     from fp8jax.diagnostics import coverage
-    from fp8jax.ops import grouped_mgpu
+    from fp8jax.ops import grouped, grouped_mgpu
 
     d, e, k, f = shape
     gs = group_sizes(a.tokens, e, k, a.routing)
@@ -123,15 +139,21 @@ def measure(name: str, shape, variants, a) -> list[dict]:
         off = grouped_mgpu.reference_only() if variant.endswith(XLA) else contextlib.nullcontext()
         try:
             with off:
+                lay = None
+                if a.rows == "dispatched":
+                    lay = grouped.dispatch_layout(recipe, jnp.asarray(gs), m, (d, 2 * f), (f, d))
+                row["padded_rows"] = None if lay is None else lay.rows
+                rows_in = (x, r) if lay is None else [grouped_mgpu.pad_rows(v, lay) for v in (x, r)]
                 step = pair_step(recipe, f)
                 if state is not None:  # a step's committed scales: delayed scaling's steady state
-                    state = step(x, w1, w2, state, gs, r)[4]
-                args = (x, w1, w2, state, gs, r)
+                    state = step(rows_in[0], w1, w2, state, gs, rows_in[1], lay)[4]
+                args = (rows_in[0], w1, w2, state, gs, rows_in[1], lay)
                 row["gemm_kernels"] = coverage.gemm_counts(step.lower(*args).compile().as_text())
             s = common.time_calls(step, args, a.reps, a.min_rep_s, a.max_iters)[0]
             row.update(ms=s * 1e3, tflops=flop / s / 1e12)
             out = step(*args)
-            dx, dw1 = np.asarray(out[1], np.float32), np.asarray(out[2], np.float32)
+            dx = out[1] if lay is None else grouped_mgpu.unpad_rows(out[1], lay)
+            dx, dw1 = np.asarray(dx, np.float32), np.asarray(out[2], np.float32)
             if ref is None and recipe is None:
                 ref = (dx, dw1)
             elif ref is not None:
@@ -165,6 +187,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS), help="bf16, recipes; '-xla' suffix")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (rows: tokens * k)")
     p.add_argument("--routing", choices=ROUTINGS, default="balanced", help="rows per expert")
+    p.add_argument("--rows", choices=ROWS, default="dispatched", help="how the rows arrive")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--min-rep-s", type=float, default=0.2, help="min seconds per repetition")
     p.add_argument("--max-iters", type=int, default=50, help="max calls per repetition")

@@ -703,7 +703,9 @@ def test_block_gemm_measures_a_layout_and_checks_the_kernel():
 def test_grouped_gemm_times_each_variant_of_the_expert_pair():
     """The tiny shape's rows: O0 and an FP8 recipe timed, FLOPs of the pair's fwd + bwd, dx
     against O0's; the routed rows per expert sum to tokens * k."""
-    args = argparse.Namespace(tokens=8, routing="random", reps=1, min_rep_s=0.0, max_iters=1)
+    args = argparse.Namespace(
+        tokens=8, routing="random", reps=1, min_rep_s=0.0, max_iters=1, rows="dispatched"
+    )
     (d, e, k, f) = grouped_gemm.QUICK_SHAPES["tiny"]
     assert grouped_gemm.group_sizes(8, e, k, "random").sum() == 8 * k
     assert list(grouped_gemm.group_sizes(5, 4, 2, "balanced")) == [3, 3, 2, 2]
@@ -714,6 +716,25 @@ def test_grouped_gemm_times_each_variant_of_the_expert_pair():
     assert bf16["tflops"] == pytest.approx(18 * bf16["M"] * d * f / (bf16["ms"] / 1e3) / 1e12)
     assert 0.001 < fp8["dx_rel_err"] < 0.1  # E4M3 / E5M2 rounding, not a different product
     assert "variant" in runner.table(rows, grouped_gemm.COLUMNS, "variant")
+    assert fp8["padded_rows"] is None  # not whole 128 tiles: the sorted rows
+
+
+def test_grouped_gemm_hands_whole_tiles_their_dispatched_layout():
+    """At whole 128 tiles the per-tensor and block recipes take the rows in their padded layout
+    (as the MoE dispatch writes them) and give the sorted rows' dx and dw up to FP8 rounding;
+    with ``--rows sorted`` none does."""
+    shape = (128, 2, 1, 128)
+    for mode in grouped_gemm.ROWS:
+        args = argparse.Namespace(
+            tokens=8, routing="random", reps=1, min_rep_s=0.0, max_iters=1, rows=mode
+        )
+        rows = grouped_gemm.measure("whole", shape, ["bf16", "delayed", "block"], args)
+        assert all("error" not in r for r in rows), rows
+        padded = [r["padded_rows"] for r in rows]
+        whole = -(-(8 + 2 * 127) // 128) * 128  # 8 rows, 2 groups: up to 127 padding rows each
+        assert padded == ([None, whole, whole] if mode == "dispatched" else [None] * 3)
+        for r in rows[1:]:
+            assert 0.001 < r["dx_rel_err"] < 0.1 and 0.001 < r["dw_rel_err"] < 0.1, r
 
 
 def test_power_samples_parse_and_summarize():

@@ -127,7 +127,6 @@ def declarations() -> ml_collections.ConfigDict:
     # 'delayed' (per-tensor, amax history), 'current' (per-tensor, this step's amax), 'rowwise'
     # (one scale per row along each GEMM's contraction) or 'block' (DeepSeek-V3: 1 x block_size
     # tiles for activations and gradients, block_size^2 for weights, fp8jax's block-scaled GEMM).
-    # scaling recipe: 'delayed', 'current', 'rowwise' or 'block'
     f.recipe = Choice("delayed", tuple(sorted(scaling.RECIPES)))
     f.block_size = Int(128, 1)  # 'block' recipe: elements per scale along K (a power of two, >= 16)
     f.grad_format = Field("e4m3")  # 'rowwise'/'block': dy's FP8 format ('e4m3' or 'e5m2')

@@ -21,6 +21,10 @@ from fp8jax.trainer import loop as train_lib
 from fp8jax.trainer import step as step_lib
 
 from fp8_testing import (
+    FWD_TOL,
+    GRAD_TOL,
+    MIN_ERR,
+    rel_err,
     scatter_results,
 )
 
@@ -300,6 +304,40 @@ def test_fp8_experts_on_the_padded_layout_equal_the_sorted_rows(dispatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=bound)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
         np.testing.assert_array_equal(a, b)  # x's, w's and dy's amaxes: the same bits
+
+
+def test_block_scaled_experts_take_the_dispatched_layout():
+    """The block recipe at 128-wide tiles: the dispatch writes the padded layout its grouped
+    GEMMs read (no tile of rows spans two experts), and the layer's output and gradients are
+    O0's within FP8 rounding (and not O0's: the GEMMs quantized)."""
+    c = train_lib.load_config("moe_tiny")
+    c.fp8.update(level="O1", recipe="block")
+    c.model.update(d_model=128, num_heads=2, num_kv_heads=2)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=128)
+    cfg = spec.parse(c).model
+    sizes = jnp.asarray([7, 0, 12, 13], jnp.int32)
+    assert grouped.dispatch_layout(cfg.recipe, sizes, 32, (128, 256), (128, 128)) is not None
+    x = jax.random.normal(jax.random.key(1), (B, L, 128), jnp.float32)
+
+    def run(cfg):
+        block = moe.MoeMlp(cfg)
+        variables = nn.unbox(block.init(jax.random.key(0), x))
+
+        def loss(params, x):
+            v = {**variables, "params": params}
+            y, _ = block.apply(v, x, mutable=[FP8, moe.MOE_LOSSES, moe.MOE_METRICS])
+            return jnp.sum(y.astype(jnp.float32) * x)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(variables["params"], x)
+
+    (fp8_loss, (fp8_dp, fp8_dx)) = run(cfg)
+    (o0_loss, (o0_dp, o0_dx)) = run(dataclasses.replace(cfg, recipe=None))
+    experts = ("experts_wi", "experts_wo")
+    for name in experts:
+        err = rel_err(fp8_dp[name]["kernel"], o0_dp[name]["kernel"])
+        assert MIN_ERR < err < GRAD_TOL, (name, err)
+    assert MIN_ERR / 10 < rel_err(fp8_dx, o0_dx) < GRAD_TOL
+    assert abs(float(fp8_loss) - float(o0_loss)) < FWD_TOL * abs(float(o0_loss))
 
 
 def reference_routes_idx(cfg, variables, x):

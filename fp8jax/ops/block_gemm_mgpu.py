@@ -315,16 +315,14 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dense_work(index, cta, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning: Tuning):
-    """The dense GEMM's work item: output tile ``index`` of the planar-snake launch order (two
-    CTAs of a cluster take neighbouring tiles), over every tile of K."""
+def _cta_tile(lin, m: int, n: int, tuning: Tuning, cta=None):
+    """``(rows, columns)`` of an [m, n] output that work item ``lin`` of the planar-snake launch
+    order gives a CTA (the two CTAs of a cluster take neighbouring tiles, ``cta`` its index)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    m, n = a_gmem.shape[0], b_gmem.shape[0]
     cta_m, cta_n = tuning.cta
     cl_m, cl_n = tuning.cluster_tile
-    (lin,) = index
     mi, ni = plgpu.planar_snake(
         lin, (m // cl_m, n // cl_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
     )
@@ -332,7 +330,12 @@ def _dense_work(index, cta, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tun
         mi = mi * 2 + cta
     elif tuning.cluster == "n":
         ni = ni * 2 + cta
-    rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+    return pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+
+
+def _dense_work(index, cta, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning: Tuning):
+    """The dense GEMM's work item: output tile ``index``, over every tile of K."""
+    rows, cols = _cta_tile(index[0], a_gmem.shape[0], b_gmem.shape[0], tuning, cta)
     return (
         a_gmem.at[rows],
         b_gmem.at[cols],
@@ -450,19 +453,10 @@ def grouped_takes(rows: int, n: int, k: int, b_blocks: bool) -> Tuning | None:
 
 def _nt_work(index, cta, tile_group_gmem, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning):
     """``grouped_nt``'s work item: output tile ``index``, its rows' group from the table."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     del cta
-    r, n = a_gmem.shape[0], b_gmem.shape[1]
-    cta_m, cta_n = tuning.cta
-    (lin,) = index
-    mi, ni = plgpu.planar_snake(
-        lin, (r // cta_m, n // cta_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
-    )
-    group = tile_group_gmem[(mi * cta_m) // GROUP_ROWS]
+    rows, cols = _cta_tile(index[0], a_gmem.shape[0], b_gmem.shape[1], tuning)
+    group = tile_group_gmem[rows.start // GROUP_ROWS]
     g = jnp.maximum(group, 0)
-    rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
     return (
         a_gmem.at[rows],
         b_gmem.at[g, cols],
@@ -480,17 +474,9 @@ def _tn_work(
 ):
     """``grouped_tn``'s work item: group ``index[0]``'s output tile ``index[1]``, over the tiles
     of rows its group holds (none for an empty group: its tile stores zeros)."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     del cta
-    k, n = a_gmem.shape[0], b_gmem.shape[0]
-    cta_m, cta_n = tuning.cta
     gi, lin = index
-    ki, ni = plgpu.planar_snake(
-        lin, (k // cta_m, n // cta_n), 0 if tuning.grid_minor == "m" else 1, tuning.grid_width
-    )
-    rows, cols = pl.ds(ki * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+    rows, cols = _cta_tile(lin, a_gmem.shape[0], b_gmem.shape[0], tuning)
     return (
         a_gmem.at[rows],
         b_gmem.at[cols],

@@ -12,7 +12,8 @@ pytest process) and asserts on the JSON it prints last:
   the experts split over 'expert' against it, and the expert kernels their layers see (each
   device's own experts only);
 - an FP8 grouped GEMM on a weight stack split over 'expert' (current scaling) against the one
-  GEMM on the whole stack: one scale from the whole stack's amax;
+  GEMM on the whole stack: one scale from the whole stack's amax; the block recipe's on its
+  padded layout likewise (forward and both gradients);
 - the dtype of each kernel an MoE model's layers see in an fsdp-sharded bf16 step at O2 and O3
   (per-layer and upfront gathers), and how the per-layer gathers move and reduce the router.
 """
@@ -426,6 +427,56 @@ def split_stack_case() -> dict:
     )
 
 
+def block_split_stack_case() -> dict:
+    """The block recipe's grouped GEMM (128-wide tiles: ``ops.grouped_block`` on the padded
+    layout) inside the expert axis's manual region, a stack split over 'expert' (4 shards of
+    2 groups, magnitudes 0.1 to 10 apart): y, dx and each shard's dw against one device's
+    GEMM on the whole stack with every shard's rows. Per-tile scales need no merged amax."""
+    rng = np.random.default_rng(4)
+    shards, g, m, d = 4, 2, 24, 128
+    x_MxD = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    dy_MxD = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    mags = np.array([0.1, 10.0, 0.3, 1.0, 2.5, 0.05, 7.0, 0.6])[:, None, None]
+    w_ExDxD = jnp.asarray(rng.standard_normal((shards * g, d, d)) * mags, jnp.float32)
+    sizes_G = jnp.asarray([9, 15], jnp.int32)
+    recipe = RECIPES["block"]()
+    meta = scaling.init_meta(recipe)
+    mesh = sharding.make_mesh(
+        spec.MeshSpec(data=1, fsdp=1, tensor=1, expert=shards), jax.devices()[:shards]
+    )
+
+    def vjp(x, w, dy, sizes):
+        f = lambda x, w: grouped.grouped_matmul(  # noqa: E731
+            x, w, sizes, recipe, meta, out_dtype=jnp.float32, w_split_axis="expert"
+        )[0]
+        y, back = jax.vjp(f, x, w)
+        return y, *back(dy)
+
+    def shard(x, w, dy):
+        y, dx, dw = vjp(x, w, dy, sizes_G)
+        return y[None], dx[None], dw
+
+    fn = jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(P(), P("expert"), P()),
+        out_specs=(P("expert"), P("expert"), P("expert")),
+        check_vma=False,
+    )
+    w_sharded = jax.device_put(w_ExDxD, NamedSharding(mesh, P("expert")))
+    y_S, dx_S, dw = jax.jit(fn)(x_MxD, w_sharded, dy_MxD)
+    tile = lambda a: jnp.tile(a, (shards, 1))  # noqa: E731
+    y_ref, dx_ref, dw_ref = jax.jit(vjp)(
+        tile(x_MxD), w_ExDxD, tile(dy_MxD), jnp.tile(sizes_G, shards)
+    )
+    return dict(
+        padded=grouped.dispatch_layout(recipe, sizes_G, m, (d, d)) is not None,
+        y=_rel(y_S, y_ref.reshape(shards, m, d)),
+        dx=_rel(dx_S, dx_ref.reshape(shards, m, d)),
+        dw=_rel(dw, dw_ref),
+    )
+
+
 def main() -> None:
     jax.config.update("jax_disable_most_optimizations", True)  # compiles dominate; numerics don't
     data = inputs()
@@ -435,6 +486,7 @@ def main() -> None:
             out["dispatch"][f"{name} {mode}"] = dispatch_case(sizes, cf, data)
     out["fp8_dispatch"] = fp8_dispatch_case(data)
     out["split_stack"] = split_stack_case()
+    out["block_split_stack"] = block_split_stack_case()
     out["step"] = step_case()
     out["moe_steps"] = moe_step_cases()
     out["gathers"] = {name: gathered_dtypes(*case) for name, case in GATHER_CASES.items()}

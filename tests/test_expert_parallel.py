@@ -206,6 +206,15 @@ def test_split_expert_stack_keeps_one_scale(checks):
 
 
 @pytest.mark.slow
+def test_block_scaled_expert_gemms_run_inside_the_expert_axis(checks):
+    """The block recipe's grouped GEMM on its padded layout, its stack split over 'expert':
+    y, dx and dw equal one device's on the whole stack (each expert's tiles are its own)."""
+    c = checks["block_split_stack"]
+    assert c["padded"], c
+    assert max(c["y"], c["dx"], c["dw"]) <= EXACT_RTOL, c
+
+
+@pytest.mark.slow
 def test_sharded_steps_keep_the_router_in_f32(checks):
     """fsdp-sharded bf16 steps (O3's per-layer and upfront gathers, O2's) hand the router and
     the shared gate their f32 kernels (f32 logits from f32 weights) and the other layers bf16

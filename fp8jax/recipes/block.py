@@ -22,7 +22,8 @@ class BlockScaling(TiledRecipe):
 
     Scales come from each tile's own amax. Block scales along the contraction do not factor out
     of a GEMM, so it runs on fp8jax's block-scaled GEMM (``ops.block_gemm``), which rescales
-    each ``block_size``-wide slice of K into an f32 accumulator.
+    each ``block_size``-wide slice of K into an f32 accumulator. At 128-wide tiles its expert
+    layers' grouped GEMMs run on rows padded per expert (``ops.grouped_block``).
     """
 
     name: ClassVar[str] = "block"

@@ -276,16 +276,18 @@ def test_end_sample_is_generates_sample_compiled_ahead(gpt_o1):
     assert text == "7 8" + want[0] and len(text.split()) == 7
 
 
-def test_o1_moe_decode_reads_the_expert_stacks_quantized_once():
+@pytest.mark.parametrize("width", [32, 128])
+def test_o1_moe_decode_reads_the_expert_stacks_quantized_once(width):
     """An O1 MoE model decodes the tokens of full recompute, and its expert stacks join the
-    weights the prefill casts once: every decode step casts only the activations."""
+    weights the prefill casts once: every decode step casts only the activations. At 128 wide
+    the experts' rows come in the dispatch's padded layout, as the Hopper kernels read them."""
     from fp8jax import spec
     from fp8jax.trainer import loop as train_lib
 
     c = train_lib.load_config("moe_tiny")
     c.fp8.level, c.seq_len = "O1", 16
-    c.model.update(d_model=32, num_heads=2, num_kv_heads=2, vocab_size=VOCAB, max_len=32)
-    c.model.moe.update(num_experts=4, top_k=2, d_ff=16)
+    c.model.update(d_model=width, num_heads=2, num_kv_heads=2, vocab_size=VOCAB, max_len=32)
+    c.model.moe.update(num_experts=4, top_k=2, d_ff=width // 2 if width < 128 else width)
     model, variables = build(spec.parse(c).model)
     params, fp8 = variables["params"], trained_fp8(model, variables)
     out = generate.generate_ids(model, params, fp8, PROMPTS, 4)
@@ -300,7 +302,7 @@ def test_o1_moe_decode_reads_the_expert_stacks_quantized_once():
     )
     copies = jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, scaling.QuantizedWeight))
     metas = jax.tree.leaves(fp8, is_leaf=lambda m: isinstance(m, scaling.Fp8Meta))
-    stacks = [w for w in copies if w.q.ndim == 3]  # [E, K, N]: the experts' gate/up and down
+    stacks = [w for w in copies if w.q.ndim == 3]  # [E, N, K]: the experts' gate/up and down
     assert len(copies) == len(metas) and stacks and all(w.q.dtype == E4M3 for w in copies)
     loop = (lengths_B, jnp.int32(4), *pick)
     step = decoder.decode.trace(

@@ -10,6 +10,7 @@ while shapes that are not whole tiles, 64-wide blocks and rowwise do not. On a H
 kernels themselves run against the references (skipped elsewhere); ``benchmarks/grouped_gemm.py``
 times them and reports their errors against bf16.
 """
+
 from __future__ import annotations
 
 import re
@@ -264,6 +265,51 @@ def test_the_padded_layout_gives_the_unpadded_vjp(name):
         np.testing.assert_array_equal(a, b)
     pending_w = np.asarray(got[3].w.amax_history)[..., 0]
     np.testing.assert_array_equal(pending_w, np.abs(np.asarray(w)).max())
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_decoding_forward_equals_the_training_forward(name):
+    """The decoding forward on the stack's E4M3 copy (``decode_copy``: w^T) gives the training
+    forward's y on sorted rows and on rows in a given padded layout (0 in its padding rows), and
+    for widths that are not whole tiles; for CUDA, whole tiles lower the FP8 kernel, no
+    ``ragged_dot``."""
+    recipe = fp8jax.make_recipe(name)
+    rng = np.random.default_rng(6)
+    meta = fp8jax.init_meta(recipe)
+    lay = gm.layout(_gs(), M)
+    for k, n in ((TILE, 2 * TILE), (TILE, TILE + 64)):
+        x = jnp.asarray(rng.standard_normal((M, k)), jnp.float32)
+        x = x.at[sum(SIZES) :].set(1e4)  # rows past the groups: in no GEMM and no amax
+        w = jnp.asarray(rng.standard_normal((len(SIZES), k, n)) * 0.1, jnp.float32)
+        if name == "delayed":  # a committed scale: the training forward's first step
+            _, meta = grouped.grouped_matmul(x, w, _gs(), recipe, meta)
+            meta = fp8jax.update_state(meta, jax.tree.map(jnp.zeros_like, meta))
+        want = np.asarray(grouped.grouped_matmul(x, w, _gs(), recipe, meta)[0])
+        copy = grouped.decode_copy(recipe, w, meta.w)
+        assert copy.q.shape == (len(SIZES), n, k)
+
+        def decode(x, gs, layout=None):
+            return grouped.tensor_grouped_forward(
+                x, copy.q, copy.scale, gs, meta, jnp.float32, layout
+            )
+
+        got = np.asarray(decode(x, _gs()))
+        bound = k * np.finfo(np.float32).eps * np.abs(want).max()  # summation order only
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=f"{k}x{n}")
+        assert not got[sum(SIZES) :].any()
+        whole = n % TILE == 0
+        if whole:
+            padded = np.asarray(decode(gm.pad_rows(x, lay), grouped.padded_sizes(lay), lay))
+            dst = np.asarray(lay.dst_M)[: sum(SIZES)]
+            np.testing.assert_allclose(padded[dst], want[: sum(SIZES)], rtol=0, atol=bound)
+            assert not padded[~np.asarray(gm.layout_rows(lay))].any()
+        text = (
+            jax.jit(decode)
+            .trace(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), _gs())
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert bool(KERNEL_CALL.search(text)) == whole and ("ragged_dot" in text) != whole
 
 
 def test_the_layout_is_built_without_a_loop():

@@ -84,9 +84,11 @@ class GroupedLinear(nn.Module):
                 )
                 return y.reshape(x_MxK.shape[0], *features)
             if self.recipe.quantizes_weights_once:  # decoding: the stack's E4M3 copy, made once
-                copy = state.weight_copy(lambda: self.recipe.quantize_weight(w_GxKxN, meta.w))
+                copy = state.weight_copy(lambda: grouped.decode_copy(self.recipe, w_GxKxN, meta.w))
             if copy is not None:
-                y = self.recipe.prequantized_grouped_matmul(x_MxK, copy, group_sizes_G, meta, dtype)
+                y = self.recipe.prequantized_grouped_matmul(
+                    x_MxK, copy, group_sizes_G, meta, dtype, layout
+                )
             else:
                 y, new_meta = grouped.grouped_matmul(
                     x_MxK,

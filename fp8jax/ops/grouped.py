@@ -52,6 +52,7 @@ __all__ = [
     "SCOPE",
     "WGRAD",
     "check_shapes",
+    "decode_copy",
     "dispatch_layout",
     "fp8_grouped_gemm",
     "grouped_matmul",
@@ -261,15 +262,37 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
     return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, own, given)
 
 
-def tensor_grouped_forward(x_MxK, wq_GxKxN, sw, group_sizes_G, meta: Fp8Meta, out_dtype):
-    """``tensor_grouped_matmul``'s forward output on a weight already in E4M3 (``wq`` under
-    scale ``sw``): x cast as there, so the values are that forward's up to summation order; no
-    amax is recorded (decoding)."""
-    x = valid_rows(x_MxK, group_sizes_G)
+def decode_copy(recipe: scaling.Recipe, w_GxKxN: jax.Array, state: scaling.ScaleState):
+    """A weight stack's E4M3 copy for decoding (``Recipe.quantize_weight`` of w^T): [G, N, K],
+    K innermost, the layout the forward GEMM reads (``padded_gemm``'s b), made once per
+    generate call; one per-tensor scale, so the transposed stack takes the stack's."""
+    return recipe.quantize_weight(jnp.swapaxes(w_GxKxN, 1, 2), state)
+
+
+def tensor_grouped_forward(
+    x_MxK, wq_GxNxK, sw, group_sizes_G, meta: Fp8Meta, out_dtype, layout=None
+) -> jax.Array:
+    """``tensor_grouped_matmul``'s forward output on a ``decode_copy`` (``wq`` under scale
+    ``sw``): x cast as there, so the values are that forward's up to summation order; no amax
+    is recorded (decoding). ``layout`` as ``grouped_matmul`` takes it; with none, rows of
+    whole-tile K and N go through the padded layout too: the Hopper kernel on CUDA, where
+    ``ragged_dot`` would multiply every row by every expert."""
+    lay = layout
+    k, n = x_MxK.shape[1], wq_GxNxK.shape[1]
+    if lay is None and grouped_mgpu.takes(k, n) and grouped_mgpu.enabled():
+        lay = grouped_mgpu.layout(group_sizes_G, x_MxK.shape[0])
+    if lay is None:
+        x = valid_rows(x_MxK, group_sizes_G)
+    else:  # padding rows 0: a given layout's by construction, the rows past the groups dropped
+        x = x_MxK if layout is not None else grouped_mgpu.pad_rows(x_MxK, lay)
     sx = scaling.use_scale(meta.x, formats.amax(x))
     xq = formats.quantize(x, sx, formats.E4M3)  # E4M3, as the forward's x
+    inv = 1.0 / (sx * sw)
     with jax.named_scope(SCOPE):
-        return fp8_grouped_gemm(FORWARD, xq, wq_GxKxN, group_sizes_G, 1.0 / (sx * sw), out_dtype)
+        if lay is None:  # x [M, K] . w^T[g]^T: dgrad's dims contract the copy's last axis
+            return fp8_grouped_gemm(DGRAD, xq, wq_GxNxK, group_sizes_G, inv, out_dtype)
+        y = padded_gemm(FORWARD, xq, wq_GxNxK, lay, inv, out_dtype)
+    return on_layout(y, lay) if layout is not None else grouped_mgpu.unpad_rows(y, lay)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

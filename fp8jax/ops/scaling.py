@@ -120,9 +120,11 @@ class Recipe(abc.ABC):
         group_sizes_G: jax.Array,
         meta: Fp8Meta,
         out_dtype,
+        layout=None,
     ) -> jax.Array:
-        """The grouped GEMM's forward (``grouped_matmul``, no amax recorded) on a
-        ``quantize_weight`` copy of the stacked [G, K, N] weight."""
+        """The grouped GEMM's forward (``grouped_matmul``, no amax recorded, x's rows in
+        ``layout`` where given) on the stacked [G, K, N] weight's decoding copy
+        (``ops.grouped.decode_copy``: ``quantize_weight`` of w^T, [G, N, K])."""
         raise NotImplementedError(f"the FP8 recipe {self.name!r} quantizes weights per call")
 
     @abc.abstractmethod

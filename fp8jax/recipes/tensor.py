@@ -62,9 +62,12 @@ class TensorRecipe(scaling.Recipe):
         group_sizes_G: jax.Array,
         meta: Fp8Meta,
         out_dtype,
+        layout=None,
     ) -> jax.Array:
-        """``ops.grouped.tensor_grouped_forward`` on the E4M3 copy."""
-        return grouped.tensor_grouped_forward(x_MxK, w.q, w.scale, group_sizes_G, meta, out_dtype)
+        """``ops.grouped.tensor_grouped_forward`` on the E4M3 copy of w^T."""
+        return grouped.tensor_grouped_forward(
+            x_MxK, w.q, w.scale, group_sizes_G, meta, out_dtype, layout
+        )
 
     def grouped_matmul(
         self,

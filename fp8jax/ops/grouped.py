@@ -262,7 +262,9 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
     return y, new_meta, (xq_saved, wq_saved, sx_saved, sw_saved, own, given)
 
 
-def decode_copy(recipe: scaling.Recipe, w_GxKxN: jax.Array, state: scaling.ScaleState):
+def decode_copy(
+    recipe: scaling.Recipe, w_GxKxN: jax.Array, state: scaling.ScaleState
+) -> scaling.QuantizedWeight:
     """A weight stack's E4M3 copy for decoding (``Recipe.quantize_weight`` of w^T): [G, N, K],
     K innermost, the layout the forward GEMM reads (``padded_gemm``'s b), made once per
     generate call; one per-tensor scale, so the transposed stack takes the stack's."""

@@ -310,7 +310,8 @@ class Fp8Meta:
 @struct.dataclass
 class QuantizedWeight:
     """A weight quantized once (``Recipe.quantize_weight``): its E4M3 values in the GEMM's
-    [(B,) K, N] layout and the scale they were cast with (``q = saturate(w * scale)``)."""
+    [(B,) K, N] layout (an expert stack's decoding copy: w^T, ``ops.grouped.decode_copy``) and
+    the scale they were cast with (``q = saturate(w * scale)``)."""
 
     q: jax.Array  # [(B,) K, N] float8_e4m3fn
     scale: jax.Array  # f32, broadcast against q as the recipe scales it (per tensor: [])

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.ops import grouped_mgpu
 from fp8jax.ops._kernel_launch import unbatched
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "available",
     "block_scaled_dot",
     "grouped_nt",
-    "grouped_takes",
     "grouped_tn",
     "takes",
     "tuning_for",
@@ -441,14 +441,7 @@ def _kernel_call(body, out_shape: tuple[int, ...], out_dtype, cluster: int = 1):
 # at a multiple of ``grouped_mgpu.TILE`` = 128 rows): a CTA's 128 rows, or a tile of 128 rows of
 # the contraction, then belong to one group.
 
-GROUP_ROWS = 128  # rows of a group tile: one CTA of ``BLOCKS`` and one tile of the contraction
-
-
-def grouped_takes(rows: int, n: int, k: int, b_blocks: bool) -> Tuning | None:
-    """The tuning of a grouped GEMM ([rows, k] . [n, k]^T per group), None where none tiles it:
-    ``block_scaled_dot``'s, with CTAs of at most one group tile of rows."""
-    tuning = tuning_for(rows, n, k, GROUP_ROWS, b_blocks)
-    return tuning if tuning is not None and tuning.cta[0] <= GROUP_ROWS else None
+GROUP_ROWS = grouped_mgpu.TILE  # the layout's row tile: one CTA's rows, one tile of contraction
 
 
 def _nt_work(index, cta, tile_group_gmem, a_gmem, b_gmem, a_s_gmem, b_s_gmem, out_gmem, *, tuning):
@@ -490,8 +483,10 @@ def _tn_work(
 
 
 def _grouped_tuning(rows: int, n: int, k: int, b_blocks: bool) -> Tuning:
-    tuning = grouped_takes(rows, n, k, b_blocks)
-    if tuning is None:
+    """``block_scaled_dot``'s tuning of a grouped [rows, k] . [n, k]^T, with CTAs of at most
+    one group tile of rows; one error where none tiles it."""
+    tuning = tuning_for(rows, n, k, GROUP_ROWS, b_blocks)
+    if tuning is None or tuning.cta[0] > GROUP_ROWS:
         raise ValueError(
             f"block_gemm_mgpu: a grouped [{rows}, {k}] . [{n}, {k}]^T is not whole "
             f"{GROUP_ROWS} x {GROUP_ROWS} tiles: pad the rows by grouped_mgpu.layout"

@@ -55,9 +55,9 @@ __all__ = [
     "decode_copy",
     "dispatch_layout",
     "fp8_grouped_gemm",
+    "from_layout",
     "grouped_matmul",
     "meta_cotangent",
-    "on_layout",
     "padded",
     "padded_gemm",
     "padded_kernel",
@@ -190,10 +190,16 @@ def meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:
 # Per-tensor recipes: one scale for x, one for all of w, one for dy.
 
 
-def on_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout) -> jax.Array:
+def _on_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout) -> jax.Array:
     """A padded GEMM's output with its padding rows 0: the kernels leave the tiles past the
     last group unwritten (the zero rows inside a group's tiles are 0 already)."""
     return jnp.where(grouped_mgpu.layout_rows(lay)[:, None], y_RxN, jnp.zeros((), y_RxN.dtype))
+
+
+def from_layout(y_RxN: jax.Array, lay: grouped_mgpu.Layout, given: bool) -> jax.Array:
+    """A padded GEMM's output in its caller's rows: the layout's, 0 in its padding rows, where
+    the caller ``given`` it; else the sorted rows (``unpad_rows``)."""
+    return _on_layout(y_RxN, lay) if given else grouped_mgpu.unpad_rows(y_RxN, lay)
 
 
 def _scales_known(meta: Fp8Meta) -> bool:
@@ -248,7 +254,7 @@ def _tensor_fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
             xq, wq = formats.quantize(x, sx, formats.E4M3), formats.quantize(w, sw, formats.E4M3)
     if lay is not None:
         y = padded_gemm(FORWARD, xq_pad, wq_t, lay, 1.0 / (sx * sw), cfg.out_dtype)
-        y = on_layout(y, lay) if given is not None else grouped_mgpu.unpad_rows(y, lay)
+        y = from_layout(y, lay, given is not None)
     else:
         y = fp8_grouped_gemm(FORWARD, xq, wq, gs, 1.0 / (sx * sw), cfg.out_dtype)  # [M, N]
     # Residuals named for remat policies (ops.remat): x (transposed [K, R] on the padded
@@ -294,7 +300,7 @@ def tensor_grouped_forward(
         if lay is None:  # x [M, K] . w^T[g]^T: dgrad's dims contract the copy's last axis
             return fp8_grouped_gemm(DGRAD, xq, wq_GxNxK, group_sizes_G, inv, out_dtype)
         y = padded_gemm(FORWARD, xq, wq_GxNxK, lay, inv, out_dtype)
-    return on_layout(y, lay) if layout is not None else grouped_mgpu.unpad_rows(y, lay)
+    return from_layout(y, lay, layout is not None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -335,7 +341,7 @@ def _tensor_bwd(cfg: GemmConfig, res, cts):
             gq_pad, gq_t, _ = kernels.cast_transpose(g, sg, meta.dy.fmt, record=False)
     if lay is not None:
         dx = padded_gemm(DGRAD, gq_pad, wq, lay, 1.0 / (sg * sw), cfg.x_dtype)
-        dx = on_layout(dx, lay) if given is not None else grouped_mgpu.unpad_rows(dx, lay)
+        dx = from_layout(dx, lay, given is not None)
         dw = padded_gemm(WGRAD, xq, gq_t, lay, 1.0 / (sx * sg), cfg.w_dtype)
     else:
         gq = formats.quantize(g, sg, meta.dy.fmt)

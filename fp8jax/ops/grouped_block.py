@@ -113,7 +113,7 @@ def _fwd_impl(cfg: GemmConfig, x, w, gs, meta: Fp8Meta, given):
     )
     wq, wq_t, w_inv, amax_G = jax.vmap(cast)(w)
     y = padded_gemm(grouped.FORWARD, xq, x_inv, wq_t, jnp.swapaxes(w_inv, 1, 2), lay, cfg.out_dtype)
-    y = grouped.on_layout(y, lay) if given is not None else grouped_mgpu.unpad_rows(y, lay)
+    y = grouped.from_layout(y, lay, given is not None)
     # Residuals named for remat policies (ops.remat): wgrad's x^T and dgrad's w, FP8.
     x_saved = checkpoint_name((xq_t, xt_inv), FP8_X)
     w_saved = checkpoint_name((wq, w_inv), FP8_W)
@@ -153,7 +153,7 @@ def _bwd(cfg: GemmConfig, res, cts):
         g, meta.dy.fmt, TILE, meta.x.recipe, kernels.AUTO
     )
     dx = padded_gemm(grouped.DGRAD, gq, g_inv, wq, w_inv, lay, cfg.x_dtype)  # [R, K]
-    dx = grouped.on_layout(dx, lay) if given is not None else grouped_mgpu.unpad_rows(dx, lay)
+    dx = grouped.from_layout(dx, lay, given is not None)
     dw = padded_gemm(grouped.WGRAD, xq_t, xt_inv, gq_t, gt_inv, lay, cfg.w_dtype)  # [G, K, N]
     return dx, dw, None, grouped.meta_cotangent(meta, ct_meta, amax_g), None
 

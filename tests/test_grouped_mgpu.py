@@ -181,7 +181,10 @@ def test_the_block_kernels_operands_give_the_reference_gemms(monkeypatch, dy_fmt
             assert not got[1].any()  # the empty group's gradient is 0
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU kernels need Hopper")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not gm.available(),
+    reason="the Mosaic GPU kernels need a Hopper GPU",
+)
 @pytest.mark.parametrize("scaled", ["per-tensor", "block"])
 def test_hopper_kernels_equal_the_reference(scaled):
     """On a Hopper GPU, the grouped kernels (per-tensor ``grouped_nt``/``grouped_tn`` and the
@@ -228,6 +231,8 @@ def test_hopper_kernels_equal_the_reference(scaled):
             got, want = got[filled], want[filled]
         else:
             assert not got[1].any()
+        # The measured 3.6e-4 (and the dense block kernel's 3.3e-4 from an f64 product) with
+        # about 5x headroom; a wrong multiplier or tile moves the result by whole percents.
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max(), err_msg=kind)
 
 

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 
 from fp8jax import errors
+from fp8jax.trainer import checkpoint as checkpoint_lib
 from fp8jax.trainer import data as data_lib
 from fp8jax.trainer import step as step_lib
 from fp8jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -170,6 +172,64 @@ def gated_json_writes(monkeypatch):
     monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", gated)
     yield gate
     gate.set()
+
+
+@pytest.fixture
+def racing_failed_save(monkeypatch):
+    """A function that makes the next saves fail as a full disk does while their writes still
+    land: orbax's JSON write (the data state) raises ENOSPC, and the partial step's removal
+    finds its directory not empty (a sibling write adding a file after the listing) the given
+    number of times in a row before it succeeds."""
+    rmtree = type(epath.Path("/")).rmtree
+    races = [0]
+
+    async def full(self, item, directory):
+        raise OSError(28, "No space left on device")
+
+    def racing(self, *args, **kwargs):
+        if races[0] > 0 and ".orbax-checkpoint-tmp" in self.name:
+            races[0] -= 1
+            raise OSError(39, f"Directory not empty: '{self.name}'")
+        return rmtree(self, *args, **kwargs)
+
+    def arm(times: int) -> None:
+        races[0] = times
+        monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full)
+        monkeypatch.setattr(type(epath.Path("/")), "rmtree", racing)
+        monkeypatch.setattr(checkpoint_lib, "_SETTLE_S", 1.0)
+
+    yield arm
+    races[0] = 0
+
+
+@pytest.mark.parametrize("races", [1, 10**6], ids=["settles", "stays"])
+def test_a_failed_save_is_one_error_while_its_writes_still_land(
+    tmp_path, racing_failed_save, races
+):
+    """Step 2's save fails for lack of space while its other writes still add files: ``wait``
+    raises the one-line CheckpointSaveError (not the removal's own error), step 1 stays; the
+    partial step is removed once its writes settle, else the error names it for deletion."""
+    save(tmp_path, 1, tiny_state(1), {"step": 1})
+    ckpt = Checkpointer(str(tmp_path))
+    racing_failed_save(races)
+    try:
+        ckpt.save(2, tiny_state(2), {"step": 2}, force=True)
+        with pytest.raises(errors.CheckpointSaveError) as info:
+            ckpt.wait()
+    finally:
+        ckpt.close()
+    message = str(info.value)
+    directory = tmp_path / "checkpoints"
+    left = sorted(p.name for p in directory.iterdir() if p.name != "1")
+    assert "\n" not in message and "failed (no space left on device)" in message, message
+    assert "resume from step 1" in message, message
+    if races == 1:
+        assert left == [] and "partly written" not in message, (left, message)
+    else:
+        assert left and all(f"delete {name}" in message for name in left), (left, message)
+        racing_failed_save(0)  # the writes settled: the next run's start removes the leftover
+    assert restore(tmp_path)[1] == {"step": 1}
+    assert sorted(p.name for p in directory.iterdir()) == ["1"]
 
 
 def test_save_returns_before_the_write_and_keeps_its_own_copy(tmp_path, gated_json_writes):

@@ -114,13 +114,16 @@ class Checkpointer:
             self.failed = True
             text = " ".join(str(e).split())
             reason = "no space left on device" if "No space left" in text else text[:200]
-            _remove_unfinished_writes(self.directory)  # the partial step: free its space
+            # The partial step: free its space. The failed write's sibling writes may still be
+            # landing in it, so the removal retries for a while and never hides the error.
+            left = _remove_unfinished_writes(self.directory, settle_s=_SETTLE_S)
             good = self.latest_step()
             resume = f"resume from step {good}" if good is not None else "start over"
+            also = f" and delete {', '.join(left)} there (partly written)" if left else ""
             raise CheckpointSaveError(
                 f"saving checkpoint step {self._writing} in {self.directory} failed "
                 f"({reason}); a step takes about {_size(self._step_bytes)} (times "
-                f"keep_checkpoints + 1 while saving): free space there, lower "
+                f"keep_checkpoints + 1 while saving): free space there{also}, lower "
                 f"config.keep_checkpoints or pass a --workdir on a disk with room, then rerun "
                 f"to {resume}"
             ) from e
@@ -313,18 +316,45 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"
 
 
-def _remove_unfinished_writes(directory: str) -> None:
+# Seconds a failed save's cleanup keeps retrying while the save's other writes still land.
+_SETTLE_S = 10.0
+
+
+def _remove_unfinished_writes(directory: str, settle_s: float = 0.0) -> list[str]:
     """Delete the temporary directories of saves a killed run left unfinished.
 
     Orbax's own cleanup runs in a background thread that only a save waits for; done here, the
     directory is settled before the checkpointer lists or restores anything. One process
-    deletes while the others wait at a barrier, as orbax does.
+    deletes while the others wait at a barrier, as orbax does. With ``settle_s`` > 0 (after a
+    failed save, whose other writes may still be adding files), a removal that fails is retried
+    for up to that many seconds and the names still there are returned instead of raised.
     """
+    left = []
     if jax.process_index() == 0 and os.path.isdir(directory):
         for name in ocp.path.step.tmp_checkpoints(directory):  # names, in every orbax >= 0.11
-            (epath.Path(directory) / name).rmtree()
+            if not _rmtree_settled(epath.Path(directory) / name, settle_s):
+                left.append(name)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("fp8jax: checkpoint directory settled")
+    return left
+
+
+def _rmtree_settled(path: epath.Path, settle_s: float) -> bool:
+    """Remove ``path``, retrying while writers still add to it for up to ``settle_s`` seconds;
+    whether it is gone (raises the removal's error when ``settle_s`` is 0)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            path.rmtree()
+            return True
+        except OSError:
+            if not path.exists():
+                return True  # removed meanwhile by its writer's own cleanup
+            if settle_s <= 0:
+                raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
 
 
 # Train-state fields a checkpoint may hold under another name: the objective's state was 'ref'

@@ -15,13 +15,16 @@ loss, and a balance no worse than O0's by more than 5%:
 
     python -m benchmarks.parity --config moe_tiny --levels O0,O1,O2 --seeds 0,1,2 --steps 400 \
         --vocab 512 --out "$OUT"
-    python -m benchmarks.parity --config olmoe_1b7b --levels O0,O1,O2 --steps 300 --out "$OUT"
+    python -m benchmarks.parity --config olmoe_1b7b --levels O0,O1,O2 --steps 200 \
+        --set model.num_layers=4 --set warmup_steps=20 --seeds 0 --out "$OUT"
 
 ``--seeds 0,1,2`` trains every level at each seed (``config.seed``: the initial parameters
 and the data order) and compares each run with the first level's at the same seed; the table
-ends with each level's mean over the seeds and the first level's own spread between seeds
-(max - min over the mean), the noise a single seed's difference has to clear. At small sizes it
-exceeds the 0.25% target: ``moe_tiny``'s O0 moves by about 1.6%.
+ends with each level's mean over the seeds, its mean difference's standard error (± in the
+table: the seeds' standard deviation over the square root of their count) and the first
+level's own spread between seeds (max - min over the mean), the noise a single seed's
+difference has to clear. At small sizes it exceeds the 0.25% target: ``moe_tiny``'s O0 moves
+by about 1.6% at 400 steps, the 4-block OLMoE's by about 1% at 200.
 
 ``--config tiny --steps 60`` is a CPU smoke run (a couple of minutes). On several GPUs,
 ``--levels O0,O3 --mesh 1,-1,1 --steps 200`` compares O3 (FP8 Adam and masters sharded over
@@ -93,7 +96,8 @@ def compare(rows: dict, levels: list[str], seeds: list[int]) -> dict:
     """``rows[(level, seed)]`` with each run's differences from the first level's run at its
     seed (``rel_diff_vs_first``; ``balance_vs_first`` for an MoE config), and, for several
     seeds, a ``(level, 'mean')`` row per level: the mean of its seeds' values and differences,
-    and for the first level the spread of its validation loss between seeds."""
+    the standard error of that mean difference (``rel_diff_sem``), and for the first level the
+    spread of its validation loss between seeds."""
     out = {}
     for (level, seed), r in rows.items():
         first = rows[(levels[0], seed)]
@@ -112,6 +116,9 @@ def compare(rows: dict, levels: list[str], seeds: list[int]) -> dict:
             for k in runs[0]
             if isinstance(runs[0][k], (int, float))
         }
+        diffs = [r["rel_diff_vs_first"] for r in runs]
+        # How far the mean difference may sit from the one more seeds would give.
+        mean["rel_diff_sem"] = statistics.stdev(diffs) / math.sqrt(len(diffs))
         if level == levels[0]:
             losses = [r["val_loss"] for r in runs]
             if None not in losses:
@@ -173,7 +180,10 @@ def main(argv=None):
     balance = next(iter(rows.values())).get("val_load_max_over_mean")
     columns = {
         "val_loss": lambda r: f"{r['val_loss']:.4f}",
-        "rel diff": lambda r: f"{r['rel_diff_vs_first']:.3%}",
+        "rel diff": lambda r: (
+            f"{r['rel_diff_vs_first']:.3%}"
+            + (f" ± {r['rel_diff_sem']:.3%}" if "rel_diff_sem" in r else "")
+        ),
         "tok/s": lambda r: f"{r['train_tokens_per_s']:.0f}",
     }
     if balance is not None:  # an MoE config: the experts' load balance on the validation set

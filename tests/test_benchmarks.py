@@ -271,7 +271,8 @@ def test_parity_levels_carry_config_overrides():
 
 def test_parity_compares_each_seed_with_its_own_first_level():
     """``--seeds``: a run's difference is from the first level at the same seed; the means
-    average the seeds; the spread is the first level's between seeds."""
+    average the seeds, with the standard error of the mean difference; the spread is the first
+    level's between seeds."""
     rows = {
         ("O0", 0): {"val_loss": 4.0, "val_load_max_over_mean": 1.6},
         ("O1", 0): {"val_loss": 4.04, "val_load_max_over_mean": 2.0},
@@ -283,6 +284,9 @@ def test_parity_compares_each_seed_with_its_own_first_level():
     assert out[("O1", 1)]["rel_diff_vs_first"] == pytest.approx(-0.02)
     assert out[("O1", 1)]["balance_vs_first"] == pytest.approx(1.1)
     assert out[("O1", "mean")]["rel_diff_vs_first"] == pytest.approx(-0.005)
+    # The standard error of the mean difference: stdev(0.01, -0.02) / sqrt(2) = 0.015.
+    assert out[("O1", "mean")]["rel_diff_sem"] == pytest.approx(0.015)
+    assert out[("O0", "mean")]["rel_diff_sem"] == 0.0
     assert out[("O1", "mean")]["val_loss"] == pytest.approx(4.47)
     assert out[("O1", "mean")]["balance_vs_first"] == pytest.approx((2.0 / 1.6 + 1.1) / 2)
     assert out[("O0", "mean")]["seed_spread"] == pytest.approx(1.0 / 4.5)

@@ -148,6 +148,7 @@ def timings(inf, stream, start: float, end: float, compiles: list[tuple[float, f
     ``compiles``: (host time it ended, seconds) of each compile during the call)."""
     import jax
 
+    from fp8jax import models
     from fp8jax.trainer import generate
 
     out = {"total_s": end - start, "compile_s": sum(d for _, d in compiles)}
@@ -161,11 +162,15 @@ def timings(inf, stream, start: float, end: float, compiles: list[tuple[float, f
     span = stream.last_token_at - stream.first_token_at - after
     out["decode_tokens_per_s"] = later / span if span > 0 and later else None
     out["rows"] = len(stream.ids)  # a decode step makes one token of each row
-    # The weights as the compute dtype holds them (f32 masters are not what a step needs).
-    itemsize = jax.numpy.dtype(inf.model.cfg.dtype).itemsize
+    # The weights as the compute dtype holds them (f32 masters are not what a step needs),
+    # less the routed experts that none of a step's rows can reach (an MoE model's).
+    cfg = inf.model.cfg
+    itemsize = jax.numpy.dtype(cfg.dtype).itemsize
     weight_bytes = sum(
         x.size * min(x.dtype.itemsize, itemsize) for x in jax.tree.leaves(inf.params)
     )
+    unread = models.matmul_params(cfg) - models.matmul_params_read(cfg, out["rows"])
+    weight_bytes -= unread * min(jax.numpy.dtype(cfg.param_dtype).itemsize, itemsize)
     bandwidth = generate.device_bandwidth()
     out["weight_bytes"] = weight_bytes
     out["bound_s_per_token"] = weight_bytes / bandwidth if bandwidth else None

@@ -116,6 +116,12 @@ def test_tiny_model_runs_and_counts_its_matmul_params(style):
     moe = cfg.moe
     idle = 0 if moe is None else 3 * cfg.d_model * moe.d_ff * (moe.num_experts - moe.top_k)
     assert cfg.family.active_matmul_params_per_layer(cfg) == per_layer - idle
+    # A step over t tokens (a decode step's rows) reads the experts t x top_k can reach.
+    for t in (1, 2, 10**6):
+        unread = 0 if moe is None else moe.num_experts - min(moe.num_experts, t * moe.top_k)
+        reached = per_layer - (0 if moe is None else 3 * cfg.d_model * moe.d_ff * unread)
+        assert cfg.family.matmul_params_read_per_layer(cfg, t) == reached, t
+    assert models.matmul_params_read(cfg, 10**6) == models.matmul_params(cfg)
     has_bias = any(k[-1] == "bias" and "mlp" in k for k in flat)
     assert has_bias == cfg.family.use_bias
 

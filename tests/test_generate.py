@@ -696,6 +696,30 @@ def test_chat_renders_the_template_and_its_end_of_turn_ends_the_reply(workdir, t
     assert timings["first_token_s"] >= 0 and timings["total_s"] >= timings["first_token_s"]
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_verbose_weight_bytes_count_the_experts_a_steps_rows_reach(rows):
+    """--verbose's bytes a decode step reads: every weight once as the compute dtype holds it,
+    less an MoE model's routed experts that none of the step's rows reaches (moe_tiny: 8
+    experts, top-2; one row reaches 2 of each block's 8, four rows can reach all 8)."""
+    import types
+
+    from fp8jax import generate as cli
+
+    config = train_lib.load_config("moe_tiny")
+    config.model.dtype = "bfloat16"
+    cfg = spec.parse(config).model
+    params = models.abstract_variables(cfg)["params"]
+    inf = types.SimpleNamespace(model=types.SimpleNamespace(cfg=cfg), params=params)
+    stream = types.SimpleNamespace(first_token_at=1.0, last_token_at=2.0, ids=[[5, 6]] * rows)
+    t = cli.timings(inf, stream, 0.0, 2.0, [])
+    every = sum(x.size * 2 for x in jax.tree.leaves(params))  # f32 params read as bf16
+    e = cfg.moe
+    unread = e.num_experts - min(e.num_experts, rows * e.top_k)
+    idle = cfg.num_layers * 3 * cfg.d_model * e.d_ff * unread * 2
+    assert (rows == 1) == (idle > 0)
+    assert t["rows"] == rows and t["weight_bytes"] == every - idle
+
+
 def test_verbose_bound_share_is_the_bound_over_a_steps_time():
     """--verbose's share of the weight-bandwidth bound: a step reads the weights once and makes
     one token per row, so 4 rows at 1000 tokens/s take 4 ms a step; a 1 ms bound is 25% of it."""

@@ -13,6 +13,7 @@ from fp8jax.models.config import (
     flops_per_token,
     get_family,
     matmul_params,
+    matmul_params_read,
 )
 from fp8jax.models.layers import Attention, Block, Mlp
 from fp8jax.models.transformer import Transformer, abstract_variables, build_model
@@ -33,4 +34,5 @@ __all__ = [
     "flops_per_token",
     "get_family",
     "matmul_params",
+    "matmul_params_read",
 ]

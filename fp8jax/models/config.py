@@ -49,6 +49,7 @@ __all__ = [
     "flops_per_token",
     "get_family",
     "matmul_params",
+    "matmul_params_read",
     "num_experts",
     "register",
 ]
@@ -280,6 +281,11 @@ class Family:
     def active_matmul_params_per_layer(self, cfg: ModelConfig) -> int:
         """The weights of one block that a token's matmuls read (its FLOPs): all of them in a
         dense block; a routed-expert block's router, its top_k experts and its shared one."""
+        return self.matmul_params_read_per_layer(cfg, 1)
+
+    def matmul_params_read_per_layer(self, cfg: ModelConfig, tokens: int) -> int:
+        """The weights of one block that the matmuls over ``tokens`` tokens read at most (a
+        decode step's rows): all of them in a dense block."""
         return self.matmul_params_per_layer(cfg)
 
     def check(self, cfg: Architecture | Any) -> None:
@@ -363,6 +369,14 @@ def active_matmul_params(model_cfg: ModelConfig) -> int:
     experts it does not go to)."""
     m = model_cfg
     return m.num_layers * m.family.active_matmul_params_per_layer(m) + m.d_model * m.vocab_size
+
+
+def matmul_params_read(model_cfg: ModelConfig, tokens: int) -> int:
+    """The matmul weights a forward pass over ``tokens`` tokens reads at most: ``matmul_params``
+    less the routed experts none of them can go to (each token reads its own top_k)."""
+    m = model_cfg
+    per_layer = m.family.matmul_params_read_per_layer(m, tokens)
+    return m.num_layers * per_layer + m.d_model * m.vocab_size
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:

@@ -66,10 +66,12 @@ class Moe(Family):
         e, d = cfg.moe, cfg.d_model
         return self._attention(cfg) + d * e.num_experts * (1 + 3 * e.d_ff) + self._shared(cfg)
 
-    def active_matmul_params_per_layer(self, cfg: ModelConfig) -> int:
-        """Attention's weights, the router's, top_k routed experts' and the shared expert's."""
+    def matmul_params_read_per_layer(self, cfg: ModelConfig, tokens: int) -> int:
+        """Attention's weights, the router's, the shared expert's and those of the routed
+        experts ``tokens`` tokens can reach: top_k each, at most all of them."""
         e, d = cfg.moe, cfg.d_model
-        experts = d * e.num_experts + 3 * d * e.d_ff * e.top_k
+        reached = min(e.num_experts, tokens * e.top_k)
+        experts = d * e.num_experts + 3 * d * e.d_ff * reached
         return self._attention(cfg) + experts + self._shared(cfg)
 
     @staticmethod

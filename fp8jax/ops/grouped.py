@@ -116,13 +116,18 @@ def fp8_grouped_gemm(
 def padded(x_MxK: jax.Array, w_GxKxN: jax.Array) -> bool:
     """Whether a per-tensor grouped GEMM runs on ``grouped_mgpu``'s padded layout: K and N in
     whole tiles (the Hopper kernels' operands), kernels not turned off."""
-    return grouped_mgpu.takes(x_MxK.shape[1], w_GxKxN.shape[2]) and grouped_mgpu.enabled()
+    return _padded_dims(x_MxK.shape[1], w_GxKxN.shape[2])
+
+
+def _padded_dims(k: int, n: int) -> bool:
+    """``padded`` of a GEMM contracting ``k`` into ``n`` columns (also for w^T's copy)."""
+    return grouped_mgpu.takes(k, n) and grouped_mgpu.enabled()
 
 
 def padded_reference(kind: str, a, b, lay: grouped_mgpu.Layout, inv, out_dtype) -> jax.Array:
     """``padded_gemm``'s XLA version: ``fp8_grouped_gemm`` on the padded operands (the padding
     rows are 0: they add nothing)."""
-    sizes_G = lay.tiles_G * grouped_mgpu.TILE
+    sizes_G = padded_sizes(lay)
     if kind == FORWARD:
         return fp8_grouped_gemm(kind, a, jnp.swapaxes(b, 1, 2), sizes_G, inv, out_dtype)
     if kind == WGRAD:
@@ -287,7 +292,7 @@ def tensor_grouped_forward(
     ``ragged_dot`` would multiply every row by every expert."""
     lay = layout
     k, n = x_MxK.shape[1], wq_GxNxK.shape[1]
-    if lay is None and grouped_mgpu.takes(k, n) and grouped_mgpu.enabled():
+    if lay is None and _padded_dims(k, n):
         lay = grouped_mgpu.layout(group_sizes_G, x_MxK.shape[0])
     if lay is None:
         x = valid_rows(x_MxK, group_sizes_G)

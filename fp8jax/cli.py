@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -55,10 +56,16 @@ def drop_closed_event_loop_errors() -> None:
 
 
 def _not_an_orbax_task(record: logging.LogRecord) -> bool:
-    """False for asyncio's report of an orbax task's exception that nothing retrieved."""
+    """False for asyncio's report of an orbax task's or future's exception that nothing
+    retrieved: a task names its orbax coroutine in the message, a gathered future's exception
+    was raised inside orbax (a failed save's sibling writes gather one)."""
     text = str(record.msg)
-    orbax = f"{os.sep}orbax{os.sep}" in text
-    return not (text.startswith("Task exception was never retrieved") and orbax)
+    if "exception was never retrieved" not in text.partition("\n")[0]:
+        return True
+    orbax = f"{os.sep}orbax{os.sep}"
+    tb = record.exc_info[2] if record.exc_info else None
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+    return not (orbax in text or any(orbax in f for f in files))
 
 
 def _shipped_config_paths(argv: list[str]) -> list[str]:

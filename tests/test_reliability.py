@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import gc
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import random
@@ -823,6 +825,49 @@ def test_failed_restore_drops_only_the_closed_loop_errors_after_it(monkeypatch):
     for exc in late:
         sys.unraisablehook(SimpleNamespace(exc_value=exc))
     assert [a.exc_value for a in seen] == late[1:]
+
+
+def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog, monkeypatch):
+    """Injects a write error inside a file under an ``orbax`` folder, gathered and never retrieved.
+
+    A failed save's sibling writes gather into a future whose exception nothing retrieves;
+    freeing it, at any time up to exit, made asyncio log a traceback after the one-line error
+    (CI saw it). The command line's asyncio filter drops that record and keeps the same report
+    of an error raised outside orbax.
+    """
+    from fp8jax import cli
+
+    def raised_in(path: str):
+        code = compile("async def write():\n    raise OSError(28, 'No space left')\n", path, "exec")
+        scope = {}
+        exec(code, scope)
+        return scope["write"]
+
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", [])  # another test may have installed it
+    records = {}
+    for name, path in (("orbax", "/site/orbax/checkpoint/ser.py"), ("user", "/site/mine/io.py")):
+        loop = asyncio.new_event_loop()
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="asyncio"):
+                fut = loop.run_until_complete(_gathered_quietly(raised_in(path)))
+                del fut
+                gc.collect()
+            (records[name],) = [r for r in caplog.records if "never retrieved" in str(r.msg)]
+        finally:
+            loop.close()
+    asyncio_log.addFilter(cli._not_an_orbax_task)
+    assert not asyncio_log.filter(records["orbax"])
+    assert asyncio_log.filter(records["user"])
+    assert asyncio_log.filter(logging.makeLogRecord({"msg": "Event loop stopped"}))
+
+
+async def _gathered_quietly(write):
+    """A gathered future of ``write()`` that failed and whose exception nobody retrieved."""
+    fut = asyncio.gather(write())
+    await asyncio.wait([fut])
+    return fut
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float64])

@@ -76,6 +76,37 @@ def test_fp8_worst_reads_flax_sow_layout():
     assert np.isnan(metrics_lib.fp8_worst(stats)["fp8_max_flushed"])
 
 
+@pytest.mark.parametrize(
+    "saturated, flushed, warned",
+    [
+        (0.0, 0.0018, ()),  # SwiGLU's down projection at a healthy scale (moe_tiny, O1)
+        (0.002, 0.0018, ("clip at the format max",)),
+        (0.0, 0.014, ("flush to zero",)),  # fp8.margin=4: scales 16x too small
+        (float("nan"), float("nan"), ("clip at the format max", "flush to zero")),
+    ],
+)
+def test_health_warns_past_each_kinds_share(tmp_path, caplog, saturated, flushed, warned):
+    """Clipping warns past 0.1%, flushing past 1%: the flush share of SwiGLU's product at a
+    healthy scale stays quiet, a scale 16x too small does not, and NaN always warns."""
+    caplog.set_level(logging.WARNING)
+    log = metrics_lib.RunLog(str(tmp_path), num_steps=1, tokens_per_step=1, step=0)
+    try:
+        log.fp8(
+            1,
+            {},
+            {
+                "fp8_max_saturated": saturated,
+                "fp8_max_saturated_at": "blocks/mlp/wi/x_saturated_0",
+                "fp8_max_flushed": flushed,
+                "fp8_max_flushed_at": "blocks/mlp/experts_wo/x_flushed_0",
+            },
+        )
+    finally:
+        log.close()
+    said = tuple(k for k in ("clip at the format max", "flush to zero") if k in caplog.text)
+    assert said == warned, caplog.text
+
+
 def test_health_summary_reports_saturation_of_a_bad_margin(corpus, tmp_path, caplog):
     """``fp8.margin=-4`` makes every scale 16x too large: the summary must show it.
 
@@ -131,8 +162,11 @@ def test_rerun_of_finished_run_keeps_summary_and_resume_notes_schedule(corpus, t
     # A healthy run: its worst share stays under the warning threshold, and nothing warns.
     health = [r for r in records(tmp_path) if "fp8_max_saturated" in r]
     assert len(health) == 3, health
-    assert all(r["fp8_max_saturated"] <= metrics_lib.HEALTH_WARN_SHARE for r in health), health
+    for kind in ("saturated", "flushed"):
+        limit = metrics_lib.HEALTH_WARN_SHARE[kind]
+        assert all(r[f"fp8_max_{kind}"] <= limit for r in health), health
     assert "clip at the format max" not in caplog.text
+    assert "flush to zero" not in caplog.text
     # The rerun reads no array (its step is checked from the metadata), and a config of
     # another model is still refused, leaving the work dir as it was.
     from fp8jax import errors

@@ -6,6 +6,7 @@ from fp8jax.nn.linen import (
     Einsum,
     Fp8DotGeneral,
     Fp8Einsum,
+    Fp8RaggedDot,
     fp8_dot_general_cls,
     fp8_einsum,
     fp8_scan,
@@ -21,6 +22,7 @@ from fp8jax.nn.state import (
     update_state,
 )
 from fp8jax.ops.dot import dot_general
+from fp8jax.ops.grouped import ragged_dot
 from fp8jax.ops.scaling import Fp8Meta, ScaleState, init_meta, make_recipe
 from fp8jax.optim.adam import fp8_adamw
 from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, RowwiseScaling
@@ -50,6 +52,7 @@ __all__ = [
     "Fp8DotGeneral",
     "Fp8Einsum",
     "Fp8Meta",
+    "Fp8RaggedDot",
     "Recipe",
     "RowwiseScaling",
     "ScaleState",
@@ -66,6 +69,7 @@ __all__ = [
     "make_recipe",
     "merge_grads",
     "nnx",
+    "ragged_dot",
     "summarize",
     "train_and_evaluate",
     "update_state",

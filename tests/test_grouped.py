@@ -1,4 +1,5 @@
-"""The grouped GEMM of expert layers (``ops.grouped``, ``nn.grouped.GroupedLinear``).
+"""The grouped GEMM of expert layers (``fp8jax.ragged_dot``, ``ops.grouped``, the linen and NNX
+``Fp8RaggedDot`` and ``nn.grouped.GroupedLinear``).
 
 O0 against a per-group loop; under every registered recipe, the FP8 forward, dgrad and wgrad
 against per-group products of operands quantized here independently (numpy and ml_dtypes, with
@@ -69,8 +70,8 @@ def _valid(a: np.ndarray) -> np.ndarray:
 def _step(x, w, gs, g, meta):
     """y, the meta after the forward, dx, dw and the meta's cotangent (dy's amax): one program."""
 
-    def f(x, w, meta):
-        return grouped.grouped_matmul(x, w, gs, meta.x.recipe, meta)
+    def f(x, w, meta):  # the public FP8 ragged_dot: the GEMMs of meta's recipe
+        return fp8jax.ragged_dot(x, w, gs, meta)
 
     (y, new_meta), vjp = jax.vjp(f, x, w, meta)
     dx, dw, dmeta = vjp((g, jax.tree.map(jnp.zeros_like, new_meta)))
@@ -439,6 +440,100 @@ def test_grouped_linear_params_state_and_dtypes():
     assert new.w.amax_history[0] == float(jnp.max(jnp.abs(variables["params"]["kernel"])))
     with pytest.raises(ValueError, match="one logical name"):
         GroupedLinear(G, K, (2, 8), names=("expert", "embed")).init(jax.random.key(0), x, gs)
+
+
+def _assert_quantized_products(meta, got, x, w, g) -> None:
+    """y (and dx, dw where given) within f32 accumulation of the per-group products of the
+    operands quantized under ``meta``'s scales (``_operands``)."""
+    exact, bound = _products(_operands(meta, x, w, g))
+    for a, ref, ab, k in zip(got, exact, bound, (K, N, M), strict=False):
+        err = np.abs(np.asarray(a, np.float64) - ref)
+        assert np.all(err <= (k + 4) * EPS32 * ab + 1e-30), np.max(err - (k + 4) * EPS32 * ab)
+
+
+def test_linen_fp8_ragged_dot_keeps_its_state_and_sows_the_grouped_rows_health():
+    """``fp8jax.Fp8RaggedDot`` in a linen module: its meta in ``fp8_state`` (fresh at init), the
+    quantized products, x's amax and health over the grouped rows only (the padding rows'
+    1e4 would clip at a scale of 1), dy's amax as the collection's gradient."""
+    x, w, g, gs = _inputs()
+
+    class Experts(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            kernel = self.param("kernel", lambda _: jnp.asarray(w))
+            return fp8jax.Fp8RaggedDot(_recipe("delayed"))(x, kernel, gs)
+
+    model = Experts()
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    meta = variables[fp8jax.FP8]["Fp8RaggedDot_0"]["meta"]
+    assert np.all(meta.x.amax_history == 0) and float(meta.x.scale) == 1.0
+
+    @jax.jit
+    def step(params, state):
+        def f(params, state, x):
+            return model.apply(
+                {"params": params, fp8jax.FP8: state},
+                x,
+                mutable=[fp8jax.FP8, fp8jax.FP8_STATS],
+            )
+
+        (y, mutated), vjp = jax.vjp(f, params, state, x)
+        zeros = jax.tree.map(jnp.zeros_like, mutated)
+        d_params, d_state, dx = vjp((jnp.asarray(g), zeros))
+        return y, mutated, d_params, d_state, dx
+
+    y, mutated, d_params, d_state, dx = jax.device_get(
+        step(variables["params"], variables[fp8jax.FP8])
+    )
+    _assert_quantized_products(meta, (y, dx, d_params["kernel"]), x, w, g)
+    new = mutated[fp8jax.FP8]["Fp8RaggedDot_0"]["meta"]
+    assert new.x.amax_history[0] == np.abs(_valid(x)).max()
+    assert new.w.amax_history[0] == np.abs(w).max()
+    assert d_state["Fp8RaggedDot_0"]["meta"].dy.amax_history[0] == np.abs(_valid(g)).max()
+    stats = mutated[fp8jax.FP8_STATS]["Fp8RaggedDot_0"]
+    assert float(stats["x_saturated"][0]) == 0.0  # max |x| of the grouped rows is 20 < 448
+    assert float(stats["w_saturated"][0]) == 0.0
+
+
+def test_nnx_fp8_ragged_dot_trains_with_the_nnx_helpers():
+    """``fp8jax.nnx.Fp8RaggedDot`` in an NNX module: the quantized products, and one step of
+    ``diff_state`` / ``split_grads`` / ``update_fp8_state`` commits x's, w's and dy's amaxes."""
+    from flax import nnx
+
+    x, w, g, gs = _inputs()
+
+    class Experts(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.asarray(w))
+            self.ragged_dot = fp8jax.nnx.Fp8RaggedDot(_recipe("delayed"))
+
+        def __call__(self, x):
+            return self.ragged_dot(x, self.kernel[...], gs)
+
+    model = Experts()
+    meta = model.ragged_dot.meta.get_value()
+
+    @nnx.jit
+    def step(model):
+        def loss(model):
+            y = model(jnp.asarray(x))
+            return jnp.sum(y * jnp.asarray(g)), y  # dL/dy = g
+
+        (_, y), grads = nnx.value_and_grad(loss, argnums=fp8jax.nnx.diff_state(), has_aux=True)(
+            model
+        )
+        param_grads, fp8_grads = fp8jax.nnx.split_grads(grads)
+        fp8jax.nnx.update_fp8_state(model, fp8_grads)
+        return y, param_grads
+
+    y, param_grads = jax.device_get(step(model))
+    _assert_quantized_products(meta, (y,), x, w, g)
+    exact_dw = _products(_operands(meta, x, w, g))[0][2]
+    np.testing.assert_allclose(param_grads["kernel"][...], exact_dw, rtol=1e-5, atol=1e-5)
+    state = model.ragged_dot.meta.get_value()
+    for s, a in ((state.x, _valid(x)), (state.w, w), (state.dy, _valid(g))):
+        assert s.amax_history[1] == np.abs(a).max() and s.amax_history[0] == 0
+        assert float(s.scale) == f32_div(formats.fmax(s.fmt), np.abs(a).max())
 
 
 def test_bad_operands_are_one_line_with_the_fix():

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fp8jax.nn.state import FP8, FP8_STATS, FP8_WEIGHTS
-from fp8jax.ops import activations, dot, kernels, scaling
+from fp8jax.ops import activations, dot, grouped, kernels, scaling
 from fp8jax.ops.dot import einsum_dimension_numbers, fp8_einsum  # noqa: F401 (re-exported)
 from fp8jax.recipes import DelayedScaling
 
@@ -26,6 +26,7 @@ __all__ = [
     "Fp8DotGeneral",
     "Fp8Einsum",
     "Fp8Meta",
+    "Fp8RaggedDot",
     "fp8_dot_general_cls",
     "fp8_einsum",
     "fp8_scan",
@@ -141,6 +142,29 @@ class Fp8DotGeneral(_Fp8Op):
             ),
             lambda rhs: dot.plain_dot_general(
                 lhs, rhs, dimension_numbers, preferred_element_type or self.out_dtype
+            ),
+        )
+
+
+class Fp8RaggedDot(_Fp8Op):
+    """FP8 ``jax.lax.ragged_dot`` for expert layers: ``(lhs [M, K], rhs [G, K, N], group_sizes
+    [G]) -> [M, N]``, rows sorted by group; its state in the ``fp8_state`` collection."""
+
+    @nn.compact
+    def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
+        grouped.check_shapes(lhs, rhs, group_sizes)
+        # Health stats of the grouped rows only: rows past sum(group_sizes) enter no GEMM.
+        return self._with_meta(
+            grouped.valid_rows(lhs, group_sizes),
+            rhs,
+            lambda meta, rhs: grouped.ragged_dot(
+                lhs, rhs, group_sizes, meta, preferred_element_type
+            ),
+            lambda rhs: grouped.plain_ragged_dot(
+                lhs,
+                rhs,
+                group_sizes,
+                preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype),
             ),
         )
 

@@ -1,4 +1,5 @@
-"""Flax NNX integration: ``nnx.Linear(..., dot_general=Fp8DotGeneral())`` and FP8 ``nnx.Einsum``.
+"""Flax NNX integration: ``nnx.Linear(..., dot_general=Fp8DotGeneral())``, FP8 ``nnx.Einsum`` and
+FP8 ``ragged_dot`` (``Fp8RaggedDot``) for expert layers.
 
 Each FP8 matmul keeps its ``Fp8Meta`` in an ``Fp8State`` variable and writes the updated meta
 back on every call, so repeated uses of one module chain and the amax merges by max. The
@@ -20,12 +21,13 @@ from __future__ import annotations
 from flax import nnx
 
 from fp8jax.nn import state
-from fp8jax.ops import activations, dot, kernels, scaling
+from fp8jax.ops import activations, dot, grouped, kernels, scaling
 from fp8jax.recipes import DelayedScaling
 
 __all__ = [
     "Fp8DotGeneral",
     "Fp8Einsum",
+    "Fp8RaggedDot",
     "Fp8State",
     "commit_fp8_state",
     "diff_state",
@@ -96,6 +98,18 @@ class Fp8Einsum(_Fp8Op):
         meta = self.meta.get_value()
         out, new_meta = dot.fp8_einsum(
             eq, lhs, rhs, meta, preferred_element_type, self.cast_kernel, self.prologue
+        )
+        self._write(new_meta)
+        return out
+
+
+class Fp8RaggedDot(_Fp8Op):
+    """FP8 ``jax.lax.ragged_dot`` for expert layers: call it where the model would call
+    ``ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])``, rows sorted by group."""
+
+    def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
+        out, new_meta = grouped.ragged_dot(
+            lhs, rhs, group_sizes, self.meta.get_value(), preferred_element_type
         )
         self._write(new_meta)
         return out

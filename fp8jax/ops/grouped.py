@@ -63,6 +63,7 @@ __all__ = [
     "padded_kernel",
     "padded_reference",
     "padded_sizes",
+    "plain_ragged_dot",
     "ragged_dot",
     "tensor_grouped_forward",
     "tensor_grouped_matmul",
@@ -83,7 +84,9 @@ _DIMS = {  # (contracting dims, lhs ragged dims, rhs group dims) of lax.ragged_d
 }
 
 
-def ragged_dot(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype):
+def plain_ragged_dot(
+    x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype
+) -> jax.Array:
     """The O0 GEMM accumulating in f32, the result in ``out_dtype``: JAX's Mosaic GPU
     ragged-dot kernels for bf16 on a Hopper GPU, ``jax.lax.ragged_dot`` elsewhere."""
     if grouped_mgpu.bf16_takes(x_MxK, w_GxKxN):
@@ -460,7 +463,7 @@ def grouped_matmul(
 ) -> tuple[jax.Array, Fp8Meta | None]:
     """``(y [M, N], meta with this call's amaxes)``: each group's rows times its weight.
 
-    ``recipe`` None is level O0 (``ragged_dot``, ``meta`` returned as given); otherwise the
+    ``recipe`` None is level O0 (``plain_ragged_dot``, ``meta`` returned as given); otherwise the
     recipe's FP8 grouped GEMM under ``meta`` (``Recipe.grouped_matmul``). ``out_dtype``
     defaults to the operands' common dtype. ``w_split_axis``: the mesh axis (bound here) whose
     shards hold the other groups of the stack ``w`` is part of (``GemmConfig.w_split_axis``).
@@ -481,13 +484,38 @@ def grouped_matmul(
     with jax.named_scope(SCOPE):
         if recipe is None or 0 in (m, k, *w_GxKxN.shape):
             # O0; or nothing to quantize (an empty tensor's amax is 0: the state stays as it is).
-            return ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
+            return plain_ragged_dot(x_MxK, w_GxKxN, group_sizes_G, out_dtype), meta
         dot.check_operand("x", x_MxK)
         dot.check_operand("w", w_GxKxN)
         with jax.named_scope(f"fp8_{recipe.name}"):
             return recipe.grouped_matmul(
                 x_MxK, w_GxKxN, group_sizes_G, meta, out_dtype, w_split_axis, layout
             )
+
+
+def ragged_dot(
+    lhs_MxK: jax.Array,
+    rhs_GxKxN: jax.Array,
+    group_sizes_G: jax.Array,
+    meta: Fp8Meta,
+    preferred_element_type=None,
+) -> tuple[jax.Array, Fp8Meta]:
+    """FP8 ``lax.ragged_dot``: returns the result and the meta with this call's amax recorded.
+
+    lhs [M, K] holds the groups' rows back to back, sorted by group (``group_sizes`` [G] rows
+    each; rows past their sum give 0), rhs [G, K, N] the groups' weights. The GEMMs run as
+    ``meta``'s recipe says (``meta.x.recipe``; E4M3 x and w, dy in the recipe's ``dy_format``
+    in the backward pass), and dy's amax comes back as ``meta``'s cotangent, as
+    ``fp8jax.dot_general``'s does: fold it in with ``fp8jax.update_state``.
+    """
+    return grouped_matmul(
+        lhs_MxK,
+        rhs_GxKxN,
+        group_sizes_G,
+        meta.x.recipe,
+        meta,
+        out_dtype=preferred_element_type,
+    )
 
 
 def dispatch_layout(

@@ -544,6 +544,12 @@ def test_bad_operands_are_one_line_with_the_fix():
         grouped.grouped_matmul(x[None], w, gs, None, None)
     with pytest.raises(TypeError, match="int32"):
         grouped.grouped_matmul(x, w, gs.astype(np.float32), None, None)
+    # The public faces name themselves.
+    meta = fp8jax.init_meta()
+    with pytest.raises(TypeError, match=r"^fp8jax\.ragged_dot: group_sizes .* pass int32"):
+        fp8jax.ragged_dot(x, w, gs.astype(np.float32), meta)
+    with pytest.raises(ValueError, match=r"^fp8jax\.Fp8RaggedDot: .* disagree on K or G"):
+        fp8jax.Fp8RaggedDot().init(jax.random.key(0), x[:, :8], w, gs)
 
     class NoGrouped(scaling.RECIPES["delayed"]):  # a recipe without a grouped GEMM
         grouped_matmul = scaling.Recipe.grouped_matmul

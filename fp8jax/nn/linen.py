@@ -152,7 +152,7 @@ class Fp8RaggedDot(_Fp8Op):
 
     @nn.compact
     def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
-        grouped.check_shapes(lhs, rhs, group_sizes)
+        grouped.check_shapes(lhs, rhs, group_sizes, "fp8jax.Fp8RaggedDot")
         # Health stats of the grouped rows only: rows past sum(group_sizes) enter no GEMM.
         return self._with_meta(
             grouped.valid_rows(lhs, group_sizes),

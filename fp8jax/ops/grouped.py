@@ -169,23 +169,29 @@ def padded_gemm(kind: str, a, b, lay: grouped_mgpu.Layout, inv_scale, out_dtype)
     )
 
 
-def check_shapes(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> None:
-    """Reject operands that do not form one grouped GEMM, naming the shapes and the fix."""
+def check_shapes(
+    x_MxK: jax.Array,
+    w_GxKxN: jax.Array,
+    group_sizes_G: jax.Array,
+    caller: str = "fp8jax.grouped_matmul",
+) -> None:
+    """Reject operands that do not form one grouped GEMM, naming ``caller``, the shapes and
+    the fix."""
     if x_MxK.ndim != 2 or w_GxKxN.ndim != 3 or group_sizes_G.ndim != 1:
         raise ValueError(
-            f"fp8jax.grouped_matmul: x {tuple(x_MxK.shape)}, w {tuple(w_GxKxN.shape)} and "
+            f"{caller}: x {tuple(x_MxK.shape)}, w {tuple(w_GxKxN.shape)} and "
             f"group_sizes {tuple(group_sizes_G.shape)} must be [M, K], [G, K, N] and [G]: "
             f"flatten the tokens and stack the groups' weights"
         )
     if x_MxK.shape[1] != w_GxKxN.shape[1] or w_GxKxN.shape[0] != group_sizes_G.shape[0]:
         raise ValueError(
-            f"fp8jax.grouped_matmul: x {tuple(x_MxK.shape)}, w {tuple(w_GxKxN.shape)} and "
+            f"{caller}: x {tuple(x_MxK.shape)}, w {tuple(w_GxKxN.shape)} and "
             f"group_sizes {tuple(group_sizes_G.shape)} disagree on K or G: pass x [M, K], "
             f"w [G, K, N] and one size per group"
         )
     if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
         raise TypeError(
-            f"fp8jax.grouped_matmul: group_sizes has dtype {group_sizes_G.dtype}; pass int32 "
+            f"{caller}: group_sizes has dtype {group_sizes_G.dtype}; pass int32 "
             f"counts (group_sizes.astype(jnp.int32))"
         )
 
@@ -508,6 +514,7 @@ def ragged_dot(
     in the backward pass), and dy's amax comes back as ``meta``'s cotangent, as
     ``fp8jax.dot_general``'s does: fold it in with ``fp8jax.update_state``.
     """
+    check_shapes(lhs_MxK, rhs_GxKxN, group_sizes_G, "fp8jax.ragged_dot")
     return grouped_matmul(
         lhs_MxK,
         rhs_GxKxN,

@@ -508,7 +508,8 @@ def test_nnx_fp8_ragged_dot_trains_with_the_nnx_helpers():
             self.ragged_dot = fp8jax.nnx.Fp8RaggedDot(_recipe("delayed"))
 
         def __call__(self, x):
-            return self.ragged_dot(x, self.kernel[...], gs)
+            # As a drop-in for jax.lax.ragged_dot: its precision argument is taken (and moot).
+            return self.ragged_dot(x, self.kernel[...], gs, precision=jax.lax.Precision.HIGHEST)
 
     model = Experts()
     meta = model.ragged_dot.meta.get_value()
@@ -550,6 +551,11 @@ def test_bad_operands_are_one_line_with_the_fix():
         fp8jax.ragged_dot(x, w, gs.astype(np.float32), meta)
     with pytest.raises(ValueError, match=r"^fp8jax\.Fp8RaggedDot: .* disagree on K or G"):
         fp8jax.Fp8RaggedDot().init(jax.random.key(0), x[:, :8], w, gs)
+    offset = jnp.zeros((1,), jnp.int32)  # jax.lax.ragged_dot's, for a shard of the groups
+    with pytest.raises(ValueError, match=r"^fp8jax\.Fp8RaggedDot: group_offset is not supp"):
+        fp8jax.Fp8RaggedDot().init(jax.random.key(0), x, w, gs, group_offset=offset)
+    with pytest.raises(ValueError, match=r"^fp8jax\.nnx\.Fp8RaggedDot: group_offset is not"):
+        fp8jax.nnx.Fp8RaggedDot()(x, w, gs, group_offset=offset)
 
     class NoGrouped(scaling.RECIPES["delayed"]):  # a recipe without a grouped GEMM
         grouped_matmul = scaling.Recipe.grouped_matmul

@@ -151,8 +151,11 @@ class Fp8RaggedDot(_Fp8Op):
     [G]) -> [M, N]``, rows sorted by group; its state in the ``fp8_state`` collection."""
 
     @nn.compact
-    def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
-        grouped.check_shapes(lhs, rhs, group_sizes, "fp8jax.Fp8RaggedDot")
+    def __call__(
+        self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None
+    ):
+        del precision  # FP8 GEMMs have one precision
+        grouped.check_ragged_call(lhs, rhs, group_sizes, group_offset, "fp8jax.Fp8RaggedDot")
         # Health stats of the grouped rows only: rows past sum(group_sizes) enter no GEMM.
         return self._with_meta(
             grouped.valid_rows(lhs, group_sizes),

@@ -107,7 +107,11 @@ class Fp8RaggedDot(_Fp8Op):
     """FP8 ``jax.lax.ragged_dot`` for expert layers: call it where the model would call
     ``ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])``, rows sorted by group."""
 
-    def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
+    def __call__(
+        self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None
+    ):
+        del precision  # FP8 GEMMs have one precision
+        grouped.check_ragged_call(lhs, rhs, group_sizes, group_offset, "fp8jax.nnx.Fp8RaggedDot")
         out, new_meta = grouped.ragged_dot(
             lhs, rhs, group_sizes, self.meta.get_value(), preferred_element_type
         )

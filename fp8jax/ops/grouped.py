@@ -51,6 +51,7 @@ __all__ = [
     "GEMMS",
     "SCOPE",
     "WGRAD",
+    "check_ragged_call",
     "check_shapes",
     "decode_copy",
     "dispatch_layout",
@@ -194,6 +195,19 @@ def check_shapes(
             f"{caller}: group_sizes has dtype {group_sizes_G.dtype}; pass int32 "
             f"counts (group_sizes.astype(jnp.int32))"
         )
+
+
+def check_ragged_call(
+    lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes_G: jax.Array, group_offset, caller: str
+) -> None:
+    """``check_shapes`` for a drop-in of ``jax.lax.ragged_dot``, which also refuses its
+    ``group_offset`` (rows of a shard's groups within a larger stack) with the fix."""
+    if group_offset is not None:
+        raise ValueError(
+            f"{caller}: group_offset is not supported; pass the groups this call multiplies "
+            f"(rhs [G, K, N] and their group_sizes [G]) without an offset"
+        )
+    check_shapes(lhs_MxK, rhs_GxKxN, group_sizes_G, caller)
 
 
 def meta_cotangent(meta: Fp8Meta, ct_meta: Fp8Meta, amax_g) -> Fp8Meta:

@@ -163,12 +163,9 @@ class Fp8RaggedDot(_Fp8Op):
             lambda meta, rhs: grouped.ragged_dot(
                 lhs, rhs, group_sizes, meta, preferred_element_type
             ),
-            lambda rhs: grouped.plain_ragged_dot(
-                lhs,
-                rhs,
-                group_sizes,
-                preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype),
-            ),
+            lambda rhs: grouped.grouped_matmul(
+                lhs, rhs, group_sizes, None, None, out_dtype=preferred_element_type
+            )[0],
         )
 
 
